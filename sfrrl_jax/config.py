@@ -1,0 +1,186 @@
+"""Model configuration: one frozen dataclass and the presets of the families we support.
+
+The presets carry the published shapes of the real checkpoints (their HF `config.json`s), so a
+memory plan or a mesh choice made on a preset holds for the real model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Sequence
+
+Family = Literal["qwen3_moe", "gpt_oss", "mixtral"]
+RouterKind = Literal["softmax_topk", "topk_softmax"]
+ExpertAct = Literal["swiglu", "gptoss_swiglu"]
+LayerType = Literal["full", "sliding"]
+Dispatch = Literal["padded", "ragged"]
+Remat = Literal["none", "full", "dots", "dots_no_batch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and variants of a decoder-only MoE transformer.
+
+    Every layer is attention + MoE. Per-layer attention kind comes from `layer_types`
+    ('sliding' layers attend to the last `sliding_window` positions; 'full' to all).
+    """
+
+    name: str = "custom"
+    family: Family = "qwen3_moe"
+    vocab_size: int = 512
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    d_ff_expert: int = 64
+    n_experts: int = 8
+    top_k: int = 2
+    # Routing: 'softmax_topk' = softmax over all experts then top-k (Qwen3-MoE), optionally
+    # renormalised; 'topk_softmax' = top-k logits then softmax over those k (Mixtral, GPT-OSS).
+    router: RouterKind = "softmax_topk"
+    norm_topk_prob: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_act: ExpertAct = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    qk_norm: bool = False
+    attention_bias: bool = False
+    attn_sinks: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[LayerType, ...] | None = None  # None: all 'full'
+    rope_theta: float = 10000.0
+    # YaRN rope scaling (GPT-OSS); rope_type 'default' ignores the rest.
+    rope_type: Literal["default", "yarn"] = "default"
+    rope_factor: float = 1.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_original_max_len: int = 4096
+    rope_truncate: bool = True
+    rms_eps: float = 1e-6
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: Remat = "none"
+    moe_dispatch: Dispatch = "padded"
+    router_aux_coef: float = 0.0
+    router_z_coef: float = 0.0
+
+    def __post_init__(self):
+        pos = lambda k: getattr(self, k) > 0
+        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                  "d_ff_expert", "n_experts", "top_k", "max_seq_len"):
+            if not pos(k):
+                raise ValueError(f"ModelConfig.{k} must be > 0, got {getattr(self, k)!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.top_k > self.n_experts:
+            raise ValueError(f"ModelConfig.top_k={self.top_k} > n_experts={self.n_experts}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.n_layers:
+                raise ValueError(
+                    f"ModelConfig.layer_types has {len(self.layer_types)} entries, n_layers={self.n_layers}"
+                )
+            bad = set(self.layer_types) - {"full", "sliding"}
+            if bad:
+                raise ValueError(f"ModelConfig.layer_types: unknown kinds {sorted(bad)}; use 'full'/'sliding'")
+            if "sliding" in self.layer_types and not self.sliding_window:
+                raise ValueError("ModelConfig.layer_types has 'sliding' layers but sliding_window is unset")
+        for k, allowed in (("router", RouterKind), ("expert_act", ExpertAct), ("moe_dispatch", Dispatch),
+                           ("remat", Remat), ("family", Family)):
+            if getattr(self, k) not in allowed.__args__:
+                raise ValueError(f"ModelConfig.{k}={getattr(self, k)!r}; valid: {list(allowed.__args__)}")
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per-layer attention window (0 = unlimited)."""
+        types = self.layer_types or ("full",) * self.n_layers
+        return tuple(self.sliding_window if t == "sliding" else 0 for t in types)
+
+    def replace(self, **overrides) -> "ModelConfig":
+        return _replace_checked(self, overrides)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
+        """A named preset, optionally with fields overridden (unknown names list the valid ones)."""
+        if name not in PRESETS:
+            raise KeyError(f"unknown ModelConfig preset {name!r}; valid presets: {sorted(PRESETS)}")
+        return _replace_checked(PRESETS[name], overrides)
+
+    def param_count(self) -> int:
+        """Total parameters (all experts), for sizing."""
+        d, h, k, hd, e, f = (self.d_model, self.n_heads, self.n_kv_heads, self.head_dim,
+                             self.n_experts, self.d_ff_expert)
+        attn = d * hd * (h + 2 * k) + h * hd * d
+        if self.attention_bias:
+            attn += hd * (h + 2 * k) + d
+        attn += 2 * hd * self.qk_norm + h * self.attn_sinks
+        moe = d * e + e * 3 * d * f + (e if self.router_bias else 0)
+        if self.expert_bias:
+            moe += e * (2 * f + d)
+        layer = attn + moe + 2 * d
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.n_layers * layer + d + head
+
+
+def _replace_checked(cfg: ModelConfig, overrides: dict) -> ModelConfig:
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"unknown ModelConfig field(s) {unknown}; valid fields: {sorted(fields)}")
+    return dataclasses.replace(cfg, **overrides)
+
+
+def _alternating(n: int, first: LayerType = "sliding") -> Sequence[LayerType]:
+    other = "full" if first == "sliding" else "sliding"
+    return tuple(first if i % 2 == 0 else other for i in range(n))
+
+
+_GPT_OSS_COMMON = dict(
+    family="gpt_oss", vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
+    d_ff_expert=2880, top_k=4, router="topk_softmax", norm_topk_prob=True, router_bias=True,
+    expert_bias=True, expert_act="gptoss_swiglu", swiglu_limit=7.0, attention_bias=True,
+    attn_sinks=True, sliding_window=128, rope_theta=150000.0, rope_type="yarn", rope_factor=32.0,
+    rope_beta_fast=32.0, rope_beta_slow=1.0, rope_original_max_len=4096, rope_truncate=False,
+    rms_eps=1e-5, max_seq_len=131072, tie_embeddings=False, param_dtype="bfloat16",
+    compute_dtype="bfloat16", router_aux_coef=0.9,
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Small enough for CPU tests and the quickstart; exercises GQA, qk-norm and 8 experts.
+    "tiny-moe": ModelConfig(
+        name="tiny-moe", family="qwen3_moe", vocab_size=512, d_model=64, n_layers=2, n_heads=4,
+        n_kv_heads=2, head_dim=16, d_ff_expert=64, n_experts=8, top_k=2, qk_norm=True,
+        rope_theta=10000.0, max_seq_len=1024,
+    ),
+    # Qwen/Qwen3-30B-A3B config.json
+    "qwen3-moe-30b-a3b": ModelConfig(
+        name="qwen3-moe-30b-a3b", family="qwen3_moe", vocab_size=151936, d_model=2048,
+        n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, d_ff_expert=768, n_experts=128,
+        top_k=8, router="softmax_topk", norm_topk_prob=True, qk_norm=True, rope_theta=1e6,
+        rms_eps=1e-6, max_seq_len=40960, tie_embeddings=False, param_dtype="bfloat16",
+        compute_dtype="bfloat16", router_aux_coef=0.001,
+    ),
+    # openai/gpt-oss-20b config.json
+    "gpt-oss-20b": ModelConfig(
+        name="gpt-oss-20b", n_layers=24, n_experts=32, layer_types=_alternating(24), **_GPT_OSS_COMMON
+    ),
+    # openai/gpt-oss-120b config.json
+    "gpt-oss-120b": ModelConfig(
+        name="gpt-oss-120b", n_layers=36, n_experts=128, layer_types=_alternating(36), **_GPT_OSS_COMMON
+    ),
+    # mistralai/Mixtral-8x7B-v0.1 config.json
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b", family="mixtral", vocab_size=32000, d_model=4096, n_layers=32,
+        n_heads=32, n_kv_heads=8, head_dim=128, d_ff_expert=14336, n_experts=8, top_k=2,
+        router="topk_softmax", rope_theta=1e6, rms_eps=1e-5, max_seq_len=32768,
+        tie_embeddings=False, param_dtype="bfloat16", compute_dtype="bfloat16",
+        router_aux_coef=0.02,
+    ),
+}

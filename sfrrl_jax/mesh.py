@@ -1,0 +1,145 @@
+"""The one device mesh and the one table that maps logical axis names to its axes.
+
+Every parameter and every annotated activation names its dimensions with *logical* names
+(`embed`, `heads`, `experts`, ...). `LOGICAL_AXIS_RULES` is the only place that says which mesh
+axis each logical name is sharded over; nothing else in the library names mesh axes for params.
+
+Mesh axes:
+  data    -- replicas of the params; the batch is split over it.
+  expert  -- experts are split over it (expert parallelism); outside the MoE layer it acts as a
+             further batch axis, so no device holds idle replicas of the attention work.
+  tensor  -- dense weights (heads, mlp hidden, vocab) may be split over it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "expert", "tensor")
+
+# Logical name -> mesh axis (or tuple of mesh axes, or None = replicated). One table.
+LOGICAL_AXIS_RULES: Mapping[str, Any] = {
+    "batch": ("data", "expert"),
+    "seq": None,
+    "layers": None,
+    "embed": None,
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "experts": "expert",
+    "experts_router": None,  # router logits are computed for all experts on every token shard
+    "slots": ("data", "expert"),
+    "cache_len": None,
+}
+
+
+def make_mesh(
+    data: int = 1,
+    expert: int = 1,
+    tensor: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Builds the single mesh `(data, expert, tensor)` over all (or the given) devices.
+
+    Axis types are `Auto`: XLA propagates shardings through the dense parts, and the MoE layer
+    enters `shard_map` explicitly. The product of the sizes must equal the device count.
+    """
+    sizes = {"data": data, "expert": expert, "tensor": tensor}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"make_mesh: axis {name!r} must be a positive int, got {size!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    product = math.prod(sizes.values())
+    if product != len(devices):
+        raise ValueError(
+            f"make_mesh: data={data} x expert={expert} x tensor={tensor} = {product} devices, "
+            f"but {len(devices)} devices are available ({devices[0].platform}); "
+            "the product of the axis sizes must equal the device count"
+        )
+    # Keep process-local devices contiguous on the leading axes (multi-host: `data` crosses hosts,
+    # `expert`/`tensor` stay within a host where possible).
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    arr = np.asarray(devices, dtype=object).reshape(data, expert, tensor)
+    return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Mapping[str, Any] | None = None) -> P:
+    """Maps a tuple of logical names, one per dimension, to a `PartitionSpec` via the rules table.
+
+    A mesh axis is used at most once per spec: a later dimension that maps to an axis already used
+    stays replicated on it (e.g. `slots` and `batch` both want `data`).
+    """
+    rules = LOGICAL_AXIS_RULES if rules is None else rules
+    used: set[str] = set()
+    out = []
+    for name in logical_axes:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise KeyError(
+                f"logical axis {name!r} has no rule; known logical axes: {sorted(rules)}"
+            )
+        target = rules[name]
+        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
+    return P(*out)
+
+
+def _fit_spec_to_shape(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+    """Drops mesh axes from dimensions they don't divide (e.g. 2 kv heads over tensor=4)."""
+    fitted = []
+    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        if entry is None:
+            fitted.append(None)
+            continue
+        axes = (entry,) if isinstance(entry, str) else tuple(entry)
+        keep = []
+        for a in axes:
+            if dim % (math.prod(mesh.shape[k] for k in keep) * mesh.shape[a]) == 0:
+                keep.append(a)
+        fitted.append(None if not keep else (keep[0] if len(keep) == 1 else tuple(keep)))
+    return P(*fitted)
+
+
+def sharding_for(
+    mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None
+) -> NamedSharding:
+    """`NamedSharding` for an array with these logical dims (fitted to `shape` if given)."""
+    spec = logical_to_spec(logical_axes)
+    if shape is not None:
+        spec = _fit_spec_to_shape(spec, shape, mesh)
+    return NamedSharding(mesh, spec)
+
+
+def shard_by_logical(tree: Any, logical_tree: Any, mesh: Mesh) -> Any:
+    """Places every leaf of `tree` with the sharding its logical names give (same structure).
+
+    `logical_tree` holds, for each leaf, a tuple of logical names (one per dim). Works for host
+    numpy arrays and for `jax.Array`s (which are resharded if needed).
+    """
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+    shardings = jax.tree.map(
+        lambda axes, leaf: sharding_for(mesh, axes, np.shape(leaf)), logical_tree, tree, is_leaf=is_axes
+    )
+    return jax.tree.map(jax.device_put, tree, shardings)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint on an activation by logical names, against the mesh in context.
+
+    Outside a mesh context (or on a single device) this is the identity.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    spec = _fit_spec_to_shape(logical_to_spec(logical_axes), x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,0 +1,6 @@
+"""Model definitions: layers, MoE, the transformer, and the public entry points."""
+from sfrrl_jax.models.api import forward, init_params, mesh_of, param_shardings
+from sfrrl_jax.models.transformer import forward_hidden, param_logical_axes, unembedding
+
+__all__ = ["forward", "init_params", "mesh_of", "param_shardings", "forward_hidden",
+           "param_logical_axes", "unembedding"]

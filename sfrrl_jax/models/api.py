@@ -1,0 +1,97 @@
+"""Public model entry points: `init_params` and `forward`.
+
+Both take and return the one sharded param pytree. `forward` checks its inputs on the host
+(shape, dtype, vocab range, length) before it enters the jitted computation, because a gather
+with an out-of-range index silently clamps inside XLA.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.mesh import sharding_for
+from sfrrl_jax.models import transformer as tfm
+
+
+def mesh_of(params) -> Mesh:
+    """The mesh the params live on (every leaf must share it)."""
+    leaf = jax.tree.leaves(params)[0]
+    sharding = leaf.sharding
+    if not hasattr(sharding, "mesh"):
+        raise ValueError(f"params are not on a named mesh (sharding {sharding}); use init_params/load_hf")
+    return sharding.mesh
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
+    """The `NamedSharding` of every param, from its logical axes and the one rules table."""
+    axes = tfm.param_logical_axes(cfg)
+    shapes = tfm.param_shapes(cfg)
+    return jax.tree.map(
+        lambda a, s: sharding_for(mesh, a, s.shape), axes, shapes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def check_mesh_fits(cfg: ModelConfig, mesh: Mesh) -> None:
+    n = mesh.shape.get("expert", 1)
+    if cfg.n_experts % n:
+        raise ValueError(
+            f"ModelConfig.n_experts={cfg.n_experts} is not divisible by the mesh's expert axis size {n}"
+        )
+
+
+def init_params(cfg: ModelConfig, mesh: Mesh, seed: int = 0) -> dict:
+    """Random params, created directly in their shardings (no full host copy ever exists).
+
+    Returns a nested dict of `jax.Array`; expert weights are sharded over the `expert` axis,
+    dense weights over `tensor` where their dims divide, replicated over `data`.
+    """
+    check_mesh_fits(cfg, mesh)
+    shardings = param_shardings(cfg, mesh)
+    init = jax.jit(functools.partial(tfm._init_pure, cfg), out_shardings=shardings)
+    with jax.set_mesh(mesh):
+        return init(jax.random.key(seed))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _forward_jit(cfg, params, tokens, segment_ids, positions):
+    return tfm.forward_with_aux(cfg, params, tokens, segment_ids, positions)
+
+
+def validate_tokens(cfg: ModelConfig, tokens, segment_ids=None, positions=None) -> None:
+    """Host-side checks with messages that name the offending input."""
+    shape = np.shape(tokens)
+    if len(shape) != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {shape}")
+    if not jnp.issubdtype(jnp.asarray(tokens).dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer ids, got dtype {jnp.asarray(tokens).dtype}")
+    if shape[1] > cfg.max_seq_len:
+        raise ValueError(f"tokens has seq length {shape[1]} > ModelConfig.max_seq_len={cfg.max_seq_len}")
+    lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+    if lo < 0 or hi >= cfg.vocab_size:
+        raise ValueError(
+            f"token ids must lie in [0, vocab_size={cfg.vocab_size}); found min {lo}, max {hi}"
+        )
+    for name, arr in (("segment_ids", segment_ids), ("positions", positions)):
+        if arr is not None and np.shape(arr) != shape:
+            raise ValueError(f"{name} shape {np.shape(arr)} != tokens shape {shape}")
+    if positions is not None and int(jnp.max(positions)) >= cfg.max_seq_len:
+        raise ValueError(f"positions reach {int(jnp.max(positions))} >= max_seq_len={cfg.max_seq_len}")
+
+
+def forward(cfg: ModelConfig, params, tokens, segment_ids=None, positions=None, return_aux=False):
+    """Logits [batch, seq, vocab] (fp32) of a packed batch; jitted once per shape.
+
+    segment_ids [batch, seq]: tokens attend only within their segment (0 = padding);
+    positions [batch, seq]: RoPE positions (default: restart at 0 in each segment).
+    With return_aux, also the router metrics ('router_aux_loss', 'router_z_loss', ...).
+    """
+    validate_tokens(cfg, tokens, segment_ids, positions)
+    with jax.set_mesh(mesh_of(params)):
+        logits, aux = _forward_jit(cfg, params, tokens, segment_ids, positions)
+    return (logits, aux) if return_aux else logits

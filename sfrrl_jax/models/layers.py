@@ -1,0 +1,198 @@
+"""Dense building blocks: RMSNorm, embedding, rotary embeddings (default and YaRN), attention.
+
+Every `nnx.Param` carries `logical_axes`, one logical name per dimension; `sfrrl_jax.mesh`
+turns those into shardings. Parameters are stored in `cfg.param_dtype` and cast to
+`cfg.compute_dtype` where used; norms, softmax and rotary phases run in fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.mesh import constrain
+
+
+def param(rngs: nnx.Rngs | None, init: str, shape, logical_axes, cfg: ModelConfig) -> nnx.Param:
+    """A parameter initialised as 'normal' (std cfg.init_std), 'ones' or 'zeros'."""
+    assert len(shape) == len(logical_axes), (shape, logical_axes)
+    dtype = jnp.dtype(cfg.param_dtype)
+    if init == "normal":
+        value = cfg.init_std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    elif init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    elif init == "zeros":
+        value = jnp.zeros(shape, jnp.float32)
+    else:
+        raise ValueError(f"unknown init {init!r}")
+    return nnx.Param(value.astype(dtype), logical_axes=tuple(logical_axes))
+
+
+def cdtype(cfg: ModelConfig):
+    return jnp.dtype(cfg.compute_dtype)
+
+
+class RMSNorm(nnx.Module):
+    """y = x / rms(x) * scale over the last dim (fp32 statistics, HF-compatible rounding)."""
+
+    def __init__(self, dim: int, cfg: ModelConfig, logical_axis: str | None = "embed", rngs=None):
+        self.eps = cfg.rms_eps
+        self.scale = param(None, "ones", (dim,), (logical_axis,), cfg)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        in_dtype = x.dtype
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(in_dtype) * x32.astype(in_dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding table [vocab, embed]."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.embedding = param(rngs, "normal", (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg)
+        self.cfg = cfg
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [batch, seq] int -> [batch, seq, embed] in compute dtype."""
+        table = self.embedding[...].astype(cdtype(self.cfg))
+        return jnp.take(table, tokens, axis=0)
+
+
+# -- rotary embeddings --------------------------------------------------------------------------
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[jax.Array, float]:
+    """Inverse frequencies [head_dim // 2] and the attention (cos/sin) scale for `cfg`'s RoPE."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    inv_freq = 1.0 / (base ** exponents)
+    if cfg.rope_type == "default":
+        return inv_freq, 1.0
+    # YaRN: interpolate low frequencies by `factor`, keep high ones, blend on a linear ramp
+    # between the dims that rotate beta_fast and beta_slow times over the original context.
+    factor = cfg.rope_factor
+    attention_scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    extrapolation_weight = 1.0 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
+    return inv_freq, attention_scale
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Rotates halves of the head dim. x [batch, seq, heads, head_dim]; positions [batch, seq]."""
+    inv_freq, scale = rope_inv_freq(cfg)
+    phase = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, s, hd/2]
+    cos = (jnp.cos(phase) * scale)[:, :, None, :]
+    sin = (jnp.sin(phase) * scale)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# -- attention ----------------------------------------------------------------------------------
+
+def attention_mask(q_pos, k_pos, q_seg, k_seg, window, k_valid=None) -> jax.Array:
+    """Boolean [batch, q_len, k_len]: causal by position, same segment, within `window`.
+
+    window: int scalar (may be traced); 0 means unlimited. k_valid [batch, k_len] marks filled
+    cache entries when attending to a KV cache.
+    """
+    qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+    mask = (kp <= qp) & (q_seg[:, :, None] == k_seg[:, None, :])
+    mask &= (window <= 0) | (qp - kp < window)
+    if k_valid is not None:
+        mask &= k_valid[:, None, :]
+    return mask
+
+
+def attend(q, k, v, mask, sinks=None) -> jax.Array:
+    """Grouped-query attention core.
+
+    q [batch, q_len, heads, head_dim]; k, v [batch, k_len, kv_heads, head_dim];
+    mask [batch, q_len, k_len] bool; sinks [heads] learned logits that join the softmax
+    denominator only (GPT-OSS). Returns [batch, q_len, heads, head_dim].
+    """
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    logits = logits * (1.0 / math.sqrt(d))
+    logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    if sinks is not None:
+        sink = jnp.broadcast_to(
+            sinks.astype(jnp.float32).reshape(1, kvh, h // kvh, 1, 1), logits.shape[:-1] + (1,)
+        )
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    return out.reshape(b, t, h, d)
+
+
+class Attention(nnx.Module):
+    """GQA with RoPE; optional per-head q/k RMSNorm (Qwen3), biases and sinks (GPT-OSS)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, h, kvh, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = param(rngs, "normal", (d, h, hd), ("embed", "heads", "head_dim"), cfg)
+        self.k_proj = param(rngs, "normal", (d, kvh, hd), ("embed", "kv_heads", "head_dim"), cfg)
+        self.v_proj = param(rngs, "normal", (d, kvh, hd), ("embed", "kv_heads", "head_dim"), cfg)
+        self.o_proj = param(rngs, "normal", (h, hd, d), ("heads", "head_dim", "embed"), cfg)
+        if cfg.attention_bias:
+            self.q_bias = param(rngs, "zeros", (h, hd), ("heads", "head_dim"), cfg)
+            self.k_bias = param(rngs, "zeros", (kvh, hd), ("kv_heads", "head_dim"), cfg)
+            self.v_bias = param(rngs, "zeros", (kvh, hd), ("kv_heads", "head_dim"), cfg)
+            self.o_bias = param(rngs, "zeros", (d,), ("embed",), cfg)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg, logical_axis="head_dim")
+            self.k_norm = RMSNorm(hd, cfg, logical_axis="head_dim")
+        if cfg.attn_sinks:
+            self.sinks = param(rngs, "zeros", (h,), ("heads",), cfg)
+
+    def project_qkv(self, x, positions):
+        """x [b, s, embed] -> q [b, s, heads, hd], k, v [b, s, kv_heads, hd], RoPE applied."""
+        cfg, dt = self.cfg, cdtype(self.cfg)
+        q = jnp.einsum("bsd,dhk->bshk", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("bsd,dhk->bshk", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("bsd,dhk->bshk", x, self.v_proj[...].astype(dt))
+        if cfg.attention_bias:
+            q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
+                       v + self.v_bias[...].astype(dt))
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = constrain(apply_rope(q, positions, cfg), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(apply_rope(k, positions, cfg), ("batch", "seq", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        return q, k, v
+
+    def output(self, attn_out):
+        """[b, s, heads, hd] -> [b, s, embed]."""
+        dt = cdtype(self.cfg)
+        y = jnp.einsum("bshk,hkd->bsd", attn_out, self.o_proj[...].astype(dt))
+        if self.cfg.attention_bias:
+            y = y + self.o_bias[...].astype(dt)
+        return y
+
+    def sink_logits(self):
+        return self.sinks[...] if self.cfg.attn_sinks else None
+
+    def __call__(self, x, positions, segment_ids, window):
+        """Self-attention over a packed batch: x [b, s, embed]; positions, segment_ids [b, s]."""
+        q, k, v = self.project_qkv(x, positions)
+        mask = attention_mask(positions, positions, segment_ids, segment_ids, window)
+        return self.output(attend(q, k, v, mask, self.sink_logits()))

@@ -1,0 +1,254 @@
+"""Dropless Mixture-of-Experts with expert parallelism over the mesh's `expert` axis.
+
+Flow for tokens x [tokens, embed] (the batch flattened):
+  1. route (global, plain XLA): router logits -> top-k expert ids and weights, aux metrics.
+  2. dispatch (inside `shard_map`): each device holds a token shard; its (token, expert)
+     assignments are sorted by expert and sent to the device owning that expert.
+  3. local experts: received rows sorted by local expert, one `jax.lax.ragged_dot` per matrix.
+  4. the results travel back the same way and are combined with the routing weights.
+
+Two exchange paths compute the same function, chosen by `cfg.moe_dispatch`:
+  'padded' -- `all_to_all` of fixed [shards, capacity, embed] buffers (runs everywhere, CPU too);
+  'ragged' -- `ragged_all_to_all` of only the rows that move (GPU/TPU). On CPU, where XLA has
+              no ragged_all_to_all, an all-gather emulation with the same semantics stands in,
+              so the offset logic is tested on CPU.
+Capacity is the worst case (every assignment to one shard), so no token is ever dropped.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.mesh import _fit_spec_to_shape, logical_to_spec
+from sfrrl_jax.models.layers import cdtype, param
+
+EXPERT_AXIS = "expert"
+TOKEN_AXES = ("data", "expert")
+
+
+class MoE(nnx.Module):
+    """Router + experts. Expert weights: gate/up [experts, embed, mlp], down [experts, mlp, embed]."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, e, f = cfg.d_model, cfg.n_experts, cfg.d_ff_expert
+        self.cfg = cfg
+        self.router = param(rngs, "normal", (d, e), ("embed", "experts_router"), cfg)
+        if cfg.router_bias:
+            self.router_bias = param(rngs, "zeros", (e,), ("experts_router",), cfg)
+        self.w_gate = param(rngs, "normal", (e, d, f), ("experts", "embed", "mlp"), cfg)
+        self.w_up = param(rngs, "normal", (e, d, f), ("experts", "embed", "mlp"), cfg)
+        self.w_down = param(rngs, "normal", (e, f, d), ("experts", "mlp", "embed"), cfg)
+        if cfg.expert_bias:
+            self.b_gate = param(rngs, "zeros", (e, f), ("experts", "mlp"), cfg)
+            self.b_up = param(rngs, "zeros", (e, f), ("experts", "mlp"), cfg)
+            self.b_down = param(rngs, "zeros", (e, d), ("experts", "embed"), cfg)
+
+    def expert_weights(self) -> dict:
+        names = ["w_gate", "w_up", "w_down"] + (["b_gate", "b_up", "b_down"] if self.cfg.expert_bias else [])
+        return {n: getattr(self, n)[...] for n in names}
+
+    def __call__(self, x: jax.Array, token_mask: jax.Array | None = None):
+        """x [batch, seq, embed] -> (y [batch, seq, embed], metrics dict of scalars)."""
+        b, s, d = x.shape
+        flat = x.reshape(b * s, d)
+        mask = None if token_mask is None else token_mask.reshape(b * s)
+        bias = self.router_bias[...] if self.cfg.router_bias else None
+        ids, weights, metrics = route(self.cfg, flat, self.router[...], bias, mask)
+        y = moe_experts(self.cfg, flat, ids, weights, self.expert_weights())
+        return y.reshape(b, s, d), metrics
+
+
+def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None):
+    """Top-k routing. x [tokens, embed] -> ids [tokens, k] int32, weights [tokens, k] fp32, metrics.
+
+    metrics: 'router_aux_loss' (HF's load-balance loss: n_experts * sum_e frac_e * mean_prob_e,
+    frac summed over the k choices) and 'router_z_loss' (mean logsumexp(logits)^2), both over the
+    tokens where `token_mask` is true.
+    """
+    logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32))
+    if router_b is not None:
+        logits = logits + router_b.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if cfg.router == "softmax_topk":
+        weights, ids = jax.lax.top_k(probs, cfg.top_k)
+        if cfg.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    else:
+        top_logits, ids = jax.lax.top_k(logits, cfg.top_k)
+        weights = jax.nn.softmax(top_logits, axis=-1)
+    m = jnp.ones(x.shape[0], jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(m), 1.0)
+    chosen = jnp.sum(jax.nn.one_hot(ids, cfg.n_experts, dtype=jnp.float32), axis=1)  # [tokens, E]
+    frac = jnp.sum(chosen * m[:, None], axis=0) / count
+    mean_prob = jnp.sum(probs * m[:, None], axis=0) / count
+    metrics = {
+        "router_aux_loss": cfg.n_experts * jnp.sum(frac * mean_prob),
+        "router_z_loss": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * m) / count,
+        "expert_load_max": jnp.max(frac) / cfg.top_k,
+    }
+    return ids.astype(jnp.int32), weights, metrics
+
+
+# -- local expert compute ----------------------------------------------------------------------
+
+def expert_ffn(cfg: ModelConfig, rows, local_ids, n_local: int, w: dict):
+    """SwiGLU experts over rows grouped by expert.
+
+    rows [m, embed]; local_ids [m] in [0, n_local], where n_local marks a padding row (computed as
+    zero). w: expert weights sliced to the local experts (and local mlp shard).
+    Returns [m, embed] (partial sums over the mlp shard when `mlp` is split over `tensor`).
+    """
+    dt = cdtype(cfg)
+    order = jnp.argsort(local_ids, stable=True)
+    sorted_ids = local_ids[order]
+    xs = rows[order].astype(dt)
+    group_sizes = jnp.bincount(sorted_ids, length=n_local + 1)[:n_local].astype(jnp.int32)
+    gate = jax.lax.ragged_dot(xs, w["w_gate"].astype(dt), group_sizes)
+    up = jax.lax.ragged_dot(xs, w["w_up"].astype(dt), group_sizes)
+    gather_ids = jnp.minimum(sorted_ids, n_local - 1)
+    if cfg.expert_bias:
+        gate = gate + w["b_gate"].astype(dt)[gather_ids]
+        up = up + w["b_up"].astype(dt)[gather_ids]
+    if cfg.expert_act == "gptoss_swiglu":
+        gate = jnp.minimum(gate, cfg.swiglu_limit)
+        up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+        hidden = (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
+    else:
+        hidden = jax.nn.silu(gate) * up
+    out = jax.lax.ragged_dot(hidden, w["w_down"].astype(dt), group_sizes)
+    if cfg.expert_bias:
+        # Down bias is added once per row: only on the first mlp shard when mlp is split.
+        bias = w["b_down"].astype(dt)[gather_ids]
+        if "tensor" in _current_axes() and w["w_down"].shape[1] != cfg.d_ff_expert:
+            bias = jnp.where(jax.lax.axis_index("tensor") == 0, bias, 0)
+        out = out + bias
+    out = jnp.where((sorted_ids < n_local)[:, None], out, 0)
+    return jnp.zeros_like(out).at[order].set(out)
+
+
+def _current_axes() -> tuple[str, ...]:
+    mesh = jax.sharding.get_abstract_mesh()
+    return () if mesh.empty else tuple(mesh.axis_names)
+
+
+# -- exchange ----------------------------------------------------------------------------------
+
+def _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, axis_name):
+    """`jax.lax.ragged_all_to_all` semantics built from all_gather (for backends without it)."""
+    del recv_sizes  # implied by the senders' sizes
+    me = jax.lax.axis_index(axis_name)
+    all_rows = jax.lax.all_gather(operand, axis_name)            # [S, rows_in, ...]
+    in_off = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # [S] sender s's offset for me
+    sizes = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+    out_off = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+    idx = jnp.arange(output.shape[0])
+    inside = (idx[None, :] >= out_off[:, None]) & (idx[None, :] < (out_off + sizes)[:, None])
+    src = jnp.argmax(inside, axis=0)
+    hit = jnp.any(inside, axis=0)
+    row = jnp.clip(in_off[src] + idx - out_off[src], 0, operand.shape[0] - 1)
+    gathered = all_rows[src, row]
+    return jnp.where(hit.reshape((-1,) + (1,) * (output.ndim - 1)), gathered, output)
+
+
+def _ragged_exchange(x, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+    fn = jax.lax.ragged_all_to_all if jax.default_backend() in ("gpu", "tpu", "cuda", "rocm") \
+        else _ragged_all_to_all_emulated
+    return fn(x, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=EXPERT_AXIS)
+
+
+def _dispatch_compute_combine(cfg: ModelConfig, n_shards: int, x, ids, weights, w):
+    """Per-device body. x [n, embed] local tokens; ids/weights [n, k]; w local expert weights."""
+    n, k = ids.shape
+    a = n * k
+    n_local = cfg.n_experts // n_shards
+    eid = ids.reshape(a)
+    order = jnp.argsort(eid, stable=True)               # by destination shard, then local expert
+    sorted_eid = eid[order]
+    rows = x[order // k]                                # [a, embed]
+    dest = sorted_eid // n_local
+    local = sorted_eid % n_local
+    send_counts = jnp.bincount(dest, length=n_shards).astype(jnp.int32)
+    send_start = jnp.cumsum(send_counts) - send_counts
+
+    if n_shards == 1:
+        out_sorted = _sum_mlp_shards(expert_ffn(cfg, rows, local, n_local, w), w, cfg)
+    elif cfg.moe_dispatch == "padded":
+        pos = jnp.arange(a) - send_start[dest]
+        buf = jnp.zeros((n_shards, a, x.shape[-1]), x.dtype).at[dest, pos].set(rows)
+        ids_buf = jnp.full((n_shards, a), n_local, jnp.int32).at[dest, pos].set(local)
+        recv = jax.lax.all_to_all(buf, EXPERT_AXIS, 0, 0)
+        recv_ids = jax.lax.all_to_all(ids_buf, EXPERT_AXIS, 0, 0)
+        y = expert_ffn(cfg, recv.reshape(n_shards * a, -1), recv_ids.reshape(-1), n_local, w)
+        y = _sum_mlp_shards(y, w, cfg)
+        back = jax.lax.all_to_all(y.reshape(n_shards, a, -1), EXPERT_AXIS, 0, 0)
+        out_sorted = back[dest, pos]
+    else:  # ragged
+        me = jax.lax.axis_index(EXPERT_AXIS)
+        counts = jax.lax.all_gather(send_counts, EXPERT_AXIS)     # [src, dst]
+        recv_sizes = counts[:, me]
+        # Where my rows land in each receiver: after the rows of lower-ranked senders.
+        below = (jnp.arange(n_shards) < me)[:, None]
+        output_offsets = jnp.sum(jnp.where(below, counts, 0), axis=0).astype(jnp.int32)
+        cap = n_shards * a
+        recv = _ragged_exchange(rows, jnp.zeros((cap, x.shape[-1]), x.dtype), send_start,
+                                send_counts, output_offsets, recv_sizes)
+        recv_ids = _ragged_exchange(local, jnp.full((cap,), n_local, jnp.int32), send_start,
+                                    send_counts, output_offsets, recv_sizes)
+        y = _sum_mlp_shards(expert_ffn(cfg, recv, recv_ids, n_local, w), w, cfg)
+        # Return trip: my received chunk from sender s sits at recv_start[s]; it goes back to
+        # where s sent it from, i.e. s's send offset for me.
+        recv_start = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
+        sender_offsets = (jnp.cumsum(counts, axis=1) - counts)[:, me].astype(jnp.int32)
+        out_sorted = _ragged_exchange(y, jnp.zeros((a, x.shape[-1]), y.dtype), recv_start,
+                                      recv_sizes, sender_offsets, send_counts)
+    per_assignment = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", per_assignment.astype(jnp.float32),
+                      weights.astype(jnp.float32)).astype(x.dtype)
+
+
+def _sum_mlp_shards(y, w, cfg):
+    if "tensor" in _current_axes() and w["w_down"].shape[1] != cfg.d_ff_expert:
+        return jax.lax.psum(y, "tensor")
+    return y
+
+
+def _weight_specs(cfg: ModelConfig, w: dict, mesh) -> dict:
+    axes = {"w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
+            "w_down": ("experts", "mlp", "embed"), "b_gate": ("experts", "mlp"),
+            "b_up": ("experts", "mlp"), "b_down": ("experts", "embed")}
+    return {n: _fit_spec_to_shape(logical_to_spec(axes[n]), v.shape, mesh) for n, v in w.items()}
+
+
+def moe_experts(cfg: ModelConfig, x, ids, weights, w: dict):
+    """Expert outputs combined with routing weights. x [tokens, embed] -> [tokens, embed].
+
+    Under a mesh with an `expert` axis this runs in `shard_map`; tokens are split over
+    (data, expert), padded to a multiple of that product (padding rows are dropped after).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return _dispatch_compute_combine(cfg, 1, x, ids, weights, w)
+    n_shards = mesh.shape[EXPERT_AXIS]
+    if cfg.n_experts % n_shards:
+        raise ValueError(f"n_experts={cfg.n_experts} is not divisible by the mesh's expert axis ({n_shards})")
+    token_shards = math.prod(mesh.shape[a] for a in TOKEN_AXES)
+    n = x.shape[0]
+    pad = (-n) % token_shards
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        ids = jnp.pad(ids, ((0, pad), (0, 0)))
+        weights = jnp.pad(weights, ((0, pad), (0, 0)))
+    tok = P(TOKEN_AXES, None)
+    body = functools.partial(_dispatch_compute_combine, cfg, n_shards)
+    y = jax.shard_map(
+        body, mesh=mesh, in_specs=(tok, tok, tok, _weight_specs(cfg, w, mesh)), out_specs=tok,
+        check_vma=False,
+    )(x, ids, weights, w)
+    return y[:n]

@@ -1,0 +1,188 @@
+"""The decoder: embedding -> n_layers x (attention + MoE) -> final norm -> LM head.
+
+Layers are stacked (every layer param has a leading `layers` dim) and run with `lax.scan`, so
+compile time does not grow with depth. Params are a plain nested dict of `jax.Array`s; the NNX
+modules define their structure, initialisers and logical axes, and are re-bound to the arrays
+inside each jitted function (`nnx.merge`), which moves no data.
+
+Functions here are pure and traceable; callers jit them under `jax.set_mesh(mesh)` so the MoE
+layer can enter `shard_map` on that mesh (the public wrappers in `sfrrl_jax.models.api` do).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.mesh import constrain
+from sfrrl_jax.models.layers import Attention, Embed, RMSNorm, cdtype, param
+from sfrrl_jax.models.moe import MoE
+
+Params = dict  # nested dict of jax.Array; see `param_logical_axes` for its layout
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)); x + moe(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg)
+        self.moe = MoE(cfg, rngs)
+
+    def __call__(self, x, positions, segment_ids, window, token_mask):
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, window)
+        x = constrain(x, ("batch", "seq", "embed"))
+        y, metrics = self.moe(self.mlp_norm(x), token_mask)
+        return constrain(x + y, ("batch", "seq", "embed")), metrics
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embed(cfg, rngs)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(r):
+            return Block(cfg, r)
+
+        self.layers = make_layers(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, "normal", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg)
+
+
+# -- structure ----------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=64)
+def _skeleton(cfg: ModelConfig):
+    """(graphdef, abstract param state) of the model for `cfg`; no arrays are allocated."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    return nnx.split(abstract, nnx.Param)
+
+
+def param_logical_axes(cfg: ModelConfig) -> dict:
+    """Same nested layout as the params, each leaf a tuple of logical names (one per dim)."""
+    _, state = _skeleton(cfg)
+    flat = {}
+    for path, var in nnx.to_flat_state(state):
+        axes = var.get_metadata()["logical_axes"]
+        if path[0] == "layers":
+            axes = ("layers",) + tuple(axes)
+        flat[path] = tuple(axes)
+    return _unflatten(flat)
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Same layout as the params, each leaf a `jax.ShapeDtypeStruct`."""
+    _, state = _skeleton(cfg)
+    return _unflatten({p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in nnx.to_flat_state(state)})
+
+
+def _unflatten(flat: dict) -> dict:
+    out: dict = {}
+    for path, leaf in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return out
+
+
+def bind(cfg: ModelConfig, params: Params) -> Transformer:
+    """An NNX view of `params` (inside jit: no copies)."""
+    graphdef, _ = _skeleton(cfg)
+    return nnx.merge(graphdef, params)
+
+
+def _init_pure(cfg: ModelConfig, key) -> Params:
+    model = Transformer(cfg, nnx.Rngs(params=key))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+# -- forward ------------------------------------------------------------------------------------
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def default_positions_and_segments(tokens, segment_ids=None, positions=None):
+    """Fills in segment ids (all 1) and positions (0..T-1, restarting at each new segment)."""
+    b, t = tokens.shape
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, t), jnp.int32)
+    if positions is None:
+        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        starts = jnp.concatenate(
+            [jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+        )
+        seg_start = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+        positions = idx - seg_start
+    return segment_ids.astype(jnp.int32), positions.astype(jnp.int32)
+
+
+def run_layers(cfg: ModelConfig, layers, x, body_fn, xs_extra=None):
+    """Scans `body_fn(block, x, layer_index_inputs) -> (x, per_layer_out)` over stacked layers."""
+    graphdef, state = nnx.split(layers)
+    windows = jnp.asarray(cfg.layer_windows, jnp.int32)
+
+    def body(carry, scanned):
+        layer_state, window, extra = scanned
+        block = nnx.merge(graphdef, layer_state)
+        return body_fn(block, carry, window, extra)
+
+    if cfg.remat != "none":
+        body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    return jax.lax.scan(body, x, (state, windows, xs_extra))
+
+
+def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, positions=None):
+    """Final-normed hidden states [batch, seq, embed] and aux metrics (means over layers).
+
+    tokens [batch, seq] int; segment_ids [batch, seq] (0 = padding, excluded from router
+    statistics; tokens attend only within their segment); positions [batch, seq] (RoPE and
+    causality). Defaults: one segment per row, positions 0..seq-1.
+    """
+    model = bind(cfg, params)
+    segment_ids, positions = default_positions_and_segments(tokens, segment_ids, positions)
+    token_mask = segment_ids > 0
+    x = constrain(model.embed(tokens), ("batch", "seq", "embed"))
+
+    def body(block, x, window, _):
+        return block(x, positions, segment_ids, window, token_mask)
+
+    x, metrics = run_layers(cfg, model.layers, x, body)
+    aux = {k: jnp.mean(v) for k, v in metrics.items()}
+    return model.final_norm(x), aux
+
+
+def unembedding(cfg: ModelConfig, params: Params) -> jax.Array:
+    """The LM head matrix [embed, vocab] (the transposed embedding when tied)."""
+    if cfg.tie_embeddings:
+        return params["embed"]["embedding"].T
+    return params["lm_head"]
+
+
+def logits_from_hidden(cfg: ModelConfig, params: Params, hidden) -> jax.Array:
+    """hidden [..., embed] -> logits [..., vocab] in fp32."""
+    w = unembedding(cfg, params).astype(cdtype(cfg))
+    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def forward_with_aux(cfg: ModelConfig, params: Params, tokens, segment_ids=None, positions=None):
+    """(logits [batch, seq, vocab] fp32, aux metrics)."""
+    hidden, aux = forward_hidden(cfg, params, tokens, segment_ids, positions)
+    logits = constrain(logits_from_hidden(cfg, params, hidden), ("batch", "seq", "vocab"))
+    return logits, aux
+
+
+def count_params(params: Any) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))

@@ -1,0 +1,44 @@
+"""Shared fixtures for model tests: meshes, randomised params, tiny config variants."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import sfrrl_jax as S
+
+TINY = S.ModelConfig.preset("tiny-moe")
+# GPT-OSS-like variant: biases, sinks, alternating sliding window, YaRN, clamped SwiGLU,
+# top-k-then-softmax routing with a router bias; odd d_ff to catch shape slips.
+TINY_GPT_OSS = S.ModelConfig.preset(
+    "tiny-moe", family="gpt_oss", n_layers=2, qk_norm=False, attention_bias=True, attn_sinks=True,
+    sliding_window=4, layer_types=("sliding", "full"), router="topk_softmax", router_bias=True,
+    expert_bias=True, expert_act="gptoss_swiglu", swiglu_limit=0.5, rope_type="yarn",
+    rope_factor=8.0, rope_original_max_len=64, rope_truncate=False, d_ff_expert=48, top_k=3,
+)
+TINY_MIXTRAL = S.ModelConfig.preset(
+    "tiny-moe", family="mixtral", qk_norm=False, router="topk_softmax", n_heads=8, n_kv_heads=2,
+    tie_embeddings=True,
+)
+
+
+def single_device_mesh():
+    return S.make_mesh(devices=jax.devices()[:1])
+
+
+def randomize(params, seed=0, scale=0.2):
+    """Every leaf replaced by N(0, scale^2) noise in its own sharding (biases and sinks too)."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = [
+        jax.device_put(scale * jax.random.normal(k, x.shape, x.dtype), x.sharding)
+        for k, x in zip(keys, leaves)
+    ]
+    return jax.tree.unflatten(treedef, new)
+
+
+def replicate_on(params, mesh):
+    return jax.device_put(params, jax.tree.map(lambda _: NamedSharding(mesh, P()), params))
+
+
+def host(x):
+    return np.asarray(jax.device_get(x))
