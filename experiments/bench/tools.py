@@ -1,0 +1,170 @@
+"""Benchmark: tool calls at scale on one asyncio loop.
+
+1. N concurrent calls of a latency-only tool (heavy-tailed log-normal latency) through `ToolRunner`
+   (validation, concurrency bound, per-call timeout): throughput and overhead beyond the tool's
+   own time (end-to-end minus the time measured inside the tool body).
+2. M sandboxed Python calls (`PythonSandbox`, one jailed process each): throughput, queueing
+   latency, and per-call overhead beyond the code's own run time (slot wall minus `exec_s`,
+   i.e. interpreter start, namespaces, mounts, rlimits, teardown).
+Peak RSS of this process and of the largest child. Prints a table and writes JSON.
+
+    python experiments/bench/tools.py [--quick] [--out bench_out/tools.json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from sfrrl_jax.agents.protocols import ToolCall  # noqa: E402
+from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig  # noqa: E402
+from sfrrl_jax.agents.tools import ToolRunner, ToolRunnerConfig  # noqa: E402
+
+
+class LatencyTool:
+    """Sleeps for `latency_s`; records the time its own body took."""
+
+    name = "wait"
+    description = "Wait for latency_s seconds."
+    parameters = {"type": "object", "properties": {"latency_s": {"type": "number", "minimum": 0}},
+                  "required": ["latency_s"]}
+
+    def __init__(self):
+        self.own_time: dict[str, float] = {}
+
+    async def __call__(self, latency_s: float, tag: str = "") -> str:
+        start = time.perf_counter()
+        await asyncio.sleep(latency_s)
+        self.own_time[tag] = time.perf_counter() - start
+        return "ok"
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[rank]
+
+
+def _stats_ms(values):
+    return {"p50_ms": 1e3 * percentile(values, 50), "p99_ms": 1e3 * percentile(values, 99),
+            "max_ms": 1e3 * max(values)}
+
+
+async def bench_latency_tool(n: int, median_s: float, sigma: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    latencies = [min(median_s * math.exp(rng.gauss(0, sigma)), 10.0) for _ in range(n)]
+    tool = LatencyTool()
+    runner = ToolRunner([tool], ToolRunnerConfig(timeout_s=30.0, max_concurrency=n))
+    done_at: dict[str, float] = {}
+
+    async def one(i: int):
+        tag = f"c{i}"
+        start = time.perf_counter()
+        result = await runner.run_one(ToolCall("wait", {"latency_s": latencies[i], "tag": tag}, tag))
+        done_at[tag] = time.perf_counter() - start
+        assert not result.is_error, result.content
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    wall = time.perf_counter() - start
+    runner.close()
+    overhead = [done_at[k] - tool.own_time[k] for k in done_at]
+    return {"calls": n, "wall_s": wall, "calls_per_s": n / wall,
+            "tool_latency": _stats_ms(latencies), "overhead": _stats_ms(overhead),
+            "latency_p99_over_median": percentile(latencies, 99) / percentile(latencies, 50)}
+
+
+async def bench_sandbox(n: int, concurrency: int) -> dict:
+    sandbox = PythonSandbox(SandboxConfig(wall_timeout_s=10.0, cpu_seconds=5, max_concurrency=concurrency))
+    code = "print(sum(i * i for i in range(20000)))"
+    expected = f"{sum(i * i for i in range(20000))}\n"
+
+    async def one():
+        start = time.perf_counter()
+        result = await sandbox.run(code)
+        assert result.ok and result.stdout == expected, result
+        return time.perf_counter() - start, result
+
+    start = time.perf_counter()
+    outcomes = await asyncio.gather(*(one() for _ in range(n)))
+    wall = time.perf_counter() - start
+    latency = [t for t, _ in outcomes]
+    own = [r.exec_s for _, r in outcomes]
+    overhead = [r.wall_s - r.exec_s for _, r in outcomes]
+    caps = sandbox.capabilities
+    return {"calls": n, "concurrency": concurrency, "wall_s": wall, "calls_per_s": n / wall,
+            "code_peak_rss_mb": max(r.peak_rss_kb for _, r in outcomes) / 1024,
+            "end_to_end_incl_queue": _stats_ms(latency), "code_own_time": _stats_ms(own),
+            "overhead": _stats_ms(overhead),
+            "isolation": {"separate_uid": caps.separate_uid, "network_namespace": caps.network_namespace,
+                          "mount_namespace": caps.mount_namespace, "pid_namespace": caps.pid_namespace}}
+
+
+def _vm_kb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return float(next(line for line in f if line.startswith(field + ":")).split()[1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1,000 latency calls and 100 sandbox calls")
+    parser.add_argument("--out", default="bench_out/tools.json")
+    parser.add_argument("--latency-calls", type=int, default=None)
+    parser.add_argument("--sandbox-calls", type=int, default=None)
+    parser.add_argument("--sandbox-concurrency", type=int, default=max(2, 2 * (os.cpu_count() or 1)))
+    parser.add_argument("--median-latency-s", type=float, default=0.05)
+    parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma (1.0: p99 ~ 10x median)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    n_latency = args.latency_calls or (1000 if args.quick else 10_000)
+    n_sandbox = args.sandbox_calls or (100 if args.quick else 1000)
+
+    baseline_rss = _vm_kb("VmRSS") / 1024
+    latency = asyncio.run(bench_latency_tool(n_latency, args.median_latency_s, args.sigma, args.seed))
+    rss_after_latency = _vm_kb("VmHWM") / 1024
+    sandbox = asyncio.run(bench_sandbox(n_sandbox, args.sandbox_concurrency))
+    report = {
+        "latency_tool": latency, "sandbox": sandbox,
+        "peak_rss_mb": {"host_baseline_before_bench": baseline_rss,
+                        "host_peak_after_latency_bench": rss_after_latency,
+                        "host_peak": _vm_kb("VmHWM") / 1024,
+                        "sandboxed_code_peak": sandbox["code_peak_rss_mb"]},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
+        "args": vars(args),
+    }
+    rows = [
+        ("latency tool", latency["calls"], latency["wall_s"], latency["calls_per_s"],
+         latency["overhead"]["p50_ms"], latency["overhead"]["p99_ms"]),
+        (f"sandbox x{sandbox['concurrency']}", sandbox["calls"], sandbox["wall_s"], sandbox["calls_per_s"],
+         sandbox["overhead"]["p50_ms"], sandbox["overhead"]["p99_ms"]),
+    ]
+    print(f"{'workload':<16}{'calls':>8}{'wall s':>9}{'calls/s':>10}{'ovh p50 ms':>12}{'ovh p99 ms':>12}")
+    for name, calls, wall, rate, p50, p99 in rows:
+        print(f"{name:<16}{calls:>8}{wall:>9.2f}{rate:>10.1f}{p50:>12.2f}{p99:>12.2f}")
+    lt = latency["tool_latency"]
+    print(f"tool latency: p50 {lt['p50_ms']:.1f} ms, p99 {lt['p99_ms']:.1f} ms, max {lt['max_ms']:.1f} ms; "
+          f"sandbox code own time p50 {sandbox['code_own_time']['p50_ms']:.1f} ms; "
+          f"end-to-end incl. queue p99 {sandbox['end_to_end_incl_queue']['p99_ms']:.0f} ms")
+    rss = report["peak_rss_mb"]
+    print(f"peak RSS: host {rss['host_peak']:.0f} MB (baseline {rss['host_baseline_before_bench']:.0f} MB, after "
+          f"latency bench {rss['host_peak_after_latency_bench']:.0f} MB), sandboxed code "
+          f"{rss['sandboxed_code_peak']:.1f} MB; isolation {sandbox['isolation']}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

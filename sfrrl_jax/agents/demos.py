@@ -1,0 +1,75 @@
+"""Synthetic demonstrations (correct multi-turn tool-using transcripts) and SFT rendering.
+
+`calculator_demonstration(task)` solves an arithmetic task the way the policy should: one
+calculator call per step, each step using earlier results, then `<answer>...</answer>`.
+`render_sft_example` turns any such transcript into (tokens, loss_mask) laid out exactly like a
+rollout trajectory: mask 1 on the assistant turns (their end-of-turn token included), 0 elsewhere.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from sfrrl_jax.agents.environments import CALCULATOR_SYSTEM_PROMPT
+from sfrrl_jax.agents.protocols import Message, Task
+from sfrrl_jax.agents.tools import CalculatorTool, evaluate_arithmetic, format_number, tool_schema
+from sfrrl_jax.tokenizer.tokenizer import TemplateDeltaError
+
+
+def _operand(text: str) -> str:
+    return f"({text})" if text.startswith("-") else text
+
+
+def calculator_demonstration(task: Task, system_prompt: str | None = CALCULATOR_SYSTEM_PROMPT) -> list[Message]:
+    """A correct transcript for an 'arithmetic' task, checked against the calculator as it is built."""
+    if task.kind != "arithmetic":
+        raise ValueError(f"task {task.task_id}: calculator demonstrations need kind 'arithmetic', got {task.kind!r}")
+    messages: list[Message] = []
+    if system_prompt:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.append({"role": "user", "content": task.prompt})
+    for i, (left, op, right, value) in enumerate(task.metadata["steps"]):
+        expression = f"{_operand(left)}{op}{_operand(right)}"
+        if format_number(evaluate_arithmetic(expression)) != value:
+            raise AssertionError(f"task {task.task_id}: step {i} {expression} != {value}")
+        call = {"id": "call_0", "type": "function", "function": {"name": "calculator",
+                                                                  "arguments": {"expression": expression}}}
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        messages.append({"role": "tool", "name": "calculator", "tool_call_id": "call_0", "content": value})
+    messages.append({"role": "assistant", "content": f"<answer>{task.answer}</answer>"})
+    return messages
+
+
+def calculator_tool_schemas() -> list[dict]:
+    return [tool_schema(CalculatorTool())]
+
+
+def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[dict] | None = None
+                       ) -> tuple[list[int], list[int]]:
+    """(tokens, loss_mask) for a transcript; assistant turns are rendered as the policy would emit them."""
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles:
+        raise ValueError("render_sft_example: the transcript has no assistant message to learn from")
+    first = roles.index("assistant")
+    tokens = tokenizer.apply_chat_template(messages[:first], tools, add_generation_prompt=True)
+    mask = [0] * len(tokens)
+    eot = tokenizer.end_of_turn_token
+    i = first
+    while i < len(messages):
+        history = list(messages[:i])
+        prompt_text = tokenizer.render(history, tools, add_generation_prompt=True)
+        with_turn = tokenizer.render(history + [messages[i]], tools, add_generation_prompt=False)
+        cut = with_turn.rfind(eot) + len(eot)
+        if cut < len(eot) or not with_turn[:cut].startswith(prompt_text):
+            raise TemplateDeltaError(f"message {i}: the assistant turn does not extend its generation prompt")
+        generated = tokenizer.encode(with_turn[len(prompt_text):cut])
+        tokens += generated
+        mask += [1] * len(generated)
+        j = i + 1
+        while j < len(messages) and messages[j]["role"] != "assistant":
+            j += 1
+        if j < len(messages):
+            delta = tokenizer.render_delta(messages[:i + 1], messages[i + 1:j], tools)
+            tokens += delta
+            mask += [0] * len(delta)
+        i = j
+    return tokens, mask

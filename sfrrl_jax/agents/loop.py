@@ -1,0 +1,185 @@
+"""The multi-turn agent loop: generate -> parse -> run tools -> append the delta -> continue.
+
+Everything goes through `EngineProtocol`: the first request prefills the prompt, every later one
+appends only the observation delta to the trajectory's parked slot, and the slot is released once
+when the trajectory ends (also on errors and cancellation). Thousands of `run_agent` coroutines
+share one asyncio loop; tools run through the environment's bounded runner.
+
+Finish reasons: 'answer' (a turn without tool calls), 'max_turns', 'max_tokens' (the total budget
+`max_total_tokens` would be exceeded: the trajectory never grows past it), 'length' (a turn hit
+`max_new_tokens_per_turn`), 'wall_budget' (the wall-clock budget ran out while generating or
+waiting for tools).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import inspect
+import time
+from typing import Any, Awaitable, Callable, Sequence
+
+from sfrrl_jax.agents.formats import get_format
+from sfrrl_jax.agents.protocols import EngineProtocol, Environment, GenerationRequest, Task
+from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    max_turns: int = 8
+    max_new_tokens_per_turn: int = 512
+    max_total_tokens: int = 4096
+    wall_budget_s: float = 600.0
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    tool_format: str = "compact"  # 'compact' | 'qwen3' | 'harmony'
+    stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-turn and eos
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_new_tokens_per_turn", "max_total_tokens", "wall_budget_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"AgentConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        get_format(self.tool_format)  # fail early on an unknown format name
+
+
+def turn_seed(seed: int, task_id: str, sample_index: int, turn: int) -> int:
+    """Deterministic per-(task, sample, turn) sampling seed in [0, 2**31)."""
+    digest = hashlib.blake2b(f"{seed}/{task_id}/{sample_index}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
+
+
+async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokenizer, cfg: AgentConfig,
+                    sample_index: int = 0, group_id: str | None = None) -> Trajectory:
+    """Roll out one trajectory of `task`; the reward is set from `env.reward` at the end."""
+    start = time.perf_counter()
+    deadline = asyncio.get_running_loop().time() + cfg.wall_budget_s
+    fmt = get_format(cfg.tool_format)
+    stops = cfg.stop_token_ids if cfg.stop_token_ids is not None else tokenizer.stop_token_ids
+    tools = env.tool_schemas() or None
+    messages = env.reset(task)
+    prompt = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
+    builder = TrajectoryBuilder(task.task_id, group_id or task.task_id, sample_index, prompt)
+    traj = builder.trajectory
+    traj.finish_reason = "max_turns"
+    handle: Any = None
+    pending = prompt
+    try:
+        for turn_index in range(cfg.max_turns):
+            room = cfg.max_total_tokens - len(builder)
+            if room <= 0:
+                traj.finish_reason = "max_tokens"
+                break
+            max_new = min(cfg.max_new_tokens_per_turn, room)
+            request = GenerationRequest(
+                tokens=pending, max_new_tokens=max_new, temperature=cfg.temperature, top_k=cfg.top_k,
+                top_p=cfg.top_p, seed=turn_seed(cfg.seed, task.task_id, sample_index, turn_index),
+                stop_token_ids=tuple(stops), slot_handle=handle)
+            gen_start = time.perf_counter()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    completion = await engine.complete(request)
+            except TimeoutError:
+                traj.finish_reason = "wall_budget"
+                break
+            handle = completion.slot_handle
+            generate_s = time.perf_counter() - gen_start
+            gen_lo, gen_hi = builder.append_generated(completion.tokens, completion.logprobs)
+            parsed = fmt.parse(tokenizer.decode(completion.tokens))
+            assistant: dict = {"role": "assistant", "content": parsed.content}
+            if parsed.tool_calls:
+                assistant["tool_calls"] = [c.as_message_entry() for c in parsed.tool_calls]
+            messages.append(assistant)
+            traj.final_text = parsed.content
+
+            def record(obs_end: int, tools_s: float = 0.0, errors: int = 0, calls: int = 0) -> None:
+                traj.turns.append(Turn(turn_index, gen_lo, gen_hi, obs_end, completion.finish_reason, generate_s,
+                                       tools_s, calls, errors))
+
+            if completion.finish_reason == "length" or not completion.tokens:
+                record(gen_hi)
+                traj.finish_reason = "max_tokens" if max_new < cfg.max_new_tokens_per_turn else "length"
+                break
+            if not parsed.calls:
+                record(gen_hi)
+                traj.finish_reason = "answer"
+                break
+            if turn_index == cfg.max_turns - 1:  # nobody would read the results
+                record(gen_hi, calls=len(parsed.calls))
+                traj.finish_reason = "max_turns"
+                break
+            tools_start = time.perf_counter()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    results = await env.step(parsed.calls)
+            except TimeoutError:
+                record(gen_hi, time.perf_counter() - tools_start, calls=len(parsed.calls))
+                traj.finish_reason = "wall_budget"
+                break
+            tools_s = time.perf_counter() - tools_start
+            if len(results) != len(parsed.calls):
+                raise RuntimeError(f"environment returned {len(results)} results for {len(parsed.calls)} calls")
+            tool_messages = [r.as_message() for r in results]
+            delta = tokenizer.render_delta(messages, tool_messages, tools,
+                                           stop_text=tokenizer.decode([completion.tokens[-1]]))
+            messages.extend(tool_messages)
+            errors = sum(r.is_error for r in results)
+            if len(builder) + len(delta) >= cfg.max_total_tokens:  # no room to append and still generate
+                record(gen_hi, tools_s, errors, len(parsed.calls))
+                traj.finish_reason = "max_tokens"
+                break
+            record(builder.append_observation(delta), tools_s, errors, len(parsed.calls))
+            pending = delta
+    finally:
+        if handle is not None:
+            await engine.release(handle)
+    traj.messages = messages
+    traj.wall_s = time.perf_counter() - start
+    traj.reward = float(env.reward(task, traj))
+    return traj
+
+
+GroupCallback = Callable[[str, list[Trajectory]], Any | Awaitable[Any]]
+
+
+async def run_many(engine: EngineProtocol, env: Environment, tasks: Sequence[Task], tokenizer, cfg: AgentConfig,
+                   samples_per_task: int = 1, max_concurrency: int | None = None,
+                   on_group_done: GroupCallback | None = None) -> list[Trajectory]:
+    """Roll out `samples_per_task` (G) trajectories per task, all on this event loop.
+
+    Returns exactly len(tasks) * G trajectories, ordered task-major: result[i * G + s] is sample
+    `s` of `tasks[i]`, whose group id is the task id. Trajectories start in task order (so a
+    caller can put the longest-expected groups first); at most `max_concurrency` are in flight.
+    `on_group_done(group_id, trajectories)` (sync or async) fires as soon as a group's G samples
+    are all finished and rewarded, which is when its advantages can be computed. The first error
+    cancels the rest and propagates.
+    """
+    if samples_per_task <= 0:
+        raise ValueError(f"samples_per_task must be > 0, got {samples_per_task}")
+    ids = [t.task_id for t in tasks]
+    if len(set(ids)) != len(ids):
+        raise ValueError("run_many: task ids must be unique (they are the group ids)")
+    results: list[Trajectory | None] = [None] * (len(tasks) * samples_per_task)
+    remaining = {t.task_id: samples_per_task for t in tasks}
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(i: int, task: Task, s: int) -> None:
+        if limit is None:
+            traj = await run_agent(engine, env, task, tokenizer, cfg, sample_index=s, group_id=task.task_id)
+        else:
+            async with limit:
+                traj = await run_agent(engine, env, task, tokenizer, cfg, sample_index=s, group_id=task.task_id)
+        results[i * samples_per_task + s] = traj
+        remaining[task.task_id] -= 1
+        if remaining[task.task_id] == 0 and on_group_done is not None:
+            group = results[i * samples_per_task:(i + 1) * samples_per_task]
+            outcome = on_group_done(task.task_id, group)
+            if inspect.isawaitable(outcome):
+                await outcome
+
+    async with asyncio.TaskGroup() as group:
+        for i, task in enumerate(tasks):
+            for s in range(samples_per_task):
+                group.create_task(one(i, task, s))
+    return results  # type: ignore[return-value]

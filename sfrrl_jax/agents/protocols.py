@@ -1,0 +1,143 @@
+"""Contracts between the agent loop and its neighbours: the engine, tools and environments.
+
+The engine (issue 4) imports `GenerationRequest`, `Completion` and `EngineProtocol` from here.
+
+Engine semantics the loop relies on:
+* `complete(request)` generates for one trajectory. With `slot_handle=None`, `tokens` is the whole
+  prompt (prefill). With a handle returned by an earlier `Completion`, the slot's KV cache holds
+  everything so far (including the last generated token) and `tokens` are only the NEW tokens to
+  append (append-prefill of the observation delta), never the history again.
+* `Completion.tokens` are the newly generated tokens; the stop token that ended the turn is
+  included (the policy generated it). `logprobs[i]` is log p(tokens[i]) under the sampling
+  distribution actually used. `finish_reason` is 'stop' (a stop token) or 'length' (hit
+  `max_new_tokens`). The returned handle keeps the slot parked until the next `complete` or
+  `release`.
+* `release(handle)` frees a parked slot; the loop calls it exactly once when a trajectory ends.
+  If a `complete` is cancelled (wall budget), the engine frees whatever that request allocated;
+  the loop still releases the last handle it was given.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Awaitable, Mapping, Protocol, Sequence, runtime_checkable
+
+Message = dict  # {"role": "system"|"user"|"assistant"|"tool", "content": str, "tool_calls"?: [...]}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One turn of generation. `tokens`: prompt ids, or only the appended ids when continuing."""
+
+    tokens: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    slot_handle: Any = None
+
+    def __post_init__(self):
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"GenerationRequest.max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if not self.tokens:
+            raise ValueError("GenerationRequest.tokens is empty: there is nothing to prefill or append")
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """What one `complete` call generated: tokens[n], logprobs[n] (same n), why it stopped, the slot."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str  # 'stop' | 'length'
+    slot_handle: Any = None
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.logprobs):
+            raise ValueError(f"Completion has {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
+        if self.finish_reason not in ("stop", "length"):
+            raise ValueError(f"Completion.finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+
+
+@runtime_checkable
+class EngineProtocol(Protocol):
+    async def complete(self, request: GenerationRequest) -> Completion: ...
+
+    async def release(self, slot_handle: Any) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """A parsed call: `arguments` is the decoded JSON object; `call_id` is unique within a turn."""
+
+    name: str
+    arguments: dict
+    call_id: str = ""
+    raw: str = ""
+
+    def as_message_entry(self) -> dict:
+        """OpenAI-style entry for an assistant message's `tool_calls` list."""
+        return {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallError:
+    """A call that could not be parsed (bad JSON, unterminated markup): becomes an error observation."""
+
+    message: str
+    raw: str = ""
+    name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    """The observation for one call (or one unparseable call), in call order."""
+
+    name: str
+    content: str
+    is_error: bool = False
+    call_id: str = ""
+    elapsed_s: float = 0.0
+
+    def as_message(self) -> Message:
+        return {"role": "tool", "name": self.name, "tool_call_id": self.call_id, "content": self.content}
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """An OpenAI-function-calling style tool. `parameters` is a JSON schema for the arguments object."""
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+
+    def __call__(self, **arguments: Any) -> Awaitable[str]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A prompt and what its verifier needs. `kind` selects the verifier (see `tasks.py`)."""
+
+    task_id: str
+    kind: str
+    prompt: str
+    answer: str | None = None
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Environment(Protocol):
+    """Stateless per trajectory (one instance serves thousands of concurrent trajectories).
+
+    `reset(task)` gives the initial messages; `step(calls)` runs the parsed calls and returns one
+    result per item, in order (unparseable items included, as errors); `reward(task, trajectory)`
+    is a pure function of the task and the finished trajectory.
+    """
+
+    def tool_schemas(self) -> list[dict]: ...
+
+    def reset(self, task: Task) -> list[Message]: ...
+
+    async def step(self, calls: Sequence[ToolCall | ToolCallError]) -> list[ToolResult]: ...
+
+    def reward(self, task: Task, trajectory: Any) -> float: ...

@@ -1,0 +1,112 @@
+"""Pure verifiers: (final assistant text, task data) -> reward in [0, 1].
+
+Every task asks for the final answer inside `<answer>...</answer>`; the last such block counts.
+"""
+from __future__ import annotations
+
+import ast
+import math
+import re
+from collections import Counter
+from fractions import Fraction
+from typing import Sequence
+
+from sfrrl_jax.agents.protocols import Task
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_answer(text: str) -> str | None:
+    """Content of the last <answer>...</answer> block, stripped; None if there is none."""
+    found = _ANSWER.findall(text)
+    return found[-1].strip() if found else None
+
+
+def parse_number(text: str) -> Fraction | None:
+    """'1,234', '-5', '3.25', '7/2' -> exact Fraction; None if `text` is not a number."""
+    cleaned = text.strip().replace(",", "").replace("_", "")
+    if not re.fullmatch(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?(/[+-]?\d+)?", cleaned):
+        return None
+    try:
+        return Fraction(cleaned)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _normalize(text: str) -> str:
+    return " ".join(text.strip().lower().split()).rstrip(".")
+
+
+def exact_match_reward(text: str, answer: str) -> float:
+    got = extract_answer(text)
+    return float(got is not None and _normalize(got) == _normalize(answer))
+
+
+def numeric_match_reward(text: str, answer: str, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> float:
+    got, want = extract_answer(text), parse_number(answer)
+    if got is None or want is None:
+        return 0.0
+    value = parse_number(got)
+    return float(value is not None and math.isclose(value, want, rel_tol=rel_tol, abs_tol=abs_tol))
+
+
+def arithmetic_reward(text: str, answer: str) -> float:
+    """Exact integer (or exact rational) equality: big numbers must be right to the last digit."""
+    got, want = extract_answer(text), parse_number(answer)
+    value = None if got is None else parse_number(got)
+    return float(value is not None and value == want)
+
+
+def _countdown_value(expression: str) -> tuple[Fraction, list[int]] | None:
+    """Exact value and the integer literals of an expression over + - * / and parentheses."""
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError:
+        return None
+    literals: list[int] = []
+    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+           ast.Div: lambda a, b: a / b}
+
+    def ev(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            literals.append(node.value)
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ZeroDivisionError
+            return ops[type(node.op)](left, right)
+        raise ValueError("unsupported")
+
+    try:
+        return ev(tree.body), literals
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def countdown_reward(text: str, numbers: Sequence[int], target: int) -> float:
+    """1 if the answer is an expression using each given number at most once that equals target."""
+    got = extract_answer(text)
+    if got is None:
+        return 0.0
+    expression = got.split("=")[0].strip()  # tolerate "expr = target"
+    evaluated = _countdown_value(expression)
+    if evaluated is None:
+        return 0.0
+    value, literals = evaluated
+    if Counter(literals) - Counter(numbers):  # some number used more often than given
+        return 0.0
+    return float(value == target)
+
+
+def task_reward(task: Task, final_text: str) -> float:
+    """Dispatch on `task.kind` ('arithmetic', 'countdown', 'qa')."""
+    if task.kind == "arithmetic":
+        return arithmetic_reward(final_text, task.answer)
+    if task.kind == "countdown":
+        return countdown_reward(final_text, task.metadata["numbers"], task.metadata["target"])
+    if task.kind == "qa":
+        if task.metadata.get("match", "exact") == "numeric":
+            return numeric_match_reward(final_text, task.answer, rel_tol=task.metadata.get("tolerance", 1e-6))
+        return exact_match_reward(final_text, task.answer)
+    raise ValueError(f"task {task.task_id}: no verifier for kind {task.kind!r}")

@@ -1,0 +1,205 @@
+"""Tasks: seeded generators (arithmetic, Countdown) and a JSONL loader with line-numbered errors.
+
+JSONL: one object per line; `kind` (default: the loader's `default_kind`) picks the fields:
+  qa          question: str, answer: str|number, [match: 'exact'|'numeric'], [tolerance: number]
+  arithmetic  expression: str (answer derived; if given it must agree)
+  countdown   numbers: [int, ...], target: int
+  all kinds   [id: str] (default '<file stem>-<line>'); blank lines are skipped.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import random
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Iterable
+
+from sfrrl_jax.agents.protocols import Task
+from sfrrl_jax.agents.tools import evaluate_arithmetic, format_number
+
+ANSWER_INSTRUCTION = "Give the final answer as <answer>N</answer>."
+
+
+class DatasetError(ValueError):
+    """A bad dataset line; the message starts with '<path>:<line>:'."""
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+def _arithmetic_steps(expression: str) -> list[list[str]]:
+    """Post-order binary steps [left, op, right, result] that evaluate `expression` one op at a time."""
+    symbols = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+    steps: list[list[str]] = []
+
+    def walk(node) -> str:
+        if isinstance(node, ast.Constant):
+            return str(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return str(-int(walk(node.operand)))
+        if isinstance(node, ast.BinOp) and type(node.op) in symbols:
+            left, right = walk(node.left), walk(node.right)
+            op = symbols[type(node.op)]
+            value = format_number(evaluate_arithmetic(f"({left}) {op} ({right})"))
+            steps.append([left, op, right, value])
+            return value
+        raise ValueError(f"unsupported syntax in arithmetic task: {ast.dump(node)[:60]}")
+
+    walk(ast.parse(expression, mode="eval").body)
+    return steps
+
+
+def arithmetic_task(expression: str, task_id: str) -> Task:
+    """A calculator task for `expression` (+ - * / and parentheses over integers)."""
+    answer = format_number(evaluate_arithmetic(expression))
+    return Task(task_id=task_id, kind="arithmetic",
+                prompt=f"Compute {expression} using the calculator tool. {ANSWER_INSTRUCTION}",
+                answer=answer, metadata={"expression": expression, "steps": _arithmetic_steps(expression)})
+
+
+def generate_arithmetic_tasks(n: int, seed: int = 0, min_ops: int = 2, max_ops: int = 4,
+                              max_digits: int = 5) -> list[Task]:
+    """`n` multi-step expressions over integers of up to `max_digits` digits (+ - * only: exact)."""
+    rng = random.Random(seed)
+
+    def number() -> str:
+        return str(rng.randint(2, 10 ** rng.randint(2, max_digits) - 1))
+
+    def build(ops: int, top: bool) -> str:
+        if ops == 0:
+            return number()
+        left_ops = rng.randint(0, ops - 1)
+        text = f"{build(left_ops, False)} {rng.choice('+-*')} {build(ops - 1 - left_ops, False)}"
+        return text if top else f"({text})"
+
+    return [arithmetic_task(build(rng.randint(min_ops, max_ops), True), f"arith-{seed}-{i}") for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- countdown
+
+def countdown_task(numbers: list[int], target: int, task_id: str, solution: str | None = None) -> Task:
+    prompt = (f"Using the numbers {numbers}, each at most once, and the operations + - * /, reach {target}. "
+              "You may run Python code with the python tool. Give the expression as <answer>expression</answer>.")
+    return Task(task_id=task_id, kind="countdown", prompt=prompt, answer=solution,
+                metadata={"numbers": list(numbers), "target": target})
+
+
+def generate_countdown_tasks(n: int, seed: int = 0, count: int = 4, max_number: int = 100,
+                             max_target: int = 1000) -> list[Task]:
+    """Solvable instances: the target is the value of a random expression over a subset of the numbers."""
+    rng = random.Random(seed)
+    tasks = []
+    while len(tasks) < n:
+        numbers = [rng.randint(1, max_number) for _ in range(count)]
+        chosen = rng.sample(numbers, rng.randint(2, count))
+        expr, value = str(chosen[0]), Fraction(chosen[0])
+        for x in chosen[1:]:
+            op = rng.choice("+-*/")
+            if op == "/" and (x == 0 or (value / x).denominator != 1):
+                op = "+"
+            expr, value = f"({expr} {op} {x})", eval_fraction(value, op, x)
+        if value.denominator == 1 and 1 <= value <= max_target:
+            tasks.append(countdown_task(numbers, int(value), f"countdown-{seed}-{len(tasks)}", solution=expr))
+    return tasks
+
+
+def eval_fraction(a: Fraction, op: str, b: int) -> Fraction:
+    return {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op]
+
+
+# ----------------------------------------------------------------------------- JSONL
+
+_KIND_FIELDS = {"qa": ("question", "answer"), "arithmetic": ("expression",), "countdown": ("numbers", "target")}
+
+
+def _task_from_record(record: dict, where: str, default_id: str, default_kind: str) -> Task:
+    kind = record.get("kind", default_kind)
+    if kind not in _KIND_FIELDS:
+        raise DatasetError(f"{where}: field 'kind' must be one of {sorted(_KIND_FIELDS)}, got {kind!r}")
+    for field in _KIND_FIELDS[kind]:
+        if field not in record:
+            raise DatasetError(f"{where}: missing required field {field!r} (kind {kind!r})")
+    task_id = record.get("id", default_id)
+    if not isinstance(task_id, str) or not task_id:
+        raise DatasetError(f"{where}: field 'id' must be a non-empty string, got {task_id!r}")
+    if kind == "qa":
+        question, answer = record["question"], record["answer"]
+        if not isinstance(question, str):
+            raise DatasetError(f"{where}: field 'question' must be a string, got {type(question).__name__}")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise DatasetError(f"{where}: field 'answer' must be a string or number, got {type(answer).__name__}")
+        match = record.get("match", "exact")
+        if match not in ("exact", "numeric"):
+            raise DatasetError(f"{where}: field 'match' must be 'exact' or 'numeric', got {match!r}")
+        metadata: dict[str, Any] = {"match": match}
+        if "tolerance" in record:
+            tol = record["tolerance"]
+            if isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol < 0:
+                raise DatasetError(f"{where}: field 'tolerance' must be a non-negative number, got {tol!r}")
+            metadata["tolerance"] = float(tol)
+        return Task(task_id=task_id, kind="qa", prompt=f"{question} {ANSWER_INSTRUCTION}", answer=str(answer),
+                    metadata=metadata)
+    if kind == "arithmetic":
+        expression = record["expression"]
+        if not isinstance(expression, str):
+            raise DatasetError(f"{where}: field 'expression' must be a string, got {type(expression).__name__}")
+        try:
+            task = arithmetic_task(expression, task_id)
+        except (ValueError, SyntaxError) as e:
+            raise DatasetError(f"{where}: field 'expression' is not a valid arithmetic expression: {e}") from None
+        if "answer" in record and str(record["answer"]) != task.answer:
+            raise DatasetError(f"{where}: field 'answer' {record['answer']!r} disagrees with the expression's "
+                               f"value {task.answer}")
+        return task
+    numbers, target = record["numbers"], record["target"]
+    if not isinstance(numbers, list) or not numbers or not all(type(x) is int for x in numbers):
+        raise DatasetError(f"{where}: field 'numbers' must be a non-empty list of integers, got {numbers!r}")
+    if type(target) is not int:
+        raise DatasetError(f"{where}: field 'target' must be an integer, got {target!r}")
+    return countdown_task(numbers, target, task_id, solution=record.get("solution"))
+
+
+def load_tasks_jsonl(path: str | os.PathLike, default_kind: str = "qa") -> list[Task]:
+    """Tasks from a JSONL file; any bad line raises DatasetError naming the line and the field."""
+    path = Path(path)
+    tasks, seen = [], {}
+    with path.open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from None
+            if not isinstance(record, dict):
+                raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            task = _task_from_record(record, where, f"{path.stem}-{lineno}", default_kind)
+            if task.task_id in seen:
+                raise DatasetError(f"{where}: duplicate id {task.task_id!r} (first on line {seen[task.task_id]})")
+            seen[task.task_id] = lineno
+            tasks.append(task)
+    return tasks
+
+
+def task_to_record(task: Task) -> dict:
+    """The JSONL record `load_tasks_jsonl` reads back into an equal task."""
+    record: dict[str, Any] = {"id": task.task_id, "kind": task.kind}
+    if task.kind == "qa":
+        record.update(question=task.prompt[: -len(ANSWER_INSTRUCTION) - 1], answer=task.answer, **task.metadata)
+    elif task.kind == "arithmetic":
+        record["expression"] = task.metadata["expression"]
+    elif task.kind == "countdown":
+        record.update(numbers=task.metadata["numbers"], target=task.metadata["target"])
+        if task.answer is not None:
+            record["solution"] = task.answer
+    return record
+
+
+def save_tasks_jsonl(tasks: Iterable[Task], path: str | os.PathLike) -> Path:
+    path = Path(path)
+    with path.open("w") as f:
+        for task in tasks:
+            f.write(json.dumps(task_to_record(task)) + "\n")
+    return path

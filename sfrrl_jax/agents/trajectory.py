@@ -1,0 +1,105 @@
+"""Token-in-token-out trajectories.
+
+Layout of `tokens` (length T): prompt | gen_0 | obs_0 | gen_1 | obs_1 | ... | gen_last.
+`loss_mask[t]` is 1 exactly on policy-generated tokens (the gen_i spans, stop tokens included);
+`rollout_logprobs[t]` is the engine's log-prob there and 0.0 where the mask is 0. Generated tokens
+are stored as the engine returned them, never re-tokenized; observations are the chat template's
+delta, tokenized once and appended.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One generate(+tools) round. Spans are [start, end) offsets into `Trajectory.tokens`."""
+
+    index: int
+    gen_start: int
+    gen_end: int
+    obs_end: int  # == gen_end when nothing was appended after this turn
+    engine_finish_reason: str
+    generate_s: float
+    tools_s: float
+    num_tool_calls: int
+    num_tool_errors: int
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """A finished (or in-progress) trajectory. All per-token lists have the same length T."""
+
+    task_id: str
+    group_id: str
+    sample_index: int
+    prompt_len: int
+    tokens: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    finish_reason: str = ""  # answer | max_turns | max_tokens | length | wall_budget
+    reward: float | None = None
+    final_text: str = ""
+    messages: list[dict] = dataclasses.field(default_factory=list)
+    wall_s: float = 0.0
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_tool_calls(self) -> int:
+        return sum(t.num_tool_calls for t in self.turns)
+
+    @property
+    def num_tool_errors(self) -> int:
+        return sum(t.num_tool_errors for t in self.turns)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    def check(self) -> None:
+        """Raise ValueError if the per-token lists or turn spans are inconsistent."""
+        n = len(self.tokens)
+        if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
+            raise ValueError(f"trajectory {self.task_id}/{self.sample_index}: tokens={n}, "
+                             f"loss_mask={len(self.loss_mask)}, rollout_logprobs={len(self.rollout_logprobs)}")
+        pos = self.prompt_len
+        for turn in self.turns:
+            if not pos == turn.gen_start <= turn.gen_end <= turn.obs_end <= n:
+                raise ValueError(f"trajectory {self.task_id}/{self.sample_index}: turn {turn.index} spans "
+                                 f"[{turn.gen_start}, {turn.gen_end}, {turn.obs_end}) do not tile from {pos}")
+            pos = turn.obs_end
+        expected = [0] * n
+        for turn in self.turns:
+            expected[turn.gen_start:turn.gen_end] = [1] * (turn.gen_end - turn.gen_start)
+        if expected != list(self.loss_mask):
+            raise ValueError(f"trajectory {self.task_id}/{self.sample_index}: loss_mask is not 1 exactly on turns")
+
+
+class TrajectoryBuilder:
+    """Appends generated spans (mask 1) and observation spans (mask 0) to a prompt."""
+
+    def __init__(self, task_id: str, group_id: str, sample_index: int, prompt_tokens: list[int]):
+        self.trajectory = Trajectory(
+            task_id=task_id, group_id=group_id, sample_index=sample_index, prompt_len=len(prompt_tokens),
+            tokens=list(prompt_tokens), loss_mask=[0] * len(prompt_tokens),
+            rollout_logprobs=[0.0] * len(prompt_tokens))
+
+    def __len__(self) -> int:
+        return len(self.trajectory.tokens)
+
+    def append_generated(self, tokens: list[int], logprobs: list[float]) -> tuple[int, int]:
+        t = self.trajectory
+        start = len(t.tokens)
+        t.tokens += tokens
+        t.loss_mask += [1] * len(tokens)
+        t.rollout_logprobs += [float(x) for x in logprobs]
+        return start, len(t.tokens)
+
+    def append_observation(self, tokens: list[int]) -> int:
+        t = self.trajectory
+        t.tokens += tokens
+        t.loss_mask += [0] * len(tokens)
+        t.rollout_logprobs += [0.0] * len(tokens)
+        return len(t.tokens)

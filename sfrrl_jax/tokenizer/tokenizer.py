@@ -1,0 +1,153 @@
+"""Load any HF tokenizer directory (ours or e.g. Qwen3's) with `tokenizers` + `jinja2` only.
+
+`Tokenizer.apply_chat_template` renders the directory's own chat template and tokenizes it the
+way transformers does (special-token strings in the text map to their ids; nothing is added).
+`Tokenizer.render_delta` renders only what follows the last assistant turn (tool results and the
+next generation prompt), for appending to a trajectory whose generated tokens stay as generated.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from sfrrl_jax.tokenizer.chat_template import ChatTemplateError, compile_chat_template
+
+# Tried in order when a directory does not name its end-of-turn token (`end_of_turn_token`).
+_KNOWN_END_OF_TURN = ("<|end|>", "<|im_end|>", "<|eot_id|>", "<|return|>", "<end_of_turn>")
+
+
+class TemplateDeltaError(ValueError):
+    """The chat template is not append-only at this point, so a delta cannot be rendered."""
+
+
+def _token_string(value: Any) -> str | None:
+    if isinstance(value, Mapping):  # HF AddedToken serialisation
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """A tokenizer plus its chat template. Ids are plain Python ints."""
+
+    def __init__(self, hf_tokenizer: HFTokenizer, config: Mapping[str, Any], chat_template: str | None,
+                 name: str = "<memory>"):
+        self.hf = hf_tokenizer
+        self.config = dict(config)
+        self.name = name
+        self.chat_template_source = chat_template
+        self._template = compile_chat_template(chat_template) if chat_template else None
+        self.bos_token = _token_string(config.get("bos_token"))
+        self.eos_token = _token_string(config.get("eos_token"))
+        self.pad_token = _token_string(config.get("pad_token"))
+        eot = _token_string(config.get("end_of_turn_token"))
+        if eot is None:  # a known end-of-turn token that the chat template actually writes, else eos
+            eot = next((t for t in _KNOWN_END_OF_TURN
+                        if hf_tokenizer.token_to_id(t) is not None and t in (chat_template or "")), self.eos_token)
+        self.end_of_turn_token = eot
+        for field in ("bos_token", "eos_token", "pad_token", "end_of_turn_token"):
+            token = getattr(self, field)
+            if token is not None and hf_tokenizer.token_to_id(token) is None:
+                raise ValueError(f"{name}: {field} {token!r} is not in the vocabulary")
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self.hf.token_to_id(token)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._id(self.bos_token)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._id(self.eos_token)
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._id(self.pad_token)
+
+    @property
+    def end_of_turn_id(self) -> int | None:
+        return self._id(self.end_of_turn_token)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Tokens that end an assistant turn: end-of-turn, then eos (deduplicated)."""
+        ids = [i for i in (self.end_of_turn_id, self.eos_id) if i is not None]
+        return tuple(dict.fromkeys(ids))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.hf.id_to_token(token_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings become their ids; no bos/eos is added."""
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+               add_generation_prompt: bool = False, **template_kwargs: Any) -> str:
+        """The chat template's text for `messages` (HF semantics, incl. the `tools` variable)."""
+        if self._template is None:
+            raise ChatTemplateError(f"{self.name}: the tokenizer directory has no chat_template")
+        return self._template.render(
+            messages=list(messages), tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "", pad_token=self.pad_token or "", **template_kwargs)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            add_generation_prompt: bool = False, **template_kwargs: Any) -> list[int]:
+        return self.encode(self.render(messages, tools, add_generation_prompt, **template_kwargs))
+
+    def render_delta(self, history: Sequence[Mapping[str, Any]], new_messages: Sequence[Mapping[str, Any]],
+                     tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
+                     stop_text: str | None = None, **template_kwargs: Any) -> list[int]:
+        """Tokens to append after the assistant's last turn, which ended with `stop_text`.
+
+        `history` ends with that assistant message. The delta is the full render of
+        `history + new_messages` minus the render of `history` cut right after its last
+        `stop_text` (the end-of-turn token by default): prefix tokens + generated tokens + delta
+        then equal the full render, token for token, whenever the cut is a token boundary (it is
+        for special-token stops). Raises TemplateDeltaError if the template is not append-only.
+        """
+        stop_text = stop_text or self.end_of_turn_token
+        before = self.render(history, tools, add_generation_prompt=False, **template_kwargs)
+        cut = before.rfind(stop_text)
+        if cut < 0:
+            raise TemplateDeltaError(f"{self.name}: the rendered history has no {stop_text!r} to cut after")
+        prefix = before[:cut + len(stop_text)]
+        after = self.render(list(history) + list(new_messages), tools, add_generation_prompt, **template_kwargs)
+        if not after.startswith(prefix):
+            at = next((i for i, (a, b) in enumerate(zip(prefix, after)) if a != b), min(len(prefix), len(after)))
+            raise TemplateDeltaError(
+                f"{self.name}: chat template re-renders history differently once new messages follow "
+                f"(first difference at char {at}: {prefix[at:at + 40]!r} vs {after[at:at + 40]!r})")
+        return self.encode(after[len(prefix):])
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load `tokenizer.json` + `tokenizer_config.json` (+ `chat_template.jinja` if present) from `path`."""
+    directory = Path(path)
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"{directory}: no tokenizer.json")
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):  # HF allows a list of named templates
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    jinja_file = directory / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text()
+    return Tokenizer(HFTokenizer.from_file(str(tokenizer_file)), config, template, name=str(directory))
