@@ -1,0 +1,155 @@
+"""Advantage estimators of the GRPO family, from outcome rewards of grouped samples.
+
+Rewards come as `[groups, G]`: the G samples of one prompt form a group. Every estimator returns
+advantages of the same shape; `broadcast_to_tokens` turns per-sample advantages into the per-token
+`[batch, seq]` layout the loss takes. Groups with no contrast (G = 1, or all rewards equal) get
+advantage 0 from the group-baselined estimators: they carry no learning signal.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from sfrrl_jax.rl.config import AdvantageConfig
+from sfrrl_jax.rl.kl import kl_estimate
+
+
+def _check_grouped(rewards: jnp.ndarray, fn: str) -> None:
+    if rewards.ndim != 2:
+        raise ValueError(f"{fn}: rewards must be [groups, G], got shape {tuple(rewards.shape)}")
+
+
+def _group_std(rewards: jnp.ndarray, ddof: int) -> jnp.ndarray:
+    """Per-group std, [groups, 1]; 0 where the group is too small for the requested ddof."""
+    g = rewards.shape[-1]
+    if g - ddof <= 0:
+        return jnp.zeros(rewards.shape[:-1] + (1,), rewards.dtype)
+    return jnp.std(rewards, axis=-1, keepdims=True, ddof=ddof)
+
+
+def grpo_advantages(rewards: jnp.ndarray, eps: float = 1e-6, std_ddof: int = 0) -> jnp.ndarray:
+    """GRPO: (r - group mean) / (group std + eps). rewards, result: [groups, G]."""
+    _check_grouped(rewards, "grpo_advantages")
+    centred = rewards - jnp.mean(rewards, axis=-1, keepdims=True)
+    return centred / (_group_std(rewards, std_ddof) + eps)
+
+
+def dr_grpo_advantages(rewards: jnp.ndarray) -> jnp.ndarray:
+    """Dr. GRPO: r - group mean (no std normalisation). rewards, result: [groups, G]."""
+    _check_grouped(rewards, "dr_grpo_advantages")
+    return rewards - jnp.mean(rewards, axis=-1, keepdims=True)
+
+
+def rloo_advantages(rewards: jnp.ndarray) -> jnp.ndarray:
+    """RLOO: r_i - mean_{j != i} r_j = G/(G-1) * (r_i - group mean). [groups, G] -> [groups, G].
+
+    A group of one sample has no leave-one-out baseline: its advantage is 0.
+    """
+    _check_grouped(rewards, "rloo_advantages")
+    g = rewards.shape[-1]
+    if g == 1:
+        return jnp.zeros_like(rewards)
+    return (g / (g - 1)) * (rewards - jnp.mean(rewards, axis=-1, keepdims=True))
+
+
+def _masked_whiten(x: jnp.ndarray, mask: jnp.ndarray | None, eps: float, ddof: int) -> jnp.ndarray:
+    """(x - mean) / (std + eps) over the entries where mask is set; masked-out entries give 0."""
+    m = jnp.ones_like(x) if mask is None else mask.astype(x.dtype)
+    n = jnp.sum(m)
+    mean = jnp.sum(x * m) / jnp.maximum(n, 1.0)
+    var = jnp.sum(jnp.square(x - mean) * m) / jnp.maximum(n - ddof, 1.0)
+    var = jnp.where(n - ddof > 0, var, 0.0)
+    return (x - mean) / (jnp.sqrt(var) + eps) * m
+
+
+def reinforce_pp_advantages(
+    rewards: jnp.ndarray,
+    mask: jnp.ndarray | None = None,
+    eps: float = 1e-6,
+    std_ddof: int = 0,
+    group_baseline: bool = False,
+) -> jnp.ndarray:
+    """REINFORCE++: rewards whitened over the whole batch (global mean and std).
+
+    rewards: [groups, G] (or any shape); mask (same shape, optional): samples that count in the
+    batch statistics (e.g. those that survived filtering); masked-out samples get advantage 0.
+    group_baseline=True (REINFORCE++-baseline) subtracts each group's mean first.
+    """
+    x = rewards
+    if group_baseline:
+        _check_grouped(rewards, "reinforce_pp_advantages(group_baseline=True)")
+        x = dr_grpo_advantages(rewards)
+    return _masked_whiten(x, mask, eps, std_ddof)
+
+
+def compute_advantages(
+    rewards: jnp.ndarray, cfg: AdvantageConfig, mask: jnp.ndarray | None = None
+) -> jnp.ndarray:
+    """Dispatches on `cfg.estimator`. rewards: [groups, G] -> advantages [groups, G].
+
+    `mask` is only used by the batch-normalised estimators (REINFORCE++), whose statistics span
+    groups; group estimators are unaffected by other groups by construction.
+    """
+    est = cfg.estimator
+    if est == "grpo":
+        return grpo_advantages(rewards, cfg.eps, cfg.std_ddof)
+    if est == "dr_grpo":
+        return dr_grpo_advantages(rewards)
+    if est == "rloo":
+        return rloo_advantages(rewards)
+    if est in ("reinforce_pp", "reinforce_pp_baseline"):
+        return reinforce_pp_advantages(rewards, mask, cfg.eps, cfg.std_ddof,
+                                       group_baseline=est == "reinforce_pp_baseline")
+    raise ValueError(f"compute_advantages: unknown estimator {est!r}")
+
+
+def broadcast_to_tokens(advantages: jnp.ndarray, loss_mask: jnp.ndarray) -> jnp.ndarray:
+    """Per-sample advantages -> per-token [batch, seq], zero where loss_mask is 0.
+
+    advantages: [batch] or [groups, G] (flattened row-major to [groups * G] = batch);
+    loss_mask: [batch, seq].
+    """
+    adv = jnp.reshape(advantages, (-1,))
+    if loss_mask.ndim != 2 or adv.shape[0] != loss_mask.shape[0]:
+        raise ValueError(
+            f"broadcast_to_tokens: advantages {tuple(advantages.shape)} hold {adv.shape[0]} samples "
+            f"but loss_mask is {tuple(loss_mask.shape)} (need [batch, seq] with batch = samples)"
+        )
+    return adv[:, None] * loss_mask.astype(adv.dtype)
+
+
+def kl_shaped_rewards(
+    rewards: jnp.ndarray,
+    logprobs: jnp.ndarray,
+    ref_logprobs: jnp.ndarray,
+    loss_mask: jnp.ndarray,
+    coef: float,
+    estimator: str = "k1",
+) -> jnp.ndarray:
+    """KL as reward shaping: r - coef * sum over the sample's loss tokens of KL(pi || ref).
+
+    rewards: [batch]; logprobs / ref_logprobs / loss_mask: [batch, seq] (log-probs of the sampled
+    tokens under the sampling policy and the reference). Returns [batch].
+    """
+    kl = kl_estimate(logprobs, ref_logprobs, estimator) * loss_mask
+    return rewards - coef * jnp.sum(kl, axis=-1)
+
+
+def reinforce_pp_token_advantages(
+    rewards: jnp.ndarray,
+    loss_mask: jnp.ndarray,
+    kl: jnp.ndarray | None = None,
+    kl_coef: float = 0.0,
+    eps: float = 1e-6,
+) -> jnp.ndarray:
+    """REINFORCE++ with per-token KL shaping (gamma = 1), whitened over all loss tokens.
+
+    The return of token t is the outcome reward minus kl_coef times the KL still to come:
+    G_t = r - kl_coef * sum_{s >= t} kl_s (loss tokens only). rewards: [batch]; loss_mask, kl:
+    [batch, seq]. Returns token advantages [batch, seq] (0 off the loss mask).
+    """
+    m = loss_mask.astype(jnp.float32)
+    returns = jnp.broadcast_to(rewards[:, None], m.shape).astype(jnp.float32)
+    if kl is not None and kl_coef != 0.0:
+        future_kl = jnp.flip(jnp.cumsum(jnp.flip(kl * m, -1), -1), -1)
+        returns = returns - kl_coef * future_kl
+    return _masked_whiten(returns, m, eps, 0)

@@ -1,0 +1,167 @@
+"""Frozen configs of the RL math: advantage estimators, the policy/SFT loss, filters.
+
+Everything here is plain data (hashable, so it can be a static argument of `jax.jit`). Values are
+checked in `__post_init__`; a bad value raises naming the field and the valid choices.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+Objective = Literal["policy", "sft"]
+PolicyLoss = Literal["ppo", "gspo"]
+Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+Behavior = Literal["current", "rollout", "old"]
+KLEstimator = Literal["k1", "k2", "k3"]
+ISCorrection = Literal["none", "tis", "mis"]
+ISLevel = Literal["token", "sequence", "geo_sequence"]
+
+
+def _check_choice(owner: str, name: str, value, allowed) -> None:
+    if value not in allowed.__args__:
+        raise ValueError(f"{owner}.{name}={value!r}; valid: {list(allowed.__args__)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    """How per-sample advantages are computed from `[groups, G]` rewards.
+
+    estimator:
+      grpo                   (r - group mean) / (group std + eps)
+      dr_grpo                r - group mean (Dr. GRPO: no std, and no length normalisation, which
+                             is the loss aggregation's job: use 'seq_mean_token_sum_norm')
+      rloo                   r - mean of the *other* G-1 samples of the group
+      reinforce_pp           (r - batch mean) / (batch std + eps)   (REINFORCE++)
+      reinforce_pp_baseline  group mean subtracted first, then batch-std normalised
+    std_ddof: 0 = population std, 1 = unbiased (groups of one sample then have std 0).
+    """
+
+    estimator: AdvantageEstimator = "grpo"
+    eps: float = 1e-6
+    std_ddof: int = 0
+
+    def __post_init__(self):
+        _check_choice("AdvantageConfig", "estimator", self.estimator, AdvantageEstimator)
+        if self.std_ddof not in (0, 1):
+            raise ValueError(f"AdvantageConfig.std_ddof must be 0 or 1, got {self.std_ddof!r}")
+        if not self.eps >= 0:
+            raise ValueError(f"AdvantageConfig.eps must be >= 0, got {self.eps!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """The train-step objective.
+
+    objective: 'policy' (clipped policy gradient, below) or 'sft' (masked NLL of the loss tokens).
+    policy_loss: 'ppo' (token ratio) or 'gspo' (sequence ratio = exp(mean token log-ratio)).
+    clip_low / clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher:
+      clip_high > clip_low).
+    dual_clip: None, or c > 1: for negative advantages the per-token loss is capped at -c * A.
+    aggregation: how per-token losses become one scalar over the whole (accumulated) batch:
+      token_mean               sum over all loss tokens / number of loss tokens
+      seq_mean_token_sum       sum over all loss tokens / number of sequences
+      seq_mean_token_mean      mean over sequences of the per-sequence token mean
+      seq_mean_token_sum_norm  sum over all loss tokens / (sequences * norm_length)  (Dr. GRPO)
+    behavior: which log-probs the PPO/GSPO ratio is taken against:
+      current  stop_gradient(current log-probs): exact on-policy with one update per batch (the
+               ratio is 1 in value; train/inference mismatch is then corrected with `is_correction`)
+      rollout  the engine's rollout log-probs (the behaviour policy as sampled)
+      old      `old_logprobs` from the batch (a training-engine forward of the sampling weights)
+    kl_coef / kl_estimator: KL(pi || ref) penalty added to the loss (needs `ref_logprobs`);
+      coefficient 0 disables it. For KL as reward shaping use `rl.advantages.kl_shaped_rewards`
+      before computing advantages and keep kl_coef = 0 here.
+    entropy_coef: the aggregated token entropy times this is subtracted from the loss.
+    is_correction: train/inference mismatch correction with w = pi_behavior / pi_rollout:
+      'tis' multiplies the loss by min(w, is_cap); 'mis' (IcePop-style) multiplies it by w where
+      is_low <= w <= is_high and masks the token (or sequence) otherwise.
+    is_level: 'token' (per-token w), 'sequence' (w = product over the sequence's tokens),
+      'geo_sequence' (w = geometric mean over the sequence's tokens).
+    router_aux_coef / router_z_coef: coefficients of the model's router losses; None takes them
+      from the ModelConfig.
+    vocab_chunk / seq_chunk: chunk sizes of the logprob computation (never materialises [T, V]).
+    """
+
+    objective: Objective = "policy"
+    policy_loss: PolicyLoss = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    aggregation: Aggregation = "token_mean"
+    norm_length: int | None = None
+    behavior: Behavior = "current"
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    entropy_coef: float = 0.0
+    is_correction: ISCorrection = "none"
+    is_level: ISLevel = "token"
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
+    router_aux_coef: float | None = None
+    router_z_coef: float | None = None
+    vocab_chunk: int = 8192
+    seq_chunk: int = 1024
+
+    def __post_init__(self):
+        own = "LossConfig"
+        _check_choice(own, "objective", self.objective, Objective)
+        _check_choice(own, "policy_loss", self.policy_loss, PolicyLoss)
+        _check_choice(own, "aggregation", self.aggregation, Aggregation)
+        _check_choice(own, "behavior", self.behavior, Behavior)
+        _check_choice(own, "kl_estimator", self.kl_estimator, KLEstimator)
+        _check_choice(own, "is_correction", self.is_correction, ISCorrection)
+        _check_choice(own, "is_level", self.is_level, ISLevel)
+        if not (0.0 <= self.clip_low < 1.0):
+            raise ValueError(f"{own}.clip_low must be in [0, 1), got {self.clip_low!r}")
+        if not self.clip_high >= 0.0:
+            raise ValueError(f"{own}.clip_high must be >= 0, got {self.clip_high!r}")
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"{own}.dual_clip must be None or > 1, got {self.dual_clip!r}")
+        if self.aggregation == "seq_mean_token_sum_norm":
+            if self.norm_length is None or self.norm_length < 1:
+                raise ValueError(
+                    f"{own}.aggregation='seq_mean_token_sum_norm' needs norm_length >= 1 "
+                    f"(e.g. the max response length), got {self.norm_length!r}"
+                )
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(f"{own}.kl_coef and entropy_coef must be >= 0, got "
+                             f"{self.kl_coef!r}, {self.entropy_coef!r}")
+        if not self.is_cap > 0:
+            raise ValueError(f"{own}.is_cap must be > 0, got {self.is_cap!r}")
+        if not (0 <= self.is_low <= 1.0 <= self.is_high):
+            raise ValueError(f"{own}: need 0 <= is_low <= 1 <= is_high, got "
+                             f"is_low={self.is_low!r}, is_high={self.is_high!r}")
+        for k in ("vocab_chunk", "seq_chunk"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{own}.{k} must be >= 1, got {getattr(self, k)!r}")
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether the aggregation's normaliser counts sequences (else loss tokens)."""
+        return self.aggregation != "token_mean"
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlongConfig:
+    """Overlong handling (DAPO). `max_length` is the response budget in tokens.
+
+    mode 'mask' (overlong filtering): a response that was truncated (reached max_length without
+    finishing) is dropped from the loss. 'soft' (overlong punishment): the reward gets a penalty
+    that grows linearly from 0 at length max_length - buffer to -penalty at max_length, and stays
+    at -penalty beyond.
+    """
+
+    mode: Literal["mask", "soft"] = "soft"
+    max_length: int = 4096
+    buffer: int = 512
+    penalty: float = 1.0
+
+    def __post_init__(self):
+        if self.mode not in ("mask", "soft"):
+            raise ValueError(f"OverlongConfig.mode={self.mode!r}; valid: ['mask', 'soft']")
+        if self.max_length < 1 or not (0 <= self.buffer <= self.max_length):
+            raise ValueError(f"OverlongConfig: need max_length >= 1 and 0 <= buffer <= max_length, "
+                             f"got max_length={self.max_length!r}, buffer={self.buffer!r}")
+        if self.penalty < 0:
+            raise ValueError(f"OverlongConfig.penalty must be >= 0, got {self.penalty!r}")

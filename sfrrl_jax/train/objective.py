@@ -1,0 +1,95 @@
+"""The loss of one (micro-)batch: model forward -> chunked log-probs -> RL / SFT objective.
+
+Shift convention. A batch stores, per position t of `tokens` [batch, seq], the loss-mask bit, the
+advantage and the rollout log-prob *of token t* (aligned to the token they belong to; position 0
+is never a target). The model's hidden state at position t predicts token t+1, so every per-token
+quantity here lives in "target-aligned" [batch, seq] arrays where column t is the prediction of
+token t+1: they are the stored arrays shifted left by one, and the last column is always masked.
+Keeping the full length avoids copying the hidden states to drop their last position.
+
+Packed rows (segment_ids): a target only counts if it lies in the same (non-padding) segment as
+the position predicting it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from sfrrl_jax.rl.aggregation import SequenceLayout
+from sfrrl_jax.rl.config import LossConfig
+from sfrrl_jax.rl.logprobs import token_logprobs_and_entropy
+from sfrrl_jax.rl.losses import ObjectiveParts, policy_objective, sft_objective
+
+# forward_fn(params, tokens, segment_ids, positions) -> (hidden [batch, seq, embed],
+#   unembedding [embed, vocab], aux dict of scalars incl. 'router_aux_loss', 'router_z_loss')
+ForwardFn = Callable
+
+ROUTER_METRICS = ("router_aux_loss", "router_z_loss")
+
+
+def shift_left(x: jnp.ndarray) -> jnp.ndarray:
+    """[batch, seq, ...] -> same shape, x[:, t + 1] at t, zeros in the last column."""
+    return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+
+
+def target_mask(loss_mask: jnp.ndarray, segment_ids: jnp.ndarray | None) -> jnp.ndarray:
+    """Target-aligned float mask: token t+1 is a loss token predicted from inside its segment."""
+    m = shift_left(loss_mask.astype(jnp.float32))
+    if segment_ids is not None:
+        nxt = shift_left(segment_ids)
+        m = m * ((nxt == segment_ids) & (nxt > 0)).astype(jnp.float32)
+    return m
+
+
+def objective_from_logprobs(
+    loss_cfg: LossConfig,
+    logp: jnp.ndarray,
+    entropy: jnp.ndarray,
+    batch: dict,
+) -> ObjectiveParts:
+    """The objective given target-aligned log-probs/entropy [batch, seq] and the stored batch."""
+    seg = batch.get("segment_ids")
+    mask = target_mask(batch["loss_mask"], seg)
+    layout = SequenceLayout(mask.shape, None if seg is None else shift_left(seg))
+    if loss_cfg.objective == "sft":
+        return sft_objective(logp, entropy, mask, layout, loss_cfg)
+    adv = batch["advantages"].astype(jnp.float32)
+    if adv.ndim == 1:  # one advantage per row (unpacked rows only; checked by the caller)
+        adv = jnp.broadcast_to(adv[:, None], mask.shape)
+    shifted = lambda k: None if batch.get(k) is None else shift_left(batch[k].astype(jnp.float32))
+    return policy_objective(
+        logp, entropy, mask, shift_left(adv), shifted("rollout_logprobs"), layout, loss_cfg,
+        old_logp=shifted("old_logprobs"), ref_logp=shifted("ref_logprobs"),
+    )
+
+
+def microbatch_objective(
+    forward_fn: ForwardFn,
+    loss_cfg: LossConfig,
+    router_coefs: tuple[float, float],
+    params,
+    batch: dict,
+):
+    """(differentiable numerator, (ObjectiveParts, router metric sums)) of one micro-batch.
+
+    The router losses (per-forward means from the model) join the numerator weighted by this
+    micro-batch's aggregation denominator, so after accumulation the loss is
+    policy_loss + coef * (denominator-weighted mean of the micro-batches' router losses); with a
+    single micro-batch that is exactly policy_loss + coef * router_loss.
+    """
+    tokens = batch["tokens"]
+    hidden, unembed, aux = forward_fn(params, tokens, batch.get("segment_ids"), batch.get("positions"))
+    logp, entropy = token_logprobs_and_entropy(
+        hidden, unembed.astype(hidden.dtype), shift_left(tokens), loss_cfg.vocab_chunk, loss_cfg.seq_chunk)
+    parts = objective_from_logprobs(loss_cfg, logp, entropy, batch)
+    den = jax.lax.stop_gradient(parts.denominator)
+    numerator = parts.numerator
+    router_sums = {}
+    for name, coef in zip(ROUTER_METRICS, router_coefs):
+        value = jnp.asarray(aux.get(name, 0.0), jnp.float32)
+        if coef != 0.0:
+            numerator = numerator + coef * value * den
+        router_sums[name] = jax.lax.stop_gradient(value) * den
+    return numerator, (parts, router_sums)

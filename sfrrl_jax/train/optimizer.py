@@ -1,0 +1,122 @@
+"""AdamW with linear warmup + cosine decay and global-norm clipping; ZeRO-1 state shardings.
+
+The optimizer state is `{'step': int32 scalar, 'inner': optax state}`. `step` counts *applied*
+updates (a skipped non-finite update does not advance it), and is what the schedule reads.
+Params keep the shared sharding (generation reads the same arrays); the moments, which only the
+train step reads, may additionally be split over the `data` axis.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW hyper-parameters and the learning-rate schedule.
+
+    Schedule: lr = peak * (step + 1) / warmup_steps during warmup (so step 0 already moves),
+    then cosine from peak to peak * end_lr_ratio over the remaining total_steps - warmup_steps
+    steps, constant afterwards.
+    max_grad_norm: global-norm clip (None: no clipping).
+    decay_matrices_only: weight decay only on leaves with ndim >= 2 (not norms, biases, scales).
+    state_shard_axis: mesh axis the moments are further split over (None: like the params).
+    """
+
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    end_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    decay_matrices_only: bool = True
+    state_shard_axis: str | None = "data"
+
+    def __post_init__(self):
+        own = "OptimizerConfig"
+        if not self.learning_rate >= 0:
+            raise ValueError(f"{own}.learning_rate must be >= 0, got {self.learning_rate!r}")
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ValueError(f"{own}: need warmup_steps >= 0 and total_steps >= 1, got "
+                             f"{self.warmup_steps!r}, {self.total_steps!r}")
+        if not 0.0 <= self.end_lr_ratio <= 1.0:
+            raise ValueError(f"{own}.end_lr_ratio must be in [0, 1], got {self.end_lr_ratio!r}")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+            raise ValueError(f"{own}: b1, b2 must be in [0, 1), got {self.b1!r}, {self.b2!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"{own}.max_grad_norm must be None or > 0, got {self.max_grad_norm!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"{own}.weight_decay must be >= 0, got {self.weight_decay!r}")
+
+
+def learning_rate_schedule(cfg: OptimizerConfig):
+    """step (int array) -> learning rate (float32)."""
+    peak = cfg.learning_rate
+    end = peak * cfg.end_lr_ratio
+    warm = cfg.warmup_steps
+    decay_len = max(cfg.total_steps - warm, 1)
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm_lr = peak * jnp.minimum((step + 1.0) / max(warm, 1), 1.0)
+        progress = jnp.clip((step - warm) / decay_len, 0.0, 1.0)
+        cos_lr = end + (peak - end) * 0.5 * (1.0 + jnp.cos(math.pi * progress))
+        return jnp.where(step < warm, warm_lr, cos_lr)
+
+    return schedule
+
+
+def build_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    """clip_by_global_norm (optional) -> AdamW with the schedule."""
+    mask = (lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)) if cfg.decay_matrices_only else None
+    adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=mask)
+    if cfg.max_grad_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+
+
+def _with_extra_axis(sharding: NamedSharding, shape, axis: str | None) -> NamedSharding:
+    """The param's sharding with `axis` added on the first unsharded dim it divides."""
+    mesh = sharding.mesh
+    if axis is None or axis not in mesh.shape or mesh.shape[axis] == 1:
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    used = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    if axis in used:
+        return sharding
+    for i, (dim, entry) in enumerate(zip(shape, spec)):
+        if entry is None and dim % mesh.shape[axis] == 0:
+            return NamedSharding(mesh, P(*spec[:i], axis, *spec[i + 1:]))
+    return sharding
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params, cfg: OptimizerConfig):
+    """Shardings of `{'step', 'inner'}` for params (arrays or ShapeDtypeStructs with .sharding).
+
+    Param-shaped state (the moments) follows each param's sharding plus `cfg.state_shard_axis`;
+    everything else (counts) is replicated.
+    """
+    leaves = jax.tree.leaves(params)
+    if not leaves or not isinstance(getattr(leaves[0], "sharding", None), NamedSharding):
+        raise ValueError("opt_state_shardings: params must be jax.Arrays with a NamedSharding")
+    mesh = leaves[0].sharding.mesh
+    replicated = NamedSharding(mesh, P())
+    param_sh = jax.tree.map(lambda p: p.sharding, params)
+    abstract = jax.eval_shape(tx.init, jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params))
+    inner = optax.tree_map_params(
+        tx,
+        lambda leaf, sh: _with_extra_axis(sh, leaf.shape, cfg.state_shard_axis),
+        abstract,
+        param_sh,
+        transform_non_params=lambda _: replicated,
+    )
+    return {"step": replicated, "inner": inner}
