@@ -52,8 +52,13 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # 'stop' | 'length'
     slot_handle: Any = None
+    # log p(tokens[i]) under the policy at temperature 1 (what the train forward computes);
+    # None when the engine does not provide it.
+    raw_logprobs: list[float] | None = None
 
     def __post_init__(self):
+        if self.raw_logprobs is not None and len(self.raw_logprobs) != len(self.tokens):
+            raise ValueError(f"Completion has {len(self.tokens)} tokens but {len(self.raw_logprobs)} raw_logprobs")
         if len(self.tokens) != len(self.logprobs):
             raise ValueError(f"Completion has {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
         if self.finish_reason not in ("stop", "length"):

@@ -9,7 +9,7 @@ import pytest
 import sfrrl_jax as S
 from sfrrl_jax.models import transformer as tfm
 
-from .helpers import TINY, TINY_GPT_OSS, TINY_MIXTRAL, host, randomize, replicate_on, single_device_mesh
+from model_fixtures import TINY, TINY_GPT_OSS, TINY_MIXTRAL, host, randomize, replicate_on, single_device_mesh
 
 CASES = {
     "qwen3": TINY,

@@ -9,7 +9,7 @@ import pytest
 import sfrrl_jax as S
 from sfrrl_jax.models import moe as moe_lib
 
-from .helpers import TINY, TINY_GPT_OSS, host, randomize
+from model_fixtures import TINY, TINY_GPT_OSS, host, randomize
 
 
 def _dense_reference(cfg, x, ids, weights, w):

@@ -1,0 +1,7 @@
+"""Rollout engine: KV cache, sampling, JetStream-shaped jitted steps, continuous batching."""
+from sfrrl_jax.engine.driver import Engine, EngineStats, SlotHandle
+from sfrrl_jax.engine.generate import generate
+from sfrrl_jax.engine.steps import DecodeState, EngineSteps, Prefix, ResultTokens, SlotRequest
+
+__all__ = ["Engine", "EngineStats", "SlotHandle", "generate", "DecodeState", "EngineSteps",
+           "Prefix", "ResultTokens", "SlotRequest"]

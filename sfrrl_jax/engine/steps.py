@@ -1,0 +1,289 @@
+"""Pure jitted engine steps in the shape of JetStream's Engine API, on the training params.
+
+  init_decode_state()                           -> DecodeState (KV cache for max_slots x max_len)
+  prefill(params, tokens, true_length, request) -> (Prefix, first ResultTokens)
+  insert(prefix, state, slot, request)          -> state   (slot starts decoding)
+  generate(params, state)                       -> (state, ResultTokens)   one token per slot
+  append_prefill(params, state, slot, tokens, true_length, request)
+                                                -> (state, first ResultTokens)
+  free_resource(state, slot)                    -> state
+
+`params` is whatever the train step holds: no step copies or reshards it. Token arrays are
+padded to a bucket length so each step compiles once per bucket. The cache is indexed by
+absolute position; sliding-window layers mask, they don't evict.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.engine.model_step import CACHE_AXES, extend
+from sfrrl_jax.engine.sampling import SamplingParams, sample
+from sfrrl_jax.mesh import sharding_for
+
+MAX_STOP_IDS = 8
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotRequest:
+    """One request's decoding settings (scalars, or [slots] inside DecodeState)."""
+
+    sampling: SamplingParams
+    max_new: jax.Array        # tokens to generate in this call
+    stop_ids: jax.Array       # [..., MAX_STOP_IDS] int32, -1 = unused
+
+    @staticmethod
+    def make(temperature=0.0, top_k=0, top_p=1.0, seed=0, max_new=16, stop_ids=()) -> "SlotRequest":
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        if max_new < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
+        stops = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stops[: len(stop_ids)] = stop_ids
+        sp = SamplingParams(
+            temperature=np.float32(temperature), top_k=np.int32(top_k), top_p=np.float32(top_p),
+            seed=np.uint32(seed),
+        )
+        return SlotRequest(sampling=sp, max_new=np.int32(max_new), stop_ids=stops)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """All slots' decoding state. cache_k/v [layers, slots, max_len, kv_heads, head_dim]."""
+
+    cache_k: jax.Array
+    cache_v: jax.Array
+    lengths: jax.Array     # [slots] tokens held in the cache
+    last_token: jax.Array  # [slots] sampled, not yet in the cache (fed by the next generate)
+    generated: jax.Array   # [slots] tokens generated in the current call
+    draws: jax.Array       # [slots] random draws made by the request (its random stream index)
+    active: jax.Array      # [slots] bool: decoding
+    request: SlotRequest   # fields [slots, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Prefix:
+    cache_k: jax.Array     # [layers, 1, bucket, kv_heads, head_dim]
+    cache_v: jax.Array
+    true_length: jax.Array  # scalar
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ResultTokens:
+    """Per slot: the token produced this step, its logprobs, whether it is real, whether done."""
+
+    tokens: jax.Array
+    logprobs: jax.Array      # under the sampling distribution actually used (0 for greedy)
+    raw_logprobs: jax.Array  # under the policy at temperature 1
+    valid: jax.Array         # bool: the slot produced a token this step
+    done: jax.Array          # bool: this token ended the call (stop id, max_new, or cache full)
+
+
+def _finish(state_like_request, token, generated, length, max_len):
+    stop = jnp.any(token[..., None] == state_like_request.stop_ids, axis=-1)
+    return stop | (generated >= state_like_request.max_new) | (length + 1 >= max_len)
+
+
+def _expand(tree, n):
+    return jax.tree.map(lambda x: jnp.broadcast_to(jnp.asarray(x), (n,) + jnp.shape(x)), tree)
+
+
+class EngineSteps:
+    """Jitted steps for one (cfg, mesh, max_slots, max_len); counts their compilations."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buckets=None,
+                 cache_dtype: str | None = None):
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"engine max_len={max_len} > ModelConfig.max_seq_len={cfg.max_seq_len}")
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self.cfg, self.mesh, self.max_slots, self.max_len = cfg, mesh, max_slots, max_len
+        self.buckets = tuple(sorted(buckets or _default_buckets(max_len)))
+        if self.buckets[-1] < max_len:
+            self.buckets += (max_len,)
+        self.cache_dtype = jnp.dtype(cache_dtype or cfg.compute_dtype)
+        shape = (cfg.n_layers, max_slots, max_len, cfg.n_kv_heads, cfg.head_dim)
+        self.cache_sharding = sharding_for(mesh, CACHE_AXES, shape)
+        self.slot_sharding = sharding_for(mesh, ("slots",), (max_slots,))
+        self.cache_shape = shape
+        self._init = jax.jit(self._init_impl, out_shardings=self._state_shardings())
+        self._prefill = jax.jit(self._prefill_impl)
+        self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
+        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
+        self._append = jax.jit(self._append_impl, donate_argnums=(1,))
+        self._free = jax.jit(self._free_impl, donate_argnums=(0,))
+
+    # -- sizes ----------------------------------------------------------------------------------
+    def cache_bytes(self) -> int:
+        return 2 * int(np.prod(self.cache_shape)) * self.cache_dtype.itemsize
+
+    def bucket_for(self, n: int) -> int:
+        if n < 1:
+            raise ValueError("empty token list: nothing to prefill")
+        for b in self.buckets:
+            if n <= b:
+                return b
+        raise ValueError(f"{n} tokens exceed the engine's max_len={self.max_len}")
+
+    def pad(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        out = np.zeros((1, self.bucket_for(len(tokens))), np.int32)
+        out[0, : len(tokens)] = tokens
+        if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got {tokens.min()}..{tokens.max()}")
+        return out
+
+    def compile_counts(self) -> dict:
+        return {n: getattr(self, "_" + n)._cache_size() for n in
+                ("init", "prefill", "insert", "generate", "append", "free")}
+
+    # -- public steps (entered under the mesh) ----------------------------------------------
+    def init_decode_state(self) -> DecodeState:
+        with jax.set_mesh(self.mesh):
+            return self._init()
+
+    def prefill(self, params, tokens, true_length, request: SlotRequest):
+        with jax.set_mesh(self.mesh):
+            return self._prefill(params, tokens, np.int32(true_length), request)
+
+    def insert(self, prefix: Prefix, state: DecodeState, slot: int, request: SlotRequest, first):
+        with jax.set_mesh(self.mesh):
+            return self._insert(prefix, state, np.int32(slot), request, first)
+
+    def generate(self, params, state: DecodeState, steps: int = 1):
+        with jax.set_mesh(self.mesh):
+            return self._generate(params, state, steps)
+
+    def append_prefill(self, params, state, slot, tokens, true_length, request: SlotRequest):
+        with jax.set_mesh(self.mesh):
+            return self._append(params, state, np.int32(slot), tokens, np.int32(true_length), request)
+
+    def free_resource(self, state: DecodeState, slot: int) -> DecodeState:
+        with jax.set_mesh(self.mesh):
+            return self._free(state, np.int32(slot))
+
+    # -- implementations --------------------------------------------------------------------
+    def _state_shardings(self):
+        s = self.slot_sharding
+        req = SlotRequest(
+            sampling=SamplingParams(temperature=s, top_k=s, top_p=s, seed=s), max_new=s,
+            stop_ids=sharding_for(self.mesh, ("slots", None), (self.max_slots, MAX_STOP_IDS)),
+        )
+        return DecodeState(cache_k=self.cache_sharding, cache_v=self.cache_sharding, lengths=s,
+                           last_token=s, generated=s, draws=s, active=s, request=req)
+
+    def _init_impl(self):
+        n = self.max_slots
+        zeros = jnp.zeros((n,), jnp.int32)
+        return DecodeState(
+            cache_k=jnp.zeros(self.cache_shape, self.cache_dtype),
+            cache_v=jnp.zeros(self.cache_shape, self.cache_dtype),
+            lengths=zeros, last_token=zeros, generated=zeros, draws=zeros,
+            active=jnp.zeros((n,), bool),
+            request=_expand(SlotRequest.make(), n),
+        )
+
+    def _sample_last(self, logits, true_length, request, draws):
+        row = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)[None]
+        tok, lp, raw = sample(row, _expand(request.sampling, 1), jnp.reshape(draws, (1,)))
+        return tok[0], lp[0], raw[0]
+
+    def _prefill_impl(self, params, tokens, true_length, request):
+        t = tokens.shape[1]
+        kv_shape = (self.cfg.n_layers, 1, t, self.cfg.n_kv_heads, self.cfg.head_dim)
+        ck = jnp.zeros(kv_shape, self.cache_dtype)
+        logits, ck, cv = extend(self.cfg, params, tokens, jnp.zeros((1,), jnp.int32), ck,
+                                jnp.zeros_like(ck), jnp.reshape(true_length, (1,)))
+        tok, lp, raw = self._sample_last(logits, true_length, request, jnp.int32(0))
+        done = _finish(request, tok, 1, true_length, self.max_len)
+        first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.bool_(True), done=done)
+        return Prefix(cache_k=ck, cache_v=cv, true_length=true_length), first
+
+    def _set_slot(self, state: DecodeState, slot, length, first: ResultTokens, request, draws):
+        upd = lambda arr, v: arr.at[slot].set(v)
+        state.lengths = upd(state.lengths, length)
+        state.last_token = upd(state.last_token, first.tokens)
+        state.generated = upd(state.generated, 1)
+        state.draws = upd(state.draws, draws)
+        state.active = upd(state.active, ~first.done)
+        state.request = jax.tree.map(upd, state.request, request)
+        return state
+
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, request, first):
+        start = (0, slot, 0, 0, 0)
+        state.cache_k = jax.lax.dynamic_update_slice(state.cache_k, prefix.cache_k.astype(self.cache_dtype), start)
+        state.cache_v = jax.lax.dynamic_update_slice(state.cache_v, prefix.cache_v.astype(self.cache_dtype), start)
+        return self._set_slot(state, slot, prefix.true_length, first, request, jnp.int32(1))
+
+    def _generate_impl(self, params, state: DecodeState, steps: int):
+        def one(state, _):
+            was_active = state.active
+            logits, ck, cv = extend(self.cfg, params, state.last_token[:, None], state.lengths,
+                                    state.cache_k, state.cache_v, state.lengths + 1)
+            tok, lp, raw = sample(logits[:, 0], state.request.sampling, state.draws)
+            lengths = state.lengths + was_active
+            generated = state.generated + was_active
+            done = was_active & _finish(state.request, tok, generated, lengths, self.max_len)
+            new = DecodeState(
+                cache_k=ck, cache_v=cv, lengths=lengths,
+                last_token=jnp.where(was_active, tok, state.last_token), generated=generated,
+                draws=state.draws + was_active, active=was_active & ~done, request=state.request,
+            )
+            return new, ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=was_active, done=done)
+
+        # Inactive slots compute too (fixed shapes) but their cache rows, lengths and tokens
+        # are left as they were: a parked slot's KV stays intact.
+        state, results = jax.lax.scan(one, state, None, length=steps)
+        return state, results
+
+    def _append_impl(self, params, state: DecodeState, slot, tokens, true_length, request):
+        row = lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1)
+        start = state.lengths[slot]
+        logits, ck, cv = extend(self.cfg, params, tokens, jnp.reshape(start, (1,)), row(state.cache_k),
+                                row(state.cache_v), jnp.reshape(start + true_length, (1,)))
+        state.cache_k = jax.lax.dynamic_update_slice_in_dim(state.cache_k, ck, slot, axis=1)
+        state.cache_v = jax.lax.dynamic_update_slice_in_dim(state.cache_v, cv, slot, axis=1)
+        draws = state.draws[slot]
+        tok, lp, raw = self._sample_last(logits, true_length, request, draws)
+        length = start + true_length
+        done = _finish(request, tok, 1, length, self.max_len)
+        first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.bool_(True), done=done)
+        return self._set_slot(state, slot, length, first, request, draws + 1), first
+
+    def _free_impl(self, state: DecodeState, slot):
+        state.active = state.active.at[slot].set(False)
+        state.lengths = state.lengths.at[slot].set(0)
+        state.generated = state.generated.at[slot].set(0)
+        return state
+
+
+@functools.lru_cache(maxsize=32)
+def engine_steps(cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buckets=None,
+                 cache_dtype: str | None = None) -> EngineSteps:
+    """A shared `EngineSteps` per configuration, so engines built alike reuse compilations."""
+    return EngineSteps(cfg, mesh, max_slots, max_len, None if buckets is None else tuple(buckets),
+                       cache_dtype)
+
+
+def _default_buckets(max_len: int) -> tuple[int, ...]:
+    out, b = [], 16
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_len,)

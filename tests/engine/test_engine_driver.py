@@ -1,0 +1,165 @@
+"""Continuous batching driver, its asyncio face, zero-copy phase swaps, memory release."""
+import asyncio
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sfrrl_jax as S
+from sfrrl_jax.agents.protocols import GenerationRequest
+from sfrrl_jax.engine import Engine, generate
+
+from model_fixtures import TINY, host, randomize
+
+
+@functools.lru_cache(maxsize=None)
+def _params():
+    cfg = TINY.replace(max_seq_len=128)
+    return cfg, randomize(S.init_params(cfg, S.make_mesh(data=2, expert=4), seed=0), seed=3, scale=0.3)
+
+
+def _req(tokens, n, **kw):
+    return GenerationRequest(tokens=list(tokens), max_new_tokens=n, temperature=kw.pop("temperature", 0.0), **kw)
+
+
+def test_continuous_batching_completes_everything_in_length_order_without_leaking_slots():
+    cfg, params = _params()
+    engine = Engine(cfg, params, max_slots=4, max_len=96, buckets=(16,), decode_steps=2)
+    lengths = [40, 3, 25, 9, 1, 17, 5, 33, 12, 2]  # more requests than slots: they queue
+    done_order = []
+
+    async def one(i, n):
+        c = await engine.complete(_req([1 + i, 2, 3], n))
+        done_order.append(i)
+        await engine.release(c.slot_handle)
+        return c
+
+    async def main():
+        # all submitted at once; 4 slots; the short ones finish first
+        return await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths)))
+
+    outs = asyncio.run(main())
+    assert [len(c.tokens) for c in outs] == lengths
+    assert all(c.finish_reason == "length" for c in outs)
+    # completion order follows length within what was admitted together (first 4: 40, 3, 25, 9)
+    first_wave = [i for i in done_order if i < 4]
+    assert first_wave == sorted(range(4), key=lambda i: lengths[i])
+    assert sorted(done_order) == list(range(len(lengths)))  # each exactly once
+    assert engine.occupancy == {"running": 0, "parked": 0, "free": 4, "queued": 0}
+    assert engine.stats.generated_tokens == sum(lengths)
+    assert 0 < engine.stats.slot_occupancy <= 1
+    engine.release_memory()
+    # all admitted together (as many slots as requests): completion order is length order
+    engine = Engine(cfg, params, max_slots=16, max_len=96, buckets=(16,), decode_steps=2)
+    done_order.clear()
+    asyncio.run(main())
+    assert done_order == sorted(range(len(lengths)), key=lambda i: lengths[i])
+    engine.release_memory()
+
+
+def test_stop_tokens_parking_and_resume_by_append():
+    cfg, params = _params()
+    # find what greedy generates so one of its tokens can be the stop id
+    probe = generate(cfg, params, [[5, 6, 7]], max_new_tokens=6)[0].tokens
+    stop = probe[2]
+    first_hit = probe.index(stop)
+    engine = Engine(cfg, params, max_slots=2, max_len=64, buckets=(16,))
+
+    async def main():
+        c1 = await engine.complete(_req([5, 6, 7], 10, stop_token_ids=(stop,)))
+        assert engine.occupancy["parked"] == 1
+        c2 = await engine.complete(_req([9, 9], 4, slot_handle=c1.slot_handle))
+        await engine.release(c2.slot_handle)
+        with pytest.raises(ValueError, match="not parked"):
+            await engine.complete(_req([1], 2, slot_handle=c2.slot_handle))
+        return c1, c2
+
+    c1, c2 = asyncio.run(main())
+    assert c1.finish_reason == "stop" and c1.tokens == probe[:first_hit + 1]
+    whole = [5, 6, 7] + c1.tokens + [9, 9]
+    want = generate(cfg, params, [whole], max_new_tokens=4)[0]
+    assert c2.tokens == want.tokens  # resumed on its own KV cache == prefilling the whole history
+    np.testing.assert_allclose(c2.raw_logprobs, want.raw_logprobs, atol=1e-5)
+    assert engine.occupancy["free"] == 2
+
+
+def test_seeded_sampling_is_independent_of_batch_composition():
+    cfg, params = _params()
+    alone = generate(cfg, params, [[3, 4, 5]], 8, temperature=1.0, seed=7)[0]
+    crowd = generate(cfg, params, [[9, 9], [3, 4, 5], [1]], 8, temperature=1.0, seed=6, max_slots=8)[1]
+    assert alone.tokens == crowd.tokens  # request 1 of the crowd has seed 6 + 1 = 7
+    assert alone.logprobs == pytest.approx(crowd.logprobs, abs=1e-5)
+    other = generate(cfg, params, [[3, 4, 5]], 8, temperature=1.0, seed=8)[0]
+    assert other.tokens != alone.tokens
+
+
+def test_bad_requests_are_refused_clearly():
+    cfg, params = _params()
+    engine = Engine(cfg, params, max_slots=2, max_len=32, buckets=(16,))
+
+    async def main():
+        with pytest.raises(ValueError, match="40 tokens exceed the engine's max_len=32"):
+            await engine.complete(_req(range(1, 41), 2))
+        with pytest.raises(ValueError, match="temperature must be >= 0"):
+            await engine.complete(_req([1], 2, temperature=-1.0))
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="tokens is empty"):
+        _req([], 2)
+    with pytest.raises(ValueError, match="engine max_len=256 > ModelConfig.max_seq_len=128"):
+        Engine(cfg, params, max_len=256)
+
+
+def test_cancelled_request_frees_its_slot():
+    cfg, params = _params()
+    engine = Engine(cfg, params, max_slots=1, max_len=96, buckets=(16,))
+
+    async def main():
+        task = asyncio.create_task(engine.complete(_req([1, 2], 80)))
+        while engine.stats.decode_steps < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        c = await engine.complete(_req([1, 2], 3))  # the only slot is usable again
+        await engine.release(c.slot_handle)
+        return c
+    assert len(asyncio.run(main()).tokens) == 3
+    assert engine.occupancy["free"] == 1
+
+
+def test_zero_copy_phase_swaps_and_memory_comes_back():
+    cfg, params = _params()
+    mesh = S.models.mesh_of(params)
+    pointers = {str(p): [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+                for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+    @jax.jit
+    def train_like(params, tokens):  # reads every param, like a train step's forward
+        logits, _ = S.models.transformer.forward_with_aux(cfg, params, tokens)
+        return jnp.mean(logits)
+
+    engine = Engine(cfg, params, max_slots=8, max_len=32, buckets=(16,))
+    tokens = np.ones((8, 16), np.int32)
+    jax.block_until_ready(params)
+    baseline = len(jax.live_arrays())
+    for i in range(20):
+        with jax.set_mesh(mesh):
+            jax.block_until_ready(train_like(params, tokens))
+        engine.allocate()
+        state, res = engine.steps.generate(params, engine.state)
+        engine.state = state
+        jax.block_until_ready(res.tokens)
+        del res
+        assert len(jax.live_arrays()) > baseline  # the KV cache is alive during rollout
+        engine.release_memory()
+        assert len(jax.live_arrays()) == baseline  # ... and gone after
+        if i == 0:
+            compiled_after_first = engine.steps.compile_counts()
+    now = {str(p): [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+           for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    assert now == pointers  # no param was copied, moved or resharded
+    assert train_like._cache_size() == 1
+    assert engine.steps.compile_counts() == compiled_after_first  # nothing recompiled after round 1
+    assert engine.steps.cache_bytes() == 2 * 2 * 8 * 32 * 2 * 16 * 4
