@@ -13,7 +13,7 @@ import asyncio
 import collections
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -78,6 +78,13 @@ class Engine:
         self._cached_len: dict[int, int] = {}      # slot -> tokens in its KV cache
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        # Idle work (pipelined training): a callable returning a blocking device job or None.
+        # The driver runs one job when no slot is decoding, or before a decode chunk when at
+        # most `underfull_slots` slots are decoding; decode keeps priority otherwise.
+        self.idle_work: Callable[[], Callable[[], None] | None] | None = None
+        self.underfull_slots: int = 0
+        self.idle_seconds = 0.0  # time idle work took inside the driver
+        self.trace = None        # optional Timeline: spans of device work
 
     # -- lifecycle --------------------------------------------------------------------------
     def set_params(self, params) -> None:
@@ -136,6 +143,15 @@ class Engine:
             self._free.append(slot_handle.slot)
             self._kick()
 
+    async def wait_idle(self) -> None:
+        """Returns once the driver has nothing left to do (its task has ended)."""
+        while self._task is not None and not self._task.done():
+            await asyncio.wait([self._task])
+
+    def notify_idle_work(self) -> None:
+        """New idle work is ready: make sure the driver is awake to run it."""
+        self._kick()
+
     # -- driver -----------------------------------------------------------------------------
     def _kick(self):
         if self._wake is None:
@@ -164,8 +180,12 @@ class Engine:
                         self._push(job, first["tokens"], first["logprobs"], first["raw_logprobs"],
                                    bool(first["done"]))
                 if self._running:
+                    if len(self._running) <= self.underfull_slots:
+                        await self._run_idle_job()
                     results = await asyncio.to_thread(self._decode_on_device)
                     self._distribute(results)
+                elif await self._run_idle_job():
+                    continue
                 elif self._queue:
                     self._wake.clear()       # every slot parked: wait for a release
                     await self._wake.wait()
@@ -178,6 +198,15 @@ class Engine:
             self._queue.clear()
             self._running.clear()
             raise
+
+    async def _run_idle_job(self) -> bool:
+        job = self.idle_work() if self.idle_work is not None else None
+        if job is None:
+            return False
+        t0 = time.perf_counter()
+        await asyncio.to_thread(job)
+        self.idle_seconds += time.perf_counter() - t0
+        return True
 
     def _take_admissible(self) -> list[_Job]:
         out, keep = [], collections.deque()
@@ -226,15 +255,21 @@ class Engine:
                 self._cached_len[job.slot] += len(tokens)
             firsts.append(first)
         firsts = jax.device_get([dataclasses.asdict(f) for f in firsts])
-        self.stats.device_seconds += time.perf_counter() - t0
+        self._account("prefill", t0)
         return firsts
 
     def _decode_on_device(self):
         t0 = time.perf_counter()
         self.state, results = self.steps.generate(self.params, self.state, self.decode_steps)
         results = jax.device_get(dataclasses.asdict(results))
-        self.stats.device_seconds += time.perf_counter() - t0
+        self._account("decode", t0)
         return results
+
+    def _account(self, name: str, t0: float) -> None:
+        t1 = time.perf_counter()
+        self.stats.device_seconds += t1 - t0
+        if self.trace is not None:
+            self.trace.add(name, "engine", t0, t1)
 
     def _distribute(self, results):
         for step in range(self.decode_steps):

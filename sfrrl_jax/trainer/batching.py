@@ -1,0 +1,65 @@
+"""Finished groups of trajectories -> advantages -> train micro-batches.
+
+A micro-batch holds whole groups, one trajectory per row, right-padded to a multiple of
+`seq_bucket` (a bounded number of shapes, so the micro-step compiles a bounded number of times).
+Arrays are aligned to the token they belong to, as the train step expects: `rollout_logprobs[t]`
+is the engine's log-prob of `tokens[t]`; `loss_mask` is 1 exactly on policy-generated tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from sfrrl_jax.agents.trajectory import Trajectory
+from sfrrl_jax.rl.advantages import compute_advantages
+from sfrrl_jax.rl.config import AdvantageConfig
+
+
+@dataclasses.dataclass
+class Group:
+    """The G trajectories of one prompt, with the params version that generated them."""
+
+    group_id: str
+    trajectories: list[Trajectory]
+    params_version: int
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([t.reward if t.reward is not None else 0.0 for t in self.trajectories], np.float32)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(int(np.sum(t.loss_mask)) for t in self.trajectories)
+
+
+def group_advantages(groups: Sequence[Group], cfg: AdvantageConfig) -> np.ndarray:
+    """[groups, G] per-sample advantages of these groups."""
+    rewards = np.stack([g.rewards for g in groups])
+    return np.asarray(compute_advantages(jnp.asarray(rewards), cfg))
+
+
+def microbatch_from_groups(groups: Sequence[Group], advantages: np.ndarray, seq_bucket: int,
+                           max_len: int) -> dict:
+    """Host arrays [rows, T] for `grad_microstep`, T = longest trajectory rounded up to `seq_bucket`."""
+    trajs = [t for g in groups for t in g.trajectories]
+    adv = np.asarray(advantages, np.float32).reshape(-1)
+    if len(adv) != len(trajs):
+        raise ValueError(f"{len(adv)} advantages for {len(trajs)} trajectories")
+    longest = max(len(t.tokens) for t in trajs)
+    width = min(max(seq_bucket, -(-longest // seq_bucket) * seq_bucket), max(max_len, longest))
+    rows = len(trajs)
+    tokens = np.zeros((rows, width), np.int32)
+    mask = np.zeros((rows, width), np.float32)
+    logp = np.zeros((rows, width), np.float32)
+    seg = np.zeros((rows, width), np.int32)
+    for i, t in enumerate(trajs):
+        n = len(t.tokens)
+        tokens[i, :n] = t.tokens
+        mask[i, :n] = t.loss_mask
+        logp[i, :n] = t.rollout_logprobs
+        seg[i, :n] = 1
+    return {"tokens": tokens, "loss_mask": mask, "advantages": adv[:, None] * mask,
+            "rollout_logprobs": logp, "segment_ids": seg}

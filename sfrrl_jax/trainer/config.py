@@ -1,0 +1,73 @@
+"""Configuration of the RL trainer (bound by gin at the experiment edge)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from sfrrl_jax.rl.config import AdvantageConfig
+
+Mode = Literal["sync", "pipelined", "one_step_off"]
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """One RL step = `groups_per_step` prompts x `group_size` samples, one optimizer update.
+
+    mode: 'sync' (roll out everything, then train), 'pipelined' (train finished groups while the
+      engine would idle; one update per step; on-policy), 'one_step_off' (train step k-1's batch
+      during step k's rollout: off-policy by one update; use TIS in the loss).
+    max_slots / max_len / decode_steps / buckets: the engine (slots decode together; max_len
+      bounds prompt + all turns; decode_steps tokens per device call).
+    underfull_slots: in pipelined mode, a gradient micro-step runs before a decode chunk when at
+      most this many slots are decoding (0 = only when none is); decode keeps priority above it.
+    longest_first: start groups in order of their predicted length (earlier lengths of the same
+      prompt), unseen prompts first.
+    overprovision_groups: launch this many extra groups and keep the first `groups_per_step` that
+      finish (the rest are cancelled; biases towards short trajectories).
+    dynamic_sampling: drop groups whose rewards are all equal and launch replacements, at most
+      `max_refill_groups` per step.
+    groups_per_microbatch: finished groups per gradient micro-step.
+    """
+
+    mode: Mode = "pipelined"
+    groups_per_step: int = 4
+    group_size: int = 4
+    max_slots: int = 8
+    max_len: int = 256
+    decode_steps: int = 1
+    buckets: tuple[int, ...] | None = None
+    underfull_slots: int = 0
+    longest_first: bool = True
+    overprovision_groups: int = 0
+    dynamic_sampling: bool = False
+    max_refill_groups: int = 8
+    groups_per_microbatch: int = 1
+    seq_bucket: int = 32
+    advantage: AdvantageConfig = AdvantageConfig()
+    seed: int = 0
+
+    def __post_init__(self):
+        own = "TrainerConfig"
+        if self.mode not in Mode.__args__:
+            raise ValueError(f"{own}.mode={self.mode!r}; valid: {list(Mode.__args__)}")
+        for k in ("groups_per_step", "group_size", "max_slots", "max_len", "decode_steps",
+                  "groups_per_microbatch", "seq_bucket"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{own}.{k} must be >= 1, got {getattr(self, k)!r}")
+        for k in ("underfull_slots", "overprovision_groups", "max_refill_groups"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{own}.{k} must be >= 0, got {getattr(self, k)!r}")
+        if self.groups_per_step % self.groups_per_microbatch:
+            raise ValueError(
+                f"{own}.groups_per_step={self.groups_per_step} is not divisible into micro-batches "
+                f"of groups_per_microbatch={self.groups_per_microbatch}")
+        if self.mode != "sync" and self.advantage.estimator not in GROUP_ESTIMATORS:
+            raise ValueError(
+                f"{own}.mode={self.mode!r} trains a group as soon as it finishes, so its advantages "
+                f"must be final then: advantage.estimator={self.advantage.estimator!r} normalises over "
+                f"the whole batch; use one of {list(GROUP_ESTIMATORS)} or mode='sync'")
+
+    @property
+    def batch_size(self) -> int:
+        return self.groups_per_step * self.group_size

@@ -1,0 +1,284 @@
+"""The RL trainer: rollout and training on one mesh over the same params (DESIGN.md section 3).
+
+One `step()`:
+  1. launch `groups_per_step` groups (G samples of one prompt each) on the engine, longest
+     expected first; tool calls run on the event loop while other slots decode;
+  2. as each group finishes, its advantages are final: it becomes a gradient micro-batch;
+  3. `pipelined`: the engine runs those micro-steps whenever it would idle (every slot parked on a
+     tool, or at most `underfull_slots` decoding), on the same params that generated them;
+     `sync`: they run after the rollout; `one_step_off`: step k trains step k-1's groups;
+  4. the KV cache is freed, the remaining micro-steps run, then exactly one optimizer update.
+Gradient sums accumulate, so the update equals the full-batch one whatever ran when.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import functools
+import time
+from typing import Awaitable, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from sfrrl_jax.agents.protocols import Task
+from sfrrl_jax.agents.trajectory import Trajectory
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.engine import Engine
+from sfrrl_jax.rl.config import LossConfig
+from sfrrl_jax.train import make_train_step
+from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.trainer.batching import Group, group_advantages, microbatch_from_groups
+from sfrrl_jax.trainer.config import TrainerConfig
+from sfrrl_jax.trainer.timeline import Timeline
+
+RolloutFn = Callable[[Engine, Task, int], Awaitable[Trajectory]]
+
+
+@functools.lru_cache(maxsize=16)
+def shared_train_step(model_cfg: ModelConfig, loss_cfg: LossConfig, optimizer_cfg: OptimizerConfig):
+    """One TrainStep per configuration, so trainers built alike share compilations."""
+    return make_train_step(model_cfg, loss_cfg, optimizer_cfg)
+
+
+class TaskStream:
+    """Endless, seeded, resumable stream of tasks: a fresh permutation each epoch."""
+
+    def __init__(self, tasks: Sequence[Task], seed: int = 0, epoch: int = 0, index: int = 0):
+        if not tasks:
+            raise ValueError("TaskStream needs at least one task")
+        self.tasks, self.seed, self.epoch, self.index = list(tasks), seed, epoch, index
+
+    def _order(self):
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.tasks))
+
+    def next(self) -> Task:
+        if self.index >= len(self.tasks):
+            self.epoch, self.index = self.epoch + 1, 0
+        task = self.tasks[int(self._order()[self.index])]
+        self.index += 1
+        return task
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+
+@dataclasses.dataclass
+class _Unit:
+    """One gradient micro-step's worth of finished groups."""
+
+    groups: list[Group]
+    batch: dict
+
+
+def check_memory_fits(engine_cache_bytes: int, params, device=None) -> None:
+    """Up-front check that the KV cache fits next to the params (before any compile)."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        limit = stats["bytes_limit"]
+        n_dev = len(jax.devices())
+    else:  # CPU: host memory, shared by every (fake) device
+        import psutil
+        limit, n_dev = psutil.virtual_memory().available, 1
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) / n_dev
+    per_device_cache = engine_cache_bytes / (len(jax.devices()) if n_dev > 1 else 1)
+    if per_device_cache + 3 * param_bytes > limit:
+        raise ValueError(
+            f"KV cache of {engine_cache_bytes / 2**30:.2f} GiB (max_slots x max_len) plus params/optimizer "
+            f"(~{3 * param_bytes / 2**30:.2f} GiB per device) exceed the {limit / 2**30:.2f} GiB available: "
+            "lower TrainerConfig.max_slots or max_len")
+
+
+class RLTrainer:
+    def __init__(self, model_cfg: ModelConfig, params, trainer_cfg: TrainerConfig, loss_cfg: LossConfig,
+                 optimizer_cfg: OptimizerConfig, rollout_fn: RolloutFn, tasks: TaskStream,
+                 expected_length: Callable[[Task], float] | None = None, opt_state=None):
+        if trainer_cfg.max_len > model_cfg.max_seq_len:
+            raise ValueError(f"TrainerConfig.max_len={trainer_cfg.max_len} > ModelConfig.max_seq_len="
+                             f"{model_cfg.max_seq_len}")
+        self.cfg, self.model_cfg, self.loss_cfg = trainer_cfg, model_cfg, loss_cfg
+        self.rollout_fn, self.tasks = rollout_fn, tasks
+        self.engine = Engine(model_cfg, params, max_slots=trainer_cfg.max_slots, max_len=trainer_cfg.max_len,
+                             buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps)
+        check_memory_fits(self.engine.steps.cache_bytes(), params)
+        self.train_step = shared_train_step(model_cfg, loss_cfg, optimizer_cfg)
+        self.params = params
+        self.opt_state = opt_state if opt_state is not None else self.train_step.init_opt_state(params)
+        self.params_version = 0
+        self.step_index = 0
+        self.length_history: dict[str, float] = {}
+        self.expected_length = expected_length
+        self.carry_over: list[_Unit] = []   # one_step_off: last step's groups
+        self.timeline = Timeline()
+        self.engine.trace = self.timeline
+
+    # -- public -------------------------------------------------------------------------------
+    def step(self) -> dict:
+        """One RL step (rollout + one optimizer update); returns its metrics."""
+        return asyncio.run(self.step_async())
+
+    async def step_async(self) -> dict:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        self.timeline.begin_step(self.step_index, t_start)
+        stats0 = dataclasses.replace(self.engine.stats)
+        self.engine.set_params(self.params)
+        self._acc = self.train_step.init_accumulator(self.params)
+        self._train_device_s = 0.0
+        self._trained = {"tokens": 0, "on_policy_tokens": 0, "microsteps": 0}
+        ready: collections.deque[_Unit] = collections.deque(self.carry_over if cfg.mode == "one_step_off" else [])
+        self.carry_over = []
+        kept: list[Group] = []
+        pending: list[Group] = []
+        units: list[_Unit] = []
+        counts = collections.Counter()
+
+        def idle_work():
+            if cfg.mode == "sync" or not ready:
+                return None
+            unit = ready.popleft()
+            return lambda: self._microstep(unit)
+
+        self.engine.idle_work = idle_work
+        self.engine.underfull_slots = cfg.underfull_slots
+
+        async def run_group(task: Task) -> Group:
+            trajs = await asyncio.gather(*(self.rollout_fn(self.engine, task, i) for i in range(cfg.group_size)))
+            return Group(task.task_id, list(trajs), self.params_version)
+
+        def launch(task):
+            return asyncio.ensure_future(run_group(task))
+
+        tasks = [self.tasks.next() for _ in range(cfg.groups_per_step + cfg.overprovision_groups)]
+        if cfg.longest_first:
+            tasks.sort(key=self._predicted_length, reverse=True)
+        in_flight = {launch(t) for t in tasks}
+        refills = 0
+        while in_flight and len(kept) < cfg.groups_per_step:
+            done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                group = fut.result()
+                self._record_lengths(group)
+                counts["tool_errors"] += sum(t.metadata.get("tool_errors", t.num_tool_errors)
+                                             for t in group.trajectories)
+                if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
+                    counts["groups_dropped"] += 1
+                    if refills < cfg.max_refill_groups:
+                        refills += 1
+                        in_flight.add(launch(self.tasks.next()))
+                    continue
+                if len(kept) == cfg.groups_per_step:
+                    counts["groups_surplus"] += 1
+                    continue
+                kept.append(group)
+                pending.append(group)
+                if len(pending) == cfg.groups_per_microbatch:
+                    unit = self._make_unit(pending)
+                    pending = []
+                    units.append(unit)
+                    if cfg.mode == "pipelined":
+                        ready.append(unit)
+                        self.engine.notify_idle_work()
+        for fut in in_flight:  # over-provisioned groups not needed: stop them
+            fut.cancel()
+        await asyncio.gather(*in_flight, return_exceptions=True)
+        if len(kept) < cfg.groups_per_step:
+            raise RuntimeError(f"only {len(kept)} of {cfg.groups_per_step} groups survived dynamic sampling "
+                               f"after {refills} refills; raise TrainerConfig.max_refill_groups")
+        if pending:
+            units.append(self._make_unit(pending))
+            if cfg.mode == "pipelined":
+                ready.append(units[-1])
+        self.engine.idle_work = None
+        await self.engine.wait_idle()  # a micro-step may still be running on the driver thread
+        t_rollout = time.perf_counter()
+        self.engine.release_memory()  # the cache goes before the update needs the memory
+        trained_during_rollout = self._train_device_s
+        if cfg.mode == "sync":
+            ready.extend(units)
+        while ready:
+            self._microstep(ready.popleft())
+        metrics = {}
+        if self._trained["microsteps"]:
+            t0 = time.perf_counter()
+            self.params, self.opt_state, train_metrics = self.train_step.apply(self.params, self.opt_state, self._acc)
+            train_metrics = jax.device_get(train_metrics)
+            self.timeline.add("apply", "train", t0, time.perf_counter())
+            self._train_device_s += time.perf_counter() - t0
+            self.params_version += 1
+            metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
+        if cfg.mode == "one_step_off":
+            self.carry_over = units
+        self.engine.set_params(self.params)
+        wall = time.perf_counter() - t_start
+        metrics.update(self._step_metrics(kept, stats0, wall, t_rollout - t_start,
+                                          trained_during_rollout, counts))
+        self.timeline.end_step(time.perf_counter())
+        self.step_index += 1
+        return metrics
+
+    # -- internals ----------------------------------------------------------------------------
+    def _predicted_length(self, task: Task) -> float:
+        if task.task_id in self.length_history:
+            return self.length_history[task.task_id]
+        if self.expected_length is not None:
+            return float(self.expected_length(task))
+        return float("inf")  # unseen prompts start first
+
+    def _record_lengths(self, group: Group) -> None:
+        mean = float(np.mean([t.num_generated for t in group.trajectories]))
+        old = self.length_history.get(group.group_id)
+        self.length_history[group.group_id] = mean if old is None else 0.5 * old + 0.5 * mean
+
+    def _make_unit(self, groups: list[Group]) -> _Unit:
+        adv = group_advantages(groups, self.cfg.advantage)
+        return _Unit(list(groups), microbatch_from_groups(groups, adv, self.cfg.seq_bucket, self.cfg.max_len))
+
+    def _microstep(self, unit: _Unit) -> None:
+        """Blocking: one gradient micro-step on the current params (runs on the driver thread)."""
+        t0 = time.perf_counter()
+        self._acc = self.train_step.grad_microstep(self.params, self._acc, unit.batch)
+        jax.block_until_ready(self._acc["scalars"]["numerator"])
+        t1 = time.perf_counter()
+        self.timeline.add("grad_microstep", "train", t0, t1)
+        self._train_device_s += t1 - t0
+        for g in unit.groups:
+            n = g.num_generated
+            self._trained["tokens"] += n
+            self._trained["on_policy_tokens"] += n if g.params_version == self.params_version else 0
+        self._trained["microsteps"] += 1
+
+    def _step_metrics(self, groups, stats0, wall, rollout_s, trained_during_rollout, counts) -> dict:
+        s = self.engine.stats
+        decode_s = s.device_seconds - stats0.device_seconds
+        slot_total = s.slot_steps_total - stats0.slot_steps_total
+        rewards = np.concatenate([g.rewards for g in groups]) if groups else np.zeros(0)
+        generated = sum(g.num_generated for g in groups)
+        trained = self._trained["tokens"]
+        compiles = sum(self.engine.steps.compile_counts().values())
+        compiles += sum(f._cache_size() for fns in self.train_step._cache.values() for f in fns.values())
+        return {
+            "step": self.step_index,
+            "time/wall_s": wall,
+            "time/rollout_s": rollout_s,
+            "time/train_s": self._train_device_s,
+            "time/train_exposed_s": self._train_device_s - trained_during_rollout,
+            "time/hidden_train_share": trained_during_rollout / self._train_device_s if self._train_device_s else 0.0,
+            "perf/device_busy": min((decode_s + self._train_device_s) / wall, 1.0),
+            "perf/slot_occupancy": (s.slot_steps_active - stats0.slot_steps_active) / slot_total if slot_total else 0.0,
+            "perf/generated_tokens_per_s": generated / wall,
+            "perf/trained_tokens_per_s": trained / wall,
+            "perf/samples_per_s": sum(len(g.trajectories) for g in groups) / wall,
+            "perf/compile_count": compiles,
+            "policy/on_policy_fraction": self._trained["on_policy_tokens"] / trained if trained else 1.0,
+            "reward/mean": float(rewards.mean()) if rewards.size else 0.0,
+            "reward/success_rate": float(np.mean(rewards >= 1.0)) if rewards.size else 0.0,
+            "rollout/generated_tokens": generated,
+            "rollout/tool_errors": counts["tool_errors"],
+            "rollout/groups_dropped": counts["groups_dropped"],
+            "rollout/groups_surplus": counts["groups_surplus"],
+            "train/trained_tokens": trained,
+            "train/microsteps": self._trained["microsteps"],
+        }

@@ -1,0 +1,75 @@
+"""Device-work timeline: spans of engine and train work, as Chrome-trace JSON and a busy/idle PNG."""
+from __future__ import annotations
+
+import json
+import pathlib
+import threading
+
+
+class Timeline:
+    """Thread-safe list of (name, lane, start, end) spans in `time.perf_counter` seconds."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.spans: list[tuple[str, str, float, float]] = []
+        self.steps: list[tuple[int, float, float]] = []  # (step, start, end)
+        self._open: tuple[int, float] | None = None
+
+    def add(self, name: str, lane: str, start: float, end: float) -> None:
+        with self._lock:
+            self.spans.append((name, lane, start, end))
+
+    def begin_step(self, step: int, t: float) -> None:
+        self._open = (step, t)
+
+    def end_step(self, t: float) -> None:
+        if self._open is not None:
+            self.steps.append((self._open[0], self._open[1], t))
+            self._open = None
+
+    def busy_per_step(self) -> list[dict]:
+        """Per step: wall seconds and busy seconds per lane (engine, train)."""
+        out = []
+        for step, s, e in self.steps:
+            lanes: dict[str, float] = {}
+            for _, lane, a, b in self.spans:
+                if a >= s and b <= e:
+                    lanes[lane] = lanes.get(lane, 0.0) + (b - a)
+            out.append({"step": step, "wall_s": e - s, **{f"{k}_s": v for k, v in lanes.items()}})
+        return out
+
+    def write_chrome_trace(self, path: str | pathlib.Path) -> pathlib.Path:
+        path = pathlib.Path(path)
+        t0 = min((s[2] for s in self.spans), default=0.0)
+        lanes = {"engine": 1, "train": 2}
+        events = [{"name": n, "ph": "X", "pid": 0, "tid": lanes.get(lane, 3), "ts": (a - t0) * 1e6,
+                   "dur": (b - a) * 1e6, "cat": lane} for n, lane, a, b in self.spans]
+        events += [{"name": f"step {k}", "ph": "X", "pid": 0, "tid": 0, "ts": (s - t0) * 1e6,
+                    "dur": (e - s) * 1e6, "cat": "step"} for k, s, e in self.steps]
+        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
+                   for lane, tid in {"steps": 0, **lanes}.items()]
+        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        return path
+
+    def write_busy_png(self, path: str | pathlib.Path, title: str = "device busy / idle per step") -> pathlib.Path:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        rows = self.busy_per_step()
+        path = pathlib.Path(path)
+        fig, ax = plt.subplots(figsize=(max(4, 0.5 * len(rows) + 2), 3))
+        steps = [r["step"] for r in rows]
+        eng = [r.get("engine_s", 0.0) for r in rows]
+        trn = [r.get("train_s", 0.0) for r in rows]
+        idle = [max(r["wall_s"] - a - b, 0.0) for r, a, b in zip(rows, eng, trn)]
+        ax.bar(steps, eng, label="decode/prefill", color="tab:blue")
+        ax.bar(steps, trn, bottom=eng, label="train", color="tab:orange")
+        ax.bar(steps, idle, bottom=[a + b for a, b in zip(eng, trn)], label="idle", color="lightgrey")
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("seconds")
+        ax.set_title(title)
+        ax.legend(loc="upper right", fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path

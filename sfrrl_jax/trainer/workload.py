@@ -1,0 +1,151 @@
+"""A seeded long-tail agentic workload, replayed through the real engine and real tools.
+
+Each (prompt, sample) has a drawn number of turns and per-turn response lengths (log-normal:
+a heavy tail, p99 >= 10x median), and each tool call a drawn latency (log-normal). The policy's
+tokens are really decoded by the engine (`max_new_tokens` = the drawn length, no stop token),
+tool calls really go through a `ToolRunner` (timeouts, errors), and observations are appended
+to the parked slot. Only *what* is said is scripted, so every mode replays the same work.
+
+The reward is a pure function of the generated tokens (the share of even token ids), so it
+depends on the policy and training moves it; a trajectory with a failed tool call gets 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import time
+
+import numpy as np
+
+from sfrrl_jax.agents.protocols import GenerationRequest, Task, ToolCall
+from sfrrl_jax.agents.tools import ToolRunner, ToolRunnerConfig
+from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadConfig:
+    """Distributions of the replayed work (medians and log-normal sigmas)."""
+
+    num_prompts: int = 64
+    prompt_len: int = 12
+    turns_median: float = 2.0
+    turns_sigma: float = 0.6
+    max_turns: int = 6
+    response_median: float = 8.0
+    response_sigma: float = 1.0
+    max_response: int = 96
+    tool_latency_median_s: float = 0.05
+    tool_latency_sigma: float = 1.0
+    max_tool_latency_s: float = 5.0
+    observation_len: int = 6
+    vocab_size: int = 512
+    seed: int = 0
+    tool_name: str = "latency_tool"
+
+    def __post_init__(self):
+        for k in ("num_prompts", "prompt_len", "max_turns", "max_response", "observation_len"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"WorkloadConfig.{k} must be >= 1, got {getattr(self, k)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleSpec:
+    response_lens: tuple[int, ...]   # one per turn
+    tool_latencies: tuple[float, ...]  # one per turn but the last
+
+
+def _rng(*keys) -> np.random.Generator:
+    digest = hashlib.blake2b("/".join(map(str, keys)).encode(), digest_size=8).digest()
+    return np.random.default_rng(int.from_bytes(digest, "little"))
+
+
+def sample_spec(cfg: WorkloadConfig, task_id: str, sample_index: int) -> SampleSpec:
+    """The (seeded) work of one trajectory; a pure function of (cfg.seed, task, sample)."""
+    r = _rng(cfg.seed, task_id, sample_index)
+    turns = int(np.clip(np.round(r.lognormal(np.log(cfg.turns_median), cfg.turns_sigma)), 1, cfg.max_turns))
+    lens = np.clip(np.round(r.lognormal(np.log(cfg.response_median), cfg.response_sigma, turns)), 1,
+                   cfg.max_response).astype(int)
+    lat = np.clip(r.lognormal(np.log(cfg.tool_latency_median_s), cfg.tool_latency_sigma, turns - 1), 0,
+                  cfg.max_tool_latency_s)
+    return SampleSpec(tuple(int(x) for x in lens), tuple(float(x) for x in lat))
+
+
+def make_tasks(cfg: WorkloadConfig) -> list[Task]:
+    """The prompts: random token ids (the workload needs no text)."""
+    out = []
+    for i in range(cfg.num_prompts):
+        r = _rng(cfg.seed, "prompt", i)
+        prompt = r.integers(3, cfg.vocab_size, cfg.prompt_len).tolist()
+        out.append(Task(task_id=f"w{i}", kind="workload", prompt="", metadata={"prompt_tokens": prompt}))
+    return out
+
+
+def even_token_reward(generated: list[int]) -> float:
+    return float(np.mean([t % 2 == 0 for t in generated])) if generated else 0.0
+
+
+class LatencyTool:
+    """An async tool that only waits: `latency_tool(latency=seconds) -> "ok <seconds>"`."""
+
+    description = "waits `latency` seconds"
+    parameters = {"type": "object", "properties": {"latency": {"type": "number"}}, "required": ["latency"]}
+
+    def __init__(self, name: str = "latency_tool"):
+        self.name = name
+
+    async def __call__(self, latency: float) -> str:
+        await asyncio.sleep(latency)
+        return f"ok {latency:.3f}"
+
+
+class WorkloadAgent:
+    """`await agent(engine, task, sample_index) -> Trajectory`, replaying the seeded work."""
+
+    def __init__(self, cfg: WorkloadConfig, runner: ToolRunner | None = None, temperature: float = 1.0):
+        self.cfg = cfg
+        self.runner = runner or ToolRunner([LatencyTool(cfg.tool_name)], ToolRunnerConfig())
+        self.temperature = temperature
+
+    def expected_length(self, task: Task, sample_index: int) -> int:
+        return sum(sample_spec(self.cfg, task.task_id, sample_index).response_lens)
+
+    def _observation(self, content: str) -> list[int]:
+        data = content.encode()[: self.cfg.observation_len].ljust(self.cfg.observation_len, b" ")
+        return [3 + b % (self.cfg.vocab_size - 3) for b in data]
+
+    async def __call__(self, engine, task: Task, sample_index: int) -> Trajectory:
+        spec = sample_spec(self.cfg, task.task_id, sample_index)
+        prompt = list(task.metadata["prompt_tokens"])
+        builder = TrajectoryBuilder(task.task_id, task.task_id, sample_index, prompt)
+        traj = builder.trajectory
+        start, handle, pending, errors, generated = time.perf_counter(), None, prompt, 0, []
+        try:
+            for turn, n in enumerate(spec.response_lens):
+                t0 = time.perf_counter()
+                seed = int.from_bytes(hashlib.blake2b(f"{self.cfg.seed}/{task.task_id}/{sample_index}/{turn}"
+                                                      .encode(), digest_size=4).digest(), "little")
+                c = await engine.complete(GenerationRequest(
+                    tokens=pending, max_new_tokens=n, temperature=self.temperature, seed=seed,
+                    slot_handle=handle))
+                handle = c.slot_handle
+                gen_start, gen_end = builder.append_generated(c.tokens, c.logprobs)
+                generated += c.tokens
+                t1 = time.perf_counter()
+                obs_end, n_err, n_calls = gen_end, 0, 0
+                if turn + 1 < len(spec.response_lens):
+                    call = ToolCall(self.cfg.tool_name, {"latency": spec.tool_latencies[turn]}, f"c{turn}")
+                    (result,) = await self.runner.run([call])
+                    n_calls, n_err = 1, int(result.is_error)
+                    pending = self._observation(result.content)
+                    obs_end = builder.append_observation(pending)
+                errors += n_err
+                traj.turns.append(Turn(turn, gen_start, gen_end, obs_end, c.finish_reason, t1 - t0,
+                                       time.perf_counter() - t1, n_calls, n_err))
+            traj.finish_reason = "answer"
+        finally:
+            await engine.release(handle)
+        traj.wall_s = time.perf_counter() - start
+        traj.reward = 0.0 if errors else even_token_reward(generated)
+        traj.metadata["tool_errors"] = errors
+        return traj

@@ -1,0 +1,127 @@
+"""The pipelined-synchronous trainer: same result as sync, on-policy accounting, robustness."""
+import asyncio
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import sfrrl_jax as S
+from sfrrl_jax.agents.tools import ToolRunner, ToolRunnerConfig
+from sfrrl_jax.rl.config import LossConfig
+from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.trainer.config import TrainerConfig
+from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
+from sfrrl_jax.trainer.run_logger import RunLogger, read_metrics
+from sfrrl_jax.trainer.workload import WorkloadAgent, WorkloadConfig, make_tasks
+
+CFG = S.ModelConfig.preset("tiny-moe", max_seq_len=128)
+WL = WorkloadConfig(num_prompts=6, response_median=5, response_sigma=0.8, max_response=16,
+                    tool_latency_median_s=0.02, tool_latency_sigma=0.5, max_turns=3)
+LOSS = LossConfig()
+OPT = OptimizerConfig(learning_rate=1e-4)
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh():
+    return S.make_mesh(data=2, expert=4)
+
+
+def _trainer(mode, agent=None, **kw):
+    tc = TrainerConfig(mode=mode, groups_per_step=2, group_size=4, max_slots=8, max_len=96,
+                       buckets=(16, 32), seq_bucket=32, **kw)
+    params = S.init_params(CFG, _mesh(), seed=0)
+    return RLTrainer(CFG, params, tc, LOSS, OPT, agent or WorkloadAgent(WL), TaskStream(make_tasks(WL), seed=1))
+
+
+def test_pipelined_equals_sync_after_a_step_and_both_are_on_policy(tmp_path):
+    sync, pipe = _trainer("sync"), _trainer("pipelined")
+    m_sync, m_pipe = sync.step(), pipe.step()
+    for k in ("reward/mean", "rollout/generated_tokens", "train/trained_tokens"):
+        assert m_sync[k] == m_pipe[k], k  # the same trajectories were generated and trained
+    flat_s = jax.tree_util.tree_flatten_with_path(jax.device_get(sync.params))[0]
+    flat_p = dict(jax.tree_util.tree_flatten_with_path(jax.device_get(pipe.params))[0])
+    moved = 0.0
+    init = dict(jax.tree_util.tree_flatten_with_path(jax.device_get(S.init_params(CFG, _mesh(), 0)))[0])
+    for path, a in flat_s:
+        np.testing.assert_allclose(a, flat_p[path], atol=2e-6, rtol=1e-5, err_msg=str(path))
+        moved = max(moved, float(np.abs(a - init[path]).max()))
+    assert moved > 1e-5  # the update really happened
+    assert m_sync["policy/on_policy_fraction"] == 1.0 and m_pipe["policy/on_policy_fraction"] == 1.0
+    assert m_pipe["train/microsteps"] == m_sync["train/microsteps"] == 2
+    assert m_sync["time/hidden_train_share"] == 0.0
+    # metrics, TensorBoard, Chrome trace and the busy/idle PNG land in the run dir
+    log = RunLogger(tmp_path)
+    log.log(0, m_pipe)
+    out = log.write_timeline(pipe.timeline)
+    log.close()
+    assert read_metrics(tmp_path)[0]["reward/mean"] == m_pipe["reward/mean"]
+    assert (tmp_path / "busy_idle.png").stat().st_size > 1000
+    assert '"grad_microstep"' in open(out["trace"]).read()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_one_step_off_is_measured_off_policy():
+    tr = _trainer("one_step_off")
+    m = [tr.step() for _ in range(3)]
+    assert m[0]["train/microsteps"] == 0            # nothing to train yet
+    assert m[1]["policy/on_policy_fraction"] == 1.0  # batch 0 trained before any update
+    assert m[2]["policy/on_policy_fraction"] == 0.0  # batch 1 (version 0) trained by version 1
+    assert tr.params_version == 2
+
+
+class _CrashTool:
+    name, description = "crash", "always raises"
+    parameters = {"type": "object", "properties": {"latency": {"type": "number"}}}
+
+    async def __call__(self, latency):
+        raise RuntimeError("tool exploded")
+
+
+class _HangTool(_CrashTool):
+    name, description = "hang", "never returns"
+
+    async def __call__(self, latency):
+        await asyncio.sleep(3600)
+
+
+@pytest.mark.parametrize("tool", [_CrashTool, _HangTool])
+def test_failing_tools_zero_the_reward_and_lose_nothing(tool):
+    wl = WorkloadConfig(**{**WL.__dict__, "tool_name": tool.name})
+    runner = ToolRunner([tool()], ToolRunnerConfig(timeout_s=0.2))
+    agent = WorkloadAgent(wl, runner=runner)
+    tr = _trainer("pipelined", agent=agent)
+    captured = []
+    orig = tr._make_unit
+    tr._make_unit = lambda groups: (captured.extend(groups), orig(groups))[1]
+    m = tr.step()
+    trajs = [t for g in captured for t in g.trajectories]
+    assert len(trajs) == 8 and sorted((t.group_id, t.sample_index) for t in trajs) == sorted(
+        {(t.group_id, i) for t in trajs for i in range(4)})
+    calls = sum(len(t.turns) - 1 for t in trajs)
+    assert calls > 0 and m["rollout/tool_errors"] == calls
+    for t in trajs:
+        if len(t.turns) > 1:
+            assert t.reward == 0.0
+            assert all(turn.num_tool_errors == 1 for turn in t.turns[:-1])
+        else:
+            assert t.reward > 0 or t.reward == 0.0  # single-turn: scored normally
+    assert tr.engine.occupancy == {"running": 0, "parked": 0, "free": 8, "queued": 0}
+
+
+def test_bad_config_fails_before_compiling():
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        TrainerConfig(group_size=0)
+    with pytest.raises(ValueError, match="groups_per_step=3 is not divisible into micro-batches of groups_per_microbatch=2"):
+        TrainerConfig(groups_per_step=3, groups_per_microbatch=2)
+    with pytest.raises(ValueError, match="advantage.estimator='reinforce_pp' normalises over the whole batch"):
+        TrainerConfig(mode="pipelined", advantage=S.rl.config.AdvantageConfig(estimator="reinforce_pp"))
+    with pytest.raises(ValueError, match="mode='async'"):
+        TrainerConfig(mode="async")
+    params = S.init_params(CFG, _mesh(), seed=0)
+    with pytest.raises(ValueError, match="lower TrainerConfig.max_slots or max_len"):
+        RLTrainer(CFG.replace(max_seq_len=1 << 22), params,
+                  TrainerConfig(max_slots=1 << 16, max_len=1 << 22), LOSS, OPT, WorkloadAgent(WL),
+                  TaskStream(make_tasks(WL)))
+    with pytest.raises(ValueError, match="TrainerConfig.max_len=256 > ModelConfig.max_seq_len=128"):
+        RLTrainer(CFG, params, TrainerConfig(max_len=256), LOSS, OPT, WorkloadAgent(WL), TaskStream(make_tasks(WL)))
