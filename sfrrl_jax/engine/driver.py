@@ -78,6 +78,7 @@ class Engine:
         self._cached_len: dict[int, int] = {}      # slot -> tokens in its KV cache
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        self._wake_loop = None
         # Idle work (pipelined training): a callable returning a blocking device job or None.
         # The driver runs one job when no slot is decoding, or before a decode chunk when at
         # most `underfull_slots` slots are decoding; decode keeps priority otherwise.
@@ -154,8 +155,9 @@ class Engine:
 
     # -- driver -----------------------------------------------------------------------------
     def _kick(self):
-        if self._wake is None:
-            self._wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if self._wake is None or self._wake_loop is not loop:  # a new asyncio.run: new primitives
+            self._wake, self._wake_loop = asyncio.Event(), loop
         self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())

@@ -1,0 +1,121 @@
+"""Straggler benchmark: one seeded long-tail agentic workload replayed through sync, pipelined
+and one_step_off, in one run, on the same mesh, params and seeds. Prints a table, writes JSON.
+
+    python experiments/bench/stragglers.py [--steps 3] [--out bench_out/stragglers.json]
+
+Two settings:
+  tool-bound   short responses, long heavy-tailed tool latencies: the engine idles because every
+               in-flight trajectory waits on a tool (idle source a);
+  decode-bound long heavy-tailed responses, fast tools: the tail keeps the decode batch nearly
+               empty (idle source b).
+Knobs: --train_width (pads training rows: scales the train cost without touching the rollout,
+i.e. the train/rollout cost ratio), tool latency median/sigma, response median/sigma,
+--underfull_slots (how empty the decode batch must be before pipelined trains beside it).
+
+Columns: wall time per RL step, device-busy fraction (time in device work / wall), decode slot
+occupancy, on-policy fraction of trained tokens, and the share of sync's training time hidden
+= (sync step time - mode step time) / sync train time. The first step of each mode compiles and
+is excluded. Times are wall-clock on a shared CPU: compare rows of one run only.
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import sfrrl_jax as S  # noqa: E402
+from sfrrl_jax.rl.config import LossConfig  # noqa: E402
+from sfrrl_jax.train.optimizer import OptimizerConfig  # noqa: E402
+from sfrrl_jax.trainer.config import TrainerConfig  # noqa: E402
+from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream  # noqa: E402
+from sfrrl_jax.trainer.workload import WorkloadAgent, WorkloadConfig, make_tasks, sample_spec  # noqa: E402
+
+MODES = ("sync", "pipelined", "one_step_off")
+
+
+def settings(args) -> dict:
+    base = dict(num_prompts=64, prompt_len=12, max_turns=6, observation_len=6, seed=args.seed)
+    return {
+        "tool-bound": WorkloadConfig(**base, turns_median=3.0, turns_sigma=0.5, response_median=6,
+                                     response_sigma=0.8, max_response=48,
+                                     tool_latency_median_s=args.tool_latency, tool_latency_sigma=1.0,
+                                     max_tool_latency_s=4.0),
+        "decode-bound": WorkloadConfig(**base, turns_median=1.5, turns_sigma=0.4, response_median=16,
+                                       response_sigma=1.1, max_response=200,
+                                       tool_latency_median_s=0.005, tool_latency_sigma=0.5,
+                                       max_tool_latency_s=0.05),
+    }
+
+
+def workload_stats(wl: WorkloadConfig) -> dict:
+    lens = np.array([n for i in range(wl.num_prompts) for s in range(4)
+                     for n in sample_spec(wl, f"w{i}", s).response_lens])
+    lat = np.array([x for i in range(wl.num_prompts) for s in range(4)
+                    for x in sample_spec(wl, f"w{i}", s).tool_latencies])
+    return {"response_median": float(np.median(lens)), "response_p99": float(np.percentile(lens, 99)),
+            "tool_latency_median_s": float(np.median(lat)) if lat.size else 0.0,
+            "tool_latency_p99_s": float(np.percentile(lat, 99)) if lat.size else 0.0}
+
+
+def run_mode(mode, wl, args, cfg, mesh):
+    tc = TrainerConfig(mode=mode, groups_per_step=args.groups, group_size=4, max_slots=args.slots,
+                       max_len=256, decode_steps=args.decode_steps, buckets=(16, 32, 64),
+                       seq_bucket=args.train_width, underfull_slots=args.underfull_slots)
+    params = S.init_params(cfg, mesh, seed=0)
+    trainer = RLTrainer(cfg, params, tc, LossConfig(), OptimizerConfig(learning_rate=1e-5),
+                        WorkloadAgent(wl), TaskStream(make_tasks(wl), seed=args.seed))
+    trainer.step()  # compile + warm-up, excluded
+    rows = [trainer.step() for _ in range(args.steps)]
+    keys = ("time/wall_s", "time/rollout_s", "time/train_s", "time/train_exposed_s", "perf/device_busy",
+            "perf/slot_occupancy", "policy/on_policy_fraction", "reward/mean")
+    return {k: float(np.mean([r[k] for r in rows])) for k in keys}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--decode_steps", type=int, default=2)
+    ap.add_argument("--train_width", type=int, default=128)
+    ap.add_argument("--tool_latency", type=float, default=0.25)
+    ap.add_argument("--underfull_slots", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", choices=("tool-bound", "decode-bound"), default=None)
+    ap.add_argument("--out", default="bench_out/stragglers.json")
+    args = ap.parse_args()
+    cfg = S.ModelConfig.preset("tiny-moe", max_seq_len=256)
+    mesh = S.make_mesh(data=2, expert=4)
+    report = {"args": vars(args), "settings": {}}
+    for name, wl in settings(args).items():
+        if args.only and name != args.only:
+            continue
+        res = {m: run_mode(m, wl, args, cfg, mesh) for m in MODES}
+        sync = res["sync"]
+        for m, r in res.items():
+            r["hidden_share_of_sync_train"] = ((sync["time/wall_s"] - r["time/wall_s"]) / sync["time/train_s"]
+                                               if sync["time/train_s"] else 0.0)
+        report["settings"][name] = {"workload": dataclasses.asdict(wl), "workload_stats": workload_stats(wl),
+                                    "modes": res}
+        st = report["settings"][name]["workload_stats"]
+        print(f"\n== {name}: response median {st['response_median']:.0f} / p99 {st['response_p99']:.0f} tokens, "
+              f"tool latency median {st['tool_latency_median_s']:.3f}s / p99 {st['tool_latency_p99_s']:.3f}s")
+        print(f"{'mode':13s} {'step s':>7s} {'rollout s':>9s} {'train s':>8s} {'exposed':>8s} {'busy':>6s} "
+              f"{'slots':>6s} {'on-pol':>6s} {'hidden':>7s}")
+        for m, r in res.items():
+            print(f"{m:13s} {r['time/wall_s']:7.2f} {r['time/rollout_s']:9.2f} {r['time/train_s']:8.2f} "
+                  f"{r['time/train_exposed_s']:8.2f} {r['perf/device_busy']:6.1%} {r['perf/slot_occupancy']:6.1%} "
+                  f"{r['policy/on_policy_fraction']:6.2f} {r['hidden_share_of_sync_train']:7.1%}")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
