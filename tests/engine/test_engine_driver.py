@@ -163,3 +163,21 @@ def test_zero_copy_phase_swaps_and_memory_comes_back():
     assert train_like._cache_size() == 1
     assert engine.steps.compile_counts() == compiled_after_first  # nothing recompiled after round 1
     assert engine.steps.cache_bytes() == 2 * 2 * 8 * 32 * 2 * 16 * 4
+
+
+def test_engine_serves_successive_event_loops_with_queueing():
+    """A trainer calls asyncio.run once per step: the same engine must queue in each loop."""
+    cfg, params = _params()
+    engine = Engine(cfg, params, max_slots=1, max_len=32, buckets=(16,))
+
+    async def main():
+        async def one(i):
+            c = await engine.complete(_req([1 + i], 2))
+            await asyncio.sleep(0)
+            await engine.release(c.slot_handle)
+            return c
+        return await asyncio.gather(*(one(i) for i in range(3)))  # 3 requests, 1 slot
+
+    for _ in range(2):
+        assert [len(c.tokens) for c in asyncio.run(main())] == [2, 2, 2]
+    engine.release_memory()
