@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+
+from sfrrl_jax.aio import run_sync
 from typing import Sequence
 
 from sfrrl_jax.agents.protocols import Completion, GenerationRequest
@@ -34,6 +36,6 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
         return await asyncio.gather(*(one(r) for r in reqs))
 
     try:
-        return list(asyncio.run(run_all()))
+        return list(run_sync(run_all()))
     finally:
         engine.release_memory()

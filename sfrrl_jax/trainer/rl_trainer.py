@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from sfrrl_jax.agents.protocols import Task
+from sfrrl_jax.aio import run_sync
 from sfrrl_jax.agents.trajectory import Trajectory
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine
@@ -117,7 +118,7 @@ class RLTrainer:
     # -- public -------------------------------------------------------------------------------
     def step(self) -> dict:
         """One RL step (rollout + one optimizer update); returns its metrics."""
-        return asyncio.run(self.step_async())
+        return run_sync(self.step_async())
 
     async def step_async(self) -> dict:
         cfg = self.cfg
