@@ -74,6 +74,7 @@ class Engine:
         self._free = list(range(max_slots))
         self._serial = 0
         self._serials: dict[int, int] = {}
+        self._to_free: list[int] = []               # cancelled slots awaiting a device reset
         self._last_token: dict[int, int] = {}      # parked slot -> its last token (not cached yet)
         self._cached_len: dict[int, int] = {}      # slot -> tokens in its KV cache
         self._task: asyncio.Task | None = None
@@ -106,6 +107,8 @@ class Engine:
             for leaf in jax.tree.leaves(self.state):
                 leaf.delete()
             self.state = None
+        self._free.extend(self._to_free)  # a fresh state has no stale slots to reset
+        self._to_free = []
 
     @property
     def occupancy(self) -> dict:
@@ -166,15 +169,20 @@ class Engine:
         if job in self._queue:
             self._queue.remove(job)
         elif job.slot is not None and self._running.get(job.slot) is job:
-            # Stop decoding it; the slot goes back to the pool (its handle is now stale).
+            # Stop decoding it; the driver frees the slot on the device between two device steps
+            # (a step may be running on the worker thread right now), then it rejoins the pool.
             del self._running[job.slot]
-            self.state = self.steps.free_resource(self.state, job.slot)
             self._serials.pop(job.slot, None)
-            self._free.append(job.slot)
+            self._to_free.append(job.slot)
+            self._kick()
 
     async def _run(self):
         try:
             while True:
+                if self._to_free:
+                    slots, self._to_free = self._to_free, []
+                    await asyncio.to_thread(self._free_on_device, slots)
+                    self._free.extend(slots)
                 admitted = self._take_admissible()
                 if admitted:
                     firsts = await asyncio.to_thread(self._admit_on_device, admitted)
@@ -259,6 +267,10 @@ class Engine:
         firsts = jax.device_get([dataclasses.asdict(f) for f in firsts])
         self._account("prefill", t0)
         return firsts
+
+    def _free_on_device(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.state = self.steps.free_resource(self.state, slot)
 
     def _decode_on_device(self):
         t0 = time.perf_counter()

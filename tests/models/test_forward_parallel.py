@@ -92,3 +92,13 @@ def test_param_shardings_follow_the_rules_table():
     # dense weights replicate over data (and expert): every device holds the whole q projection
     q = params["layers"]["attn"]["q_proj"]
     assert q.addressable_shards[0].data.shape == q.shape
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_policies_change_memory_not_results(remat):
+    params, tokens, probe, ((v1, logits1), g1) = _case("qwen3")
+    (v, logits), g = _run(CASES["qwen3"].replace(remat=remat), params, tokens, probe)
+    np.testing.assert_allclose(logits, logits1, atol=1e-5, rtol=0)
+    flat1 = dict(jax.tree_util.tree_flatten_with_path(g1)[0])
+    for path, a in jax.tree_util.tree_flatten_with_path(g)[0]:
+        np.testing.assert_allclose(a, flat1[path], atol=1e-5, rtol=1e-5, err_msg=str(path))
