@@ -7,6 +7,7 @@
     outs = generate(cfg, params, prompts, 16)      # the rollout engine, same arrays
 """
 from sfrrl_jax import agents, engine, rl, train  # noqa: F401
+from sfrrl_jax.checkpoints.hf import load_hf, save_hf
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine, generate
 from sfrrl_jax.mesh import LOGICAL_AXIS_RULES, make_mesh, shard_by_logical
@@ -17,4 +18,4 @@ from sfrrl_jax.train import OptimizerConfig, make_train_step
 
 __all__ = ["ModelConfig", "LOGICAL_AXIS_RULES", "make_mesh", "shard_by_logical", "forward",
            "init_params", "param_logical_axes", "Engine", "generate", "AdvantageConfig", "LossConfig",
-           "OptimizerConfig", "make_train_step", "load_tokenizer"]
+           "OptimizerConfig", "make_train_step", "load_tokenizer", "load_hf", "save_hf"]

@@ -1,0 +1,1 @@
+"""Checkpoint formats: `hf` (Hugging Face safetensors directories)."""

@@ -1,0 +1,13 @@
+"""Hugging Face checkpoints: `load_hf` (streamed into sharded params) and `save_hf`.
+
+Families: qwen3_moe, gpt_oss (incl. MXFP4 experts on load), mixtral.
+"""
+from sfrrl_jax.checkpoints.hf.hf_config import (SUPPORTED_FAMILIES, HFConfigError, config_from_hf,
+                                                config_to_hf, read_hf_config)
+from sfrrl_jax.checkpoints.hf.loader import load_hf
+from sfrrl_jax.checkpoints.hf.mxfp4 import dequantize_mxfp4
+from sfrrl_jax.checkpoints.hf.safetensors_io import CheckpointError
+from sfrrl_jax.checkpoints.hf.saver import save_hf
+
+__all__ = ["SUPPORTED_FAMILIES", "CheckpointError", "HFConfigError", "config_from_hf", "config_to_hf",
+           "dequantize_mxfp4", "load_hf", "read_hf_config", "save_hf"]

@@ -1,0 +1,197 @@
+"""HF `config.json` <-> `ModelConfig`, for the families we support.
+
+Field names follow transformers 5 (`rope_parameters`); the 4.x spelling (`rope_theta` at the top
+level plus `rope_scaling`) is accepted on read, which is what most published checkpoints carry.
+Anything our model cannot represent (dense MLP layers in a Qwen3-MoE, an unknown RoPE type, a
+non-SiLU activation, ...) is refused with the offending key named, rather than loaded wrongly.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from sfrrl_jax.config import ModelConfig
+
+SUPPORTED_FAMILIES = ("qwen3_moe", "gpt_oss", "mixtral")
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
+_HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+_YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow",
+              "original_max_position_embeddings", "truncate"}
+
+
+class HFConfigError(ValueError):
+    """The HF config names a family or a variant our model does not implement."""
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """The parsed `config.json` of an HF model directory."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise HFConfigError(f"{Path(path)}: no config.json")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise HFConfigError(f"{file}: not valid JSON ({e})") from None
+
+
+def _get(hf: Mapping[str, Any], key: str, where: str, default=...):
+    if key in hf and hf[key] is not None:
+        return hf[key]
+    if default is ...:
+        raise HFConfigError(f"{where}: config.json lacks required key {key!r}")
+    return default
+
+
+def _rope(hf: Mapping[str, Any], where: str, default_theta: float) -> dict:
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
+    if kind == "default":
+        return {"rope_theta": theta, "rope_type": "default"}
+    if kind != "yarn":
+        raise HFConfigError(f"{where}: rope type {kind!r} is not supported (supported: 'default', 'yarn')")
+    unknown = sorted(set(params) - _YARN_KEYS)
+    if unknown:  # attention_factor, mscale, partial_rotary_factor, ... change the maths
+        raise HFConfigError(f"{where}: yarn rope parameter(s) {unknown} are not supported; "
+                            f"supported: {sorted(_YARN_KEYS)}")
+    factor = params.get("factor")
+    if factor is None:
+        raise HFConfigError(f"{where}: yarn rope needs 'factor'")
+    return {
+        "rope_theta": theta, "rope_type": "yarn", "rope_factor": float(factor),
+        "rope_beta_fast": float(params.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(params.get("beta_slow") or 1.0),
+        "rope_original_max_len": int(params.get("original_max_position_embeddings",
+                                                _get(hf, "max_position_embeddings", where))),
+        "rope_truncate": bool(params.get("truncate", True)),
+    }
+
+
+def _require(hf, key, allowed, where):
+    value = hf.get(key, allowed[0])
+    if value not in allowed:
+        raise HFConfigError(f"{where}: {key}={value!r} is not supported (supported: {list(allowed)})")
+
+
+def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> ModelConfig:
+    """Our `ModelConfig` for an HF config dict. `dtype` sets param and compute dtype
+    (default: the config's `dtype`/`torch_dtype`, else float32)."""
+    family = hf.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise HFConfigError(f"{where}: model_type {family!r} is not supported; supported model_types: "
+                            f"{list(SUPPORTED_FAMILIES)}")
+    d_model = int(_get(hf, "hidden_size", where))
+    n_heads = int(_get(hf, "num_attention_heads", where))
+    dtype = dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    common = dict(
+        name=str(hf.get("_name_or_path") or family), family=family,
+        vocab_size=int(_get(hf, "vocab_size", where)), d_model=d_model,
+        n_layers=int(_get(hf, "num_hidden_layers", where)), n_heads=n_heads,
+        n_kv_heads=int(_get(hf, "num_key_value_heads", where, n_heads)),
+        head_dim=int(_get(hf, "head_dim", where, d_model // n_heads)),
+        top_k=int(_get(hf, "num_experts_per_tok", where)),
+        rms_eps=float(_get(hf, "rms_norm_eps", where)),
+        max_seq_len=int(_get(hf, "max_position_embeddings", where)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", family == "gpt_oss")),
+        router_aux_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+        param_dtype=str(dtype), compute_dtype=str(dtype),
+    )
+    if family == "qwen3_moe":
+        _require(hf, "hidden_act", ("silu",), where)
+        _require(hf, "decoder_sparse_step", (1,), where)
+        if hf.get("mlp_only_layers"):
+            raise HFConfigError(f"{where}: mlp_only_layers={hf['mlp_only_layers']} (dense MLP layers) is "
+                                "not supported: every layer must be MoE")
+        n_exp = _get(hf, "num_experts", where, None) or _get(hf, "num_local_experts", where)
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        return ModelConfig(
+            **common, **_rope(hf, where, 10000.0), n_experts=int(n_exp),
+            d_ff_expert=int(_get(hf, "moe_intermediate_size", where)), router="softmax_topk",
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qk_norm=True,
+            sliding_window=window, layer_types=("sliding",) * common["n_layers"] if window else None,
+        )
+    if family == "mixtral":
+        _require(hf, "hidden_act", ("silu",), where)
+        window = hf.get("sliding_window")
+        return ModelConfig(
+            **common, **_rope(hf, where, 1e6), n_experts=int(_get(hf, "num_local_experts", where)),
+            d_ff_expert=int(_get(hf, "intermediate_size", where)), router="topk_softmax",
+            sliding_window=window, layer_types=("sliding",) * common["n_layers"] if window else None,
+        )
+    # gpt_oss
+    n_layers = common["n_layers"]
+    hf_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                         for i in range(n_layers)]
+    bad = sorted(set(hf_types) - set(_HF_LAYER_TYPES))
+    if bad:
+        raise HFConfigError(f"{where}: layer_types contains {bad}; supported: {sorted(_HF_LAYER_TYPES)}")
+    layer_types = tuple(_HF_LAYER_TYPES[t] for t in hf_types)
+    return ModelConfig(
+        **common, **_rope(hf, where, 150000.0), n_experts=int(_get(hf, "num_local_experts", where)),
+        d_ff_expert=int(_get(hf, "intermediate_size", where)), router="topk_softmax",
+        router_bias=True, expert_bias=True, expert_act="gptoss_swiglu",
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        attn_sinks=True, sliding_window=hf.get("sliding_window") if "sliding" in layer_types else None,
+        layer_types=layer_types,
+    )
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict:
+    if cfg.rope_type == "default":
+        return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    return {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_factor,
+            "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+            "original_max_position_embeddings": cfg.rope_original_max_len, "truncate": cfg.rope_truncate}
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Raises if `cfg` uses a variant the HF class of its family cannot express."""
+    want = {
+        "qwen3_moe": dict(router="softmax_topk", qk_norm=True, attn_sinks=False, router_bias=False,
+                          expert_bias=False, expert_act="swiglu"),
+        "mixtral": dict(router="topk_softmax", qk_norm=False, attn_sinks=False, router_bias=False,
+                        expert_bias=False, expert_act="swiglu", attention_bias=False),
+        "gpt_oss": dict(router="topk_softmax", qk_norm=False, attn_sinks=True, router_bias=True,
+                        expert_bias=True, expert_act="gptoss_swiglu", attention_bias=True),
+    }[cfg.family]
+    wrong = {k: getattr(cfg, k) for k, v in want.items() if getattr(cfg, k) != v}
+    if wrong:
+        raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has {wrong}; HF {ARCHITECTURES[cfg.family]} "
+                            f"requires {({k: want[k] for k in wrong})}")
+    types = set(cfg.layer_types or ())
+    if cfg.family in ("qwen3_moe", "mixtral") and types and types != {"sliding"}:
+        raise HFConfigError(f"ModelConfig(family={cfg.family!r}): HF applies sliding_window to every layer; "
+                            f"layer_types={cfg.layer_types} mixes kinds")
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """The HF `config.json` dict for `cfg` (transformers 5 field names)."""
+    check_exportable(cfg)
+    hf: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim, "num_experts_per_tok": cfg.top_k, "rms_norm_eps": cfg.rms_eps,
+        "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": _rope_to_hf(cfg), "router_aux_loss_coef": cfg.router_aux_coef,
+        "hidden_act": "silu", "dtype": cfg.param_dtype,
+    }
+    window = cfg.sliding_window if "sliding" in (cfg.layer_types or ()) else None
+    if cfg.family == "qwen3_moe":
+        hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff_expert,
+                  norm_topk_prob=cfg.norm_topk_prob, attention_bias=cfg.attention_bias,
+                  decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=window is not None,
+                  sliding_window=window)
+    elif cfg.family == "mixtral":
+        hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert, sliding_window=window)
+    else:
+        types = cfg.layer_types or ("full",) * cfg.n_layers
+        hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert,
+                  attention_bias=True, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
+                  sliding_window=cfg.sliding_window,
+                  layer_types=[{"sliding": "sliding_attention", "full": "full_attention"}[t] for t in types])
+    return hf

@@ -1,0 +1,225 @@
+"""`load_hf`: an HF checkpoint directory -> (ModelConfig, sharded params), streamed.
+
+Nothing close to the whole model is ever on the host. For each layer and each tensor group, each
+distinct shard that *this process's* devices hold is read from disk (expert-sharded leaves read
+only their own experts' bytes), converted to our layout, cast, and copied to exactly the devices
+that hold it (one batched transfer per leaf and layer); the host copy is then dropped. The
+per-layer piece is written into the stacked leaf on device in place (a donated
+dynamic-update-slice), so device memory peaks at the model plus one layer's piece of one leaf,
+and host memory at about one HF tensor.
+
+Multi-host: every process reads only the shards of its addressable devices and the global arrays
+are assembled with `jax.make_array_from_single_device_arrays`; no process needs the full model.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from sfrrl_jax.checkpoints.hf.hf_config import config_from_hf, read_hf_config
+from sfrrl_jax.checkpoints.hf.safetensors_io import CheckpointError, CheckpointFiles
+from sfrrl_jax.checkpoints.hf.tensor_map import (IGNORED_SUFFIXES, TensorGroup, global_groups,
+                                                 is_mxfp4, layer_groups)
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.models.api import check_mesh_fits, param_shardings
+from sfrrl_jax.models.transformer import param_shapes
+
+_FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
+
+
+def flatten_tree(tree, prefix=()):
+    """Yields (path tuple, leaf) of a nested dict."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from flatten_tree(value, prefix + (key,))
+        else:
+            yield prefix + (key,), value
+
+
+def _unflatten(flat: dict) -> dict:
+    out: dict = {}
+    for path, leaf in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return out
+
+
+def validate_tensors(files: CheckpointFiles, groups: list[TensorGroup], cfg: ModelConfig) -> None:
+    """Every expected HF tensor present with its shape and a usable dtype; nothing unexpected.
+
+    Raises `CheckpointError` naming the first offending tensor (and how many more there are).
+    """
+    expected: dict[str, tuple] = {}
+    dtypes: dict[str, str] = {}
+    for g in groups:
+        expected.update(g.hf)
+        dtypes.update(g.hf_dtypes)
+    found = files.tensors
+    ignorable = {n for n in found if n.endswith(IGNORED_SUFFIXES)}
+    if cfg.tie_embeddings and "lm_head.weight" in found:
+        ignorable.add("lm_head.weight")  # tied: the head is the embedding, a stored copy is redundant
+    where = f"{files.directory} ({cfg.family})"
+
+    def fail(kind, items, describe):
+        more = f" (and {len(items) - 1} more {kind} tensors)" if len(items) > 1 else ""
+        raise CheckpointError(f"{where}: {describe(items[0])}{more}")
+
+    missing = sorted(n for n in expected if n not in found)
+    if missing:
+        fail("missing", missing, lambda n: f"missing tensor {n!r} (expected shape {expected[n]})")
+    extra = sorted(n for n in found if n not in expected and n not in ignorable)
+    if extra:
+        fail("unexpected", extra, lambda n: f"unexpected tensor {n!r} with shape {found[n].shape} in "
+                                            f"{found[n].file.name}; the {cfg.family} model has no such weight")
+    wrong = sorted(n for n in expected if found[n].shape != tuple(expected[n]))
+    if wrong:
+        fail("mis-shaped", wrong, lambda n: f"tensor {n!r} in {found[n].file.name}: expected shape "
+                                            f"{tuple(expected[n])}, found {found[n].shape}")
+    bad = sorted(n for n in expected if found[n].dtype != dtypes.get(n, found[n].dtype)
+                 or (n not in dtypes and found[n].dtype not in _FLOAT_CODES))
+    if bad:
+        fail("wrongly typed", bad, lambda n: f"tensor {n!r}: dtype {found[n].dtype}, expected "
+                                             f"{dtypes.get(n, 'a float type ' + str(sorted(_FLOAT_CODES)))}")
+
+
+def _shard_groups(sharding, shape):
+    """{index key: (index tuple of slices, [devices])} for this process's devices."""
+    out: dict = {}
+    for dev, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
+        norm = tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape))
+        key = tuple((s.start, s.stop) for s in norm)
+        out.setdefault(key, (norm, []))[1].append(dev)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_setter(sharding: NamedSharding):
+    """(stacked [L, ...], piece [...], l) -> stacked with [l] = piece, in place (donated); local
+    to each device. `l` is traced, so one compile serves every layer."""
+    return jax.jit(lambda x, piece, l: jax.lax.dynamic_update_index_in_dim(x, piece, l, 0),
+                   donate_argnums=0, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape, dtype, sharding: NamedSharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+class _LeafBuilder:
+    """Collects the pieces of one param leaf and assembles the sharded global array."""
+
+    def __init__(self, path, shape, dtype, sharding: NamedSharding, layered: bool):
+        self.path, self.shape, self.dtype, self.sharding, self.layered = path, tuple(shape), dtype, sharding, layered
+        self.shards = _shard_groups(sharding, self.shape)
+        if layered:
+            spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+            if spec[0] is not None:
+                raise ValueError(f"param {'/'.join(path)}: the stacked `layers` dim is sharded "
+                                 f"({sharding.spec}); load_hf requires it replicated")
+            self.layer_sharding = NamedSharding(sharding.mesh, P(*spec[1:]))
+            self.value = _zeros(self.shape, self.dtype, sharding)()
+        else:
+            self.value = None
+        self.pieces: list[tuple[np.ndarray, list]] = []  # host piece, devices that hold it
+
+    def wanted(self, expert_rows: bool):
+        """[(rows slice or None, per-layer index, devices)] -- one entry per distinct shard."""
+        sub = slice(1, None) if self.layered else slice(None)
+        out = []
+        for index, devices in self.shards.values():
+            local = index[sub]
+            out.append((local[0] if expert_rows else None, local, devices))
+        return out
+
+    def put(self, array: np.ndarray, local_index, devices, rows_done: bool, name: str) -> None:
+        index = (slice(None),) + tuple(local_index[1:]) if rows_done else tuple(local_index)
+        expect = tuple(s.stop - s.start for s in local_index)
+        piece = np.ascontiguousarray(array[index]).astype(self.dtype, copy=False)
+        if piece.shape != expect:  # a mapping bug, never a user error: say exactly where
+            raise AssertionError(f"{name} -> {'/'.join(self.path)}: piece shape {piece.shape} != shard "
+                                 f"shape {expect}")
+        self.pieces.append((piece, devices))
+
+    def _to_devices(self, shape, sharding) -> jax.Array:
+        # One batched transfer of every (piece, device) pair, then the global array over them.
+        pairs = [(piece, dev) for piece, devices in self.pieces for dev in devices]
+        arrays = jax.device_put([p for p, _ in pairs], [d for _, d in pairs])
+        self.pieces = []
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+    def flush(self, layer: int | None) -> None:
+        """Moves the collected pieces to their devices: into row `layer` of the stacked leaf, or
+        (global leaves) as the finished array."""
+        if self.layered:
+            piece = self._to_devices(self.shape[1:], self.layer_sharding)
+            self.value = _layer_setter(self.sharding)(self.value, piece, np.int32(layer))
+        else:
+            self.value = self._to_devices(self.shape, self.sharding)
+
+
+def _run_group(group: TensorGroup, builders: dict, read, layer: int | None) -> None:
+    """Reads `group` once per distinct expert range its leaves' shards need, and places them."""
+    prefix = () if layer is None else ("layers",)
+    by_rows: dict = {}
+    for leaf in group.leaves:
+        b = builders[prefix + leaf]
+        for rows, local, devices in b.wanted(group.expert_rows):
+            key = None if rows is None else (rows.start, rows.stop)
+            by_rows.setdefault(key, []).append((b, local, devices))
+    for key, users in by_rows.items():
+        arrays = group.load(read, None if key is None else slice(*key))
+        for b, local, devices in users:
+            b.put(arrays[b.path[len(prefix):]], local, devices, rows_done=key is not None,
+                  name=next(iter(group.hf)))
+        del arrays
+    for leaf in group.leaves:  # to the devices now: the host holds one group's tensors at a time
+        builders[prefix + leaf].flush(layer)
+
+
+def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfig, dict]:
+    """Reads an HF directory (`config.json` + safetensors shards) into sharded params on `mesh`.
+
+    Families: qwen3_moe, gpt_oss (dense or MXFP4 experts, dequantised on load), mixtral.
+    dtype: param (and compute) dtype; default the config's `dtype`/`torch_dtype`, else float32.
+    Returns (cfg, params) with params laid out as `sfrrl_jax.models.transformer.param_shapes(cfg)`
+    and sharded as `sfrrl_jax.models.api.param_shardings(cfg, mesh)`.
+    Raises `HFConfigError` for unsupported configs and `CheckpointError` for missing, unexpected,
+    mis-shaped tensors or corrupt files.
+    """
+    path = Path(path)
+    hf = read_hf_config(path)
+    cfg = config_from_hf(hf, dtype=None if dtype is None else jnp.dtype(dtype).name,
+                         where=str(path / "config.json"))
+    check_mesh_fits(cfg, mesh)
+    files = CheckpointFiles(path)
+    quantized = is_mxfp4(files.tensors)
+    per_layer = [layer_groups(cfg, layer, quantized) for layer in range(cfg.n_layers)]
+    glob = global_groups(cfg)
+    validate_tensors(files, [g for gs in per_layer for g in gs] + glob, cfg)
+
+    shapes = dict(flatten_tree(param_shapes(cfg)))
+    shardings = dict(flatten_tree(param_shardings(cfg, mesh)))
+    covered = {("layers",) + leaf for g in per_layer[0] for leaf in g.leaves} | {
+        leaf for g in glob for leaf in g.leaves}
+    if covered != set(shapes):
+        raise AssertionError(f"tensor map for {cfg.family} covers {sorted(covered ^ set(shapes))} wrongly")
+    dtype_np = jnp.dtype(cfg.param_dtype)
+    builders = {p: _LeafBuilder(p, shapes[p].shape, dtype_np, shardings[p], p[0] == "layers") for p in shapes}
+    read = files.read
+
+    for layer, groups in enumerate(per_layer):
+        for group in groups:
+            _run_group(group, builders, read, layer)
+        # Bound the work in flight to one layer, so freed pieces do not pile up behind async dispatch.
+        jax.block_until_ready([b.value for b in builders.values() if b.layered])
+    for group in glob:
+        _run_group(group, builders, read, None)
+    return cfg, _unflatten({p: b.value for p, b in builders.items()})

@@ -1,0 +1,188 @@
+"""Which HF tensors make up which of our params, per family, and the layout changes between them.
+
+Our params (see `sfrrl_jax.models.transformer.param_shapes`) stack layers on a leading dim and
+keep heads and experts as their own dims: q_proj [D, H, hd], o_proj [H, hd, D], w_gate/w_up
+[E, D, F], w_down [E, F, D], router [D, E]. HF stores `nn.Linear` weights as [out, in] with
+heads flattened, and experts either one tensor per expert (Qwen3-MoE, Mixtral, as
+`save_pretrained` writes them) or fused [E, in, out] with gate and up interleaved on the last dim
+(GPT-OSS: gate = [..., ::2], up = [..., 1::2]), optionally MXFP4-quantised.
+
+A `TensorGroup` is the unit of conversion: a few HF tensors <-> one or more of our per-layer
+leaves. Its `load` reads only the experts it is asked for (the rows of an expert-sharded shard);
+its `dump` is the exact inverse of the dense `load`, so import -> export -> import is
+bit-identical.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+from sfrrl_jax.checkpoints.hf.mxfp4 import dequantize_mxfp4, mxfp4_shapes
+from sfrrl_jax.config import ModelConfig
+
+Leaf = tuple[str, ...]           # path inside params (layer leaves without the 'layers' key)
+Reader = Callable[[str, "slice | None"], np.ndarray]  # (hf name, dim-0 rows) -> array
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """HF tensors `hf` (name -> HF shape) <-> our leaves `leaves` (per layer, or global)."""
+
+    leaves: tuple[Leaf, ...]
+    hf: Mapping[str, tuple[int, ...]]
+    load: Callable[[Reader, slice], dict]          # (reader, expert rows) -> {leaf: array}
+    dump: Callable[[Mapping[Leaf, np.ndarray]], dict] | None  # {leaf: array} -> {name: array}
+    expert_rows: bool = False  # the leaves' dim 0 is experts; `load` honours the rows slice
+    hf_dtypes: Mapping[str, str] = field(default_factory=dict)  # required file dtypes (MXFP4: U8)
+
+
+def _single(name, leaf, hf_shape, to_ours=lambda a: a, to_hf=lambda a: a, expert_rows=False):
+    return TensorGroup(
+        (leaf,), {name: tuple(hf_shape)},
+        load=lambda read, rows: {leaf: to_ours(read(name, rows if expert_rows else None))},
+        dump=lambda v: {name: to_hf(v[leaf])}, expert_rows=expert_rows)
+
+
+def _per_expert(fmt, leaf, n_experts, hf_shape):
+    """Experts saved one by one as [out, in] linears; our leaf is [E, in, out]."""
+    names = [fmt.format(e=e) for e in range(n_experts)]
+
+    def load(read, rows):
+        return {leaf: np.stack([read(names[e], None).T for e in range(n_experts)[rows]])}
+
+    return TensorGroup((leaf,), {n: tuple(hf_shape) for n in names}, load,
+                       dump=lambda v: {n: np.ascontiguousarray(v[leaf][e].T) for e, n in enumerate(names)},
+                       expert_rows=True)
+
+
+def _interleaved(name, gate_leaf, up_leaf, hf_shape, dense: Callable | None = None, hf_extra=None,
+                 hf_dtypes=None):
+    """One HF tensor [..., 2F] holding gate (even) and up (odd) columns."""
+    dense = dense or (lambda read, rows: read(name, rows))
+
+    def load(read, rows):
+        both = dense(read, rows)
+        return {gate_leaf: np.ascontiguousarray(both[..., 0::2]),
+                up_leaf: np.ascontiguousarray(both[..., 1::2])}
+
+    def dump(v):
+        gate, up = v[gate_leaf], v[up_leaf]
+        both = np.empty(gate.shape[:-1] + (2 * gate.shape[-1],), gate.dtype)
+        both[..., 0::2], both[..., 1::2] = gate, up
+        return {name: both}
+
+    hf = hf_extra if hf_extra is not None else {name: tuple(hf_shape)}
+    return TensorGroup((gate_leaf, up_leaf), hf, load, None if hf_extra else dump, True, hf_dtypes or {})
+
+
+def _mxfp4_dense(proj, shape_out, in_dim):
+    """Reader of an MXFP4 pair as the dense [E, in, out] tensor; also its HF names and shapes."""
+    blocks, scales = f"{proj}_blocks", f"{proj}_scales"
+    b_shape, s_shape = mxfp4_shapes(shape_out, in_dim, proj)
+
+    def dense(read, rows):
+        w = dequantize_mxfp4(read(blocks, rows), read(scales, rows))  # [E, out, in]
+        return np.ascontiguousarray(np.swapaxes(w, -1, -2))
+
+    return dense, {blocks: b_shape, scales: s_shape}, {blocks: "U8", scales: "U8"}
+
+
+def _attention(cfg: ModelConfig, p: str) -> list[TensorGroup]:
+    d, h, k, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    a = p + "self_attn."
+
+    def proj_in(n):  # HF [n*hd, D] <-> ours [D, n, hd]
+        return (lambda w: np.ascontiguousarray(w.reshape(n, hd, d).transpose(2, 0, 1)),
+                lambda w: np.ascontiguousarray(w.transpose(1, 2, 0).reshape(n * hd, d)))
+
+    groups = [
+        _single(a + "q_proj.weight", ("attn", "q_proj"), (h * hd, d), *proj_in(h)),
+        _single(a + "k_proj.weight", ("attn", "k_proj"), (k * hd, d), *proj_in(k)),
+        _single(a + "v_proj.weight", ("attn", "v_proj"), (k * hd, d), *proj_in(k)),
+        _single(a + "o_proj.weight", ("attn", "o_proj"), (d, h * hd),
+                lambda w: np.ascontiguousarray(w.reshape(d, h, hd).transpose(1, 2, 0)),
+                lambda w: np.ascontiguousarray(w.transpose(2, 0, 1).reshape(d, h * hd))),
+    ]
+    if cfg.attention_bias:
+        for proj, n in (("q", h), ("k", k), ("v", k)):
+            groups.append(_single(a + f"{proj}_proj.bias", ("attn", f"{proj}_bias"), (n * hd,),
+                                  lambda b, n=n: b.reshape(n, hd), lambda b: b.reshape(-1)))
+        groups.append(_single(a + "o_proj.bias", ("attn", "o_bias"), (d,)))
+    if cfg.qk_norm:
+        groups += [_single(a + "q_norm.weight", ("attn", "q_norm", "scale"), (hd,)),
+                   _single(a + "k_norm.weight", ("attn", "k_norm", "scale"), (hd,))]
+    if cfg.attn_sinks:
+        groups.append(_single(a + "sinks", ("attn", "sinks"), (h,)))
+    return groups
+
+
+def _transpose(w):
+    return np.ascontiguousarray(w.T)
+
+
+def _experts(cfg: ModelConfig, p: str, quantized: bool) -> list[TensorGroup]:
+    d, e, f = cfg.d_model, cfg.n_experts, cfg.d_ff_expert
+    if cfg.family in ("qwen3_moe", "mixtral"):
+        if quantized:
+            raise ValueError(f"MXFP4 expert weights are only defined for gpt_oss, not {cfg.family}")
+        if cfg.family == "qwen3_moe":
+            base, router, names = p + "mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj")
+        else:
+            base, router, names = p + "block_sparse_moe.", "gate.weight", ("w1", "w3", "w2")
+        fmt = base + "experts.{e}.%s.weight"
+        return [
+            _single(base + router, ("moe", "router"), (e, d), _transpose, _transpose),
+            _per_expert(fmt % names[0], ("moe", "w_gate"), e, (f, d)),
+            _per_expert(fmt % names[1], ("moe", "w_up"), e, (f, d)),
+            _per_expert(fmt % names[2], ("moe", "w_down"), e, (d, f)),
+        ]
+    m = p + "mlp."
+    x = m + "experts."
+    groups = [
+        _single(m + "router.weight", ("moe", "router"), (e, d), _transpose, _transpose),
+        _single(m + "router.bias", ("moe", "router_bias"), (e,)),
+        _interleaved(x + "gate_up_proj_bias", ("moe", "b_gate"), ("moe", "b_up"), (e, 2 * f)),
+        _single(x + "down_proj_bias", ("moe", "b_down"), (e, d), expert_rows=True),
+    ]
+    if not quantized:
+        groups += [_interleaved(x + "gate_up_proj", ("moe", "w_gate"), ("moe", "w_up"), (e, d, 2 * f)),
+                   _single(x + "down_proj", ("moe", "w_down"), (e, f, d), expert_rows=True)]
+        return groups
+    dense, hf, dtypes = _mxfp4_dense(x + "gate_up_proj", (e, 2 * f), d)
+    groups.append(_interleaved(x + "gate_up_proj", ("moe", "w_gate"), ("moe", "w_up"), None, dense, hf, dtypes))
+    dense_down, hf_down, dtypes_down = _mxfp4_dense(x + "down_proj", (e, d), f)
+    groups.append(TensorGroup((("moe", "w_down"),), hf_down,
+                              lambda read, rows: {("moe", "w_down"): dense_down(read, rows)}, None,
+                              True, dtypes_down))
+    return groups
+
+
+def layer_groups(cfg: ModelConfig, layer: int, quantized: bool = False) -> list[TensorGroup]:
+    """The groups of layer `layer` (HF names `model.layers.{layer}.*`)."""
+    p = f"model.layers.{layer}."
+    return [
+        _single(p + "input_layernorm.weight", ("attn_norm", "scale"), (cfg.d_model,)),
+        _single(p + "post_attention_layernorm.weight", ("mlp_norm", "scale"), (cfg.d_model,)),
+        *_attention(cfg, p), *_experts(cfg, p, quantized),
+    ]
+
+
+def global_groups(cfg: ModelConfig) -> list[TensorGroup]:
+    """Embedding, final norm and (untied) LM head."""
+    groups = [_single("model.embed_tokens.weight", ("embed", "embedding"), (cfg.vocab_size, cfg.d_model)),
+              _single("model.norm.weight", ("final_norm", "scale"), (cfg.d_model,))]
+    if not cfg.tie_embeddings:
+        groups.append(_single("lm_head.weight", ("lm_head",), (cfg.vocab_size, cfg.d_model),
+                              _transpose, _transpose))
+    return groups
+
+
+def is_mxfp4(names) -> bool:
+    """Whether a checkpoint's tensor names carry MXFP4 expert weights."""
+    return any(n.endswith("_blocks") for n in names)
+
+
+# Present in some checkpoints, derived data rather than weights: ignored on load.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -1,0 +1,161 @@
+"""Tiny random HF models of each family, built offline with transformers, and their references.
+
+Every parameter (biases, sinks and norm scales included) is re-drawn so that no part of the
+mapping can hide behind a zero or a one. Sizes are small but deliberately uneven.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+FAMILY_CLASSES = {
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+}
+
+# name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
+CONFIGS = {
+    # GQA 3:1, odd vocab and expert width, renormalised top-k.
+    "qwen3_gqa3": ("qwen3_moe", dict(
+        vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=20, intermediate_size=40,
+        norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})),
+    # MHA, un-normalised top-k, sliding window on every layer, tied embeddings.
+    "qwen3_mha_window_tied": ("qwen3_moe", dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=12, num_experts=4, num_experts_per_tok=3, moe_intermediate_size=16, intermediate_size=40,
+        norm_topk_prob=False, use_sliding_window=True, sliding_window=5, tie_word_embeddings=True)),
+    # GQA 4:1, sliding + full layers, sinks, YaRN (untruncated), a low clamp that bites.
+    "gptoss_gqa4": ("gpt_oss", dict(
+        vocab_size=80, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=4,
+        max_position_embeddings=2048,
+        layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+    # Odd sizes, three layers of mixed kinds, top-3 of 4, truncated YaRN.
+    "gptoss_odd": ("gpt_oss", dict(
+        vocab_size=71, hidden_size=40, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=10, num_local_experts=4, num_experts_per_tok=3, intermediate_size=24, sliding_window=3,
+        max_position_embeddings=128,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 16.0,
+                         "beta_slow": 2.0, "truncate": True, "original_max_position_embeddings": 32})),
+    # GQA 4:1, head_dim from hidden/heads.
+    "mixtral_gqa4": ("mixtral", dict(
+        vocab_size=90, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=28)),
+    # MQA, explicit head_dim != hidden/heads, sliding window, tied embeddings.
+    "mixtral_mqa_window_tied": ("mixtral", dict(
+        vocab_size=67, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=10, num_local_experts=8, num_experts_per_tok=2, intermediate_size=18, sliding_window=3,
+        tie_word_embeddings=True)),
+}
+
+
+def randomize_(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            else:
+                p.copy_(std * noise)
+
+
+def build_model(name: str, seed: int = 0) -> torch.nn.Module:
+    family, kwargs = CONFIGS[name]
+    config_cls, model_cls = FAMILY_CLASSES[family]
+    config = config_cls(**kwargs)
+    # The reference implementations: plain attention and the per-expert loop (transformers'
+    # grouped_mm path needs 16-byte aligned strides, which odd sizes do not have on CPU).
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    randomize_(model, seed)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def save_model(model, directory: Path) -> Path:
+    model.save_pretrained(directory)
+    return directory
+
+
+def tokens_for(vocab_size: int, batch: int = 2, seq: int = 11, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab_size, (batch, seq)).astype(np.int32)
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
+
+
+def load_transformers(directory: Path):
+    """`from_pretrained` of a local directory, fp32, eager attention, as a user would."""
+    config = json.loads((Path(directory) / "config.json").read_text())
+    _, model_cls = FAMILY_CLASSES[config["model_type"]]
+    return model_cls.from_pretrained(directory, local_files_only=True, dtype=torch.float32,
+                                     attn_implementation="eager", experts_implementation="eager").eval()
+
+
+# -- MXFP4 reference (written from the format definition, independent of the library) -----------
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def e2m1_value(code: int) -> float:
+    """FP4 e2m1: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; exponent 0 = subnormal."""
+    sign = -1.0 if code & 0b1000 else 1.0
+    exp, man = (code >> 1) & 0b11, code & 1
+    mag = man * 0.5 if exp == 0 else (1.0 + man / 2.0) * 2.0 ** (exp - 1)
+    return sign * mag
+
+
+def reference_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Element by element: byte j of a block holds values 2j (low nibble) and 2j+1 (high nibble)."""
+    *lead, groups, nbytes = blocks.shape
+    out = np.zeros((*lead, groups * 2 * nbytes), np.float64)
+    flat_b = blocks.reshape(-1, groups, nbytes)
+    flat_s = scales.reshape(-1, groups)
+    flat_o = out.reshape(-1, groups * 2 * nbytes)
+    for r in range(flat_b.shape[0]):
+        for g in range(groups):
+            scale = 2.0 ** (int(flat_s[r, g]) - 127)
+            for j in range(nbytes):
+                byte = int(flat_b[r, g, j])
+                flat_o[r, g * 32 + 2 * j] = e2m1_value(byte & 0xF) * scale
+                flat_o[r, g * 32 + 2 * j + 1] = e2m1_value(byte >> 4) * scale
+    return out
+
+
+def reference_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [..., K] float -> (blocks [..., K/32, 16] u8, scales [..., K/32] u8), round to nearest."""
+    *lead, k = w.shape
+    g = k // 32
+    x = w.reshape(*lead, g, 32).astype(np.float64)
+    amax = np.abs(x).max(axis=-1)
+    # The largest e2m1 magnitude is 6 = 1.5 * 2**2: pick the exponent that maps amax into range.
+    exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-30))) - 2, -127).astype(np.int64)
+    exp = np.clip(exp, -127, 127)
+    scaled = x / (2.0 ** exp)[..., None]
+    mags = np.array(E2M1_MAGNITUDES)
+    idx = np.abs(np.abs(scaled)[..., None] - mags).argmin(axis=-1)
+    codes = (idx | np.where(scaled < 0, 8, 0)).astype(np.uint8)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    # C order explicitly: ufuncs keep a transposed input's memory order, and safetensors.numpy
+    # writes an array's raw buffer.
+    return np.ascontiguousarray(blocks), np.ascontiguousarray((exp + 127).astype(np.uint8))
+
+
+def expected_mxfp4_shapes(e: int, out_dim: int, in_dim: int) -> tuple[tuple, tuple]:
+    return (e, out_dim, math.ceil(in_dim / 32), 16), (e, out_dim, math.ceil(in_dim / 32))

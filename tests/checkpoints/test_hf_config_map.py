@@ -1,0 +1,55 @@
+"""config.json <-> ModelConfig: the published configs (4.x spelling, as on the Hub) map onto our
+presets, and our export is read back by transformers' own config classes unchanged."""
+import pytest
+
+from sfrrl_jax.checkpoints.hf import config_from_hf, config_to_hf
+from sfrrl_jax.config import ModelConfig
+
+import hf_fixtures as F
+
+# The fields of the published config.json files that matter to the architecture.
+PUBLISHED = {
+    "qwen3-moe-30b-a3b": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
+        "norm_topk_prob": True, "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-06,
+        "max_position_embeddings": 40960, "use_sliding_window": False, "sliding_window": None,
+        "max_window_layers": 48, "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu",
+        "tie_word_embeddings": False, "attention_bias": False, "router_aux_loss_coef": 0.001,
+        "torch_dtype": "bfloat16"},
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 24,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "experts_per_token": 4, "intermediate_size": 2880, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "rope_theta": 150000,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+        "rms_norm_eps": 1e-05, "max_position_embeddings": 131072, "swiglu_limit": 7.0,
+        "attention_bias": True, "tie_word_embeddings": False, "router_aux_loss_coef": 0.9,
+        "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "mxfp4"}},
+    "mixtral-8x7b": {
+        "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "intermediate_size": 14336, "rope_theta": 1e6, "rms_norm_eps": 1e-05,
+        "max_position_embeddings": 32768, "sliding_window": None, "hidden_act": "silu",
+        "tie_word_embeddings": False, "router_aux_loss_coef": 0.02, "torch_dtype": "bfloat16"},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_published_configs_map_onto_the_presets(preset):
+    cfg = config_from_hf(PUBLISHED[preset])
+    assert cfg.replace(name=preset) == ModelConfig.preset(preset)
+
+
+@pytest.mark.parametrize("name", sorted(F.CONFIGS))
+def test_export_config_is_read_back_by_transformers_identically(name):
+    family, kwargs = F.CONFIGS[name]
+    hf_config = F.FAMILY_CLASSES[family][0](**kwargs)
+    cfg = config_from_hf(hf_config.to_dict())
+    exported = config_to_hf(cfg)
+    assert config_from_hf(exported) == cfg
+    reread = F.FAMILY_CLASSES[family][0](**{k: v for k, v in exported.items() if k != "architectures"})
+    assert config_from_hf(reread.to_dict()) == cfg

@@ -1,0 +1,184 @@
+"""Bad HF checkpoints fail loudly, naming the family, the tensor, the shapes or the file."""
+import json
+import shutil
+import struct
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import sfrrl_jax as S
+from sfrrl_jax.checkpoints.hf import CheckpointError, HFConfigError, load_hf, save_hf
+from sfrrl_jax.checkpoints.hf.safetensors_io import SafetensorsFile
+
+import hf_fixtures as F
+
+Q_PROJ = "model.layers.1.self_attn.q_proj.weight"
+UP_3 = "model.layers.1.mlp.experts.3.up_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return S.make_mesh(data=2, expert=4)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    return F.save_model(F.build_model("qwen3_gqa3"), tmp_path_factory.mktemp("pristine") / "hf")
+
+
+@pytest.fixture
+def ckpt(pristine, tmp_path):
+    """A fresh, editable copy of the tiny Qwen3-MoE directory."""
+    return shutil.copytree(pristine, tmp_path / "hf")
+
+
+def _edit_tensors(directory, edit):
+    file = directory / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _edit_config(directory, **changes):
+    file = directory / "config.json"
+    config = json.loads(file.read_text())
+    config.update(changes)
+    file.write_text(json.dumps(config))
+
+
+def test_unsupported_family_names_model_type_and_supported_ones(ckpt, mesh):
+    _edit_config(ckpt, model_type="llama")
+    with pytest.raises(HFConfigError) as e:
+        load_hf(ckpt, mesh)
+    msg = str(e.value)
+    assert "'llama'" in msg and all(f in msg for f in ("qwen3_moe", "gpt_oss", "mixtral"))
+
+
+def test_missing_tensor_is_named_with_its_expected_shape(ckpt, mesh):
+    _edit_tensors(ckpt, lambda t: t.pop(UP_3))
+    with pytest.raises(CheckpointError, match=rf"missing tensor '{UP_3}' \(expected shape \(20, 48\)\)"):
+        load_hf(ckpt, mesh)
+
+
+def test_wrong_shape_names_tensor_expected_and_found(ckpt, mesh):
+    _edit_tensors(ckpt, lambda t: t.update({Q_PROJ: np.zeros((48, 40), np.float32)}))
+    with pytest.raises(CheckpointError) as e:
+        load_hf(ckpt, mesh)
+    assert f"'{Q_PROJ}'" in str(e.value)
+    assert "expected shape (48, 48), found (48, 40)" in str(e.value)
+
+
+def test_extra_tensor_is_named(ckpt, mesh):
+    name = "model.layers.0.mlp.shared_expert.gate_proj.weight"
+    _edit_tensors(ckpt, lambda t: t.update({name: np.zeros((8, 48), np.float32)}))
+    with pytest.raises(CheckpointError, match=rf"unexpected tensor '{name}' with shape \(8, 48\)"):
+        load_hf(ckpt, mesh)
+
+
+def test_integer_weight_is_refused(ckpt, mesh):
+    _edit_tensors(ckpt, lambda t: t.update({Q_PROJ: np.zeros((48, 48), np.int32)}))
+    with pytest.raises(CheckpointError, match=rf"'{Q_PROJ}': dtype I32"):
+        load_hf(ckpt, mesh)
+
+
+def _rewrite_header(file, header_bytes, declared_len=None):
+    raw = file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    data = raw[8 + n:]
+    length = len(header_bytes) if declared_len is None else declared_len
+    file.write_bytes(struct.pack("<Q", length) + header_bytes + data)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("length", "header length 1099511627776 exceeds the file size"),
+    ("json", "header is not valid UTF-8 JSON"),
+    ("offsets", "do not fit shape"),
+    ("dtype", "unknown dtype 'F12'"),
+    ("tiny", "fewer than the 8-byte header length"),
+])
+def test_corrupt_safetensors_header_names_the_file(ckpt, mesh, kind, message):
+    file = ckpt / "model.safetensors"
+    info = SafetensorsFile(file).tensors
+    base = min(i.begin for i in info.values())
+    header = {n: {"dtype": i.dtype, "shape": list(i.shape), "data_offsets": [i.begin - base, i.end - base]}
+              for n, i in info.items()}
+    if kind == "length":
+        _rewrite_header(file, json.dumps(header).encode(), declared_len=1 << 40)
+    elif kind == "json":
+        _rewrite_header(file, json.dumps(header).encode()[:-7])
+    elif kind == "offsets":
+        header[Q_PROJ]["data_offsets"][1] += 4
+        _rewrite_header(file, json.dumps(header).encode())
+    elif kind == "dtype":
+        header[Q_PROJ]["dtype"] = "F12"
+        _rewrite_header(file, json.dumps(header).encode())
+    else:
+        file.write_bytes(b"\x01\x02")
+    with pytest.raises(CheckpointError) as e:
+        load_hf(ckpt, mesh)
+    assert str(file) in str(e.value) and "corrupt safetensors file" in str(e.value)
+    assert message in str(e.value)
+
+
+def test_truncated_data_is_reported(ckpt, mesh):
+    file = ckpt / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="corrupt safetensors file.*data_offsets"):
+        load_hf(ckpt, mesh)
+
+
+def test_index_pointing_at_a_missing_shard(ckpt, mesh):
+    names = list(load_file(str(ckpt / "model.safetensors")))
+    weight_map = {n: "model.safetensors" for n in names}
+    weight_map[UP_3] = "model-00002-of-00002.safetensors"
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=rf"names file 'model-00002-of-00002.safetensors' \(for '{UP_3}'\)"):
+        load_hf(ckpt, mesh)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(mlp_only_layers=[1]), "mlp_only_layers=[1]"),
+    (dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope type 'linear'"),
+    (dict(hidden_size=None), "lacks required key 'hidden_size'"),
+])
+def test_unsupported_variants_name_the_key(ckpt, mesh, changes, message):
+    _edit_config(ckpt, **changes)
+    with pytest.raises(HFConfigError) as e:
+        load_hf(ckpt, mesh)
+    assert message in str(e.value)
+
+
+def test_unsupported_yarn_parameter(tmp_path, mesh):
+    directory = F.save_model(F.build_model("gptoss_odd"), tmp_path / "hf")
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_parameters"]["attention_factor"] = 1.3
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFConfigError, match=r"yarn rope parameter\(s\) \['attention_factor'\]"):
+        load_hf(directory, mesh)
+
+
+def test_no_config_and_no_weights(tmp_path, mesh, ckpt):
+    with pytest.raises(HFConfigError, match="no config.json"):
+        load_hf(tmp_path, mesh)
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors.index.json and no"):
+        load_hf(ckpt, mesh)
+
+
+def test_mesh_that_cannot_split_the_experts(ckpt):
+    mesh = S.make_mesh(data=1, expert=8)  # 8 experts split fine; make one that does not divide
+    _edit_config(ckpt, num_experts=12, num_local_experts=12)
+    with pytest.raises(ValueError, match="n_experts=12 is not divisible by the mesh's expert axis size 8"):
+        load_hf(ckpt, mesh)
+
+
+def test_save_hf_rejects_params_that_do_not_fit_the_config(ckpt, mesh, tmp_path):
+    cfg, params = load_hf(ckpt, mesh)
+    del params["layers"]["attn"]["q_norm"]
+    with pytest.raises(CheckpointError, match=r"missing \['layers/attn/q_norm/scale'\]"):
+        save_hf(cfg, params, tmp_path / "out")
+    with pytest.raises(HFConfigError, match="attn_sinks"):
+        save_hf(cfg.replace(attn_sinks=True), params, tmp_path / "out2")
