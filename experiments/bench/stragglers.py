@@ -10,7 +10,9 @@ Two settings:
                empty (idle source b).
 Knobs: --train_width (pads training rows: scales the train cost without touching the rollout,
 i.e. the train/rollout cost ratio), tool latency median/sigma, response median/sigma,
---underfull_slots (how empty the decode batch must be before pipelined trains beside it).
+--underfull_slots (how empty the decode batch must be before pipelined trains beside it),
+--microbatch_rows (rows per gradient micro-step: a micro-step is not preempted, so smaller ones
+delay a returning tool's trajectory less).
 
 Columns: wall time per RL step, device-busy fraction (time in device work / wall), decode slot
 occupancy, on-policy fraction of trained tokens, and the share of sync's training time hidden
@@ -43,7 +45,7 @@ def settings(args) -> dict:
     return {
         "tool-bound": WorkloadConfig(**base, turns_median=3.0, turns_sigma=0.5, response_median=6,
                                      response_sigma=0.8, max_response=48,
-                                     tool_latency_median_s=args.tool_latency, tool_latency_sigma=1.0,
+                                     tool_latency_median_s=args.tool_latency, tool_latency_sigma=0.7,
                                      max_tool_latency_s=4.0),
         "decode-bound": WorkloadConfig(**base, turns_median=1.5, turns_sigma=0.4, response_median=16,
                                        response_sigma=1.1, max_response=200,
@@ -65,7 +67,8 @@ def workload_stats(wl: WorkloadConfig) -> dict:
 def run_mode(mode, wl, args, cfg, mesh):
     tc = TrainerConfig(mode=mode, groups_per_step=args.groups, group_size=4, max_slots=args.slots,
                        max_len=256, decode_steps=args.decode_steps, buckets=(16, 32, 64),
-                       seq_bucket=args.train_width, underfull_slots=args.underfull_slots)
+                       seq_bucket=args.train_width, underfull_slots=args.underfull_slots,
+                       microbatch_rows=args.microbatch_rows)
     params = S.init_params(cfg, mesh, seed=0)
     trainer = RLTrainer(cfg, params, tc, LossConfig(), OptimizerConfig(learning_rate=1e-5),
                         WorkloadAgent(wl), TaskStream(make_tasks(wl), seed=args.seed))
@@ -80,11 +83,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--groups", type=int, default=16)
-    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--decode_steps", type=int, default=2)
-    ap.add_argument("--train_width", type=int, default=128)
-    ap.add_argument("--tool_latency", type=float, default=0.25)
+    ap.add_argument("--train_width", type=int, default=512)
+    ap.add_argument("--tool_latency", type=float, default=1.0)
     ap.add_argument("--underfull_slots", type=int, default=2)
+    ap.add_argument("--microbatch_rows", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=("tool-bound", "decode-bound"), default=None)
     ap.add_argument("--out", default="bench_out/stragglers.json")

@@ -25,6 +25,7 @@ class Group:
     group_id: str
     trajectories: list[Trajectory]
     params_version: int
+    launch_index: int = 0  # order of launch within its step (sync trains in this order)
 
     @property
     def rewards(self) -> np.ndarray:
@@ -33,6 +34,15 @@ class Group:
     @property
     def num_generated(self) -> int:
         return sum(int(np.sum(t.loss_mask)) for t in self.trajectories)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenShare:
+    """The generated tokens of some rows of a group (a micro-batch that splits a group)."""
+
+    group_id: str
+    params_version: int
+    num_generated: int
 
 
 def group_advantages(groups: Sequence[Group], cfg: AdvantageConfig) -> np.ndarray:

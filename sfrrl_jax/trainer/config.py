@@ -28,6 +28,8 @@ class TrainerConfig:
     dynamic_sampling: drop groups whose rewards are all equal and launch replacements, at most
       `max_refill_groups` per step.
     groups_per_microbatch: finished groups per gradient micro-step.
+    microbatch_rows: split each micro-batch into micro-steps of at most this many rows (0 = off):
+      finer work units leave a returning tool less to wait for (micro-steps are not preempted).
     """
 
     mode: Mode = "pipelined"
@@ -43,6 +45,7 @@ class TrainerConfig:
     dynamic_sampling: bool = False
     max_refill_groups: int = 8
     groups_per_microbatch: int = 1
+    microbatch_rows: int = 0
     seq_bucket: int = 32
     advantage: AdvantageConfig = AdvantageConfig()
     seed: int = 0
@@ -55,7 +58,7 @@ class TrainerConfig:
                   "groups_per_microbatch", "seq_bucket"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{own}.{k} must be >= 1, got {getattr(self, k)!r}")
-        for k in ("underfull_slots", "overprovision_groups", "max_refill_groups"):
+        for k in ("underfull_slots", "overprovision_groups", "max_refill_groups", "microbatch_rows"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{own}.{k} must be >= 0, got {getattr(self, k)!r}")
         if self.groups_per_step % self.groups_per_microbatch:

@@ -30,7 +30,7 @@ from sfrrl_jax.engine import Engine
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.train import make_train_step
 from sfrrl_jax.train.optimizer import OptimizerConfig
-from sfrrl_jax.trainer.batching import Group, group_advantages, microbatch_from_groups
+from sfrrl_jax.trainer.batching import Group, TokenShare, group_advantages, microbatch_from_groups
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.timeline import Timeline
 
@@ -67,9 +67,9 @@ class TaskStream:
 
 @dataclasses.dataclass
 class _Unit:
-    """One gradient micro-step's worth of finished groups."""
+    """One gradient micro-step: its batch and whose tokens it holds (Groups or TokenShares)."""
 
-    groups: list[Group]
+    groups: list
     batch: dict
 
 
@@ -145,12 +145,16 @@ class RLTrainer:
         self.engine.idle_work = idle_work
         self.engine.underfull_slots = cfg.underfull_slots
 
-        async def run_group(task: Task) -> Group:
+        launched = 0
+
+        async def run_group(task: Task, index: int) -> Group:
             trajs = await asyncio.gather(*(self.rollout_fn(self.engine, task, i) for i in range(cfg.group_size)))
-            return Group(task.task_id, list(trajs), self.params_version)
+            return Group(task.task_id, list(trajs), self.params_version, index)
 
         def launch(task):
-            return asyncio.ensure_future(run_group(task))
+            nonlocal launched
+            launched += 1
+            return asyncio.ensure_future(run_group(task, launched - 1))
 
         tasks = [self.tasks.next() for _ in range(cfg.groups_per_step + cfg.overprovision_groups)]
         if cfg.longest_first:
@@ -174,13 +178,15 @@ class RLTrainer:
                     counts["groups_surplus"] += 1
                     continue
                 kept.append(group)
+                if cfg.mode == "sync":
+                    continue  # micro-batches are formed after the rollout, in launch order
                 pending.append(group)
                 if len(pending) == cfg.groups_per_microbatch:
-                    unit = self._make_unit(pending)
+                    new_units = self._make_units(pending)
                     pending = []
-                    units.append(unit)
+                    units.extend(new_units)
                     if cfg.mode == "pipelined":
-                        ready.append(unit)
+                        ready.extend(new_units)
                         self.engine.notify_idle_work()
         for fut in in_flight:  # over-provisioned groups not needed: stop them
             fut.cancel()
@@ -189,15 +195,20 @@ class RLTrainer:
             raise RuntimeError(f"only {len(kept)} of {cfg.groups_per_step} groups survived dynamic sampling "
                                f"after {refills} refills; raise TrainerConfig.max_refill_groups")
         if pending:
-            units.append(self._make_unit(pending))
+            new_units = self._make_units(pending)
+            units.extend(new_units)
             if cfg.mode == "pipelined":
-                ready.append(units[-1])
+                ready.extend(new_units)
         self.engine.idle_work = None
         await self.engine.wait_idle()  # a micro-step may still be running on the driver thread
         t_rollout = time.perf_counter()
         self.engine.release_memory()  # the cache goes before the update needs the memory
         trained_during_rollout = self._train_device_s
         if cfg.mode == "sync":
+            # Launch order, not finish order: the gradient sum is then bitwise repeatable.
+            ordered = sorted(kept, key=lambda g: g.launch_index)
+            gpm = cfg.groups_per_microbatch
+            units = [u for i in range(0, len(ordered), gpm) for u in self._make_units(ordered[i:i + gpm])]
             ready.extend(units)
         while ready:
             self._microstep(ready.popleft())
@@ -233,9 +244,20 @@ class RLTrainer:
         old = self.length_history.get(group.group_id)
         self.length_history[group.group_id] = mean if old is None else 0.5 * old + 0.5 * mean
 
-    def _make_unit(self, groups: list[Group]) -> _Unit:
+    def _make_units(self, groups: list[Group]) -> list[_Unit]:
         adv = group_advantages(groups, self.cfg.advantage)
-        return _Unit(list(groups), microbatch_from_groups(groups, adv, self.cfg.seq_bucket, self.cfg.max_len))
+        batch = microbatch_from_groups(groups, adv, self.cfg.seq_bucket, self.cfg.max_len)
+        rows, step = len(adv.reshape(-1)), self.cfg.microbatch_rows
+        if not step or rows <= step:
+            return [_Unit(list(groups), batch)]
+        owners = [(g.group_id, g.params_version) for g in groups for _ in g.trajectories]
+        units = []
+        for a in range(0, rows, step):
+            part = {k: v[a:a + step] for k, v in batch.items()}
+            shares = [TokenShare(gid, ver, int(m.sum())) for (gid, ver), m in
+                      zip(owners[a:a + step], part["loss_mask"])]
+            units.append(_Unit(shares, part))
+        return units
 
     def _microstep(self, unit: _Unit) -> None:
         """Blocking: one gradient micro-step on the current params (runs on the driver thread)."""
