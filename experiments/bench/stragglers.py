@@ -64,10 +64,13 @@ def workload_stats(wl: WorkloadConfig) -> dict:
             "tool_latency_p99_s": float(np.percentile(lat, 99)) if lat.size else 0.0}
 
 
-def run_mode(mode, wl, args, cfg, mesh):
+UNDERFULL_DEFAULT = {"tool-bound": 0, "decode-bound": 2}
+
+
+def run_mode(mode, wl, args, cfg, mesh, underfull_slots):
     tc = TrainerConfig(mode=mode, groups_per_step=args.groups, group_size=4, max_slots=args.slots,
                        max_len=256, decode_steps=args.decode_steps, buckets=(16, 32, 64),
-                       seq_bucket=args.train_width, underfull_slots=args.underfull_slots,
+                       seq_bucket=args.train_width, underfull_slots=underfull_slots,
                        microbatch_rows=args.microbatch_rows)
     params = S.init_params(cfg, mesh, seed=0)
     trainer = RLTrainer(cfg, params, tc, LossConfig(), OptimizerConfig(learning_rate=1e-5),
@@ -87,7 +90,8 @@ def main():
     ap.add_argument("--decode_steps", type=int, default=2)
     ap.add_argument("--train_width", type=int, default=512)
     ap.add_argument("--tool_latency", type=float, default=1.0)
-    ap.add_argument("--underfull_slots", type=int, default=2)
+    ap.add_argument("--underfull_slots", type=int, default=None,
+                    help="default: 0 for tool-bound (never stretch the tail), 2 for decode-bound")
     ap.add_argument("--microbatch_rows", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=("tool-bound", "decode-bound"), default=None)
@@ -99,13 +103,14 @@ def main():
     for name, wl in settings(args).items():
         if args.only and name != args.only:
             continue
-        res = {m: run_mode(m, wl, args, cfg, mesh) for m in MODES}
+        underfull = UNDERFULL_DEFAULT[name] if args.underfull_slots is None else args.underfull_slots
+        res = {m: run_mode(m, wl, args, cfg, mesh, underfull) for m in MODES}
         sync = res["sync"]
         for m, r in res.items():
             r["hidden_share_of_sync_train"] = ((sync["time/wall_s"] - r["time/wall_s"]) / sync["time/train_s"]
                                                if sync["time/train_s"] else 0.0)
         report["settings"][name] = {"workload": dataclasses.asdict(wl), "workload_stats": workload_stats(wl),
-                                    "modes": res}
+                                    "underfull_slots": underfull, "modes": res}
         st = report["settings"][name]["workload_stats"]
         print(f"\n== {name}: response median {st['response_median']:.0f} / p99 {st['response_p99']:.0f} tokens, "
               f"tool latency median {st['tool_latency_median_s']:.3f}s / p99 {st['tool_latency_p99_s']:.3f}s")
