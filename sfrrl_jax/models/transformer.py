@@ -75,16 +75,17 @@ def param_logical_axes(cfg: ModelConfig) -> dict:
         if path[0] == "layers":
             axes = ("layers",) + tuple(axes)
         flat[path] = tuple(axes)
-    return _unflatten(flat)
+    return unflatten_paths(flat)
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
     """Same layout as the params, each leaf a `jax.ShapeDtypeStruct`."""
     _, state = _skeleton(cfg)
-    return _unflatten({p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in nnx.to_flat_state(state)})
+    return unflatten_paths({p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in nnx.to_flat_state(state)})
 
 
-def _unflatten(flat: dict) -> dict:
+def unflatten_paths(flat: dict) -> dict:
+    """{(key, key, ...): leaf} -> nested dict (the params layout)."""
     out: dict = {}
     for path, leaf in flat.items():
         node = out

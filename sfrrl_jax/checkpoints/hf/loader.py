@@ -28,7 +28,7 @@ from sfrrl_jax.checkpoints.hf.tensor_map import (IGNORED_SUFFIXES, TensorGroup, 
                                                  is_mxfp4, layer_groups)
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.models.api import check_mesh_fits, param_shardings
-from sfrrl_jax.models.transformer import param_shapes
+from sfrrl_jax.models.transformer import param_shapes, unflatten_paths
 
 _FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 
@@ -40,16 +40,6 @@ def flatten_tree(tree, prefix=()):
             yield from flatten_tree(value, prefix + (key,))
         else:
             yield prefix + (key,), value
-
-
-def _unflatten(flat: dict) -> dict:
-    out: dict = {}
-    for path, leaf in flat.items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = leaf
-    return out
 
 
 def validate_tensors(files: CheckpointFiles, groups: list[TensorGroup], cfg: ModelConfig) -> None:
@@ -222,4 +212,4 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
         jax.block_until_ready([b.value for b in builders.values() if b.layered])
     for group in glob:
         _run_group(group, builders, read, None)
-    return cfg, _unflatten({p: b.value for p, b in builders.items()})
+    return cfg, unflatten_paths({p: b.value for p, b in builders.items()})
