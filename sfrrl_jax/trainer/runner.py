@@ -1,0 +1,413 @@
+"""One RL experiment end to end: config -> mesh, params, trainer -> steps with checkpoints -> run dir.
+
+    summary = run_experiment(ExperimentConfig(run_dir="/tmp/run", num_steps=20, checkpoint_every=5))
+
+The run dir then holds:
+  metrics.jsonl, tensorboard/     one row per logged step (RunLogger), incl. checkpoint timings
+  checkpoints/<step>/             orbax checkpoints (Checkpointer): every `checkpoint_every` steps,
+                                  at the end, and when SIGTERM/SIGINT stops the run
+  operative_config.gin            the gin config the run was built from (when given)
+  timeline.trace.json, busy_idle.png, summary.json
+
+`resume=True` restores the newest restorable checkpoint (falling back past a damaged one with a
+warning) and continues: params, optimizer state, data position, step, longest-first history and
+the one_step_off carry-over all come back (see `trainer_state`), so the resumed run repeats the
+uninterrupted one from that step on. Rows of metrics.jsonl logged after that checkpoint (a run
+killed between a save and the next) are dropped so every step appears once.
+
+Exactness holds where the uninterrupted run is itself deterministic: sampling is seeded per
+request, but with several micro-steps per step the gradient sum is taken in the order groups
+finish (tool latencies are real), so two runs with the same seed may differ in float rounding.
+One micro-step per step (groups_per_microbatch == groups_per_step, sync or pipelined) is bitwise
+repeatable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from sfrrl_jax.agents.protocols import Task
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.mesh import make_mesh
+from sfrrl_jax.models.api import check_mesh_fits, init_params, param_shardings
+from sfrrl_jax.models.transformer import param_shapes
+from sfrrl_jax.rl.config import LossConfig
+from sfrrl_jax.train.optimizer import OptimizerConfig, opt_state_shardings
+from sfrrl_jax.trainer.checkpoint import Checkpointer
+from sfrrl_jax.trainer.config import TrainerConfig
+from sfrrl_jax.trainer.rl_trainer import RLTrainer, RolloutFn, TaskStream, shared_train_step
+from sfrrl_jax.trainer.run_logger import RunLogger
+from sfrrl_jax.trainer.stop_signal import install_sigterm_handler
+from sfrrl_jax.trainer.trainer_state import (check_resumable, config_fingerprint, load_trainer_state,
+                                             trainer_state)
+from sfrrl_jax.trainer.workload import WorkloadAgent, WorkloadConfig, make_tasks
+
+logger = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "expert", "tensor")
+# Metric prefixes that measure time or this process (compile counts), not the run's math: they
+# differ between a resumed and an uninterrupted run and are left out of exactness comparisons.
+TIMING_PREFIXES = ("time/", "perf/", "checkpoint/")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSource:
+    """Where trajectories come from: `await rollout_fn(engine, task, sample_index) -> Trajectory`.
+
+    tasks: the prompts the TaskStream cycles through (seeded permutation per epoch).
+    expected_length: optional `fn(task) -> tokens` for longest-first scheduling of unseen prompts.
+    stateful: optional object with `state_dict()` / `load_state_dict(d)` (JSON-exact) saved in checkpoints.
+    """
+
+    rollout_fn: RolloutFn
+    tasks: Sequence[Task]
+    expected_length: Callable[[Task], float] | None = None
+    stateful: Any = None
+
+
+RolloutFactory = Callable[["ExperimentConfig", ModelConfig], RolloutSource]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """Everything one RL run needs (bound by gin in experiments/, plain dataclass here).
+
+    model / model_overrides: a `ModelConfig.preset` name and fields to override. With `hf_path`
+      the weights and config come from that HF directory; `model` then names the expected preset
+      (its shapes must match the directory's config.json), or None to skip that check.
+    mesh_data / mesh_expert / mesh_tensor: the one mesh; the product must equal the device count
+      (`num_devices` states it up front, so a config is validated without the devices).
+    rollout: 'workload' (the seeded long-tail workload, `workload` below) or a factory
+      `fn(experiment_cfg, model_cfg) -> RolloutSource`.
+    num_steps: total RL steps of the run (a resumed run continues up to it).
+    checkpoint_every: save every N steps (0: only at the end / on a stop signal).
+    log_every: write a metrics row every N steps (and the last one).
+    """
+
+    run_dir: str = ""
+    model: str | None = "tiny-moe"
+    model_overrides: dict = dataclasses.field(default_factory=dict)
+    hf_path: str | None = None
+    hf_dtype: str | None = None
+    mesh_data: int = 1
+    mesh_expert: int = 1
+    mesh_tensor: int = 1
+    num_devices: int | None = None
+    trainer: TrainerConfig = TrainerConfig()
+    loss: LossConfig = LossConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    rollout: Any = "workload"
+    workload: WorkloadConfig = WorkloadConfig()
+    num_steps: int = 10
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    async_checkpoint: bool = True
+    resume: bool = False
+    seed: int = 0
+    log_every: int = 1
+    progress_bar: bool = True
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        own = "ExperimentConfig"
+        if not self.run_dir:
+            raise ValueError(f"{own}.run_dir is empty: set the directory the run writes to")
+        if self.model is None and self.hf_path is None:
+            raise ValueError(f"{own}: set model (a preset name) or hf_path (an HF directory)")
+        if self.model_overrides and self.hf_path is not None:
+            raise ValueError(f"{own}.model_overrides only apply to presets; with hf_path the "
+                             "config comes from the directory's config.json")
+        for k in ("mesh_data", "mesh_expert", "mesh_tensor", "num_steps", "keep_checkpoints", "log_every"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{own}.{k} must be an int >= 1, got {v!r}")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ValueError(f"{own}.checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
+        if self.num_devices is not None and self.num_devices != self.mesh_size:
+            raise ValueError(f"{own}: mesh_data={self.mesh_data} x mesh_expert={self.mesh_expert} x "
+                             f"mesh_tensor={self.mesh_tensor} = {self.mesh_size}, but num_devices="
+                             f"{self.num_devices}")
+        if not (self.rollout == "workload" or callable(self.rollout)):
+            raise ValueError(f"{own}.rollout={self.rollout!r}; use 'workload' or a factory "
+                             "fn(experiment_cfg, model_cfg) -> RolloutSource")
+        for k, cls in (("trainer", TrainerConfig), ("loss", LossConfig), ("optimizer", OptimizerConfig),
+                       ("workload", WorkloadConfig)):
+            if not isinstance(getattr(self, k), cls):
+                raise TypeError(f"{own}.{k} must be a {cls.__name__}, got {type(getattr(self, k)).__name__}")
+
+    @property
+    def mesh_size(self) -> int:
+        return self.mesh_data * self.mesh_expert * self.mesh_tensor
+
+
+# -- validation (no devices, no allocation) -----------------------------------------------------
+
+_SHAPE_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                 "d_ff_expert", "n_experts", "top_k")
+
+
+def resolve_model_config(cfg: ExperimentConfig) -> tuple[ModelConfig, str]:
+    """(ModelConfig, where it came from) without reading any weights.
+
+    With `hf_path`, the directory's config.json when it exists (checked against the `model` preset's
+    shapes), else the preset stands in for it (validating a config on a machine without the weights).
+    """
+    preset = ModelConfig.preset(cfg.model, **cfg.model_overrides) if cfg.model else None
+    if cfg.hf_path is None:
+        return preset, f"preset {cfg.model!r}"
+    config_json = Path(cfg.hf_path) / "config.json"
+    if not config_json.exists():
+        if preset is None:
+            raise FileNotFoundError(f"ExperimentConfig.hf_path={cfg.hf_path!r} has no config.json and no "
+                                    "ExperimentConfig.model preset names its shapes")
+        return preset, f"preset {cfg.model!r} (standing in for {cfg.hf_path}, not found here)"
+    from sfrrl_jax.checkpoints.hf import config_from_hf, read_hf_config
+    hf_cfg = config_from_hf(read_hf_config(cfg.hf_path), dtype=cfg.hf_dtype, where=str(config_json))
+    if preset is not None:
+        check_same_shapes(preset, hf_cfg, f"ExperimentConfig.model={cfg.model!r}", str(config_json))
+    return hf_cfg, str(config_json)
+
+
+def check_same_shapes(expected: ModelConfig, got: ModelConfig, expected_name: str, got_name: str) -> None:
+    diffs = [f"{k}: {getattr(expected, k)!r} vs {getattr(got, k)!r}" for k in _SHAPE_FIELDS
+             if getattr(expected, k) != getattr(got, k)]
+    if diffs:
+        raise ValueError(f"{got_name} does not have the shapes of {expected_name}: " + "; ".join(diffs)
+                         + " (set ExperimentConfig.model=None to skip this check)")
+
+
+def validate_experiment(cfg: ExperimentConfig, num_devices: int | None = None) -> ModelConfig:
+    """Checks that the pieces of `cfg` fit together; returns the ModelConfig. Allocates nothing.
+
+    num_devices: the devices the run will have (default `cfg.num_devices`, else this process's
+    `jax.device_count()`).
+    """
+    n = num_devices if num_devices is not None else cfg.num_devices
+    n = n if n is not None else jax.device_count()
+    if cfg.mesh_size != n:
+        raise ValueError(f"ExperimentConfig mesh data={cfg.mesh_data} x expert={cfg.mesh_expert} x "
+                         f"tensor={cfg.mesh_tensor} = {cfg.mesh_size} devices, but the run has {n}")
+    model_cfg, _ = resolve_model_config(cfg)
+    if model_cfg.n_experts % cfg.mesh_expert:
+        raise ValueError(f"ModelConfig.n_experts={model_cfg.n_experts} ({model_cfg.name}) is not divisible "
+                         f"by ExperimentConfig.mesh_expert={cfg.mesh_expert}")
+    if cfg.trainer.max_len > model_cfg.max_seq_len:
+        raise ValueError(f"TrainerConfig.max_len={cfg.trainer.max_len} > ModelConfig.max_seq_len="
+                         f"{model_cfg.max_seq_len} ({model_cfg.name})")
+    axis = cfg.optimizer.state_shard_axis
+    if axis is not None and axis not in MESH_AXES:
+        raise ValueError(f"OptimizerConfig.state_shard_axis={axis!r}; valid: {list(MESH_AXES)} or None")
+    if cfg.rollout == "workload":
+        w = cfg.workload
+        if w.vocab_size > model_cfg.vocab_size:
+            raise ValueError(f"WorkloadConfig.vocab_size={w.vocab_size} > ModelConfig.vocab_size="
+                             f"{model_cfg.vocab_size}: the workload would emit ids the model lacks")
+        longest = w.prompt_len + w.max_turns * w.max_response + (w.max_turns - 1) * w.observation_len
+        if longest > cfg.trainer.max_len:
+            raise ValueError(f"the longest workload trajectory (WorkloadConfig prompt_len + max_turns x "
+                             f"max_response + observations = {longest} tokens) exceeds "
+                             f"TrainerConfig.max_len={cfg.trainer.max_len}")
+    return model_cfg
+
+
+# -- building ------------------------------------------------------------------------------------
+
+def build_rollout_source(cfg: ExperimentConfig, model_cfg: ModelConfig) -> RolloutSource:
+    if cfg.rollout == "workload":
+        return RolloutSource(WorkloadAgent(cfg.workload), make_tasks(cfg.workload))
+    source = cfg.rollout(cfg, model_cfg)
+    if not isinstance(source, RolloutSource):
+        raise TypeError(f"ExperimentConfig.rollout factory {cfg.rollout!r} returned a "
+                        f"{type(source).__name__}, expected a RolloutSource")
+    return source
+
+
+def abstract_params_and_opt_state(model_cfg: ModelConfig, mesh, optimizer_cfg: OptimizerConfig, train_step):
+    """Restore targets (shape, dtype, sharding) of params and optimizer state: nothing allocated."""
+    shardings = param_shardings(model_cfg, mesh)
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          param_shapes(model_cfg), shardings)
+    opt_sh = opt_state_shardings(train_step.tx, params, optimizer_cfg)
+    opt_shapes = {"step": jax.ShapeDtypeStruct((), np.int32),
+                  "inner": jax.eval_shape(train_step.tx.init, params)}
+    opt = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes, opt_sh)
+    return params, opt
+
+
+def _fresh_params(cfg: ExperimentConfig, model_cfg: ModelConfig, mesh):
+    if cfg.hf_path is None:
+        return init_params(model_cfg, mesh, seed=cfg.seed)
+    from sfrrl_jax.checkpoints.hf import load_hf
+    loaded_cfg, params = load_hf(cfg.hf_path, mesh, dtype=cfg.hf_dtype)
+    check_same_shapes(model_cfg, loaded_cfg, "the validated config", cfg.hf_path)
+    return params
+
+
+def _drop_metrics_after(path: Path, first_redone_step: int) -> int:
+    """Keeps rows of steps before `first_redone_step` (and drops a half-written last line)."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if row.get("step", -1) < first_redone_step:
+            kept.append(line)
+        else:
+            dropped += 1
+    path.write_text("".join(k + "\n" for k in kept))
+    return dropped
+
+
+def run_fingerprint(cfg: ExperimentConfig, model_cfg: ModelConfig) -> dict:
+    """The configs that decide what the run computes (not how long, how often it logs, ...)."""
+    return config_fingerprint(model=model_cfg, trainer=cfg.trainer, loss=cfg.loss,
+                              optimizer=cfg.optimizer, seed=cfg.seed, mesh=[cfg.mesh_data, cfg.mesh_expert, cfg.mesh_tensor],
+                              rollout=cfg.workload if cfg.rollout == "workload" else repr(cfg.rollout))
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
+                   log: Callable[[str], None] = print) -> dict:
+    """Runs (or resumes) the experiment up to `cfg.num_steps`; returns the summary (also summary.json)."""
+    t_run = time.perf_counter()
+    primary = jax.process_index() == 0
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if operative_config is not None and primary:
+        (run_dir / "operative_config.gin").write_text(operative_config)
+    model_cfg = validate_experiment(cfg, jax.device_count())
+    mesh = make_mesh(data=cfg.mesh_data, expert=cfg.mesh_expert, tensor=cfg.mesh_tensor)
+    check_mesh_fits(model_cfg, mesh)
+    source = build_rollout_source(cfg, model_cfg)
+    fingerprint = run_fingerprint(cfg, model_cfg)
+    train_step = shared_train_step(model_cfg, cfg.loss, cfg.optimizer)
+    ckpt = Checkpointer(run_dir / "checkpoints", save_every=cfg.checkpoint_every,
+                        keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoint)
+
+    restored = None
+    if cfg.resume:
+        abstract = dict(zip(("params", "opt_state"),
+                            abstract_params_and_opt_state(model_cfg, mesh, cfg.optimizer, train_step)))
+        restored = ckpt.restore_latest(abstract)
+        if restored is None:
+            log(f"resume: no checkpoint in {ckpt.directory}; starting fresh")
+    if restored is not None:
+        step0, state, host = restored
+        check_resumable(host, fingerprint, len(source.tasks), f"checkpoint step {step0} in {ckpt.directory}")
+        params, opt_state = state["params"], state["opt_state"]
+    else:
+        params, opt_state = _fresh_params(cfg, model_cfg, mesh), None
+
+    trainer = RLTrainer(model_cfg, params, cfg.trainer, cfg.loss, cfg.optimizer, source.rollout_fn,
+                        TaskStream(source.tasks, seed=cfg.seed), expected_length=source.expected_length,
+                        opt_state=opt_state)
+    if restored is not None:
+        load_trainer_state(trainer, state, host, source.stateful)
+        dropped = _drop_metrics_after(run_dir / "metrics.jsonl", trainer.step_index) if primary else 0
+        log(f"resumed from checkpoint step {step0} (data epoch {trainer.tasks.epoch}, index "
+            f"{trainer.tasks.index}); {dropped} metrics rows after it dropped")
+    start_step = trainer.step_index
+    run_log = RunLogger(run_dir, tensorboard=cfg.tensorboard) if primary else None
+    stop = (install_sigterm_handler(signals=(signal.SIGTERM, signal.SIGINT))
+            if threading.current_thread() is threading.main_thread() else None)
+    save_times: list[dict] = []
+    last_saved = start_step if restored is not None else None
+    last = {}
+
+    def save(force: bool) -> dict:
+        nonlocal last_saved
+        step = trainer.step_index
+        if last_saved == step or not ckpt.should_save(step, force):
+            return {}
+        # The previous save must be final before the next starts (orbax would wait too); the wait
+        # is part of this save's stall, and it is when the previous save's total is known.
+        t0 = time.perf_counter()
+        ckpt.wait()
+        waited = time.perf_counter() - t0
+        out = finished_total()
+        state, host = trainer_state(trainer, source.stateful, fingerprint)
+        ckpt.maybe_save(step, state, host, force=force)
+        last_saved = step
+        blocking = waited + ckpt.last_save_metrics.get("blocking_s", math.nan)
+        save_times.append({"step": step, "blocking_s": blocking, "waited_s": waited})
+        return {**out, "checkpoint/step": step, "checkpoint/blocking_s": blocking}
+
+    def finished_total() -> dict:
+        """total_s of the newest save, once its writer has reported it (async)."""
+        m = ckpt.last_save_metrics
+        if save_times and "total_s" in m and m.get("step") == save_times[-1]["step"] \
+                and "total_s" not in save_times[-1]:
+            total = save_times[-1]["total_s"] = save_times[-1]["waited_s"] + m["total_s"]
+            return {"checkpoint/total_s": total, "checkpoint/total_step": save_times[-1]["step"]}
+        return {}
+
+    bar = _progress(cfg, start_step, primary)
+    stopped_by = None
+    ok = False
+    try:
+        while trainer.step_index < cfg.num_steps:
+            metrics = trainer.step()
+            metrics.update(finished_total())   # an earlier async save that has finished by now
+            metrics.update(save(force=False))
+            index = metrics["step"]
+            if run_log is not None and (index % cfg.log_every == 0 or trainer.step_index == cfg.num_steps):
+                run_log.log(index, metrics)
+            last = metrics
+            bar.update(1)
+            bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}",
+                             "loss": f"{metrics.get('train/loss', math.nan):.4f}"}, refresh=False)
+            if stop is not None and stop.stop_if_requested():
+                stopped_by = stop.signum
+                log(f"signal {stopped_by} received: saving step {trainer.step_index} and stopping")
+                break
+        ok = True
+    finally:
+        bar.close()
+        if stop is not None:
+            stop.uninstall()
+        if ok:   # a step that raised leaves the trainer mid-step: the last saved step stands
+            save(force=True)
+        try:
+            ckpt.close()
+            finished_total()
+        finally:
+            if run_log is not None:
+                run_log.close()
+    timeline = run_log.write_timeline(trainer.timeline) if run_log is not None else {}
+    summary = {
+        "run_dir": str(run_dir), "start_step": start_step, "steps_done": trainer.step_index,
+        "num_steps": cfg.num_steps, "resumed_from": step0 if restored is not None else None,
+        "stopped_by_signal": stopped_by, "checkpoints": ckpt.finished_steps(), "checkpoint_saves": save_times,
+        "final_metrics": {k: v for k, v in last.items() if isinstance(v, (int, float))},
+        "wall_s": time.perf_counter() - t_run, "metrics_path": str(run_dir / "metrics.jsonl"),
+        "timeline": timeline, "model": model_cfg.name, "devices": jax.device_count(),
+    }
+    if primary:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str))
+    return summary
+
+
+def _progress(cfg: ExperimentConfig, start: int, primary: bool):
+    from tqdm.auto import tqdm
+    return tqdm(total=cfg.num_steps, initial=start, desc="rl steps", unit="step",
+                disable=not (cfg.progress_bar and primary), dynamic_ncols=True)
+
+
+def comparable_metrics(row: dict) -> dict:
+    """A metrics row without the timing/process keys (TIMING_PREFIXES): what a resume must reproduce."""
+    return {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)}

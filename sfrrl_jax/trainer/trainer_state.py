@@ -1,0 +1,150 @@
+"""The RLTrainer's resumable state <-> a checkpoint's (device state, host state).
+
+Everything a step reads that a later step depends on is saved, so a resumed run repeats the
+uninterrupted run from the restored step on:
+
+  device state  'params', 'opt_state' (AdamW moments and the applied-update counter that drives
+                the learning-rate schedule).
+  host state    'step' (RL steps done), 'params_version', 'tasks' (the TaskStream's seed, epoch and
+                index: its permutation is a pure function of (seed, epoch), so this *is* its RNG),
+                'length_history' (the longest-first predictions), 'carry_over' (one_step_off: the
+                previous step's micro-batches, arrays and all), 'rollout' (the rollout source's own
+                state if it has one: `state_dict()` / `load_state_dict()`), 'config' (a fingerprint of
+                the configs that shape the trajectory of the run, checked on resume).
+
+Sampling randomness needs no saved key: the engine draws each request's tokens from the
+request's own seed, which the agents derive from (seed, task, sample, turn).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from sfrrl_jax.trainer.checkpoint import abstract_of, check_json_exact
+from sfrrl_jax.trainer.rl_trainer import RLTrainer, _Unit
+
+HOST_FORMAT = 1
+
+
+@dataclasses.dataclass
+class RestoredGroup:
+    """What a carried-over group contributes to a micro-step's accounting (not its trajectories)."""
+
+    group_id: str
+    params_version: int
+    num_generated: int
+
+
+def _array_to_json(a: np.ndarray) -> dict:
+    a = np.asarray(a)
+    # float32 -> Python float (float64) -> float32 is exact, so .tolist() round-trips bit for bit.
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.reshape(-1).tolist()}
+
+
+def _array_from_json(obj: dict, where: str) -> np.ndarray:
+    try:
+        return np.asarray(obj["data"], dtype=np.dtype(obj["dtype"])).reshape(obj["shape"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint host state {where} is not a saved array ({e})") from None
+
+
+def _unit_to_json(unit: _Unit) -> dict:
+    return {
+        "groups": [{"group_id": str(g.group_id), "params_version": int(g.params_version),
+                    "num_generated": int(g.num_generated)} for g in unit.groups],
+        "batch": {k: _array_to_json(v) for k, v in sorted(unit.batch.items()) if v is not None},
+    }
+
+
+def _unit_from_json(obj: dict, where: str) -> _Unit:
+    groups = [RestoredGroup(g["group_id"], int(g["params_version"]), int(g["num_generated"]))
+              for g in obj["groups"]]
+    batch = {k: _array_from_json(v, f"{where}.batch[{k!r}]") for k, v in obj["batch"].items()}
+    return _Unit(groups, batch)
+
+
+def config_fingerprint(**configs) -> dict:
+    """JSON-exact description of frozen config dataclasses (and plain values), for resume checks."""
+    def plain(x):
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        if isinstance(x, dict):
+            return {str(k): plain(v) for k, v in sorted(x.items())}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        return repr(x)
+    return {k: plain(v) for k, v in configs.items()}
+
+
+def diff_fingerprints(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the fields that differ between two fingerprints."""
+    out = []
+    for k in sorted(set(saved) | set(current)):
+        a, b, name = saved.get(k, "<absent>"), current.get(k, "<absent>"), f"{prefix}{k}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += diff_fingerprints(a, b, name + ".")
+        elif a != b:
+            out.append(f"{name}: checkpoint {a!r}, now {b!r}")
+    return out
+
+
+def trainer_state(trainer: RLTrainer, rollout: Any = None, fingerprint: dict | None = None) -> tuple[dict, dict]:
+    """(device state, host state) of `trainer` at a step boundary, ready for `Checkpointer.maybe_save`.
+
+    The host state is a deep copy: the async writer may serialise it after the loop moved on.
+    """
+    state = {"params": trainer.params, "opt_state": trainer.opt_state}
+    host = {
+        "format": HOST_FORMAT,
+        "step": int(trainer.step_index),
+        "params_version": int(trainer.params_version),
+        "tasks": {"seed": int(trainer.tasks.seed), "num_tasks": len(trainer.tasks.tasks),
+                  **{k: int(v) for k, v in trainer.tasks.state().items()}},
+        "length_history": {str(k): float(v) for k, v in trainer.length_history.items()},
+        "carry_over": [_unit_to_json(u) for u in trainer.carry_over],
+        "rollout": copy.deepcopy(rollout.state_dict()) if hasattr(rollout, "state_dict") else None,
+        "config": copy.deepcopy(fingerprint) if fingerprint is not None else None,
+    }
+    check_json_exact(host, "trainer host state")
+    return state, host
+
+
+def abstract_trainer_state(params, opt_state) -> dict:
+    """The restore target (shapes, dtypes, shardings) of `trainer_state`'s device state."""
+    return {"params": abstract_of(params), "opt_state": abstract_of(opt_state)}
+
+
+def check_resumable(host: dict, fingerprint: dict | None, num_tasks: int, where: str) -> None:
+    """Raises ValueError naming what differs if the checkpoint was made by another configuration."""
+    if host.get("format") != HOST_FORMAT:
+        raise ValueError(f"{where}: trainer host state format {host.get('format')!r}, this code reads "
+                         f"{HOST_FORMAT}")
+    if host["tasks"]["num_tasks"] != num_tasks:
+        raise ValueError(f"{where}: the task stream had {host['tasks']['num_tasks']} tasks when saved, "
+                         f"now {num_tasks}: the data position would not mean the same")
+    if fingerprint is not None and host.get("config") is not None:
+        diffs = diff_fingerprints(host["config"], fingerprint)
+        if diffs:
+            raise ValueError(f"{where} was written by a different configuration; resuming would not "
+                             "continue the same run. Differences: " + "; ".join(diffs))
+
+
+def load_trainer_state(trainer: RLTrainer, state: dict, host: dict, rollout: Any = None) -> None:
+    """Puts a restored (state, host) into `trainer` (and the rollout source's own state)."""
+    trainer.params, trainer.opt_state = state["params"], state["opt_state"]
+    trainer.engine.set_params(trainer.params)
+    trainer.step_index = int(host["step"])
+    trainer.params_version = int(host["params_version"])
+    t = host["tasks"]
+    trainer.tasks.seed, trainer.tasks.epoch, trainer.tasks.index = int(t["seed"]), int(t["epoch"]), int(t["index"])
+    trainer.length_history = {k: float(v) for k, v in host["length_history"].items()}
+    trainer.carry_over = [_unit_from_json(u, f"carry_over[{i}]") for i, u in enumerate(host["carry_over"])]
+    if host.get("rollout") is not None:
+        if not hasattr(rollout, "load_state_dict"):
+            raise ValueError("the checkpoint holds rollout state but the rollout source has no load_state_dict()")
+        rollout.load_state_dict(host["rollout"])
