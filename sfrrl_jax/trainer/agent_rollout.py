@@ -1,0 +1,56 @@
+"""The `RLTrainer` rollout function for real agent loops: `AgentRollout(env, tokenizer, agent_cfg)`.
+
+    rollout = AgentRollout(calculator_environment(), tokenizer, AgentConfig(temperature=1.0))
+    trainer = RLTrainer(model_cfg, params, trainer_cfg, loss_cfg, opt_cfg, rollout, TaskStream(tasks))
+
+`await rollout(engine, task, sample_index)` runs `agents.run_agent` (multi-turn, tools on the
+event loop, the slot's KV cache continued between turns) and returns its `Trajectory` with the
+environment's reward set. Sampling seeds differ per sample index (the G samples of a group are
+distinct draws) *and* per visit: the k-th rollout of the same (task, sample index) uses the
+agent seed folded with k, so a prompt seen again in a later epoch is sampled afresh, while a rerun
+of the whole training (same order of calls) reproduces every draw.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+
+from sfrrl_jax.agents.loop import AgentConfig, run_agent
+from sfrrl_jax.agents.protocols import Environment, Task
+from sfrrl_jax.agents.trajectory import Trajectory
+
+
+def visit_seed(seed: int, visit: int) -> int:
+    """The agent seed of the `visit`-th rollout of a (task, sample) pair (visit 0 keeps `seed`)."""
+    if visit == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/visit/{visit}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
+
+
+class AgentRollout:
+    """`async (engine, task, sample_index) -> Trajectory` around `run_agent` (see the module doc)."""
+
+    def __init__(self, env: Environment, tokenizer, agent_cfg: AgentConfig):
+        if not isinstance(agent_cfg, AgentConfig):
+            raise TypeError(f"AgentRollout: agent_cfg must be an AgentConfig, got {type(agent_cfg).__name__}")
+        self.env, self.tokenizer, self.agent_cfg = env, tokenizer, agent_cfg
+        self.visits: collections.Counter = collections.Counter()
+
+    def config_for(self, task: Task, sample_index: int) -> AgentConfig:
+        """The AgentConfig of the next rollout of (task, sample_index); counts the visit."""
+        if sample_index < 0:
+            raise ValueError(f"AgentRollout: sample_index must be >= 0, got {sample_index}")
+        key = (task.task_id, sample_index)
+        visit = self.visits[key]
+        self.visits[key] += 1
+        return dataclasses.replace(self.agent_cfg, seed=visit_seed(self.agent_cfg.seed, visit))
+
+    async def __call__(self, engine, task: Task, sample_index: int) -> Trajectory:
+        cfg = self.config_for(task, sample_index)
+        traj = await run_agent(engine, self.env, task, self.tokenizer, cfg, sample_index=sample_index,
+                               group_id=task.task_id)
+        traj.metadata["tool_errors"] = traj.num_tool_errors
+        traj.metadata["agent_seed"] = cfg.seed
+        return traj

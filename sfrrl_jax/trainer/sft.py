@@ -1,0 +1,121 @@
+"""Supervised warm start: masked next-token NLL on demonstrations, with the RL train step.
+
+    examples = [dict(zip(("tokens", "loss_mask"), render_sft_example(tok, demo, tools))) ...]
+    params, opt_state, metrics = run_sft(model_cfg, params, OptimizerConfig(...), examples,
+                                         steps=200, batch_size=16, seed=0, seq_bucket=32)
+
+Batches are drawn from a seeded per-epoch permutation of the examples (every example once per
+epoch), one row per example, right-padded to the longest example of the *whole set* rounded up
+to `seq_bucket`: every step has the same [batch_size, width] shape, so the fused step compiles
+exactly once. Padding carries segment id 0 and loss mask 0, so it never counts.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.rl.config import LossConfig
+from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.trainer.rl_trainer import shared_train_step
+
+
+def check_examples(examples: Sequence[Mapping], vocab_size: int, max_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(tokens int32 [T_i], loss_mask float32 [T_i]) per example; bad ones raise naming the index."""
+    if not examples:
+        raise ValueError("run_sft: no examples")
+    out = []
+    for i, ex in enumerate(examples):
+        for key in ("tokens", "loss_mask"):
+            if key not in ex:
+                raise KeyError(f"run_sft: example {i} has no {key!r} (keys: {sorted(ex)})")
+        tokens = np.asarray(ex["tokens"], np.int32).reshape(-1)
+        mask = np.asarray(ex["loss_mask"], np.float32).reshape(-1)
+        if tokens.shape != mask.shape:
+            raise ValueError(f"run_sft: example {i}: tokens has {tokens.size} entries, loss_mask {mask.size}")
+        if tokens.size < 2:
+            raise ValueError(f"run_sft: example {i} has {tokens.size} tokens; need at least 2")
+        if tokens.size > max_len:
+            raise ValueError(f"run_sft: example {i} has {tokens.size} tokens > ModelConfig.max_seq_len={max_len}")
+        if tokens.min() < 0 or tokens.max() >= vocab_size:
+            raise ValueError(f"run_sft: example {i}: token ids must lie in [0, {vocab_size}); "
+                             f"found {tokens.min()}..{tokens.max()}")
+        if not mask[1:].any():
+            raise ValueError(f"run_sft: example {i} has no loss token after position 0")
+        out.append((tokens, mask))
+    return out
+
+
+def padded_width(lengths: Sequence[int], seq_bucket: int, max_len: int) -> int:
+    """Longest length rounded up to a multiple of `seq_bucket` (capped at `max_len`)."""
+    if seq_bucket < 1:
+        raise ValueError(f"run_sft: seq_bucket must be >= 1, got {seq_bucket}")
+    longest = max(lengths)
+    return min(-(-longest // seq_bucket) * seq_bucket, max(max_len, longest))
+
+
+def make_batch(rows: Sequence[tuple[np.ndarray, np.ndarray]], width: int) -> dict:
+    """Host arrays [len(rows), width]: tokens, loss_mask, segment_ids (1 on real tokens, 0 = pad)."""
+    tokens = np.zeros((len(rows), width), np.int32)
+    mask = np.zeros((len(rows), width), np.float32)
+    seg = np.zeros((len(rows), width), np.int32)
+    for i, (t, m) in enumerate(rows):
+        tokens[i, :t.size], mask[i, :t.size], seg[i, :t.size] = t, m, 1
+    return {"tokens": tokens, "loss_mask": mask, "segment_ids": seg}
+
+
+class EpochSampler:
+    """Seeded batches of example indices: a fresh permutation per epoch, no example twice in one."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        if batch_size < 1:
+            raise ValueError(f"run_sft: batch_size must be >= 1, got {batch_size}")
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.epoch, self.order, self.pos = 0, self._perm(0), 0
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    def next(self) -> list[int]:
+        out = []
+        while len(out) < self.batch_size:
+            if self.pos == self.n:
+                self.epoch, self.order, self.pos = self.epoch + 1, self._perm(self.epoch + 1), 0
+            take = min(self.batch_size - len(out), self.n - self.pos)
+            out += self.order[self.pos:self.pos + take].tolist()
+            self.pos += take
+        return out
+
+
+def run_sft(model_cfg: ModelConfig, params, optimizer_cfg: OptimizerConfig, examples: Sequence[Mapping],
+            steps: int, batch_size: int, seed: int = 0, seq_bucket: int = 32, opt_state=None,
+            log_every: int = 0, log: Callable[[str], None] = print):
+    """`steps` fused SFT updates (masked NLL, token mean) -> (params, opt_state, metrics per step).
+
+    `params` are updated in place of the caller's (the step donates them). Each metrics dict holds
+    'loss' (mean NLL per loss token), 'grad_norm', 'learning_rate', 'num_tokens', 'step_s', ...
+    `log_every` > 0 prints a progress line every that many steps.
+    """
+    if steps < 0:
+        raise ValueError(f"run_sft: steps must be >= 0, got {steps}")
+    rows = check_examples(examples, model_cfg.vocab_size, model_cfg.max_seq_len)
+    width = padded_width([t.size for t, _ in rows], seq_bucket, model_cfg.max_seq_len)
+    train_step = shared_train_step(model_cfg, LossConfig(objective="sft"), optimizer_cfg)
+    if opt_state is None:
+        opt_state = train_step.init_opt_state(params)
+    sampler = EpochSampler(len(rows), batch_size, seed)
+    history = []
+    for step in range(steps):
+        batch = make_batch([rows[i] for i in sampler.next()], width)
+        t0 = time.perf_counter()
+        params, opt_state, metrics = train_step.step(params, opt_state, batch)
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        metrics.update(step=step, step_s=time.perf_counter() - t0, epoch=sampler.epoch)
+        history.append(metrics)
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            log(f"sft step {step:4d}/{steps}  loss {metrics['loss']:.4f}  lr {metrics['learning_rate']:.2e}  "
+                f"{metrics['step_s']:.2f}s")
+    return params, opt_state, history

@@ -1,0 +1,194 @@
+"""The quickstart learns (reduced recipe), and its parts: AgentRollout, run_sft, evaluate."""
+import asyncio
+import dataclasses
+import functools
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import sfrrl_jax as S
+from sfrrl_jax.agents import AgentConfig, Completion, generate_arithmetic_tasks
+from sfrrl_jax.agents.demos import calculator_demonstration, render_sft_example
+from sfrrl_jax.tokenizer import build_tiny_tokenizer, load_tokenizer
+from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.trainer.agent_rollout import AgentRollout
+from sfrrl_jax.trainer.evaluate import evaluate
+from sfrrl_jax.trainer.quickstart import CalculatorEnvironment, QuickstartRecipe, quickstart_tasks, run_quickstart
+from sfrrl_jax.trainer.run_logger import read_metrics
+from sfrrl_jax.trainer.sft import check_examples, make_batch, padded_width, run_sft
+from sfrrl_jax.trainer.rl_trainer import shared_train_step
+from sfrrl_jax.rl.config import LossConfig
+
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("quickstart_tok"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_dir):
+    return load_tokenizer(tok_dir)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device_mesh():
+    return S.make_mesh(devices=jax.devices()[:1])
+
+
+class ScriptedEngine:
+    """An EngineProtocol that answers each turn from a script and records the requests."""
+
+    def __init__(self, tokenizer, turns):
+        self.tokenizer, self.turns, self.requests, self.released = tokenizer, turns, [], []
+
+    async def complete(self, request):
+        self.requests.append(request)
+        turn = 0 if request.slot_handle is None else request.slot_handle[1] + 1
+        tokens = self.tokenizer.encode(self.turns[turn])
+        return Completion(tokens=tokens, logprobs=[-0.5] * len(tokens), finish_reason="stop",
+                          slot_handle=("slot", turn))
+
+    async def release(self, handle):
+        self.released.append(handle)
+
+
+def test_agent_rollout_runs_the_loop_sets_the_reward_and_draws_distinct_seeds(tokenizer):
+    env = CalculatorEnvironment(show_tool_schemas=False)
+    (task,) = generate_arithmetic_tasks(1, seed=5, min_ops=1, max_ops=1, max_digits=2)
+    left, op, right, value = task.metadata["steps"][0]
+    script = [f'<|call|>calculator{{"expression":"{left}{op}{right}"}}<|/call|><|end|>',
+              f"<answer>{value}</answer><|end|>"]
+    rollout = AgentRollout(env, tokenizer, AgentConfig(max_turns=3, max_new_tokens_per_turn=32,
+                                                       max_total_tokens=192, seed=7))
+
+    def roll(sample_index):
+        engine = ScriptedEngine(tokenizer, script)
+        traj = asyncio.run(rollout(engine, task, sample_index))
+        return traj, [r.seed for r in engine.requests], engine
+
+    t0, seeds0, engine = roll(0)
+    assert t0.reward == 1.0 and t0.finish_reason == "answer" and t0.num_tool_calls == 1
+    assert t0.group_id == task.task_id and t0.sample_index == 0 and t0.metadata["tool_errors"] == 0
+    assert engine.released == [("slot", 1)]  # the parked slot is released once, at the end
+    t0.check()
+    # the observation is the calculator's real result, appended as a delta (mask 0)
+    turn = t0.turns[0]
+    assert tokenizer.decode(t0.tokens[turn.gen_end:turn.obs_end]) == f"<|tool|>{value}<|end|><|assistant|>"
+    assert set(t0.loss_mask[turn.gen_end:turn.obs_end]) == {0}
+    _, seeds1, _ = roll(1)
+    _, seeds0_again, _ = roll(0)   # second visit of (task, 0): fresh draws
+    assert len(set(seeds0 + seeds1 + seeds0_again)) == 6
+    assert rollout.visits[(task.task_id, 0)] == 2
+    fresh = AgentRollout(env, tokenizer, rollout.agent_cfg)  # a rerun reproduces the draws
+    engine = ScriptedEngine(tokenizer, script)
+    asyncio.run(fresh(engine, task, 0))
+    assert [r.seed for r in engine.requests] == seeds0
+    wrong = ScriptedEngine(tokenizer, [script[0], "<answer>0</answer><|end|>"])
+    assert asyncio.run(rollout(wrong, task, 2)).reward == 0.0
+    with pytest.raises(TypeError, match="agent_cfg must be an AgentConfig"):
+        AgentRollout(env, tokenizer, {"temperature": 1.0})
+
+
+def _examples(tokenizer, n, seed=0):
+    env = CalculatorEnvironment(show_tool_schemas=False)
+    tasks = generate_arithmetic_tasks(n, seed=seed, min_ops=1, max_ops=2, max_digits=2)
+    return [dict(zip(("tokens", "loss_mask"), render_sft_example(tokenizer, calculator_demonstration(t, env.system_prompt))))
+            for t in tasks]
+
+
+def test_run_sft_learns_with_one_compile_and_checks_its_input(tokenizer):
+    cfg = S.ModelConfig.preset("tiny-moe", n_experts=4, max_seq_len=192)
+    params = S.init_params(cfg, _one_device_mesh(), seed=0)
+    examples = _examples(tokenizer, 24)
+    lengths = {len(e["tokens"]) for e in examples}
+    assert len(lengths) > 3  # rows of many lengths ...
+    opt = OptimizerConfig(learning_rate=1e-2, warmup_steps=5, total_steps=40)
+    params, opt_state, hist = run_sft(cfg, params, opt, examples, steps=40, batch_size=8, seed=0, seq_bucket=32)
+    ts = shared_train_step(cfg, LossConfig(objective="sft"), opt)
+    assert ts._cache and all(f["step"]._cache_size() == 1 for f in ts._cache.values())  # ... one shape
+    assert len(hist) == 40 and [h["step"] for h in hist] == list(range(40))
+    assert int(jax.device_get(opt_state["step"])) == 40
+    assert hist[-1]["loss"] < 0.35 * hist[0]["loss"], (hist[0]["loss"], hist[-1]["loss"])
+    assert hist[0]["num_tokens"] == sum(  # loss tokens of the first batch, padding excluded
+        float(np.sum(np.asarray(examples[i]["loss_mask"])[1:]))
+        for i in np.random.default_rng([0, 0]).permutation(24)[:8])
+    with pytest.raises(KeyError, match="example 1 has no 'loss_mask'"):
+        check_examples([examples[0], {"tokens": [1, 2, 3]}], 512, 192)
+    with pytest.raises(ValueError, match="example 0: tokens has 3 entries, loss_mask 2"):
+        check_examples([{"tokens": [1, 2, 3], "loss_mask": [0, 1]}], 512, 192)
+    with pytest.raises(ValueError, match=r"example 0: token ids must lie in \[0, 512\)"):
+        check_examples([{"tokens": [1, 600], "loss_mask": [0, 1]}], 512, 192)
+    with pytest.raises(ValueError, match="example 0 has 300 tokens > ModelConfig.max_seq_len=192"):
+        check_examples([{"tokens": [1] * 300, "loss_mask": [1] * 300}], 512, 192)
+
+
+def test_sft_batches_pad_to_one_bucketed_width():
+    assert padded_width([100, 141, 97], 32, 192) == 160
+    batch = make_batch([(np.array([5, 6, 7]), np.array([0, 1, 1.0])), (np.array([8, 9]), np.array([0, 1.0]))], 4)
+    np.testing.assert_array_equal(batch["tokens"], [[5, 6, 7, 0], [8, 9, 0, 0]])
+    np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 1, 0], [1, 1, 0, 0]])
+    np.testing.assert_array_equal(batch["loss_mask"], [[0, 1, 1, 0], [0, 1, 0, 0]])
+
+
+def test_evaluate_scores_every_task_through_the_engine(tokenizer):
+    cfg = S.ModelConfig.preset("tiny-moe", n_experts=4, max_seq_len=192)
+    params = S.init_params(cfg, _one_device_mesh(), seed=0)
+    env = CalculatorEnvironment(show_tool_schemas=False)
+    tasks = generate_arithmetic_tasks(6, seed=3, min_ops=1, max_ops=1, max_digits=2)
+    agent = AgentConfig(max_turns=2, max_new_tokens_per_turn=8, max_total_tokens=128, temperature=0.0)
+    r = evaluate(cfg, params, env, tokenizer, tasks, agent, max_slots=4, max_len=128, buckets=(16, 128),
+                 return_trajectories=True)
+    trajs = r.pop("trajectories")
+    assert r["num_tasks"] == r["num_trajectories"] == 6 and [t.task_id for t in trajs] == [t.task_id for t in tasks]
+    assert r["success_rate"] == 0.0  # an untrained model does not produce <answer>N</answer>
+    assert sum(v for k, v in r.items() if k.startswith("finish/")) == pytest.approx(1.0)
+    assert r["mean_generated_tokens"] == np.mean([t.num_generated for t in trajs]) > 0
+    again = evaluate(cfg, params, env, tokenizer, tasks, agent, max_slots=4, max_len=128, buckets=(16, 128),
+                     return_trajectories=True)["trajectories"]
+    assert [t.tokens for t in again] == [t.tokens for t in trajs]  # greedy: deterministic
+    with pytest.raises(ValueError, match="max_total_tokens=128 > engine max_len=64"):
+        evaluate(cfg, params, env, tokenizer, tasks, agent, max_slots=4, max_len=64)
+
+
+def test_recipe_validation_and_held_out_tasks_are_unseen():
+    with pytest.raises(ValueError, match="QuickstartRecipe.group_size must be >= 1"):
+        QuickstartRecipe(group_size=0)
+    with pytest.raises(ValueError, match="max_total_tokens=400 > engine_max_len=192"):
+        QuickstartRecipe(max_total_tokens=400)
+    with pytest.raises(TypeError):
+        QuickstartRecipe.reduced(no_such_field=1)
+    recipe = QuickstartRecipe.reduced()
+    sft, rl, held = quickstart_tasks(recipe)
+    assert (len(sft), len(rl), len(held)) == (recipe.sft_tasks, recipe.rl_tasks, recipe.eval_tasks)
+    seen = {t.metadata["expression"] for t in sft + rl}
+    assert not seen & {t.metadata["expression"] for t in held}
+    assert json.loads(json.dumps(dataclasses.asdict(recipe)))  # plain fields only (gin-bindable)
+
+
+def test_quickstart_runs_end_to_end(tok_dir, tmp_path):
+    """The quickstart's pipeline at a small size: SFT, held-out eval, pipelined GRPO, eval, outputs.
+
+    It does not assert that RL raises held-out success: the recipe does not reach that goal yet
+    (see the module docstring of sfrrl_jax.trainer.quickstart).
+    """
+    recipe = QuickstartRecipe.reduced(tokenizer_dir=str(tok_dir), sft_steps=60, rl_steps=2, eval_tasks=16,
+                                      rl_tasks=32, groups_per_step=2, group_size=4)
+    logs = []
+    result = run_quickstart(recipe, tmp_path, log=logs.append)
+    rows = read_metrics(tmp_path)
+    phases = [r["phase"] for r in rows]
+    assert phases.count("sft") == recipe.sft_steps and phases.count("rl") == recipe.rl_steps
+    assert phases.count("eval") == 2
+    sft = [r["sft/loss"] for r in rows if r["phase"] == "sft"]
+    assert np.mean(sft[-10:]) < np.mean(sft[:10])  # the warm start learns the demonstrations
+    rl_rows = [r for r in rows if r["phase"] == "rl"]
+    assert all(r["policy/on_policy_fraction"] == 1.0 for r in rl_rows)
+    assert 0.0 <= result["success_before"] <= 1.0 and 0.0 <= result["success_after"] <= 1.0
+    assert (tmp_path / "busy_idle.png").stat().st_size > 1000
+    assert '"grad_microstep"' in (tmp_path / "timeline.trace.json").read_text()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((tmp_path / "result.json").read_text())["success_after"] == result["success_after"]
+    assert any("held-out success" in line for line in logs)
