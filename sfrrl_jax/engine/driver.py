@@ -24,6 +24,11 @@ from sfrrl_jax.engine.steps import SlotRequest, engine_steps
 from sfrrl_jax.models.api import mesh_of
 
 
+def _fields(x) -> dict:
+    """A dataclass's fields as a dict, without `dataclasses.asdict`'s deep copy of device arrays."""
+    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+
+
 @dataclasses.dataclass(frozen=True)
 class SlotHandle:
     slot: int
@@ -264,7 +269,7 @@ class Engine:
                 self.stats.appends += 1
                 self._cached_len[job.slot] += len(tokens)
             firsts.append(first)
-        firsts = jax.device_get([dataclasses.asdict(f) for f in firsts])
+        firsts = jax.device_get([_fields(f) for f in firsts])
         self._account("prefill", t0)
         return firsts
 
@@ -275,7 +280,7 @@ class Engine:
     def _decode_on_device(self):
         t0 = time.perf_counter()
         self.state, results = self.steps.generate(self.params, self.state, self.decode_steps)
-        results = jax.device_get(dataclasses.asdict(results))
+        results = jax.device_get(_fields(results))
         self._account("decode", t0)
         return results
 

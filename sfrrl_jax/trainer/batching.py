@@ -46,8 +46,23 @@ class TokenShare:
 
 
 def group_advantages(groups: Sequence[Group], cfg: AdvantageConfig) -> np.ndarray:
-    """[groups, G] per-sample advantages of these groups."""
-    rewards = np.stack([g.rewards for g in groups])
+    """[groups, G] per-sample advantages of these groups.
+
+    The group estimators (what pipelined modes allow) run in host numpy: this is called on the
+    event-loop thread while the engine's driver thread runs multi-device steps, and dispatching
+    device work from two threads at once is what we avoid. They equal `rl.compute_advantages`
+    (tested); batch-normalised estimators (sync only, after the rollout) use it directly.
+    """
+    rewards = np.stack([g.rewards for g in groups]).astype(np.float32)
+    g = rewards.shape[-1]
+    centred = rewards - rewards.mean(axis=-1, keepdims=True)
+    if cfg.estimator == "grpo":
+        std = rewards.std(axis=-1, ddof=cfg.std_ddof, keepdims=True) if g - cfg.std_ddof > 0 else 0.0
+        return centred / (std + np.float32(cfg.eps))
+    if cfg.estimator == "dr_grpo":
+        return centred
+    if cfg.estimator == "rloo":
+        return np.zeros_like(rewards) if g == 1 else np.float32(g / (g - 1)) * centred
     return np.asarray(compute_advantages(jnp.asarray(rewards), cfg))
 
 
