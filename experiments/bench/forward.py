@@ -55,7 +55,6 @@ def main():
     tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (args.batch, args.seq)).astype(np.int32)
     n_tok = tokens.size
     rows = []
-    fwd = jax.jit(lambda p, t: tfm.forward_with_aux(cfg, p, t)[0])
     meshes = {"expert=1 (1 device)": S.make_mesh(devices=jax.devices()[:1]),
               "expert=8 (8 devices)": S.make_mesh(expert=8)}
     for label, mesh in meshes.items():

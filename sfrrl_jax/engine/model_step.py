@@ -8,7 +8,6 @@ function of the same params.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from sfrrl_jax.config import ModelConfig

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.model_step import CACHE_AXES, extend

@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import sharding_for
@@ -21,9 +21,10 @@ from sfrrl_jax.models import transformer as tfm
 def mesh_of(params) -> Mesh:
     """The mesh the params live on (every leaf must share it)."""
     leaf = jax.tree.leaves(params)[0]
-    sharding = leaf.sharding
-    if not hasattr(sharding, "mesh"):
-        raise ValueError(f"params are not on a named mesh (sharding {sharding}); use init_params/load_hf")
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(f"params must be jax.Arrays on a named mesh (NamedSharding), got {sharding}; "
+                         "use init_params/load_hf")
     return sharding.mesh
 
 

@@ -125,7 +125,7 @@ def expert_ffn(cfg: ModelConfig, rows, local_ids, n_local: int, w: dict):
     if cfg.expert_bias:
         # Down bias is added once per row: only on the first mlp shard when mlp is split.
         bias = w["b_down"].astype(dt)[gather_ids]
-        if "tensor" in _current_axes() and w["w_down"].shape[1] != cfg.d_ff_expert:
+        if _mlp_is_split(w, cfg):
             bias = jnp.where(jax.lax.axis_index("tensor") == 0, bias, 0)
         out = out + bias
     out = jnp.where((sorted_ids < n_local)[:, None], out, 0)
@@ -213,10 +213,13 @@ def _dispatch_compute_combine(cfg: ModelConfig, n_shards: int, x, ids, weights, 
                       weights.astype(jnp.float32)).astype(x.dtype)
 
 
+def _mlp_is_split(w, cfg) -> bool:
+    """Inside shard_map: this device holds a slice of the experts' mlp dim (split over tensor)."""
+    return "tensor" in _current_axes() and w["w_down"].shape[1] != cfg.d_ff_expert
+
+
 def _sum_mlp_shards(y, w, cfg):
-    if "tensor" in _current_axes() and w["w_down"].shape[1] != cfg.d_ff_expert:
-        return jax.lax.psum(y, "tensor")
-    return y
+    return jax.lax.psum(y, "tensor") if _mlp_is_split(w, cfg) else y
 
 
 def _weight_specs(cfg: ModelConfig, w: dict, mesh) -> dict:

@@ -32,6 +32,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from sfrrl_jax.models.api import mesh_of
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.losses import finalize_metrics, policy_objective, sft_objective
 from sfrrl_jax.rl.aggregation import SequenceLayout
@@ -99,14 +100,6 @@ def _metric_template(loss_cfg: LossConfig):
     return jax.eval_shape(dummy)
 
 
-def _mesh_of(params):
-    leaf = jax.tree.leaves(params)[0]
-    sharding = getattr(leaf, "sharding", None)
-    if not isinstance(sharding, NamedSharding):
-        raise ValueError(f"params must be jax.Arrays on a named mesh (NamedSharding), got {sharding}")
-    return sharding.mesh
-
-
 def _key(tree):
     return jax.tree.structure(tree), tuple(x.sharding for x in jax.tree.leaves(tree))
 
@@ -144,20 +137,20 @@ class TrainStep:
         """Adds one micro-batch's gradient sum, loss numerator and counts to `acc` (donated)."""
         fns = self._fns(params)
         mb = self._prepare(params, microbatch)
-        with jax.set_mesh(_mesh_of(params)):
+        with jax.set_mesh(mesh_of(params)):
             return fns["micro"](params, acc, mb)
 
     def apply(self, params, opt_state: dict, acc: dict):
         """One optimizer update from the accumulated sums -> (params, opt_state, metrics)."""
         fns = self._fns(params)
-        with jax.set_mesh(_mesh_of(params)):
+        with jax.set_mesh(mesh_of(params)):
             return fns["apply"](params, opt_state, acc)
 
     def step(self, params, opt_state: dict, batch: dict):
         """grad_microstep on the whole batch + apply, fused into one jitted function."""
         fns = self._fns(params)
         mb = self._prepare(params, batch)
-        with jax.set_mesh(_mesh_of(params)):
+        with jax.set_mesh(mesh_of(params)):
             return fns["step"](params, opt_state, mb)
 
     def jitted_microstep(self, params):
@@ -175,7 +168,7 @@ class TrainStep:
         validate_microbatch(batch, self.loss_cfg, self.vocab_size)
         if self.loss_cfg.objective == "sft":
             batch = {k: v for k, v in batch.items() if k in ("tokens", "loss_mask", "segment_ids", "positions")}
-        mesh = _mesh_of(params)
+        mesh = mesh_of(params)
         out = {}
         for k, v in batch.items():
             if isinstance(v, jax.Array) and isinstance(v.sharding, NamedSharding) and v.sharding.mesh == mesh:
@@ -191,7 +184,7 @@ class TrainStep:
         return self._cache[key]
 
     def _build(self, params) -> dict:
-        mesh = _mesh_of(params)
+        mesh = mesh_of(params)
         rep = NamedSharding(mesh, P())
         param_sh = jax.tree.map(lambda p: p.sharding, params)
         opt_sh = opt_state_shardings(self.tx, params, self.optimizer_cfg)

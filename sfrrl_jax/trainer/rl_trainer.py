@@ -17,7 +17,7 @@ import collections
 import dataclasses
 import functools
 import time
-from typing import Awaitable, Callable, Iterator, Sequence
+from typing import Awaitable, Callable, Sequence
 
 import jax
 import numpy as np
