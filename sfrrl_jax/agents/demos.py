@@ -28,7 +28,10 @@ def calculator_demonstration(task: Task, system_prompt: str | None = CALCULATOR_
         messages.append({"role": "system", "content": system_prompt})
     messages.append({"role": "user", "content": task.prompt})
     for i, (left, op, right, value) in enumerate(task.metadata["steps"]):
-        expression = f"{_operand(left)}{op}{_operand(right)}"
+        # Spelt as in the prompt ("19 - 6", tokens '1' '9' ' -' ' ' '6'), so a step's operands are a
+        # verbatim copy of the prompt's tokens or of a tool result: an induction pattern a small
+        # model learns in a few hundred steps, where a respaced copy ("19-6") takes thousands.
+        expression = f"{_operand(left)} {op} {_operand(right)}"
         if format_number(evaluate_arithmetic(expression)) != value:
             raise AssertionError(f"task {task.task_id}: step {i} {expression} != {value}")
         call = {"id": "call_0", "type": "function", "function": {"name": "calculator",

@@ -168,25 +168,26 @@ def test_recipe_validation_and_held_out_tasks_are_unseen():
     assert json.loads(json.dumps(dataclasses.asdict(recipe)))  # plain fields only (gin-bindable)
 
 
-def test_quickstart_runs_end_to_end(tok_dir, tmp_path):
-    """The quickstart's pipeline at a small size: SFT, held-out eval, pipelined GRPO, eval, outputs.
+def test_quickstart_learns_and_writes_its_outputs(tok_dir, tmp_path):
+    """The CI-size quickstart: SFT, held-out eval, pipelined GRPO, eval; RL raises held-out success.
 
-    It does not assert that RL raises held-out success: the recipe does not reach that goal yet
-    (see the module docstring of sfrrl_jax.trainer.quickstart).
+    Greedy decoding and seeded sampling make the run deterministic on one machine; the gain
+    measured here is ~70 points, the bound asks for the issue's 15.
     """
-    recipe = QuickstartRecipe.reduced(tokenizer_dir=str(tok_dir), sft_steps=60, rl_steps=2, eval_tasks=16,
-                                      rl_tasks=32, groups_per_step=2, group_size=4)
+    recipe = QuickstartRecipe.reduced(tokenizer_dir=str(tok_dir))
     logs = []
     result = run_quickstart(recipe, tmp_path, log=logs.append)
+    assert result["success_after"] >= result["success_before"] + 0.15, (result["success_before"],
+                                                                        result["success_after"])
+    assert result["eval_after"]["mean_tool_calls"] > result["eval_before"]["mean_tool_calls"]
     rows = read_metrics(tmp_path)
     phases = [r["phase"] for r in rows]
     assert phases.count("sft") == recipe.sft_steps and phases.count("rl") == recipe.rl_steps
     assert phases.count("eval") == 2
     sft = [r["sft/loss"] for r in rows if r["phase"] == "sft"]
-    assert np.mean(sft[-10:]) < np.mean(sft[:10])  # the warm start learns the demonstrations
+    assert np.mean(sft[-10:]) < 0.5 * np.mean(sft[:10])  # the warm start learns the demonstrations
     rl_rows = [r for r in rows if r["phase"] == "rl"]
     assert all(r["policy/on_policy_fraction"] == 1.0 for r in rl_rows)
-    assert 0.0 <= result["success_before"] <= 1.0 and 0.0 <= result["success_after"] <= 1.0
     assert (tmp_path / "busy_idle.png").stat().st_size > 1000
     assert '"grad_microstep"' in (tmp_path / "timeline.trace.json").read_text()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
