@@ -18,6 +18,10 @@ Columns: wall time per RL step, device-busy fraction (time in device work / wall
 occupancy, on-policy fraction of trained tokens, and the share of sync's training time hidden
 = (sync step time - mode step time) / sync train time. The first step of each mode compiles and
 is excluded. Times are wall-clock on a shared CPU: compare rows of one run only.
+Idle columns: 'idle s' = step time outside device work; 'starved' = the part of it in which no
+finished group was waiting to be trained (nothing on-policy exists to fill it: e.g. before the
+first group of the step finishes); 'ceiling' = 1 - starved / step time, the device-busy fraction
+an on-policy schedule of that step could at best reach by filling the rest.
 """
 import os
 
@@ -78,7 +82,8 @@ def run_mode(mode, wl, args, cfg, mesh, underfull_slots):
     trainer.step()  # compile + warm-up, excluded
     rows = [trainer.step() for _ in range(args.steps)]
     keys = ("time/wall_s", "time/rollout_s", "time/train_s", "time/train_exposed_s", "perf/device_busy",
-            "perf/slot_occupancy", "policy/on_policy_fraction", "reward/mean")
+            "perf/slot_occupancy", "policy/on_policy_fraction", "reward/mean", "time/idle_s",
+            "time/idle_starved_s", "perf/busy_ceiling_on_policy")
     return {k: float(np.mean([r[k] for r in rows])) for k in keys}
 
 
@@ -115,11 +120,12 @@ def main():
         print(f"\n== {name}: response median {st['response_median']:.0f} / p99 {st['response_p99']:.0f} tokens, "
               f"tool latency median {st['tool_latency_median_s']:.3f}s / p99 {st['tool_latency_p99_s']:.3f}s")
         print(f"{'mode':13s} {'step s':>7s} {'rollout s':>9s} {'train s':>8s} {'exposed':>8s} {'busy':>6s} "
-              f"{'slots':>6s} {'on-pol':>6s} {'hidden':>7s}")
+              f"{'slots':>6s} {'on-pol':>6s} {'hidden':>7s} {'idle s':>7s} {'starved':>7s} {'ceiling':>7s}")
         for m, r in res.items():
             print(f"{m:13s} {r['time/wall_s']:7.2f} {r['time/rollout_s']:9.2f} {r['time/train_s']:8.2f} "
                   f"{r['time/train_exposed_s']:8.2f} {r['perf/device_busy']:6.1%} {r['perf/slot_occupancy']:6.1%} "
-                  f"{r['policy/on_policy_fraction']:6.2f} {r['hidden_share_of_sync_train']:7.1%}")
+                  f"{r['policy/on_policy_fraction']:6.2f} {r['hidden_share_of_sync_train']:7.1%} "
+                  f"{r['time/idle_s']:7.2f} {r['time/idle_starved_s']:7.2f} {r['perf/busy_ceiling_on_policy']:7.1%}")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

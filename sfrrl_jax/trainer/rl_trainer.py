@@ -32,7 +32,7 @@ from sfrrl_jax.train import make_train_step
 from sfrrl_jax.train.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.batching import Group, TokenShare, group_advantages, microbatch_from_groups
 from sfrrl_jax.trainer.config import TrainerConfig
-from sfrrl_jax.trainer.timeline import Timeline
+from sfrrl_jax.trainer.timeline import Timeline, WaitingWork
 
 RolloutFn = Callable[[Engine, Task, int], Awaitable[Trajectory]]
 
@@ -135,12 +135,21 @@ class RLTrainer:
         pending: list[Group] = []
         units: list[_Unit] = []
         counts = collections.Counter()
+        waiting = WaitingWork()
+
+        def note_waiting():
+            """Finished groups this step could train on the current params right now (untrained)."""
+            waiting.update(len(ready) + (len(pending) if cfg.mode == "pipelined" else 0)
+                           + (len(kept) if cfg.mode == "sync" else 0))
 
         def idle_work():
             if cfg.mode == "sync" or not ready:
                 return None
             unit = ready.popleft()
+            note_waiting()
             return lambda: self._microstep(unit)
+
+        note_waiting()
 
         self.engine.idle_work = idle_work
         self.engine.underfull_slots = cfg.underfull_slots
@@ -179,6 +188,7 @@ class RLTrainer:
                     continue
                 kept.append(group)
                 if cfg.mode == "sync":
+                    note_waiting()
                     continue  # micro-batches are formed after the rollout, in launch order
                 pending.append(group)
                 if len(pending) == cfg.groups_per_microbatch:
@@ -188,6 +198,7 @@ class RLTrainer:
                     if cfg.mode == "pipelined":
                         ready.extend(new_units)
                         self.engine.notify_idle_work()
+                note_waiting()
         for fut in in_flight:  # over-provisioned groups not needed: stop them
             fut.cancel()
         await asyncio.gather(*in_flight, return_exceptions=True)
@@ -225,8 +236,12 @@ class RLTrainer:
             self.carry_over = units
         self.engine.set_params(self.params)
         wall = time.perf_counter() - t_start
+        waiting.update(0, t_start + wall)
+        idle = self.timeline.idle_split(t_start, t_start + wall, waiting.intervals)
         metrics.update(self._step_metrics(kept, stats0, wall, t_rollout - t_start,
                                           trained_during_rollout, counts))
+        metrics.update({"time/idle_s": idle["idle_s"], "time/idle_starved_s": idle["starved_s"],
+                        "perf/busy_ceiling_on_policy": 1.0 - idle["starved_s"] / wall})
         self.timeline.end_step(time.perf_counter())
         self.step_index += 1
         return metrics

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import pathlib
 import threading
+import time
 
 
 class Timeline:
@@ -26,6 +27,27 @@ class Timeline:
         if self._open is not None:
             self.steps.append((self._open[0], self._open[1], t))
             self._open = None
+
+    def idle_split(self, start: float, end: float, work_waiting: list[tuple[float, float]]) -> dict:
+        """Device-idle time in [start, end], split by whether train work was waiting meanwhile.
+
+        work_waiting: intervals in which a finished group could have been trained on the current
+        params (see `WaitingWork`). Returns {'idle_s': gaps between device spans, 'starved_s':
+        the part of them with nothing waiting}. Starved idle is what no strictly on-policy
+        schedule can fill: the work that would fill it does not exist yet.
+        """
+        with self._lock:
+            spans = sorted((max(a, start), min(b, end)) for _, _, a, b in self.spans if b > start and a < end)
+        gaps, cursor = [], start
+        for a, b in spans:
+            if a > cursor:
+                gaps.append((cursor, a))
+            cursor = max(cursor, b)
+        if cursor < end:
+            gaps.append((cursor, end))
+        idle = sum(b - a for a, b in gaps)
+        covered = sum(max(0.0, min(b, d) - max(a, c)) for a, b in gaps for c, d in work_waiting)
+        return {"idle_s": idle, "starved_s": idle - covered}
 
     def busy_per_step(self) -> list[dict]:
         """Per step: wall seconds and busy seconds per lane (engine, train)."""
@@ -73,3 +95,24 @@ class Timeline:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+class WaitingWork:
+    """Intervals in which train work was waiting (a count above zero), for `Timeline.idle_split`.
+
+    `update(n)` is called with the number of waiting work items whenever it may have changed;
+    only the transitions between zero and non-zero are kept. Not thread-safe: call it from one
+    thread (the trainer's event loop).
+    """
+
+    def __init__(self):
+        self.intervals: list[tuple[float, float]] = []
+        self._since: float | None = None
+
+    def update(self, waiting: int, t: float | None = None) -> None:
+        t = time.perf_counter() if t is None else t
+        if waiting and self._since is None:
+            self._since = t
+        elif not waiting and self._since is not None:
+            self.intervals.append((self._since, t))
+            self._since = None
