@@ -91,8 +91,8 @@ def test_three_turn_trajectory_exact_tokens_masks_logprobs(tok):
     obs1 = tok.encode("<|tool|>85309<|end|><|assistant|>")
     obs2 = tok.encode("<|tool|>-83376<|end|><|assistant|>")
     assert [tok.decode(t) for t in turns] == [
-        '<|call|>calculator{"expression":"85407-98"}<|/call|><|end|>',
-        '<|call|>calculator{"expression":"1933-85309"}<|/call|><|end|>',
+        '<|call|>calculator{"expression":"85407 - 98"}<|/call|><|end|>',  # spelt as in the prompt
+        '<|call|>calculator{"expression":"1933 - 85309"}<|/call|><|end|>',
         "<answer>-83376</answer><|end|>"]
     expected = prompt + turns[0] + obs1 + turns[1] + obs2 + turns[2]
     assert traj.tokens == expected == sft_tokens  # engine output + rendered observations, token for token
