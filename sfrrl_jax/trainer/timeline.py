@@ -36,18 +36,24 @@ class Timeline:
         the part of them with nothing waiting}. Starved idle is what no strictly on-policy
         schedule can fill: the work that would fill it does not exist yet.
         """
+        spans = []
         with self._lock:
-            spans = sorted((max(a, start), min(b, end)) for _, _, a, b in self.spans if b > start and a < end)
+            # Device work is sequential, so spans are appended in end-time order: only the tail
+            # of the list can reach into [start, end].
+            for _, _, a, b in reversed(self.spans):
+                if b <= start:
+                    break
+                if a < end:
+                    spans.append((max(a, start), min(b, end)))
         gaps, cursor = [], start
-        for a, b in spans:
+        for a, b in sorted(spans):
             if a > cursor:
                 gaps.append((cursor, a))
             cursor = max(cursor, b)
         if cursor < end:
             gaps.append((cursor, end))
         idle = sum(b - a for a, b in gaps)
-        covered = sum(max(0.0, min(b, d) - max(a, c)) for a, b in gaps for c, d in work_waiting)
-        return {"idle_s": idle, "starved_s": idle - covered}
+        return {"idle_s": idle, "starved_s": idle - _overlap(gaps, sorted(work_waiting))}
 
     def busy_per_step(self) -> list[dict]:
         """Per step: wall seconds and busy seconds per lane (engine, train)."""
@@ -95,6 +101,18 @@ class Timeline:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted lists of disjoint intervals."""
+    total, i, j = 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        total += max(0.0, min(xs[i][1], ys[j][1]) - max(xs[i][0], ys[j][0]))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 class WaitingWork:

@@ -4,10 +4,10 @@ from sfrrl_jax.trainer.timeline import Timeline, WaitingWork
 
 def test_idle_split_counts_gaps_and_their_starved_part_exactly():
     tl = Timeline()
-    # device work in [0, 10]: decode 1-2, decode 2-3 (touching), train 5-6, decode 5.5-7 (overlap),
-    # and a span that starts before the window
-    for name, lane, a, b in [("decode", "engine", 1, 2), ("decode", "engine", 2, 3), ("grad_microstep", "train", 5, 6),
-                             ("decode", "engine", 5.5, 7), ("decode", "engine", -1, 0.5)]:
+    # spans arrive in end-time order (device work is sequential): one that starts before the
+    # window [0, 10], decode 1-2, decode 2-3 (touching), train 5-6, decode 5.5-7 (overlapping)
+    for name, lane, a, b in [("decode", "engine", -1, 0.5), ("decode", "engine", 1, 2), ("decode", "engine", 2, 3),
+                             ("grad_microstep", "train", 5, 6), ("decode", "engine", 5.5, 7)]:
         tl.add(name, lane, a, b)
     waiting = WaitingWork()
     waiting.update(0, 0.0)
