@@ -10,8 +10,3 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-
-def pytest_collection_modifyitems(config, items):
-    """Tests marked `slow` (minutes each) run first, so that under xdist they overlap the short
-    ones instead of running alone at the end of the suite."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: order kept otherwise

@@ -168,7 +168,6 @@ def test_recipe_validation_and_held_out_tasks_are_unseen():
     assert json.loads(json.dumps(dataclasses.asdict(recipe)))  # plain fields only (gin-bindable)
 
 
-@pytest.mark.slow
 def test_quickstart_learns_and_writes_its_outputs(tok_dir, tmp_path):
     """The CI-size quickstart: SFT, held-out eval, pipelined GRPO, eval; RL raises held-out success.
 
