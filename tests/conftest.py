@@ -9,3 +9,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tok_dir(tmp_path_factory):
+    """The tiny tokenizer's HF directory (read-only for tests), built once per test process."""
+    from sfrrl_jax.tokenizer import build_tiny_tokenizer
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tok"))

@@ -11,12 +11,12 @@ from sfrrl_jax.agents.loop import AgentConfig, run_agent, run_many
 from sfrrl_jax.agents.protocols import Completion, EngineProtocol, GenerationRequest
 from sfrrl_jax.agents.tasks import arithmetic_task, generate_arithmetic_tasks
 from sfrrl_jax.agents.tools import ToolRunnerConfig
-from sfrrl_jax.tokenizer import build_tiny_tokenizer, load_tokenizer
+from sfrrl_jax.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(build_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
+def tok(tok_dir):
+    return load_tokenizer(tok_dir)
 
 
 class ScriptedEngine:

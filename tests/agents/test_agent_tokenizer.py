@@ -25,11 +25,6 @@ CONVERSATION = [
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tok"))
-
-
-@pytest.fixture(scope="module")
 def tok(tok_dir):
     return load_tokenizer(tok_dir)
 

@@ -11,7 +11,7 @@ import pytest
 import sfrrl_jax as S
 from sfrrl_jax.agents import AgentConfig, Completion, generate_arithmetic_tasks
 from sfrrl_jax.agents.demos import calculator_demonstration, render_sft_example
-from sfrrl_jax.tokenizer import build_tiny_tokenizer, load_tokenizer
+from sfrrl_jax.tokenizer import load_tokenizer
 from sfrrl_jax.train.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.agent_rollout import AgentRollout
 from sfrrl_jax.trainer.evaluate import evaluate
@@ -21,11 +21,6 @@ from sfrrl_jax.trainer.sft import check_examples, make_batch, padded_width, run_
 from sfrrl_jax.trainer.rl_trainer import shared_train_step
 from sfrrl_jax.rl.config import LossConfig
 
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return build_tiny_tokenizer(tmp_path_factory.mktemp("quickstart_tok"))
 
 
 @pytest.fixture(scope="module")
