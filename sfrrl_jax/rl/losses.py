@@ -33,6 +33,10 @@ class ObjectiveParts(NamedTuple):
     sums: dict                # 'agg/..' and 'tok/..' metric sums (no gradient)
     maxes: dict               # metric maxima over loss tokens (-inf if none)
     mins: dict                # metric minima over loss tokens (+inf if none)
+    # The part of `numerator` that carries the advantages (the clipped policy term; differentiable).
+    # With behavior='current' the ratio is exactly 1, so it is linear in the advantages and the rest
+    # of the numerator (KL, entropy) does not depend on them: see `train.deferred`.
+    advantage_term: jnp.ndarray | float = 0.0
 
 
 def ppo_clip_loss(
@@ -155,7 +159,7 @@ def policy_objective(
     sums["tok/ratio"] = jnp.sum(ratio * m)
     maxes["ratio_max"] = _masked_extreme(ratio, m, jnp.max)
     mins["ratio_min"] = _masked_extreme(ratio, m, jnp.min)
-    return _finish(numerator, den, m, layout, sums, maxes, mins)
+    return _finish(numerator, den, m, layout, sums, maxes, mins, advantage_term=pg_num)
 
 
 def sft_objective(
@@ -180,7 +184,7 @@ def sft_objective(
     return _finish(num, den, m, layout, sums, {}, {})
 
 
-def _finish(numerator, den, m, layout, sums, maxes, mins) -> ObjectiveParts:
+def _finish(numerator, den, m, layout, sums, maxes, mins, advantage_term=0.0) -> ObjectiveParts:
     counts = layout.token_counts(m)
     stop = lambda d: {k: jax.lax.stop_gradient(v) for k, v in d.items()}
     return ObjectiveParts(
@@ -191,6 +195,7 @@ def _finish(numerator, den, m, layout, sums, maxes, mins) -> ObjectiveParts:
         sums=stop(sums),
         maxes=stop(maxes),
         mins=stop(mins),
+        advantage_term=jnp.asarray(advantage_term, jnp.float32),
     )
 
 

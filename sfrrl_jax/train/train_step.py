@@ -122,6 +122,8 @@ class TrainStep:
         self.schedule = learning_rate_schedule(optimizer_cfg)
         self._template = _metric_template(loss_cfg)
         self._cache: dict = {}
+        self._layouts: dict = {}         # per params layout: accumulator shardings, raw init
+        self._deferred_cache: dict = {}  # per params layout: `train.deferred` functions
 
     # -- state -----------------------------------------------------------------------------------
     def init_accumulator(self, params) -> dict:
@@ -152,6 +154,37 @@ class TrainStep:
         mb = self._prepare(params, batch)
         with jax.set_mesh(mesh_of(params)):
             return fns["step"](params, opt_state, mb)
+
+    # -- advantage-deferred gradients (see `train.deferred`) -------------------------------------
+    def init_deferred(self, params) -> dict:
+        """A zero group buffer for trajectories back-propagated before their group finishes."""
+        return self._deferred(params)["init"](params)
+
+    def deferred_microstep(self, params, buffer: dict, microbatch: dict, centred_reward: float) -> dict:
+        """Adds rows that share one reward (minus the group's reference reward) to `buffer` (donated)."""
+        fns = self._deferred(params)
+        mb = self._prepare(params, microbatch)
+        with jax.set_mesh(mesh_of(params)):
+            return fns["micro"](params, buffer, mb, np.float32(centred_reward))
+
+    def merge_deferred(self, params, acc: dict, buffer: dict, slope: float, reference_advantage: float) -> dict:
+        """acc (donated) + the group buffer's gradient at its final advantages -> acc."""
+        fns = self._deferred(params)
+        with jax.set_mesh(mesh_of(params)):
+            return fns["merge"](acc, buffer, np.float32(slope), np.float32(reference_advantage))
+
+    def compile_count(self) -> int:
+        """Compiled executables of every jitted train function so far."""
+        return sum(f._cache_size() for cache in (self._cache, self._deferred_cache)
+                   for fns in cache.values() for f in fns.values())
+
+    def _deferred(self, params) -> dict:
+        from sfrrl_jax.train.deferred import build_deferred_fns
+        key = _key(params)
+        if key not in self._deferred_cache:
+            self._fns(params)  # the accumulator layout
+            self._deferred_cache[key] = build_deferred_fns(self, self._layouts[key])
+        return self._deferred_cache[key]
 
     def jitted_microstep(self, params):
         return self._fns(params)["micro"]
@@ -228,6 +261,7 @@ class TrainStep:
             acc = micro(p, init_acc(p), mb)
             return _apply_update(self.tx, self.schedule, param_sh, p, opt_state, acc)
 
+        self._layouts[_key(params)] = {"acc": acc_sh, "params": param_sh, "init_acc": init_acc}
         return {
             "init_acc": jax.jit(init_acc, out_shardings=acc_sh),
             "init_opt": jax.jit(init_opt, out_shardings=opt_sh),
@@ -245,9 +279,14 @@ def _batch_sharding(mesh, shape) -> NamedSharding:
 
 
 def _accumulate(acc: dict, grads, numerator, parts, router_sums) -> dict:
+    return {"grads": jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc["grads"], grads),
+            **accumulate_stats(acc, numerator, parts, router_sums)}
+
+
+def accumulate_stats(acc: dict, numerator, parts, router_sums) -> dict:
+    """The non-gradient entries of an accumulator (scalars, sums, maxes, mins) plus one micro-batch."""
     s = acc["scalars"]
     return {
-        "grads": jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc["grads"], grads),
         "scalars": {
             "numerator": s["numerator"] + numerator,
             "denominator": s["denominator"] + parts.denominator,

@@ -66,10 +66,32 @@ def group_advantages(groups: Sequence[Group], cfg: AdvantageConfig) -> np.ndarra
     return np.asarray(compute_advantages(jnp.asarray(rewards), cfg))
 
 
+def group_advantage_slopes(groups: Sequence[Group], cfg: AdvantageConfig) -> np.ndarray:
+    """[groups] d advantage / d reward of each group: the group estimators are affine in the reward,
+    A_i = slope * (r_i - r_j) + A_j for any two samples i, j of a group (`train.deferred` needs it)."""
+    rewards = np.stack([g.rewards for g in groups]).astype(np.float32)
+    g = rewards.shape[-1]
+    if cfg.estimator == "grpo":
+        std = rewards.std(axis=-1, ddof=cfg.std_ddof) if g - cfg.std_ddof > 0 else np.zeros(len(groups))
+        return (1.0 / (std + np.float32(cfg.eps))).astype(np.float32)
+    if cfg.estimator == "dr_grpo":
+        return np.ones(len(groups), np.float32)
+    if cfg.estimator == "rloo":
+        return np.full(len(groups), 0.0 if g == 1 else g / (g - 1), np.float32)
+    raise ValueError(f"advantage estimator {cfg.estimator!r} is not a per-group affine function of the "
+                     "reward; advantage-deferred gradients need one of grpo, dr_grpo, rloo")
+
+
 def microbatch_from_groups(groups: Sequence[Group], advantages: np.ndarray, seq_bucket: int,
                            max_len: int) -> dict:
     """Host arrays [rows, T] for `grad_microstep`, T = longest trajectory rounded up to `seq_bucket`."""
-    trajs = [t for g in groups for t in g.trajectories]
+    return microbatch_from_trajectories([t for g in groups for t in g.trajectories], advantages,
+                                        seq_bucket, max_len)
+
+
+def microbatch_from_trajectories(trajs: Sequence[Trajectory], advantages: np.ndarray, seq_bucket: int,
+                                 max_len: int) -> dict:
+    """One row per trajectory, [rows, T]; `advantages` holds one value per trajectory."""
     adv = np.asarray(advantages, np.float32).reshape(-1)
     if len(adv) != len(trajs):
         raise ValueError(f"{len(adv)} advantages for {len(trajs)} trajectories")
