@@ -1,5 +1,6 @@
 """Straggler benchmark: one seeded long-tail agentic workload replayed through sync, pipelined
-and one_step_off, in one run, on the same mesh, params and seeds. Prints a table, writes JSON.
+(whole groups, then with early samples) and one_step_off, in one run, on the same mesh, params and
+seeds. Prints a table, writes JSON (means and per-step figures).
 
     python experiments/bench/stragglers.py [--steps 3] [--out bench_out/stragglers.json]
 
@@ -12,15 +13,17 @@ Knobs: --train_width (pads training rows: scales the train cost without touching
 i.e. the train/rollout cost ratio), tool latency median/sigma, response median/sigma,
 --underfull_slots (how empty the decode batch must be before pipelined trains beside it),
 --microbatch_rows (rows per gradient micro-step: a micro-step is not preempted, so smaller ones
-delay a returning tool's trajectory less).
+delay a returning tool's trajectory less), --group_size, --early_groups (the 'pipelined+early'
+row: up to this many unfinished groups train their finished samples before the group is done).
 
 Columns: wall time per RL step, device-busy fraction (time in device work / wall), decode slot
 occupancy, on-policy fraction of trained tokens, and the share of sync's training time hidden
 = (sync step time - mode step time) / sync train time. The first step of each mode compiles and
 is excluded. Times are wall-clock on a shared CPU: compare rows of one run only.
 Idle columns: 'idle s' = step time outside device work; 'starved' = the part of it in which no
-finished group was waiting to be trained (nothing on-policy exists to fill it: e.g. before the
-first group of the step finishes); 'ceiling' = 1 - starved / step time, the device-busy fraction
+finished group (for pipelined+early: no finished sample) was waiting to be trained (nothing
+on-policy exists to fill it: e.g. before the first group of the step finishes, or while the
+last straggler waits on its tool); 'ceiling' = 1 - starved / step time, the device-busy fraction
 an on-policy schedule of that step could at best reach by filling the rest.
 """
 import os
@@ -41,7 +44,9 @@ from sfrrl_jax.trainer.config import TrainerConfig  # noqa: E402
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream  # noqa: E402
 from sfrrl_jax.trainer.workload import WorkloadAgent, WorkloadConfig, make_tasks, sample_spec  # noqa: E402
 
-MODES = ("sync", "pipelined", "one_step_off")
+# (row name, TrainerConfig.mode, early samples on)
+MODES = (("sync", "sync", False), ("pipelined", "pipelined", False),
+         ("pipelined+early", "pipelined", True), ("one_step_off", "one_step_off", False))
 
 
 def settings(args) -> dict:
@@ -71,26 +76,34 @@ def workload_stats(wl: WorkloadConfig) -> dict:
 UNDERFULL_DEFAULT = {"tool-bound": 0, "decode-bound": 2}
 
 
-def run_mode(mode, wl, args, cfg, mesh, underfull_slots):
-    tc = TrainerConfig(mode=mode, groups_per_step=args.groups, group_size=4, max_slots=args.slots,
-                       max_len=256, decode_steps=args.decode_steps, buckets=(16, 32, 64),
-                       seq_bucket=args.train_width, underfull_slots=underfull_slots,
-                       microbatch_rows=args.microbatch_rows)
+def run_mode(mode, early, wl, args, cfg, mesh, underfull_slots):
+    tc = TrainerConfig(mode=mode, groups_per_step=args.groups, group_size=args.group_size,
+                       max_slots=args.slots, max_len=256, decode_steps=args.decode_steps,
+                       buckets=(16, 32, 64), seq_bucket=args.train_width, underfull_slots=underfull_slots,
+                       microbatch_rows=args.microbatch_rows, early_groups=args.early_groups if early else 0)
     params = S.init_params(cfg, mesh, seed=0)
     trainer = RLTrainer(cfg, params, tc, LossConfig(), OptimizerConfig(learning_rate=1e-5),
                         WorkloadAgent(wl), TaskStream(make_tasks(wl), seed=args.seed))
+    trainer.compile_train_shapes()  # every micro-step shape, so no compile lands in a measured step
     trainer.step()  # compile + warm-up, excluded
     rows = [trainer.step() for _ in range(args.steps)]
     keys = ("time/wall_s", "time/rollout_s", "time/train_s", "time/train_exposed_s", "perf/device_busy",
             "perf/slot_occupancy", "policy/on_policy_fraction", "reward/mean", "time/idle_s",
-            "time/idle_starved_s", "perf/busy_ceiling_on_policy")
-    return {k: float(np.mean([r[k] for r in rows])) for k in keys}
+            "time/idle_starved_s", "perf/busy_ceiling_on_policy", "perf/compile_count")
+    out = {k: float(np.mean([r[k] for r in rows])) for k in keys}
+    out["per_step"] = {k: [float(r[k]) for r in rows] for k in ("time/wall_s", "perf/device_busy",
+                                                               "perf/busy_ceiling_on_policy")}
+    out["early_microsteps"] = float(np.mean([r["train/early_microsteps"] for r in rows]))
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--group_size", type=int, default=4)
+    ap.add_argument("--early_groups", type=int, default=4,
+                    help="pipelined+early: unfinished groups that may train finished samples early")
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--decode_steps", type=int, default=2)
     ap.add_argument("--train_width", type=int, default=512)
@@ -109,7 +122,7 @@ def main():
         if args.only and name != args.only:
             continue
         underfull = UNDERFULL_DEFAULT[name] if args.underfull_slots is None else args.underfull_slots
-        res = {m: run_mode(m, wl, args, cfg, mesh, underfull) for m in MODES}
+        res = {name: run_mode(mode, early, wl, args, cfg, mesh, underfull) for name, mode, early in MODES}
         sync = res["sync"]
         for m, r in res.items():
             r["hidden_share_of_sync_train"] = ((sync["time/wall_s"] - r["time/wall_s"]) / sync["time/train_s"]
@@ -119,10 +132,10 @@ def main():
         st = report["settings"][name]["workload_stats"]
         print(f"\n== {name}: response median {st['response_median']:.0f} / p99 {st['response_p99']:.0f} tokens, "
               f"tool latency median {st['tool_latency_median_s']:.3f}s / p99 {st['tool_latency_p99_s']:.3f}s")
-        print(f"{'mode':13s} {'step s':>7s} {'rollout s':>9s} {'train s':>8s} {'exposed':>8s} {'busy':>6s} "
+        print(f"{'mode':15s} {'step s':>7s} {'rollout s':>9s} {'train s':>8s} {'exposed':>8s} {'busy':>6s} "
               f"{'slots':>6s} {'on-pol':>6s} {'hidden':>7s} {'idle s':>7s} {'starved':>7s} {'ceiling':>7s}")
         for m, r in res.items():
-            print(f"{m:13s} {r['time/wall_s']:7.2f} {r['time/rollout_s']:9.2f} {r['time/train_s']:8.2f} "
+            print(f"{m:15s} {r['time/wall_s']:7.2f} {r['time/rollout_s']:9.2f} {r['time/train_s']:8.2f} "
                   f"{r['time/train_exposed_s']:8.2f} {r['perf/device_busy']:6.1%} {r['perf/slot_occupancy']:6.1%} "
                   f"{r['policy/on_policy_fraction']:6.2f} {r['hidden_share_of_sync_train']:7.1%} "
                   f"{r['time/idle_s']:7.2f} {r['time/idle_starved_s']:7.2f} {r['perf/busy_ceiling_on_policy']:7.1%}")

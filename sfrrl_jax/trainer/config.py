@@ -30,6 +30,11 @@ class TrainerConfig:
     groups_per_microbatch: finished groups per gradient micro-step.
     microbatch_rows: split each micro-batch into micro-steps of at most this many rows (0 = off):
       finer work units leave a returning tool less to wait for (micro-steps are not preempted).
+    early_groups: pipelined: once at most this many groups of the step are unfinished (the
+      rollout's tail), their finished samples train before the group finishes (advantage-deferred
+      gradients, `train.deferred`; needs a loss with behavior='current'), so a straggler holds back
+      only itself. Each such group holds two or three param-sized float32 buffers until it
+      finishes. 0 = train whole groups only.
     """
 
     mode: Mode = "pipelined"
@@ -46,6 +51,7 @@ class TrainerConfig:
     max_refill_groups: int = 8
     groups_per_microbatch: int = 1
     microbatch_rows: int = 0
+    early_groups: int = 0
     seq_bucket: int = 32
     advantage: AdvantageConfig = AdvantageConfig()
     seed: int = 0
@@ -58,13 +64,17 @@ class TrainerConfig:
                   "groups_per_microbatch", "seq_bucket"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{own}.{k} must be >= 1, got {getattr(self, k)!r}")
-        for k in ("underfull_slots", "overprovision_groups", "max_refill_groups", "microbatch_rows"):
+        for k in ("underfull_slots", "overprovision_groups", "max_refill_groups", "microbatch_rows",
+                  "early_groups"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{own}.{k} must be >= 0, got {getattr(self, k)!r}")
         if self.groups_per_step % self.groups_per_microbatch:
             raise ValueError(
                 f"{own}.groups_per_step={self.groups_per_step} is not divisible into micro-batches "
                 f"of groups_per_microbatch={self.groups_per_microbatch}")
+        if self.early_groups and self.mode != "pipelined":
+            raise ValueError(f"{own}.early_groups={self.early_groups} trains samples while their group "
+                             f"is still rolling out, which only mode='pipelined' does; got mode={self.mode!r}")
         if self.mode != "sync" and self.advantage.estimator not in GROUP_ESTIMATORS:
             raise ValueError(
                 f"{own}.mode={self.mode!r} trains a group as soon as it finishes, so its advantages "

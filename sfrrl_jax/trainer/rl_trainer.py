@@ -9,6 +9,8 @@ One `step()`:
      `sync`: they run after the rollout; `one_step_off`: step k trains step k-1's groups;
   4. the KV cache is freed, the remaining micro-steps run, then exactly one optimizer update.
 Gradient sums accumulate, so the update equals the full-batch one whatever ran when.
+With `early_groups`, pipelined also trains finished samples of unfinished groups
+(`trainer.early_samples`, `train.deferred`): a straggler then holds back only itself.
 """
 from __future__ import annotations
 
@@ -29,9 +31,14 @@ from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.train import make_train_step
+from sfrrl_jax.train.deferred import advantage_free_terms, check_deferrable
 from sfrrl_jax.train.optimizer import OptimizerConfig
-from sfrrl_jax.trainer.batching import Group, TokenShare, group_advantages, microbatch_from_groups
+from sfrrl_jax.trainer.batching import (
+    Group, TokenShare, group_advantage_slopes, group_advantages, microbatch_from_groups,
+    microbatch_from_trajectories,
+)
 from sfrrl_jax.trainer.config import TrainerConfig
+from sfrrl_jax.trainer.early_samples import EarlySamples, EarlyUnit
 from sfrrl_jax.trainer.timeline import Timeline, WaitingWork
 
 RolloutFn = Callable[[Engine, Task, int], Awaitable[Trajectory]]
@@ -67,14 +74,23 @@ class TaskStream:
 
 @dataclasses.dataclass
 class _Unit:
-    """One gradient micro-step: its batch and whose tokens it holds (Groups or TokenShares)."""
+    """One gradient micro-step: its batch and whose tokens it holds (Groups or TokenShares).
+
+    early: set for a sample trained into its unfinished group's buffer; merges: (group progress,
+    advantage slope, reference advantage) of group buffers to add at their final advantages.
+    """
 
     groups: list
     batch: dict
+    early: EarlyUnit | None = None
+    merges: list = dataclasses.field(default_factory=list)
 
 
-def check_memory_fits(engine_cache_bytes: int, params, device=None) -> None:
-    """Up-front check that the KV cache fits next to the params (before any compile)."""
+def check_memory_fits(engine_cache_bytes: int, params, device=None, param_copies: float = 3.0) -> None:
+    """Up-front check that the KV cache fits next to the params (before any compile).
+
+    param_copies: param-sized arrays alive beside the cache (params, gradient sums, optimizer
+    moments; early-sample group buffers add more)."""
     device = device or jax.devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
@@ -85,11 +101,11 @@ def check_memory_fits(engine_cache_bytes: int, params, device=None) -> None:
         limit, n_dev = psutil.virtual_memory().available, 1
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) / n_dev
     per_device_cache = engine_cache_bytes / (len(jax.devices()) if n_dev > 1 else 1)
-    if per_device_cache + 3 * param_bytes > limit:
+    if per_device_cache + param_copies * param_bytes > limit:
         raise ValueError(
             f"KV cache of {engine_cache_bytes / 2**30:.2f} GiB (max_slots x max_len) plus params/optimizer "
-            f"(~{3 * param_bytes / 2**30:.2f} GiB per device) exceed the {limit / 2**30:.2f} GiB available: "
-            "lower TrainerConfig.max_slots or max_len")
+            f"(~{param_copies * param_bytes / 2**30:.2f} GiB per device) exceed the {limit / 2**30:.2f} GiB "
+            "available: lower TrainerConfig.max_slots or max_len (or early_groups)")
 
 
 class RLTrainer:
@@ -103,8 +119,15 @@ class RLTrainer:
         self.rollout_fn, self.tasks = rollout_fn, tasks
         self.engine = Engine(model_cfg, params, max_slots=trainer_cfg.max_slots, max_len=trainer_cfg.max_len,
                              buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps)
-        check_memory_fits(self.engine.steps.cache_bytes(), params)
         self.train_step = shared_train_step(model_cfg, loss_cfg, optimizer_cfg)
+        copies = 3.0
+        if trainer_cfg.early_groups:
+            check_deferrable(loss_cfg)
+            # float32 buffers per early group: h1, hc (+ k), relative to the params' own dtype
+            per_group = 3 if advantage_free_terms(self.train_step) else 2
+            itemsize = max(jax.tree.leaves(params)[0].dtype.itemsize, 1)
+            copies += trainer_cfg.early_groups * per_group * 4 / itemsize
+        check_memory_fits(self.engine.steps.cache_bytes(), params, param_copies=copies)
         self.params = params
         self.opt_state = opt_state if opt_state is not None else self.train_step.init_opt_state(params)
         self.params_version = 0
@@ -128,7 +151,11 @@ class RLTrainer:
         self.engine.set_params(self.params)
         self._acc = self.train_step.init_accumulator(self.params)
         self._train_device_s = 0.0
-        self._trained = {"tokens": 0, "on_policy_tokens": 0, "microsteps": 0}
+        self._trained = {"tokens": 0, "on_policy_tokens": 0, "microsteps": 0, "early_microsteps": 0}
+        n_launch = cfg.groups_per_step + cfg.overprovision_groups
+        early = (EarlySamples(cfg.early_groups, cfg.group_size, active=n_launch <= cfg.early_groups)
+                 if cfg.early_groups else None)
+        self._claimed = {}  # launch index -> GroupProgress of a finished group with early samples
         ready: collections.deque[_Unit] = collections.deque(self.carry_over if cfg.mode == "one_step_off" else [])
         self.carry_over = []
         kept: list[Group] = []
@@ -138,14 +165,21 @@ class RLTrainer:
         waiting = WaitingWork()
 
         def note_waiting():
-            """Finished groups this step could train on the current params right now (untrained)."""
+            """Work this step could train on the current params right now: finished, untrained
+            groups, and samples queued to train early."""
             waiting.update(len(ready) + (len(pending) if cfg.mode == "pipelined" else 0)
-                           + (len(kept) if cfg.mode == "sync" else 0))
+                           + (len(kept) if cfg.mode == "sync" else 0)
+                           + (len(early) if early is not None else 0))
 
         def idle_work():
-            if cfg.mode == "sync" or not ready:
+            if cfg.mode == "sync":
                 return None
-            unit = ready.popleft()
+            if ready:
+                unit = ready.popleft()
+            elif early is not None and len(early):
+                unit = self._early_unit(early.pop())
+            else:
+                return None
             note_waiting()
             return lambda: self._microstep(unit)
 
@@ -156,8 +190,15 @@ class RLTrainer:
 
         launched = 0
 
+        async def run_sample(task: Task, index: int, sample: int) -> Trajectory:
+            traj = await self.rollout_fn(self.engine, task, sample)
+            if early is not None and early.sample_finished(index, sample, traj):
+                note_waiting()
+                self.engine.notify_idle_work()
+            return traj
+
         async def run_group(task: Task, index: int) -> Group:
-            trajs = await asyncio.gather(*(self.rollout_fn(self.engine, task, i) for i in range(cfg.group_size)))
+            trajs = await asyncio.gather(*(run_sample(task, index, i) for i in range(cfg.group_size)))
             return Group(task.task_id, list(trajs), self.params_version, index)
 
         def launch(task):
@@ -179,14 +220,24 @@ class RLTrainer:
                                              for t in group.trajectories)
                 if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
                     counts["groups_dropped"] += 1
+                    if early is not None:
+                        early.discard(group.launch_index)
                     if refills < cfg.max_refill_groups:
                         refills += 1
                         in_flight.add(launch(self.tasks.next()))
                     continue
                 if len(kept) == cfg.groups_per_step:
                     counts["groups_surplus"] += 1
+                    if early is not None:
+                        early.discard(group.launch_index)
                     continue
                 kept.append(group)
+                if early is not None:
+                    progress = early.group_complete(group.launch_index)
+                    if progress is not None:
+                        self._claimed[group.launch_index] = progress
+                    if len(early):  # its freed buffer went to samples of other groups
+                        self.engine.notify_idle_work()
                 if cfg.mode == "sync":
                     note_waiting()
                     continue  # micro-batches are formed after the rollout, in launch order
@@ -199,9 +250,14 @@ class RLTrainer:
                         ready.extend(new_units)
                         self.engine.notify_idle_work()
                 note_waiting()
+            if early is not None and len(in_flight) <= cfg.early_groups and early.activate():
+                note_waiting()  # the tail: finished samples of the last groups may train now
+                self.engine.notify_idle_work()
         for fut in in_flight:  # over-provisioned groups not needed: stop them
             fut.cancel()
         await asyncio.gather(*in_flight, return_exceptions=True)
+        if early is not None:
+            early.clear()  # samples of cancelled groups
         if len(kept) < cfg.groups_per_step:
             raise RuntimeError(f"only {len(kept)} of {cfg.groups_per_step} groups survived dynamic sampling "
                                f"after {refills} refills; raise TrainerConfig.max_refill_groups")
@@ -246,6 +302,33 @@ class RLTrainer:
         self.step_index += 1
         return metrics
 
+    def compile_train_shapes(self) -> int:
+        """Compiles the gradient micro-steps for every [rows, width] a step can form (and the
+        early-sample functions), on zero batches, so that no compile stalls a rollout later.
+        Returns the number of shapes. Widths: multiples of `seq_bucket` capped at `max_len`;
+        rows: up to `microbatch_rows` (else a whole micro-batch of groups; fewer with early samples).
+        """
+        cfg = self.cfg
+        widths = sorted({min(k * cfg.seq_bucket, cfg.max_len) for k in range(1, -(-cfg.max_len // cfg.seq_bucket) + 1)})
+        full = cfg.groups_per_microbatch * cfg.group_size
+        most = min(cfg.microbatch_rows, full) if cfg.microbatch_rows else full
+        rows = range(1, most + 1) if (cfg.early_groups or cfg.microbatch_rows) else [full]
+        ts, acc = self.train_step, self.train_step.init_accumulator(self.params)
+        shapes = 0
+        for width in widths:
+            zero = lambda n: {"tokens": np.zeros((n, width), np.int32), "loss_mask": np.zeros((n, width), np.float32),
+                              "advantages": np.zeros((n, width), np.float32),
+                              "rollout_logprobs": np.zeros((n, width), np.float32),
+                              "segment_ids": np.zeros((n, width), np.int32)}
+            for n in rows:
+                acc = ts.grad_microstep(self.params, acc, zero(n))
+                shapes += 1
+            if cfg.early_groups:
+                buf = ts.deferred_microstep(self.params, ts.init_deferred(self.params), zero(1), 0.0)
+                acc = ts.merge_deferred(self.params, acc, buf, 1.0, 0.0)
+        jax.block_until_ready(acc)
+        return shapes
+
     # -- internals ----------------------------------------------------------------------------
     def _predicted_length(self, task: Task) -> float:
         if task.task_id in self.length_history:
@@ -261,31 +344,75 @@ class RLTrainer:
 
     def _make_units(self, groups: list[Group]) -> list[_Unit]:
         adv = group_advantages(groups, self.cfg.advantage)
-        batch = microbatch_from_groups(groups, adv, self.cfg.seq_bucket, self.cfg.max_len)
-        rows, step = len(adv.reshape(-1)), self.cfg.microbatch_rows
-        if not step or rows <= step:
-            return [_Unit(list(groups), batch)]
-        owners = [(g.group_id, g.params_version) for g in groups for _ in g.trajectories]
-        units = []
-        for a in range(0, rows, step):
-            part = {k: v[a:a + step] for k, v in batch.items()}
-            shares = [TokenShare(gid, ver, int(m.sum())) for (gid, ver), m in
-                      zip(owners[a:a + step], part["loss_mask"])]
-            units.append(_Unit(shares, part))
+        progress = [self._claimed.pop(g.launch_index, None) for g in groups]
+        if not any(progress):
+            batch = microbatch_from_groups(groups, adv, self.cfg.seq_bucket, self.cfg.max_len)
+            owners = [(g, i) for g in groups for i in range(len(g.trajectories))]
+            return self._split(batch, owners, whole=list(groups))
+        # Some samples already sit in their group's buffer: train the others, then merge the buffer.
+        slopes = group_advantage_slopes(groups, self.cfg.advantage)
+        owners, row_adv, merges, merged = [], [], [], []
+        for g, a, prog, slope in zip(groups, adv, progress, slopes):
+            claimed = set(prog.claimed) if prog else set()
+            for i in range(len(g.trajectories)):
+                if i in claimed:
+                    merged.append((g, i))
+                else:
+                    owners.append((g, i))
+                    row_adv.append(a[i])
+            if prog:
+                merges.append((prog, float(slope), float(a[prog.reference])))
+        batch = microbatch_from_trajectories([g.trajectories[i] for g, i in owners], row_adv,
+                                             self.cfg.seq_bucket, self.cfg.max_len)
+        units = self._split(batch, owners)
+        units[-1].merges = merges
+        units[-1].groups += [self._share(g, i) for g, i in merged]
         return units
+
+    def _split(self, batch: dict, owners: list, whole: list | None = None) -> list[_Unit]:
+        """Micro-steps of at most `microbatch_rows` rows; owners: (group, sample) per row."""
+        rows, step = len(owners), self.cfg.microbatch_rows
+        if not step or rows <= step:
+            return [_Unit(whole if whole is not None else [self._share(g, i) for g, i in owners], batch)]
+        return [_Unit([self._share(g, i) for g, i in owners[a:a + step]],
+                      {k: v[a:a + step] for k, v in batch.items()}) for a in range(0, rows, step)]
+
+    @staticmethod
+    def _share(group: Group, sample: int) -> TokenShare:
+        return TokenShare(group.group_id, group.params_version,
+                          int(np.sum(group.trajectories[sample].loss_mask)))
+
+    def _early_unit(self, unit: EarlyUnit) -> _Unit:
+        traj = unit.progress.finished[unit.sample]
+        batch = microbatch_from_trajectories([traj], [0.0], self.cfg.seq_bucket, self.cfg.max_len)
+        return _Unit([], batch, early=unit)
 
     def _microstep(self, unit: _Unit) -> None:
         """Blocking: one gradient micro-step on the current params (runs on the driver thread)."""
         t0 = time.perf_counter()
-        self._acc = self.train_step.grad_microstep(self.params, self._acc, unit.batch)
-        jax.block_until_ready(self._acc["scalars"]["numerator"])
+        ts = self.train_step
+        if unit.early is not None:  # into the group's buffer; its tokens count at the merge
+            prog = unit.early.progress
+            if prog.buffer is None:
+                prog.buffer = ts.init_deferred(self.params)
+            prog.buffer = ts.deferred_microstep(self.params, prog.buffer, unit.batch, unit.early.centred_reward)
+            jax.block_until_ready(prog.buffer["pg1"])
+            name = "grad_microstep_early"
+            self._trained["early_microsteps"] += 1
+        else:
+            self._acc = ts.grad_microstep(self.params, self._acc, unit.batch)
+            for prog, slope, reference_advantage in unit.merges:
+                self._acc = ts.merge_deferred(self.params, self._acc, prog.buffer, slope, reference_advantage)
+                prog.buffer = None
+            jax.block_until_ready(self._acc["scalars"]["numerator"])
+            name = "grad_microstep"
+            for g in unit.groups:
+                n = g.num_generated
+                self._trained["tokens"] += n
+                self._trained["on_policy_tokens"] += n if g.params_version == self.params_version else 0
         t1 = time.perf_counter()
-        self.timeline.add("grad_microstep", "train", t0, t1)
+        self.timeline.add(name, "train", t0, t1)
         self._train_device_s += t1 - t0
-        for g in unit.groups:
-            n = g.num_generated
-            self._trained["tokens"] += n
-            self._trained["on_policy_tokens"] += n if g.params_version == self.params_version else 0
         self._trained["microsteps"] += 1
 
     def _step_metrics(self, groups, stats0, wall, rollout_s, trained_during_rollout, counts) -> dict:
@@ -296,7 +423,7 @@ class RLTrainer:
         generated = sum(g.num_generated for g in groups)
         trained = self._trained["tokens"]
         compiles = sum(self.engine.steps.compile_counts().values())
-        compiles += sum(f._cache_size() for fns in self.train_step._cache.values() for f in fns.values())
+        compiles += self.train_step.compile_count()
         return {
             "step": self.step_index,
             "time/wall_s": wall,
@@ -319,4 +446,5 @@ class RLTrainer:
             "rollout/groups_surplus": counts["groups_surplus"],
             "train/trained_tokens": trained,
             "train/microsteps": self._trained["microsteps"],
+            "train/early_microsteps": self._trained["early_microsteps"],
         }
