@@ -37,7 +37,6 @@ class GroupProgress:
     reference: int | None = None  # sample whose reward centres the buffer (first one queued)
     holds_buffer: bool = False
     buffer: dict | None = None    # device buffer, created by the first early micro-step
-    complete: bool = False
 
 
 @dataclasses.dataclass
@@ -107,7 +106,6 @@ class EarlySamples:
         prog = self.groups.pop(launch_index, None)
         if prog is None:
             return None
-        prog.complete = True
         self._unqueue(prog)
         freed = prog.holds_buffer
         prog.holds_buffer = False

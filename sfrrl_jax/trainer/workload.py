@@ -4,7 +4,8 @@ Each (prompt, sample) has a drawn number of turns and per-turn response lengths 
 a heavy tail, p99 >= 10x median), and each tool call a drawn latency (log-normal). The policy's
 tokens are really decoded by the engine (`max_new_tokens` = the drawn length, no stop token),
 tool calls really go through a `ToolRunner` (timeouts, errors), and observations are appended
-to the parked slot. Only *what* is said is scripted, so every mode replays the same work.
+to the parked slot. Work that would overflow the engine's context is cut there
+(finish_reason 'max_tokens'), the same way in every mode. Only *what* is said is scripted, so every mode replays the same work.
 
 The reward is a pure function of the generated tokens (the share of even token ids), so it
 depends on the policy and training moves it; a trajectory with a failed tool call gets 0.
@@ -120,8 +121,14 @@ class WorkloadAgent:
         builder = TrajectoryBuilder(task.task_id, task.task_id, sample_index, prompt)
         traj = builder.trajectory
         start, handle, pending, errors, generated = time.perf_counter(), None, prompt, 0, []
+        limit = engine.steps.max_len - 1  # the context: a drawn length that overflows it is cut
+        traj.finish_reason = "answer"
         try:
-            for turn, n in enumerate(spec.response_lens):
+            for turn, drawn in enumerate(spec.response_lens):
+                n = min(drawn, limit - len(builder))
+                if n <= 0:
+                    traj.finish_reason = "max_tokens"
+                    break
                 t0 = time.perf_counter()
                 seed = int.from_bytes(hashlib.blake2b(f"{self.cfg.seed}/{task.task_id}/{sample_index}/{turn}"
                                                       .encode(), digest_size=4).digest(), "little")
@@ -133,7 +140,10 @@ class WorkloadAgent:
                 generated += c.tokens
                 t1 = time.perf_counter()
                 obs_end, n_err, n_calls = gen_end, 0, 0
-                if turn + 1 < len(spec.response_lens):
+                if n < drawn or (turn + 1 < len(spec.response_lens)
+                                 and len(builder) + self.cfg.observation_len >= limit):
+                    traj.finish_reason = "max_tokens"  # cut, or no room for the tool's answer and a reply
+                elif turn + 1 < len(spec.response_lens):
                     call = ToolCall(self.cfg.tool_name, {"latency": spec.tool_latencies[turn]}, f"c{turn}")
                     (result,) = await self.runner.run([call])
                     n_calls, n_err = 1, int(result.is_error)
@@ -142,7 +152,8 @@ class WorkloadAgent:
                 errors += n_err
                 traj.turns.append(Turn(turn, gen_start, gen_end, obs_end, c.finish_reason, t1 - t0,
                                        time.perf_counter() - t1, n_calls, n_err))
-            traj.finish_reason = "answer"
+                if traj.finish_reason == "max_tokens":
+                    break
         finally:
             await engine.release(handle)
         traj.wall_s = time.perf_counter() - start

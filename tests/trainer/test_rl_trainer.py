@@ -144,3 +144,17 @@ def test_bad_config_fails_before_compiling():
                   TaskStream(make_tasks(WL)))
     with pytest.raises(ValueError, match="TrainerConfig.max_len=256 > ModelConfig.max_seq_len=128"):
         RLTrainer(CFG, params, TrainerConfig(max_len=256), LOSS, OPT, WorkloadAgent(WL), TaskStream(make_tasks(WL)))
+
+
+def test_drawn_work_longer_than_the_context_is_cut_not_crashed():
+    long = WorkloadConfig(**{**WL.__dict__, "response_median": 40, "response_sigma": 0.5, "max_response": 80})
+    tr = _trainer("sync", agent=WorkloadAgent(long))  # engine max_len 96, prompts of 12 tokens
+    captured = []
+    orig = tr._make_units
+    tr._make_units = lambda groups: (captured.extend(groups), orig(groups))[1]
+    m = tr.step()
+    trajs = [t for g in captured for t in g.trajectories]
+    assert len(trajs) == 8 and m["train/trained_tokens"] == m["rollout/generated_tokens"] > 0
+    assert all(len(t.tokens) < 96 for t in trajs)
+    assert any(t.finish_reason == "max_tokens" for t in trajs)
+    assert all(t.finish_reason in ("answer", "max_tokens") for t in trajs)
