@@ -15,8 +15,8 @@ group with advantage A_c. So a group buffer keeps
     h1 = sum_i H_i,   hc = sum_i (r_i - c) H_i,   k = sum_i K_i   (k only if such terms exist)
 
 with c the reward of the group's first early trajectory, and at completion adds
-`slope * hc + A_c * h1 + k` to the step's accumulator: the same sum a whole-group micro-step
-gives, up to float32 summation order. Centring on c (not on the unknown mean) keeps a group whose
+`slope * hc + A_c * h1 + k` to the step's accumulator: the same sum as back-propagating those
+rows at their final advantages, up to float32 summation order. Centring on c (not on the unknown mean) keeps a group whose
 rewards are all equal exact: every (r_i - c) is 0 and A_c is the advantage sync computes.
 Loss-normaliser counts and metric sums are advantage-free and ride along in the buffer; the
 policy-loss metric (`agg/pg_loss`) is linear too and is combined like the gradient.

@@ -7,6 +7,9 @@
         acc = ts.grad_microstep(params, acc, mb)  # acc donated
     params, opt_state, metrics = ts.apply(params, opt_state, acc)  # params/opt_state donated
     # or, for a batch that fits at once:  params, opt_state, metrics = ts.step(params, opt_state, batch)
+    # samples trained before their group's advantages exist (behavior='current'; `train.deferred`):
+    #   buf = ts.deferred_microstep(params, ts.init_deferred(params), row, reward - reference_reward)
+    #   acc = ts.merge_deferred(params, acc, buf, advantage_slope, reference_advantage)
 
 Gradients accumulate as *sums* (float32) together with the loss normaliser (loss tokens or
 sequences, per the aggregation); `apply` divides once, so every split of a batch into
