@@ -82,16 +82,10 @@ def group_advantage_slopes(groups: Sequence[Group], cfg: AdvantageConfig) -> np.
                      "reward; advantage-deferred gradients need one of grpo, dr_grpo, rloo")
 
 
-def microbatch_from_groups(groups: Sequence[Group], advantages: np.ndarray, seq_bucket: int,
-                           max_len: int) -> dict:
-    """Host arrays [rows, T] for `grad_microstep`, T = longest trajectory rounded up to `seq_bucket`."""
-    return microbatch_from_trajectories([t for g in groups for t in g.trajectories], advantages,
-                                        seq_bucket, max_len)
-
-
 def microbatch_from_trajectories(trajs: Sequence[Trajectory], advantages: np.ndarray, seq_bucket: int,
                                  max_len: int) -> dict:
-    """One row per trajectory, [rows, T]; `advantages` holds one value per trajectory."""
+    """Host arrays [rows, T] for `grad_microstep`, one row per trajectory, T = the longest rounded up
+    to `seq_bucket`; `advantages` holds one value per trajectory."""
     adv = np.asarray(advantages, np.float32).reshape(-1)
     if len(adv) != len(trajs):
         raise ValueError(f"{len(adv)} advantages for {len(trajs)} trajectories")

@@ -34,8 +34,7 @@ from sfrrl_jax.train import make_train_step
 from sfrrl_jax.train.deferred import advantage_free_terms, check_deferrable
 from sfrrl_jax.train.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.batching import (
-    Group, TokenShare, group_advantage_slopes, group_advantages, microbatch_from_groups,
-    microbatch_from_trajectories,
+    Group, TokenShare, group_advantage_slopes, group_advantages, microbatch_from_trajectories,
 )
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.early_samples import EarlySamples, EarlyUnit
@@ -343,14 +342,11 @@ class RLTrainer:
         self.length_history[group.group_id] = mean if old is None else 0.5 * old + 0.5 * mean
 
     def _make_units(self, groups: list[Group]) -> list[_Unit]:
+        """Micro-steps of these finished groups. Samples already in a group buffer (trained early)
+        are left out; the last micro-step merges those buffers at the final advantages."""
         adv = group_advantages(groups, self.cfg.advantage)
         progress = [self._claimed.pop(g.launch_index, None) for g in groups]
-        if not any(progress):
-            batch = microbatch_from_groups(groups, adv, self.cfg.seq_bucket, self.cfg.max_len)
-            owners = [(g, i) for g in groups for i in range(len(g.trajectories))]
-            return self._split(batch, owners, whole=list(groups))
-        # Some samples already sit in their group's buffer: train the others, then merge the buffer.
-        slopes = group_advantage_slopes(groups, self.cfg.advantage)
+        slopes = group_advantage_slopes(groups, self.cfg.advantage) if any(progress) else [None] * len(groups)
         owners, row_adv, merges, merged = [], [], [], []
         for g, a, prog, slope in zip(groups, adv, progress, slopes):
             claimed = set(prog.claimed) if prog else set()
@@ -364,7 +360,7 @@ class RLTrainer:
                 merges.append((prog, float(slope), float(a[prog.reference])))
         batch = microbatch_from_trajectories([g.trajectories[i] for g, i in owners], row_adv,
                                              self.cfg.seq_bucket, self.cfg.max_len)
-        units = self._split(batch, owners)
+        units = self._split(batch, owners, whole=None if merged else list(groups))
         units[-1].merges = merges
         units[-1].groups += [self._share(g, i) for g, i in merged]
         return units
