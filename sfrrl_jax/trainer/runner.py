@@ -224,7 +224,8 @@ def validate_experiment(cfg: ExperimentConfig, num_devices: int | None = None) -
 
 def build_rollout_source(cfg: ExperimentConfig, model_cfg: ModelConfig) -> RolloutSource:
     if cfg.rollout == "workload":
-        return RolloutSource(WorkloadAgent(cfg.workload), make_tasks(cfg.workload))
+        agent = WorkloadAgent(cfg.workload)
+        return RolloutSource(agent, make_tasks(cfg.workload), stateful=agent)
     source = cfg.rollout(cfg, model_cfg)
     if not isinstance(source, RolloutSource):
         raise TypeError(f"ExperimentConfig.rollout factory {cfg.rollout!r} returned a "

@@ -1,7 +1,10 @@
 """A seeded long-tail agentic workload, replayed through the real engine and real tools.
 
 Each (prompt, sample) has a drawn number of turns and per-turn response lengths (log-normal:
-a heavy tail, p99 >= 10x median), and each tool call a drawn latency (log-normal). The policy's
+a heavy tail, p99 >= 10x median), and each tool call a drawn latency (log-normal). A prompt may
+have a difficulty (a log-normal factor on its medians, shared by its samples and replays), and a
+prompt's later rollouts may draw fresh work around it (`redraw_each_replay`): the earlier groups
+of a prompt then predict its next ones as they would in a real run, roughly. The policy's
 tokens are really decoded by the engine (`max_new_tokens` = the drawn length, no stop token),
 tool calls really go through a `ToolRunner` (timeouts, errors), and observations are appended
 to the parked slot. Work that would overflow the engine's context is cut there
@@ -43,11 +46,15 @@ class WorkloadConfig:
     vocab_size: int = 512
     seed: int = 0
     tool_name: str = "latency_tool"
+    difficulty_sigma: float = 0.0     # per-prompt factor on the turn, response and latency medians
+    redraw_each_replay: bool = False  # a (prompt, sample)'s n-th rollout draws its own work
 
     def __post_init__(self):
         for k in ("num_prompts", "prompt_len", "max_turns", "max_response", "observation_len"):
             if getattr(self, k) < 1:
                 raise ValueError(f"WorkloadConfig.{k} must be >= 1, got {getattr(self, k)!r}")
+        if self.difficulty_sigma < 0:
+            raise ValueError(f"WorkloadConfig.difficulty_sigma must be >= 0, got {self.difficulty_sigma!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +68,25 @@ def _rng(*keys) -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(digest, "little"))
 
 
-def sample_spec(cfg: WorkloadConfig, task_id: str, sample_index: int) -> SampleSpec:
-    """The (seeded) work of one trajectory; a pure function of (cfg.seed, task, sample)."""
-    r = _rng(cfg.seed, task_id, sample_index)
-    turns = int(np.clip(np.round(r.lognormal(np.log(cfg.turns_median), cfg.turns_sigma)), 1, cfg.max_turns))
-    lens = np.clip(np.round(r.lognormal(np.log(cfg.response_median), cfg.response_sigma, turns)), 1,
+def difficulty(cfg: WorkloadConfig, task_id: str) -> float:
+    """The prompt's factor on the turn, response and latency medians (1 when difficulty_sigma=0)."""
+    if not cfg.difficulty_sigma:
+        return 1.0
+    return float(_rng(cfg.seed, "difficulty", task_id).lognormal(0.0, cfg.difficulty_sigma))
+
+
+def sample_spec(cfg: WorkloadConfig, task_id: str, sample_index: int, replay: int = 0) -> SampleSpec:
+    """The (seeded) work of one trajectory; a pure function of (cfg.seed, task, sample, replay).
+
+    replay: how many times this (task, sample) was rolled out before; it changes the draw only
+    with `redraw_each_replay`."""
+    replay = replay if cfg.redraw_each_replay else 0
+    r = _rng(cfg.seed, task_id, sample_index) if replay == 0 else _rng(cfg.seed, task_id, sample_index, replay)
+    d = difficulty(cfg, task_id)
+    turns = int(np.clip(np.round(r.lognormal(np.log(cfg.turns_median * d), cfg.turns_sigma)), 1, cfg.max_turns))
+    lens = np.clip(np.round(r.lognormal(np.log(cfg.response_median * d), cfg.response_sigma, turns)), 1,
                    cfg.max_response).astype(int)
-    lat = np.clip(r.lognormal(np.log(cfg.tool_latency_median_s), cfg.tool_latency_sigma, turns - 1), 0,
+    lat = np.clip(r.lognormal(np.log(cfg.tool_latency_median_s * d), cfg.tool_latency_sigma, turns - 1), 0,
                   cfg.max_tool_latency_s)
     return SampleSpec(tuple(int(x) for x in lens), tuple(float(x) for x in lat))
 
@@ -101,22 +120,32 @@ class LatencyTool:
 
 
 class WorkloadAgent:
-    """`await agent(engine, task, sample_index) -> Trajectory`, replaying the seeded work."""
+    """`await agent(engine, task, sample_index) -> Trajectory`, replaying the seeded work.
+
+    Counts the rollouts of each (task, sample) (the replay index of `sample_spec`); the count is
+    its state (`state_dict`), saved in checkpoints so that a resumed run replays the same work."""
 
     def __init__(self, cfg: WorkloadConfig, runner: ToolRunner | None = None, temperature: float = 1.0):
         self.cfg = cfg
         self.runner = runner or ToolRunner([LatencyTool(cfg.tool_name)], ToolRunnerConfig())
         self.temperature = temperature
+        self.replays: dict[str, int] = {}  # "task/sample" -> rollouts started
 
-    def expected_length(self, task: Task, sample_index: int) -> int:
-        return sum(sample_spec(self.cfg, task.task_id, sample_index).response_lens)
+    def state_dict(self) -> dict:
+        return {"replays": dict(self.replays)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.replays = {str(k): int(v) for k, v in state["replays"].items()}
 
     def _observation(self, content: str) -> list[int]:
         data = content.encode()[: self.cfg.observation_len].ljust(self.cfg.observation_len, b" ")
         return [3 + b % (self.cfg.vocab_size - 3) for b in data]
 
     async def __call__(self, engine, task: Task, sample_index: int) -> Trajectory:
-        spec = sample_spec(self.cfg, task.task_id, sample_index)
+        key = f"{task.task_id}/{sample_index}"
+        replay = self.replays.get(key, 0)
+        self.replays[key] = replay + 1
+        spec = sample_spec(self.cfg, task.task_id, sample_index, replay)
         prompt = list(task.metadata["prompt_tokens"])
         builder = TrajectoryBuilder(task.task_id, task.task_id, sample_index, prompt)
         traj = builder.trajectory
