@@ -25,7 +25,7 @@ class Group:
     group_id: str
     trajectories: list[Trajectory]
     params_version: int
-    launch_index: int = 0  # order of launch within its step (sync trains in this order)
+    launch_index: int = 0  # order of launch within its step (longest expected first)
 
     @property
     def rewards(self) -> np.ndarray:

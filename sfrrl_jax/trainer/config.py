@@ -21,8 +21,9 @@ class TrainerConfig:
       bounds prompt + all turns; decode_steps tokens per device call).
     underfull_slots: in pipelined mode, a gradient micro-step runs before a decode chunk when at
       most this many slots are decoding (0 = only when none is); decode keeps priority above it.
-    longest_first: start groups in order of their predicted length (earlier lengths of the same
-      prompt), unseen prompts first.
+    longest_first: start groups longest expected first: a prompt's expected duration is its
+      earlier groups' slowest sample (tool seconds + tokens at the engine's pace), unseen prompts
+      first (`trainer.scheduling`). Matters when the batch exceeds the slots (a queue forms).
     overprovision_groups: launch this many extra groups and keep the first `groups_per_step` that
       finish (the rest are cancelled; biases towards short trajectories).
     dynamic_sampling: drop groups whose rewards are all equal and launch replacements, at most

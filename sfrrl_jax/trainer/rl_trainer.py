@@ -2,7 +2,8 @@
 
 One `step()`:
   1. launch `groups_per_step` groups (G samples of one prompt each) on the engine, longest
-     expected first; tool calls run on the event loop while other slots decode;
+     expected first (`trainer.scheduling`); tool calls run on the event loop while other slots
+     decode;
   2. as each group finishes, its advantages are final: it becomes a gradient micro-batch;
   3. `pipelined`: the engine runs those micro-steps whenever it would idle (every slot parked on a
      tool, or at most `underfull_slots` decoding), on the same params that generated them;
@@ -38,6 +39,7 @@ from sfrrl_jax.trainer.batching import (
 )
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.early_samples import EarlySamples, EarlyUnit
+from sfrrl_jax.trainer.scheduling import LongestFirst
 from sfrrl_jax.trainer.timeline import Timeline, WaitingWork
 
 RolloutFn = Callable[[Engine, Task, int], Awaitable[Trajectory]]
@@ -131,8 +133,8 @@ class RLTrainer:
         self.opt_state = opt_state if opt_state is not None else self.train_step.init_opt_state(params)
         self.params_version = 0
         self.step_index = 0
-        self.length_history: dict[str, float] = {}
-        self.expected_length = expected_length
+        # expected_length: optional prior `fn(task) -> tokens` for prompts not seen yet
+        self.longest_first = LongestFirst(expected_tokens=expected_length)
         self.carry_over: list[_Unit] = []   # one_step_off: last step's groups
         self.timeline = Timeline()
         self.engine.trace = self.timeline
@@ -205,16 +207,17 @@ class RLTrainer:
             launched += 1
             return asyncio.ensure_future(run_group(task, launched - 1))
 
-        tasks = [self.tasks.next() for _ in range(cfg.groups_per_step + cfg.overprovision_groups)]
-        if cfg.longest_first:
-            tasks.sort(key=self._predicted_length, reverse=True)
-        in_flight = {launch(t) for t in tasks}
+        drawn = [self.tasks.next() for _ in range(n_launch)]
+        order = self.longest_first.order(drawn) if cfg.longest_first else range(n_launch)
+        # sync trains in draw order: the launch order follows measured durations, draws do not
+        draw_position = {launch_index: i for launch_index, i in enumerate(order)}
+        in_flight = {launch(drawn[i]) for i in order}
         refills = 0
         while in_flight and len(kept) < cfg.groups_per_step:
             done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
                 group = fut.result()
-                self._record_lengths(group)
+                self.longest_first.observe(group.group_id, group.trajectories)
                 counts["tool_errors"] += sum(t.metadata.get("tool_errors", t.num_tool_errors)
                                              for t in group.trajectories)
                 if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
@@ -223,6 +226,7 @@ class RLTrainer:
                         early.discard(group.launch_index)
                     if refills < cfg.max_refill_groups:
                         refills += 1
+                        draw_position[launched] = n_launch + refills - 1
                         in_flight.add(launch(self.tasks.next()))
                     continue
                 if len(kept) == cfg.groups_per_step:
@@ -271,8 +275,8 @@ class RLTrainer:
         self.engine.release_memory()  # the cache goes before the update needs the memory
         trained_during_rollout = self._train_device_s
         if cfg.mode == "sync":
-            # Launch order, not finish order: the gradient sum is then bitwise repeatable.
-            ordered = sorted(kept, key=lambda g: g.launch_index)
+            # Draw order, not finish order: the gradient sum is then bitwise repeatable.
+            ordered = sorted(kept, key=lambda g: draw_position[g.launch_index])
             gpm = cfg.groups_per_microbatch
             units = [u for i in range(0, len(ordered), gpm) for u in self._make_units(ordered[i:i + gpm])]
             ready.extend(units)
@@ -329,18 +333,6 @@ class RLTrainer:
         return shapes
 
     # -- internals ----------------------------------------------------------------------------
-    def _predicted_length(self, task: Task) -> float:
-        if task.task_id in self.length_history:
-            return self.length_history[task.task_id]
-        if self.expected_length is not None:
-            return float(self.expected_length(task))
-        return float("inf")  # unseen prompts start first
-
-    def _record_lengths(self, group: Group) -> None:
-        mean = float(np.mean([t.num_generated for t in group.trajectories]))
-        old = self.length_history.get(group.group_id)
-        self.length_history[group.group_id] = mean if old is None else 0.5 * old + 0.5 * mean
-
     def _make_units(self, groups: list[Group]) -> list[_Unit]:
         """Micro-steps of these finished groups. Samples already in a group buffer (trained early)
         are left out; the last micro-step merges those buffers at the final advantages."""

@@ -7,10 +7,11 @@ uninterrupted run from the restored step on:
                 the learning-rate schedule).
   host state    'step' (RL steps done), 'params_version', 'tasks' (the TaskStream's seed, epoch and
                 index: its permutation is a pure function of (seed, epoch), so this *is* its RNG),
-                'length_history' (the longest-first predictions), 'carry_over' (one_step_off: the
-                previous step's micro-batches, arrays and all), 'rollout' (the rollout source's own
-                state if it has one: `state_dict()` / `load_state_dict()`), 'config' (a fingerprint of
-                the configs that shape the trajectory of the run, checked on resume).
+                'longest_first' (the predicted group durations that order the launches),
+                'carry_over' (one_step_off: the previous step's micro-batches, arrays and all),
+                'rollout' (the rollout source's own state if it has one: `state_dict()` /
+                `load_state_dict()`), 'config' (a fingerprint of the configs that shape the
+                trajectory of the run, checked on resume).
 
 Sampling randomness needs no saved key: the engine draws each request's tokens from the
 request's own seed, which the agents derive from (seed, task, sample, turn).
@@ -26,7 +27,7 @@ import numpy as np
 from sfrrl_jax.trainer.checkpoint import abstract_of, check_json_exact
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, _Unit
 
-HOST_FORMAT = 1
+HOST_FORMAT = 2  # 2: 'longest_first' (durations in seconds) replaced 'length_history' (tokens)
 
 
 @dataclasses.dataclass
@@ -105,7 +106,7 @@ def trainer_state(trainer: RLTrainer, rollout: Any = None, fingerprint: dict | N
         "params_version": int(trainer.params_version),
         "tasks": {"seed": int(trainer.tasks.seed), "num_tasks": len(trainer.tasks.tasks),
                   **{k: int(v) for k, v in trainer.tasks.state().items()}},
-        "length_history": {str(k): float(v) for k, v in trainer.length_history.items()},
+        "longest_first": trainer.longest_first.state_dict(),
         "carry_over": [_unit_to_json(u) for u in trainer.carry_over],
         "rollout": copy.deepcopy(rollout.state_dict()) if hasattr(rollout, "state_dict") else None,
         "config": copy.deepcopy(fingerprint) if fingerprint is not None else None,
@@ -142,7 +143,7 @@ def load_trainer_state(trainer: RLTrainer, state: dict, host: dict, rollout: Any
     trainer.params_version = int(host["params_version"])
     t = host["tasks"]
     trainer.tasks.seed, trainer.tasks.epoch, trainer.tasks.index = int(t["seed"]), int(t["epoch"]), int(t["index"])
-    trainer.length_history = {k: float(v) for k, v in host["length_history"].items()}
+    trainer.longest_first.load_state_dict(host["longest_first"])
     trainer.carry_over = [_unit_from_json(u, f"carry_over[{i}]") for i, u in enumerate(host["carry_over"])]
     if host.get("rollout") is not None:
         if not hasattr(rollout, "load_state_dict"):
