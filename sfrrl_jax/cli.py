@@ -11,6 +11,7 @@ Exit status: 0 done; 2 bad config; 128+signal when SIGTERM/SIGINT stopped the ru
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -29,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not faulthandler.is_enabled():  # an XLA abort (a stuck collective) then shows the Python stacks
+        faulthandler.enable(all_threads=True)
     if not args.gin_file and not args.gin_param:
         print("sfrrl-train: give at least one --gin_file (see experiments/configs/)", file=sys.stderr)
         return 2
