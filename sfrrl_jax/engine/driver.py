@@ -268,6 +268,11 @@ class Engine:
                     self.params, self.state, job.slot, padded, len(tokens), job.slot_req)
                 self.stats.appends += 1
                 self._cached_len[job.slot] += len(tokens)
+            # One multi-device program in flight at a time: XLA:CPU aborted (an all-gather
+            # rendezvous that one device never joined) with a burst of 64 admissions dispatched
+            # back to back. On GPU the programs run in stream order anyway, so this costs only the
+            # host's wait for an admission.
+            jax.block_until_ready(self.state)
             firsts.append(first)
         firsts = jax.device_get([_fields(f) for f in firsts])
         self._account("prefill", t0)
@@ -276,6 +281,7 @@ class Engine:
     def _free_on_device(self, slots: list[int]) -> None:
         for slot in slots:
             self.state = self.steps.free_resource(self.state, slot)
+        jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
 
     def _decode_on_device(self):
         t0 = time.perf_counter()

@@ -150,7 +150,7 @@ class RLTrainer:
         self.timeline.begin_step(self.step_index, t_start)
         stats0 = dataclasses.replace(self.engine.stats)
         self.engine.set_params(self.params)
-        self._acc = self.train_step.init_accumulator(self.params)
+        self._acc = jax.block_until_ready(self.train_step.init_accumulator(self.params))  # one in flight
         self._train_device_s = 0.0
         self._trained = {"tokens": 0, "on_policy_tokens": 0, "microsteps": 0, "early_microsteps": 0}
         n_launch = cfg.groups_per_step + cfg.overprovision_groups
@@ -324,12 +324,11 @@ class RLTrainer:
                               "rollout_logprobs": np.zeros((n, width), np.float32),
                               "segment_ids": np.zeros((n, width), np.int32)}
             for n in rows:
-                acc = ts.grad_microstep(self.params, acc, zero(n))
+                acc = jax.block_until_ready(ts.grad_microstep(self.params, acc, zero(n)))  # one in flight
                 shapes += 1
             if cfg.early_groups:
                 buf = ts.deferred_microstep(self.params, ts.init_deferred(self.params), zero(1), 0.0)
-                acc = ts.merge_deferred(self.params, acc, buf, 1.0, 0.0)
-        jax.block_until_ready(acc)
+                acc = jax.block_until_ready(ts.merge_deferred(self.params, acc, buf, 1.0, 0.0))
         return shapes
 
     # -- internals ----------------------------------------------------------------------------
