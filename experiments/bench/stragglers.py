@@ -21,7 +21,7 @@ Knobs: --train_width (pads training rows: scales the train cost without touching
 i.e. the train/rollout cost ratio), tool latency median/sigma, response median/sigma,
 --underfull_slots (how empty the decode batch must be before pipelined trains beside it),
 --microbatch_rows (rows per gradient micro-step: a micro-step is not preempted, so smaller ones
-delay a returning tool's trajectory less), --groups / --slots (both settings), --group_size,
+delay a returning tool's trajectory less), --groups / --slots (every setting), --group_size,
 --early_groups (the 'pipelined+early' row: up to this many unfinished groups train their finished
 samples before the group is done; default a quarter of the groups).
 
