@@ -61,6 +61,7 @@ class WorkloadConfig:
 class SampleSpec:
     response_lens: tuple[int, ...]   # one per turn
     tool_latencies: tuple[float, ...]  # one per turn but the last
+    sampling_seeds: tuple[int, ...]  # the engine's token-sampling seed, one per turn
 
 
 def _rng(*keys) -> np.random.Generator:
@@ -88,7 +89,11 @@ def sample_spec(cfg: WorkloadConfig, task_id: str, sample_index: int, replay: in
                    cfg.max_response).astype(int)
     lat = np.clip(r.lognormal(np.log(cfg.tool_latency_median_s * d), cfg.tool_latency_sigma, turns - 1), 0,
                   cfg.max_tool_latency_s)
-    return SampleSpec(tuple(int(x) for x in lens), tuple(float(x) for x in lat))
+    # a fresh draw samples fresh tokens too; replay 0 keeps the key of a workload without redraws
+    key = (cfg.seed, task_id, sample_index) + ((replay,) if replay else ())
+    seeds = tuple(int.from_bytes(hashlib.blake2b("/".join(map(str, key + (turn,))).encode(), digest_size=4)
+                                 .digest(), "little") for turn in range(turns))
+    return SampleSpec(tuple(int(x) for x in lens), tuple(float(x) for x in lat), seeds)
 
 
 def make_tasks(cfg: WorkloadConfig) -> list[Task]:
@@ -159,10 +164,8 @@ class WorkloadAgent:
                     traj.finish_reason = "max_tokens"
                     break
                 t0 = time.perf_counter()
-                seed = int.from_bytes(hashlib.blake2b(f"{self.cfg.seed}/{task.task_id}/{sample_index}/{turn}"
-                                                      .encode(), digest_size=4).digest(), "little")
                 c = await engine.complete(GenerationRequest(
-                    tokens=pending, max_new_tokens=n, temperature=self.temperature, seed=seed,
+                    tokens=pending, max_new_tokens=n, temperature=self.temperature, seed=spec.sampling_seeds[turn],
                     slot_handle=handle))
                 handle = c.slot_handle
                 gen_start, gen_end = builder.append_generated(c.tokens, c.logprobs)

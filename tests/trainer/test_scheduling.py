@@ -125,6 +125,10 @@ def test_workload_difficulty_is_per_prompt_and_replays_draw_fresh_work():
     assert sample_spec(hard, "w1", 2, 0) == sample_spec(dataclasses.replace(base, difficulty_sigma=1.0), "w1", 2, 5)
     assert len({sample_spec(hard, "w1", 2, r) for r in range(4)}) > 1
     assert sample_spec(base, "w1", 2, 3) == sample_spec(base, "w1", 2, 0)
+    # a fresh draw also samples fresh tokens: per-turn sampling seeds differ across replays
+    seeds = [sample_spec(hard, "w1", 2, r).sampling_seeds for r in range(4)]
+    assert all(len(x) == len(sample_spec(hard, "w1", 2, r).response_lens) for r, x in enumerate(seeds))
+    assert len({x[0] for x in seeds}) == 4
     # a harder prompt's samples are longer on average (its medians are scaled)
     easy, tough = (min(range(8), key=lambda i: factors[i]), max(range(8), key=lambda i: factors[i]))
     work = lambda i: np.mean([sum(sample_spec(hard, f"w{i}", s, r).response_lens) for s in range(4) for r in range(4)])
