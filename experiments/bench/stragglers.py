@@ -17,13 +17,22 @@ latencies, and a per-prompt difficulty (--difficulty: a log-normal factor on its
 which every rollout draws fresh work. Each step replays every prompt (num_prompts = groups), so
 longest-expected-first launching (--longest_first) predicts from the prompt's earlier groups,
 which the warm-up step provides.
-Knobs: --train_width (pads training rows: scales the train cost without touching the rollout,
-i.e. the train/rollout cost ratio), tool latency median/sigma, response median/sigma,
---underfull_slots (how empty the decode batch must be before pipelined trains beside it),
---microbatch_rows (rows per gradient micro-step: a micro-step is not preempted, so smaller ones
-delay a returning tool's trajectory less), --groups / --slots (every setting), --group_size,
---early_groups (the 'pipelined+early' row: up to this many unfinished groups train their finished
-samples before the group is done; default a quarter of the groups).
+The cost ratio: what pipelining can hide depends on training time over the rollout's idle, and
+that ratio depends on the machine (a GPU decodes and trains far faster than a tool answers). So
+the tool-bound settings are fixed by the ratio, not by seconds: a calibration first replays a
+few sync steps at two latency scales and scales every tool latency so that sync's training takes
+--cost_ratio (default 1) times its rollout idle; the queued setting gets the same scale. With
+--cost_ratio 0 the latencies are --tool_latency as given.
+The modes run interleaved: round k takes step k of every mode (rotating which goes first), so a
+drift in the shared machine's speed hits every mode alike, and step k of every mode replays the
+same work (the per-step hidden shares pair them).
+Knobs: --cost_ratio, --tool_latency, --train_width (pads training rows, up to the 256-token
+context: scales the train cost without touching the rollout), --underfull_slots (how empty the
+decode batch must be before pipelined trains beside it), --microbatch_rows (rows per gradient
+micro-step: a micro-step is not preempted, so smaller ones delay a returning tool's trajectory
+less), --groups / --slots (every setting), --group_size, --early_groups (the 'pipelined+early'
+row: up to this many unfinished groups train their finished samples before the group is done;
+default a quarter of the groups).
 
 Columns: wall time per RL step, device-busy fraction (time in device work / wall), decode slot
 occupancy, on-policy fraction of trained tokens, and the share of sync's training time hidden
@@ -95,28 +104,87 @@ def workload_stats(wl: WorkloadConfig, group_size: int, replays: int = 4) -> dic
     return out
 
 
-def run_mode(mode, early, wl, args, cfg, mesh, underfull_slots):
+MAX_LEN = 256  # the engine's context and the widest training row
+
+
+def make_trainer(mode, early, wl, args, cfg, mesh, underfull_slots, agent=None) -> RLTrainer:
+    """A trainer on fresh params, every micro-step shape compiled, one warm-up step taken."""
     groups = wl.num_prompts
     early_groups = (args.early_groups if args.early_groups is not None else max(groups // 4, 1)) if early else 0
     tc = TrainerConfig(mode=mode, groups_per_step=groups, group_size=args.group_size,
-                       max_slots=args.slots, max_len=256, decode_steps=args.decode_steps,
+                       max_slots=args.slots, max_len=MAX_LEN, decode_steps=args.decode_steps,
                        buckets=(16, 32, 64), seq_bucket=args.train_width, underfull_slots=underfull_slots,
                        microbatch_rows=args.microbatch_rows, early_groups=early_groups,
                        longest_first=args.longest_first == "on")
     params = S.init_params(cfg, mesh, seed=0)
     trainer = RLTrainer(cfg, params, tc, LossConfig(), OptimizerConfig(learning_rate=1e-5),
-                        WorkloadAgent(wl), TaskStream(make_tasks(wl), seed=args.seed))
+                        agent or WorkloadAgent(wl), TaskStream(make_tasks(wl), seed=args.seed))
     trainer.compile_train_shapes()  # every micro-step shape, so no compile lands in a measured step
     trainer.step()  # compile + warm-up, excluded
-    rows = [trainer.step() for _ in range(args.steps)]
+    return trainer
+
+
+def summarize(rows: list[dict]) -> dict:
     keys = ("time/wall_s", "time/rollout_s", "time/train_s", "time/train_exposed_s", "perf/device_busy",
             "perf/slot_occupancy", "policy/on_policy_fraction", "reward/mean", "time/idle_s",
             "time/idle_starved_s", "perf/busy_ceiling_on_policy", "perf/compile_count")
     out = {k: float(np.mean([r[k] for r in rows])) for k in keys}
-    out["per_step"] = {k: [float(r[k]) for r in rows] for k in ("time/wall_s", "perf/device_busy",
+    out["per_step"] = {k: [float(r[k]) for r in rows] for k in ("time/wall_s", "time/rollout_s", "perf/device_busy",
                                                                "perf/busy_ceiling_on_policy")}
     out["early_microsteps"] = float(np.mean([r["train/early_microsteps"] for r in rows]))
     return out
+
+
+def run_setting(wl, args, cfg, mesh, underfull_slots) -> dict:
+    """Every mode on the same workload, steps interleaved: round k runs step k of each mode,
+    starting one mode later each round, so a drift in machine speed hits every mode alike."""
+    trainers = {row: make_trainer(mode, early, wl, args, cfg, mesh, underfull_slots) for row, mode, early in MODES}
+    rows = {row: [] for row in trainers}
+    names = list(trainers)
+    for k in range(args.steps):
+        for row in names[k % len(names):] + names[:k % len(names)]:
+            rows[row].append(trainers[row].step())
+    return {row: summarize(r) for row, r in rows.items()}
+
+
+def scale_tool_latency(wl: WorkloadConfig, scale: float) -> WorkloadConfig:
+    return dataclasses.replace(wl, tool_latency_median_s=wl.tool_latency_median_s * scale,
+                               max_tool_latency_s=wl.max_tool_latency_s * scale)
+
+
+def calibrate_tool_latency(wl, args, cfg, mesh, steps: int = 2) -> dict:
+    """Sync's rollout idle (every in-flight trajectory waiting on a tool) and train time at two
+    scales of every tool latency: the line `latency_scale_for` solves for a cost ratio.
+
+    The ratio of train time to rollout idle decides how much pipelining can hide, and it depends
+    on the machine (a GPU decodes and trains far faster than a tool answers), so the tool-bound
+    setting is fixed by that ratio rather than by seconds. Sync's idle grows about linearly with
+    the latencies: the same `steps` steps of work (tasks and draws) are replayed at both scales.
+    A step's idle depends on its slowest trajectory, a heavy tail: more steps, a steadier mean."""
+    agent = WorkloadAgent(wl)
+    trainer = make_trainer("sync", False, wl, args, cfg, mesh, underfull_slots=0, agent=agent)
+    stream, replays = dict(trainer.tasks.state()), dict(agent.replays)
+    points = []
+    for scale in (0.5, 1.5):
+        trainer.tasks.epoch, trainer.tasks.index = stream["epoch"], stream["index"]
+        agent.load_state_dict({"replays": replays})
+        agent.cfg = scale_tool_latency(wl, scale)
+        ms = [trainer.step() for _ in range(steps)]
+        points.append({"scale": scale, "idle_s": float(np.mean([m["time/idle_s"] for m in ms])),
+                       "train_s": float(np.mean([m["time/train_s"] for m in ms]))})
+    p0, p1 = points
+    if p1["idle_s"] <= p0["idle_s"]:
+        raise RuntimeError(f"sync's rollout idle did not grow with the tool latencies ({points}): the "
+                           "setting is not tool-bound; raise --tool_latency")
+    return {"points": points, "train_s": (p0["train_s"] + p1["train_s"]) / 2}
+
+
+def latency_scale_for(calibration: dict, ratio: float) -> float:
+    """The latency scale at which sync's train time is `ratio` x its rollout idle (the line)."""
+    p0, p1 = calibration["points"]
+    slope = (p1["idle_s"] - p0["idle_s"]) / (p1["scale"] - p0["scale"])
+    target_idle = calibration["train_s"] / ratio
+    return float(np.clip(p0["scale"] + (target_idle - p0["idle_s"]) / slope, 0.05, 20.0))
 
 
 def main():
@@ -133,8 +201,16 @@ def main():
     ap.add_argument("--longest_first", choices=("on", "off"), default="on")
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--decode_steps", type=int, default=2)
-    ap.add_argument("--train_width", type=int, default=512)
-    ap.add_argument("--tool_latency", type=float, default=1.0)
+    ap.add_argument("--train_width", type=int, default=MAX_LEN,
+                    help=f"training rows are padded to a multiple of this, at most {MAX_LEN}")
+    ap.add_argument("--tool_latency", type=float, default=1.0,
+                    help="median tool latency (s) of the tool-bound settings, before --cost_ratio scales it")
+    ap.add_argument("--cost_ratio", default="1.0",
+                    help="tool-bound settings: scale the tool latencies so that sync's training takes this "
+                         "times its rollout idle (calibrated first); several, comma-separated, run the "
+                         "tool-bound setting at each (the queued one at the first); 0: --tool_latency as it is")
+    ap.add_argument("--calibration_steps", type=int, default=2,
+                    help="steps of work replayed at each of the calibration's two latency scales")
     ap.add_argument("--underfull_slots", type=int, default=None,
                     help="default: 0 for tool-bound (never stretch the tail), 2 for decode-bound")
     ap.add_argument("--microbatch_rows", type=int, default=2)
@@ -142,27 +218,53 @@ def main():
     ap.add_argument("--only", choices=tuple(GROUPS_DEFAULT), default=None)
     ap.add_argument("--out", default="bench_out/stragglers.json")
     args = ap.parse_args()
-    cfg = S.ModelConfig.preset("tiny-moe", max_seq_len=256)
+    if not 0 < args.train_width <= MAX_LEN:
+        ap.error(f"--train_width must be in 1..{MAX_LEN} (the widest training row), got {args.train_width}")
+    try:
+        ratios = [float(x) for x in args.cost_ratio.split(",")]
+    except ValueError:
+        ap.error(f"--cost_ratio must be numbers separated by commas, got {args.cost_ratio!r}")
+    if any(r < 0 for r in ratios) or (0 in ratios and len(ratios) > 1):
+        ap.error(f"--cost_ratio: each ratio must be > 0 (or a single 0: no calibration), got {args.cost_ratio!r}")
+    cfg = S.ModelConfig.preset("tiny-moe", max_seq_len=MAX_LEN)
     mesh = S.make_mesh(data=2, expert=4)
     report = {"args": vars(args), "settings": {}}
-    for name, wl in settings(args).items():
-        if args.only and name != args.only:
+    scales = {r: 1.0 for r in ratios}
+    if ratios != [0.0] and (args.only or "tool-bound").startswith("tool-bound"):
+        calibration = report["calibration"] = calibrate_tool_latency(
+            settings(args)["tool-bound"], args, cfg, mesh, args.calibration_steps)
+        scales = {r: latency_scale_for(calibration, r) for r in ratios}
+        calibration["scales"] = {str(r): x for r, x in scales.items()}
+        p0, p1 = calibration["points"]
+        print(f"calibration (tool-bound, sync, {args.calibration_steps} steps): idle {p0['idle_s']:.2f} s at "
+              f"latency x{p0['scale']}, {p1['idle_s']:.2f} s at x{p1['scale']}; train {calibration['train_s']:.2f} s "
+              "-> tool latencies " + ", ".join(f"x{x:.2f} for train / idle = {r}" for r, x in scales.items()))
+    wls = settings(args)
+    # the tool-bound setting at every ratio (a sweep), the queued one at the first
+    runs = [(f"tool-bound@{r}" if len(ratios) > 1 else "tool-bound",
+             scale_tool_latency(wls["tool-bound"], scales[r]), r) for r in ratios]
+    runs.append(("tool-bound-queued", scale_tool_latency(wls["tool-bound-queued"], scales[ratios[0]]), ratios[0]))
+    runs.append(("decode-bound", wls["decode-bound"], None))
+    for name, wl, ratio in runs:
+        if args.only and name.split("@")[0] != args.only:
             continue
-        underfull = UNDERFULL_DEFAULT[name] if args.underfull_slots is None else args.underfull_slots
-        res = {row: run_mode(mode, early, wl, args, cfg, mesh, underfull) for row, mode, early in MODES}
+        underfull = UNDERFULL_DEFAULT[name.split("@")[0]] if args.underfull_slots is None else args.underfull_slots
+        res = run_setting(wl, args, cfg, mesh, underfull)
         sync = res["sync"]
+        sync["train_over_rollout_idle"] = sync["time/train_s"] / max(sync["time/idle_s"], 1e-9)
         for m, r in res.items():
             r["hidden_share_of_sync_train"] = ((sync["time/wall_s"] - r["time/wall_s"]) / sync["time/train_s"]
                                                if sync["time/train_s"] else 0.0)
         report["settings"][name] = {"workload": dataclasses.asdict(wl),
                                     "workload_stats": workload_stats(wl, args.group_size),
-                                    "underfull_slots": underfull, "modes": res}
+                                    "underfull_slots": underfull, "cost_ratio": ratio, "modes": res}
         st = report["settings"][name]["workload_stats"]
         print(f"\n== {name}: {wl.num_prompts * args.group_size} trajectories on {args.slots} slots; "
               "median / p99 of the drawn work: "
               f"turn response {st['response_median']:.0f} / {st['response_p99']:.0f} tokens, "
               f"trajectory {st['trajectory_tokens_median']:.0f} / {st['trajectory_tokens_p99']:.0f} tokens, "
-              f"trajectory tools {st['trajectory_tool_s_median']:.2f} / {st['trajectory_tool_s_p99']:.2f} s")
+              f"trajectory tools {st['trajectory_tool_s_median']:.2f} / {st['trajectory_tool_s_p99']:.2f} s; "
+              f"sync's train / rollout idle {sync['train_over_rollout_idle']:.2f}")
         print(f"{'mode':15s} {'step s':>7s} {'rollout s':>9s} {'train s':>8s} {'exposed':>8s} {'busy':>6s} "
               f"{'slots':>6s} {'on-pol':>6s} {'hidden':>7s} {'idle s':>7s} {'starved':>7s} {'ceiling':>7s}")
         for m, r in res.items():
@@ -177,9 +279,13 @@ def main():
                           "busy>=95%": r["perf/device_busy"] >= 0.95,
                           "on-policy=1": r["policy/on_policy_fraction"] == 1.0}
                 r["goal"] = checks
+                # step k of every mode replays the same work, so steps pair up
+                r["per_step"]["hidden_share"] = [(a - b) / sync["time/train_s"] for a, b in
+                                                 zip(sync["per_step"]["time/wall_s"], r["per_step"]["time/wall_s"])]
                 print(f"goal {m}: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in checks.items())
-                      + f" (on-policy busy ceiling of these steps: {r['perf/busy_ceiling_on_policy']:.1%}, "
-                      f"per step {', '.join(f'{x:.0%}' for x in r['per_step']['perf/busy_ceiling_on_policy'])})")
+                      + f"; per step: hidden {', '.join(f'{x:.0%}' for x in r['per_step']['hidden_share'])}, "
+                      f"busy {', '.join(f'{x:.0%}' for x in r['per_step']['perf/device_busy'])}, on-policy busy "
+                      f"ceiling {', '.join(f'{x:.0%}' for x in r['per_step']['perf/busy_ceiling_on_policy'])}")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
