@@ -43,6 +43,12 @@ finished group (for pipelined+early: no finished sample) was waiting to be train
 on-policy exists to fill it: e.g. before the first group of the step finishes, or while the
 last straggler waits on its tool); 'ceiling' = 1 - starved / step time, the device-busy fraction
 an on-policy schedule of that step could at best reach by filling the rest.
+Each setting's header gives sync's measured train / rollout idle and the on-policy hidden ceiling
+= sum over steps of min(train, idle with a finished group waiting) / sum of train: the most of
+sync's training any on-policy schedule could hide. A step's idle is set by its slowest
+trajectory, so it varies from step to step: a step with less idle than training cannot hide all
+of it, one with more leaves the device idle. Through the cost ratio, the busy and the hidden
+goals trade off; the sweep (--cost_ratio 0.8,1,1.25) shows where both hold.
 """
 import faulthandler
 import os
@@ -129,8 +135,9 @@ def summarize(rows: list[dict]) -> dict:
             "perf/slot_occupancy", "policy/on_policy_fraction", "reward/mean", "time/idle_s",
             "time/idle_starved_s", "perf/busy_ceiling_on_policy", "perf/compile_count")
     out = {k: float(np.mean([r[k] for r in rows])) for k in keys}
-    out["per_step"] = {k: [float(r[k]) for r in rows] for k in ("time/wall_s", "time/rollout_s", "perf/device_busy",
-                                                               "perf/busy_ceiling_on_policy")}
+    out["per_step"] = {k: [float(r[k]) for r in rows] for k in (
+        "time/wall_s", "time/rollout_s", "time/train_s", "time/idle_s", "time/idle_starved_s", "perf/device_busy",
+        "perf/busy_ceiling_on_policy")}
     out["early_microsteps"] = float(np.mean([r["train/early_microsteps"] for r in rows]))
     return out
 
@@ -252,6 +259,12 @@ def main():
         res = run_setting(wl, args, cfg, mesh, underfull)
         sync = res["sync"]
         sync["train_over_rollout_idle"] = sync["time/train_s"] / max(sync["time/idle_s"], 1e-9)
+        # The most of sync's training an on-policy schedule could hide: per step, the idle in which a
+        # finished group was waiting, capped by the training there is.
+        ps = sync["per_step"]
+        sync["hidden_ceiling_on_policy"] = sum(
+            min(t, i - st) for t, i, st in zip(ps["time/train_s"], ps["time/idle_s"], ps["time/idle_starved_s"])
+        ) / max(sum(ps["time/train_s"]), 1e-9)
         for m, r in res.items():
             r["hidden_share_of_sync_train"] = ((sync["time/wall_s"] - r["time/wall_s"]) / sync["time/train_s"]
                                                if sync["time/train_s"] else 0.0)
@@ -264,7 +277,8 @@ def main():
               f"turn response {st['response_median']:.0f} / {st['response_p99']:.0f} tokens, "
               f"trajectory {st['trajectory_tokens_median']:.0f} / {st['trajectory_tokens_p99']:.0f} tokens, "
               f"trajectory tools {st['trajectory_tool_s_median']:.2f} / {st['trajectory_tool_s_p99']:.2f} s; "
-              f"sync's train / rollout idle {sync['train_over_rollout_idle']:.2f}")
+              f"sync's train / rollout idle {sync['train_over_rollout_idle']:.2f}, on-policy hidden ceiling "
+              f"{sync['hidden_ceiling_on_policy']:.0%}")
         print(f"{'mode':15s} {'step s':>7s} {'rollout s':>9s} {'train s':>8s} {'exposed':>8s} {'busy':>6s} "
               f"{'slots':>6s} {'on-pol':>6s} {'hidden':>7s} {'idle s':>7s} {'starved':>7s} {'ceiling':>7s}")
         for m, r in res.items():
