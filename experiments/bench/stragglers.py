@@ -159,7 +159,7 @@ def scale_tool_latency(wl: WorkloadConfig, scale: float) -> WorkloadConfig:
                                max_tool_latency_s=wl.max_tool_latency_s * scale)
 
 
-def calibrate_tool_latency(wl, args, cfg, mesh, steps: int = 2) -> dict:
+def calibrate_tool_latency(wl, args, cfg, mesh, steps: int = 4) -> dict:
     """Sync's rollout idle (every in-flight trajectory waiting on a tool) and train time at two
     scales of every tool latency: the line `latency_scale_for` solves for a cost ratio.
 
@@ -216,7 +216,7 @@ def main():
                     help="tool-bound settings: scale the tool latencies so that sync's training takes this "
                          "times its rollout idle (calibrated first); several, comma-separated, run the "
                          "tool-bound setting at each (the queued one at the first); 0: --tool_latency as it is")
-    ap.add_argument("--calibration_steps", type=int, default=2,
+    ap.add_argument("--calibration_steps", type=int, default=4,
                     help="steps of work replayed at each of the calibration's two latency scales")
     ap.add_argument("--underfull_slots", type=int, default=None,
                     help="default: 0 for tool-bound (never stretch the tail), 2 for decode-bound")
