@@ -236,26 +236,27 @@ def main():
     cfg = S.ModelConfig.preset("tiny-moe", max_seq_len=MAX_LEN)
     mesh = S.make_mesh(data=2, expert=4)
     report = {"args": vars(args), "settings": {}}
+    wls = settings(args)
     scales = {r: 1.0 for r in ratios}
     if ratios != [0.0] and (args.only or "tool-bound").startswith("tool-bound"):
         calibration = report["calibration"] = calibrate_tool_latency(
-            settings(args)["tool-bound"], args, cfg, mesh, args.calibration_steps)
+            wls["tool-bound"], args, cfg, mesh, args.calibration_steps)
         scales = {r: latency_scale_for(calibration, r) for r in ratios}
         calibration["scales"] = {str(r): x for r, x in scales.items()}
         p0, p1 = calibration["points"]
         print(f"calibration (tool-bound, sync, {args.calibration_steps} steps): idle {p0['idle_s']:.2f} s at "
               f"latency x{p0['scale']}, {p1['idle_s']:.2f} s at x{p1['scale']}; train {calibration['train_s']:.2f} s "
               "-> tool latencies " + ", ".join(f"x{x:.2f} for train / idle = {r}" for r, x in scales.items()))
-    wls = settings(args)
-    # the tool-bound setting at every ratio (a sweep), the queued one at the first
-    runs = [(f"tool-bound@{r}" if len(ratios) > 1 else "tool-bound",
+    # (row name, setting, workload, cost ratio): tool-bound at every ratio (a sweep), queued at the first
+    runs = [(f"tool-bound@{r}" if len(ratios) > 1 else "tool-bound", "tool-bound",
              scale_tool_latency(wls["tool-bound"], scales[r]), r) for r in ratios]
-    runs.append(("tool-bound-queued", scale_tool_latency(wls["tool-bound-queued"], scales[ratios[0]]), ratios[0]))
-    runs.append(("decode-bound", wls["decode-bound"], None))
-    for name, wl, ratio in runs:
-        if args.only and name.split("@")[0] != args.only:
+    runs.append(("tool-bound-queued", "tool-bound-queued",
+                 scale_tool_latency(wls["tool-bound-queued"], scales[ratios[0]]), ratios[0]))
+    runs.append(("decode-bound", "decode-bound", wls["decode-bound"], None))
+    for name, setting, wl, ratio in runs:
+        if args.only and setting != args.only:
             continue
-        underfull = UNDERFULL_DEFAULT[name.split("@")[0]] if args.underfull_slots is None else args.underfull_slots
+        underfull = UNDERFULL_DEFAULT[setting] if args.underfull_slots is None else args.underfull_slots
         res = run_setting(wl, args, cfg, mesh, underfull)
         sync = res["sync"]
         sync["train_over_rollout_idle"] = sync["time/train_s"] / max(sync["time/idle_s"], 1e-9)

@@ -64,9 +64,14 @@ class SampleSpec:
     sampling_seeds: tuple[int, ...]  # the engine's token-sampling seed, one per turn
 
 
+def _hash(*keys, digest_size: int = 8) -> int:
+    """A stable integer of the keys (the same in every process, unlike `hash`)."""
+    digest = hashlib.blake2b("/".join(map(str, keys)).encode(), digest_size=digest_size).digest()
+    return int.from_bytes(digest, "little")
+
+
 def _rng(*keys) -> np.random.Generator:
-    digest = hashlib.blake2b("/".join(map(str, keys)).encode(), digest_size=8).digest()
-    return np.random.default_rng(int.from_bytes(digest, "little"))
+    return np.random.default_rng(_hash(*keys))
 
 
 def difficulty(cfg: WorkloadConfig, task_id: str) -> float:
@@ -91,8 +96,7 @@ def sample_spec(cfg: WorkloadConfig, task_id: str, sample_index: int, replay: in
                   cfg.max_tool_latency_s)
     # a fresh draw samples fresh tokens too; replay 0 keeps the key of a workload without redraws
     key = (cfg.seed, task_id, sample_index) + ((replay,) if replay else ())
-    seeds = tuple(int.from_bytes(hashlib.blake2b("/".join(map(str, key + (turn,))).encode(), digest_size=4)
-                                 .digest(), "little") for turn in range(turns))
+    seeds = tuple(_hash(*key, turn, digest_size=4) for turn in range(turns))
     return SampleSpec(tuple(int(x) for x in lens), tuple(float(x) for x in lat), seeds)
 
 
