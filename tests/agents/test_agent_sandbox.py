@@ -49,7 +49,10 @@ def outcome(tmp_path_factory):
         "fork_bomb": "import os\nwhile True:\n    os.fork()",
         "fork_and_sleep": ("import os, time\nfor _ in range(100):\n    try:\n        os.fork()\n"
                            "    except OSError:\n        pass\ntime.sleep(60)"),
-        "memory_bomb": "chunks = []\nwhile True:\n    chunks.append(bytearray(64 * 2**20))",
+        # bytes(n) is calloc'd, so its pages stay untouched: RLIMIT_AS counts reserved address space,
+        # and a bomb that zero-fills (bytearray) spends ~0.4 s of CPU in page faults here, which on a
+        # loaded 2-core CI machine crossed the 1 s RLIMIT_CPU first (SIGXCPU, not MemoryError).
+        "memory_bomb": "chunks = []\nwhile True:\n    chunks.append(bytes(64 * 2**20))",
         "infinite_loop": "while True:\n    pass",
         "sleep": "import time\ntime.sleep(30)",
         "write_outside": (f"import os\nfor p in [{str(host_dir / 'escaped.txt')!r}, '/etc/sfrrl_escape', "
