@@ -19,10 +19,10 @@ longest-expected-first launching (--longest_first) predicts from the prompt's ea
 which the warm-up step provides.
 The cost ratio: what pipelining can hide depends on training time over the rollout's idle, and
 that ratio depends on the machine (a GPU decodes and trains far faster than a tool answers). So
-the tool-bound settings are fixed by the ratio, not by seconds: a calibration first replays a
-few sync steps at two latency scales and scales every tool latency so that sync's training takes
---cost_ratio (default 1) times its rollout idle; the queued setting gets the same scale. With
---cost_ratio 0 the latencies are --tool_latency as given.
+the tool-bound settings are fixed by the ratio, not by seconds: a calibration first replays the
+measured sync steps at latency scales 0.5, 1.5 and the first solution, and scales every tool
+latency so that sync's training takes --cost_ratio (default 1) times its rollout idle; the queued
+setting gets the same scale. With --cost_ratio 0 the latencies are --tool_latency as given.
 The modes run interleaved: round k takes step k of every mode (rotating which goes first), so a
 drift in the shared machine's speed hits every mode alike, and step k of every mode replays the
 same work (the per-step hidden shares pair them).
@@ -48,7 +48,9 @@ Each setting's header gives sync's measured train / rollout idle and the on-poli
 sync's training any on-policy schedule could hide. A step's idle is set by its slowest
 trajectory, so it varies from step to step: a step with less idle than training cannot hide all
 of it, one with more leaves the device idle. Through the cost ratio, the busy and the hidden
-goals trade off; the sweep (--cost_ratio 0.8,1,1.25) shows where both hold.
+goals trade off; the sweep (--cost_ratio 0.8,1,1.25) shows where both hold, and each tool-bound
+setting prints the window of ratios where an ideal on-policy schedule of its sync steps would
+meet both (`goal_window`: each step's idle scaled, filled with its own training, no overhead).
 """
 import faulthandler
 import os
@@ -159,39 +161,77 @@ def scale_tool_latency(wl: WorkloadConfig, scale: float) -> WorkloadConfig:
                                max_tool_latency_s=wl.max_tool_latency_s * scale)
 
 
-def calibrate_tool_latency(wl, args, cfg, mesh, steps: int = 4) -> dict:
-    """Sync's rollout idle (every in-flight trajectory waiting on a tool) and train time at two
-    scales of every tool latency: the line `latency_scale_for` solves for a cost ratio.
+def calibrate_tool_latency(wl, args, cfg, mesh, steps: int, target_ratio: float) -> dict:
+    """Sync's rollout idle (every in-flight trajectory waiting on a tool) and train time at
+    several scales of every tool latency: the points `latency_scale_for` interpolates.
 
     The ratio of train time to rollout idle decides how much pipelining can hide, and it depends
     on the machine (a GPU decodes and trains far faster than a tool answers), so the tool-bound
-    setting is fixed by that ratio rather than by seconds. Sync's idle grows about linearly with
-    the latencies: the same `steps` steps of work (tasks and draws) are replayed at both scales.
-    A step's idle depends on its slowest trajectory, a heavy tail: more steps, a steadier mean."""
+    setting is fixed by that ratio rather than by seconds. The same work (tasks and draws) is
+    replayed at each scale: the steps the bench then measures (each mode's warm-up step, then
+    steps 1..`steps`), because a step's idle depends on its slowest trajectory, a heavy tail:
+    calibrated on the first 4 of 16 steps, the 16 landed at ratio 1.18 instead of 1.0.
+    Sync's idle is convex in the scale (a step's rollout is its slowest trajectory's decode plus
+    tool seconds, a max over trajectories), so a line through scales 0.5 and 1.5 overestimates
+    the idle between them (it chose x0.74 for ratio 1.0; 16 steps then measured 1.24): a third
+    point at that first solution, and the interpolation between the points around the target."""
     agent = WorkloadAgent(wl)
     trainer = make_trainer("sync", False, wl, args, cfg, mesh, underfull_slots=0, agent=agent)
     stream, replays = dict(trainer.tasks.state()), dict(agent.replays)
-    points = []
-    for scale in (0.5, 1.5):
+
+    def measure(scale: float) -> dict:
         trainer.tasks.epoch, trainer.tasks.index = stream["epoch"], stream["index"]
         agent.load_state_dict({"replays": replays})
         agent.cfg = scale_tool_latency(wl, scale)
         ms = [trainer.step() for _ in range(steps)]
-        points.append({"scale": scale, "idle_s": float(np.mean([m["time/idle_s"] for m in ms])),
-                       "train_s": float(np.mean([m["time/train_s"] for m in ms]))})
-    p0, p1 = points
+        return {"scale": scale, "idle_s": float(np.mean([m["time/idle_s"] for m in ms])),
+                "train_s": float(np.mean([m["time/train_s"] for m in ms]))}
+
+    calibration = {"points": [measure(0.5), measure(1.5)]}
+    p0, p1 = calibration["points"]
     if p1["idle_s"] <= p0["idle_s"]:
-        raise RuntimeError(f"sync's rollout idle did not grow with the tool latencies ({points}): the "
-                           "setting is not tool-bound; raise --tool_latency")
-    return {"points": points, "train_s": (p0["train_s"] + p1["train_s"]) / 2}
+        raise RuntimeError(f"sync's rollout idle did not grow with the tool latencies ({calibration['points']}): "
+                           "the setting is not tool-bound; raise --tool_latency")
+    calibration["points"].append(measure(latency_scale_for(calibration, target_ratio)))
+    return calibration
 
 
 def latency_scale_for(calibration: dict, ratio: float) -> float:
-    """The latency scale at which sync's train time is `ratio` x its rollout idle (the line)."""
-    p0, p1 = calibration["points"]
-    slope = (p1["idle_s"] - p0["idle_s"]) / (p1["scale"] - p0["scale"])
-    target_idle = calibration["train_s"] / ratio
-    return float(np.clip(p0["scale"] + (target_idle - p0["idle_s"]) / slope, 0.05, 20.0))
+    """The latency scale at which sync's train time is `ratio` x its rollout idle: piecewise-linear
+    in the calibration points (sorted by scale; the idle grows with it), extended past the ends."""
+    points = sorted(calibration["points"], key=lambda p: p["scale"])
+    train_s = float(np.mean([p["train_s"] for p in points]))  # the latencies do not touch training
+    target_idle = train_s / ratio
+    i = int(np.clip(np.searchsorted([p["idle_s"] for p in points], target_idle) - 1, 0, len(points) - 2))
+    a, b = points[i], points[i + 1]
+    slope = (b["idle_s"] - a["idle_s"]) / (b["scale"] - a["scale"])
+    if slope <= 0:  # noise between two close points: the outer line
+        a, b = points[0], points[-1]
+        slope = (b["idle_s"] - a["idle_s"]) / (b["scale"] - a["scale"])
+    return float(np.clip(a["scale"] + (target_idle - a["idle_s"]) / slope, 0.05, 20.0))
+
+
+def goal_window(per_step: dict, hidden_goal: float = 0.8, busy_goal: float = 0.95) -> dict:
+    """At which cost ratios an ideal on-policy schedule meets both goals, from sync's steps.
+
+    Each step's idle is scaled by k (as scaling the tool latencies roughly does: the idle is what
+    they add beyond the decode work) and filled with that step's training, min(train, k x (idle -
+    starved)); the rest of the training runs after the rollout, the rest of the idle stays idle.
+    No overhead, no preemption cost: a bound, not a prediction. per_step: sync's 'time/rollout_s',
+    'time/idle_s', 'time/idle_starved_s', 'time/train_s' lists. Returns {'ratios': [lo, hi] where
+    both hold (None if nowhere), 'closest': the (ratio, hidden, busy) nearest to both}.
+    """
+    t, i, st, ro = (np.asarray(per_step[k]) for k in ("time/train_s", "time/idle_s", "time/idle_starved_s",
+                                                      "time/rollout_s"))
+    decode = ro - i
+    rows = []
+    for k in np.geomspace(0.1, 10.0, 400):
+        fill = np.minimum(t, k * (i - st))
+        wall = decode + k * st + np.maximum(k * (i - st), t)
+        rows.append((float(t.sum() / (k * i).sum()), float(fill.sum() / t.sum()), float((decode + t).sum() / wall.sum())))
+    ok = [r for r, h, b in rows if h >= hidden_goal and b >= busy_goal]
+    closest = max(rows, key=lambda x: min(x[1] / hidden_goal, x[2] / busy_goal))
+    return {"ratios": [min(ok), max(ok)] if ok else None, "closest": closest}
 
 
 def main():
@@ -216,8 +256,9 @@ def main():
                     help="tool-bound settings: scale the tool latencies so that sync's training takes this "
                          "times its rollout idle (calibrated first); several, comma-separated, run the "
                          "tool-bound setting at each (the queued one at the first); 0: --tool_latency as it is")
-    ap.add_argument("--calibration_steps", type=int, default=4,
-                    help="steps of work replayed at each of the calibration's two latency scales")
+    ap.add_argument("--calibration_steps", type=int, default=None,
+                    help="steps of work replayed at each of the calibration's two latency scales "
+                         "(default --steps: the very work measured, whose idle varies step to step)")
     ap.add_argument("--underfull_slots", type=int, default=None,
                     help="default: 0 for tool-bound (never stretch the tail), 2 for decode-bound")
     ap.add_argument("--microbatch_rows", type=int, default=2)
@@ -225,6 +266,7 @@ def main():
     ap.add_argument("--only", choices=tuple(GROUPS_DEFAULT), default=None)
     ap.add_argument("--out", default="bench_out/stragglers.json")
     args = ap.parse_args()
+    args.calibration_steps = args.calibration_steps or args.steps
     if not 0 < args.train_width <= MAX_LEN:
         ap.error(f"--train_width must be in 1..{MAX_LEN} (the widest training row), got {args.train_width}")
     try:
@@ -240,13 +282,13 @@ def main():
     scales = {r: 1.0 for r in ratios}
     if ratios != [0.0] and (args.only or "tool-bound").startswith("tool-bound"):
         calibration = report["calibration"] = calibrate_tool_latency(
-            wls["tool-bound"], args, cfg, mesh, args.calibration_steps)
+            wls["tool-bound"], args, cfg, mesh, args.calibration_steps, ratios[0])
         scales = {r: latency_scale_for(calibration, r) for r in ratios}
         calibration["scales"] = {str(r): x for r, x in scales.items()}
-        p0, p1 = calibration["points"]
-        print(f"calibration (tool-bound, sync, {args.calibration_steps} steps): idle {p0['idle_s']:.2f} s at "
-              f"latency x{p0['scale']}, {p1['idle_s']:.2f} s at x{p1['scale']}; train {calibration['train_s']:.2f} s "
-              "-> tool latencies " + ", ".join(f"x{x:.2f} for train / idle = {r}" for r, x in scales.items()))
+        print(f"calibration (tool-bound, sync, {args.calibration_steps} steps): idle " + ", ".join(
+            f"{p['idle_s']:.2f} s at latency x{p['scale']:.2f}" for p in calibration["points"])
+              + f"; train {np.mean([p['train_s'] for p in calibration['points']]):.2f} s -> tool latencies "
+              + ", ".join(f"x{x:.2f} for train / idle = {r}" for r, x in scales.items()))
     # (row name, setting, workload, cost ratio): tool-bound at every ratio (a sweep), queued at the first
     runs = [(f"tool-bound@{r}" if len(ratios) > 1 else "tool-bound", "tool-bound",
              scale_tool_latency(wls["tool-bound"], scales[r]), r) for r in ratios]
@@ -266,6 +308,7 @@ def main():
         sync["hidden_ceiling_on_policy"] = sum(
             min(t, i - st) for t, i, st in zip(ps["time/train_s"], ps["time/idle_s"], ps["time/idle_starved_s"])
         ) / max(sum(ps["time/train_s"]), 1e-9)
+        window = sync["goal_window_ideal"] = goal_window(ps)
         for m, r in res.items():
             r["hidden_share_of_sync_train"] = ((sync["time/wall_s"] - r["time/wall_s"]) / sync["time/train_s"]
                                                if sync["time/train_s"] else 0.0)
@@ -288,6 +331,11 @@ def main():
                   f"{r['policy/on_policy_fraction']:6.2f} {r['hidden_share_of_sync_train']:7.1%} "
                   f"{r['time/idle_s']:7.2f} {r['time/idle_starved_s']:7.2f} {r['perf/busy_ceiling_on_policy']:7.1%}")
         if name.startswith("tool-bound"):  # the issue's goal, and whether the workload's ceiling allows it
+            r_, h_, b_ = window["closest"]
+            print("an ideal on-policy schedule on these sync steps, their idle scaled (goal_window): "
+                  + (f"hidden >= 80% and busy >= 95% both hold at train / idle {window['ratios'][0]:.2f}-"
+                     f"{window['ratios'][1]:.2f}" if window["ratios"] else "hidden >= 80% and busy >= 95% hold "
+                     f"together at no cost ratio; closest: hidden {h_:.1%}, busy {b_:.1%} at {r_:.2f}"))
             for m in ("pipelined", "pipelined+early"):
                 r = res[m]
                 checks = {"hidden>=80%": r["hidden_share_of_sync_train"] >= 0.8,
