@@ -257,7 +257,7 @@ def main():
                          "times its rollout idle (calibrated first); several, comma-separated, run the "
                          "tool-bound setting at each (the queued one at the first); 0: --tool_latency as it is")
     ap.add_argument("--calibration_steps", type=int, default=None,
-                    help="steps of work replayed at each of the calibration's two latency scales "
+                    help="steps of work replayed at each of the calibration's three latency scales "
                          "(default --steps: the very work measured, whose idle varies step to step)")
     ap.add_argument("--underfull_slots", type=int, default=None,
                     help="default: 0 for tool-bound (never stretch the tail), 2 for decode-bound")
