@@ -22,7 +22,8 @@ that ratio depends on the machine (a GPU decodes and trains far faster than a to
 the tool-bound settings are fixed by the ratio, not by seconds: a calibration first replays the
 measured sync steps at latency scales 0.5, 1.5 and the first solution, and scales every tool
 latency so that sync's training takes --cost_ratio (default 1) times its rollout idle; the queued
-setting gets the same scale. With --cost_ratio 0 the latencies are --tool_latency as given.
+setting gets the same scale. With --cost_ratio 0 the latencies are --tool_latency as given, times
+--latency_scale (the scale an earlier run's calibration chose, to repeat it without calibrating).
 The modes run interleaved: round k takes step k of every mode (rotating which goes first), so a
 drift in the shared machine's speed hits every mode alike, and step k of every mode replays the
 same work (the per-step hidden shares pair them).
@@ -161,7 +162,8 @@ def scale_tool_latency(wl: WorkloadConfig, scale: float) -> WorkloadConfig:
                                max_tool_latency_s=wl.max_tool_latency_s * scale)
 
 
-def calibrate_tool_latency(wl, args, cfg, mesh, steps: int, target_ratio: float) -> dict:
+def calibrate_tool_latency(wl, args, cfg, mesh, steps: int, target_ratio: float, max_points: int = 5,
+                           tolerance: float = 0.03) -> dict:
     """Sync's rollout idle (every in-flight trajectory waiting on a tool) and train time at
     several scales of every tool latency: the points `latency_scale_for` interpolates.
 
@@ -172,9 +174,11 @@ def calibrate_tool_latency(wl, args, cfg, mesh, steps: int, target_ratio: float)
     steps 1..`steps`), because a step's idle depends on its slowest trajectory, a heavy tail:
     calibrated on the first 4 of 16 steps, the 16 landed at ratio 1.18 instead of 1.0.
     Sync's idle is convex in the scale (a step's rollout is its slowest trajectory's decode plus
-    tool seconds, a max over trajectories), so a line through scales 0.5 and 1.5 overestimates
-    the idle between them (it chose x0.74 for ratio 1.0; 16 steps then measured 1.24): a third
-    point at that first solution, and the interpolation between the points around the target."""
+    tool seconds, a max over trajectories), so a line between two points overestimates the idle
+    between them: through scales 0.5 and 1.5 it chose x0.74 for ratio 1.0 (16 steps then measured
+    1.24); a third point there, interpolated again, chose x1.04 from a point at ratio 1.28, and
+    measured 1.15. So the points go on (secant steps from both sides, up to `max_points`) until
+    one lands within `tolerance` of the target ratio; that point's scale is the answer."""
     agent = WorkloadAgent(wl)
     trainer = make_trainer("sync", False, wl, args, cfg, mesh, underfull_slots=0, agent=agent)
     stream, replays = dict(trainer.tasks.state()), dict(agent.replays)
@@ -184,26 +188,41 @@ def calibrate_tool_latency(wl, args, cfg, mesh, steps: int, target_ratio: float)
         agent.load_state_dict({"replays": replays})
         agent.cfg = scale_tool_latency(wl, scale)
         ms = [trainer.step() for _ in range(steps)]
-        return {"scale": scale, "idle_s": float(np.mean([m["time/idle_s"] for m in ms])),
-                "train_s": float(np.mean([m["time/train_s"] for m in ms]))}
+        point = {"scale": scale, "idle_s": float(np.mean([m["time/idle_s"] for m in ms])),
+                 "train_s": float(np.mean([m["time/train_s"] for m in ms]))}
+        print(f"calibration: latency x{scale:.3f}: sync idle {point['idle_s']:.2f} s, train "
+              f"{point['train_s']:.2f} s, ratio {point['train_s'] / point['idle_s']:.3f}", flush=True)
+        return point
 
-    calibration = {"points": [measure(0.5), measure(1.5)]}
+    calibration = {"points": [measure(0.5), measure(1.5)], "target_ratio": target_ratio}
     p0, p1 = calibration["points"]
     if p1["idle_s"] <= p0["idle_s"]:
         raise RuntimeError(f"sync's rollout idle did not grow with the tool latencies ({calibration['points']}): "
                            "the setting is not tool-bound; raise --tool_latency")
-    calibration["points"].append(measure(latency_scale_for(calibration, target_ratio)))
+    while len(calibration["points"]) < max_points:
+        point = measure(latency_scale_for(calibration, target_ratio))
+        calibration["points"].append(point)
+        if abs(point["train_s"] / point["idle_s"] / target_ratio - 1.0) <= tolerance:
+            calibration["landed"] = point["scale"]
+            break
     return calibration
 
 
 def latency_scale_for(calibration: dict, ratio: float) -> float:
-    """The latency scale at which sync's train time is `ratio` x its rollout idle: piecewise-linear
-    in the calibration points (sorted by scale; the idle grows with it), extended past the ends."""
+    """The latency scale at which sync's train time is `ratio` x its rollout idle: a calibration
+    point that landed within tolerance of it (`calibration['landed']`, for the ratio it aimed at),
+    else piecewise-linear in the points (sorted by scale; the idle grows with it), extended past
+    the ends."""
+    if calibration.get("landed") is not None and calibration.get("target_ratio") == ratio:
+        return float(calibration["landed"])
     points = sorted(calibration["points"], key=lambda p: p["scale"])
     train_s = float(np.mean([p["train_s"] for p in points]))  # the latencies do not touch training
     target_idle = train_s / ratio
-    i = int(np.clip(np.searchsorted([p["idle_s"] for p in points], target_idle) - 1, 0, len(points) - 2))
-    a, b = points[i], points[i + 1]
+    # the closest points on either side of the target; past the ends, the two outermost
+    below = [p for p in points if p["idle_s"] < target_idle]
+    above = [p for p in points if p["idle_s"] >= target_idle and (not below or p["scale"] > below[-1]["scale"])]
+    a, b = ((below[-1], above[0]) if below and above else (points[-2], points[-1]) if below
+            else (points[0], points[1]))
     slope = (b["idle_s"] - a["idle_s"]) / (b["scale"] - a["scale"])
     if slope <= 0:  # noise between two close points: the outer line
         a, b = points[0], points[-1]
@@ -256,9 +275,15 @@ def main():
                     help="tool-bound settings: scale the tool latencies so that sync's training takes this "
                          "times its rollout idle (calibrated first); several, comma-separated, run the "
                          "tool-bound setting at each (the queued one at the first); 0: --tool_latency as it is")
+    ap.add_argument("--latency_scale", type=float, default=1.0,
+                    help="with --cost_ratio 0: scale every tool latency by this (no calibration)")
     ap.add_argument("--calibration_steps", type=int, default=None,
-                    help="steps of work replayed at each of the calibration's three latency scales "
+                    help="steps of work replayed at each calibration latency scale "
                          "(default --steps: the very work measured, whose idle varies step to step)")
+    ap.add_argument("--calibration_points", type=int, default=5,
+                    help="at most this many calibration scales (two ends, then secant steps)")
+    ap.add_argument("--calibration_tolerance", type=float, default=0.03,
+                    help="stop calibrating once a scale gives sync this close (relative) to --cost_ratio")
     ap.add_argument("--underfull_slots", type=int, default=None,
                     help="default: 0 for tool-bound (never stretch the tail), 2 for decode-bound")
     ap.add_argument("--microbatch_rows", type=int, default=2)
@@ -273,16 +298,23 @@ def main():
         ratios = [float(x) for x in args.cost_ratio.split(",")]
     except ValueError:
         ap.error(f"--cost_ratio must be numbers separated by commas, got {args.cost_ratio!r}")
+    if args.calibration_points < 2 or args.calibration_tolerance <= 0:
+        ap.error(f"--calibration_points must be >= 2 and --calibration_tolerance > 0, got "
+                 f"{args.calibration_points} and {args.calibration_tolerance}")
     if any(r < 0 for r in ratios) or (0 in ratios and len(ratios) > 1):
         ap.error(f"--cost_ratio: each ratio must be > 0 (or a single 0: no calibration), got {args.cost_ratio!r}")
+    if args.latency_scale <= 0 or (args.latency_scale != 1.0 and ratios != [0.0]):
+        ap.error(f"--latency_scale={args.latency_scale} must be > 0, and needs --cost_ratio 0 (a calibrated "
+                 "ratio chooses the scale itself)")
     cfg = S.ModelConfig.preset("tiny-moe", max_seq_len=MAX_LEN)
     mesh = S.make_mesh(data=2, expert=4)
     report = {"args": vars(args), "settings": {}}
     wls = settings(args)
-    scales = {r: 1.0 for r in ratios}
+    scales = {r: args.latency_scale for r in ratios}
     if ratios != [0.0] and (args.only or "tool-bound").startswith("tool-bound"):
         calibration = report["calibration"] = calibrate_tool_latency(
-            wls["tool-bound"], args, cfg, mesh, args.calibration_steps, ratios[0])
+            wls["tool-bound"], args, cfg, mesh, args.calibration_steps, ratios[0],
+            max_points=args.calibration_points, tolerance=args.calibration_tolerance)
         scales = {r: latency_scale_for(calibration, r) for r in ratios}
         calibration["scales"] = {str(r): x for r, x in scales.items()}
         print(f"calibration (tool-bound, sync, {args.calibration_steps} steps): idle " + ", ".join(
