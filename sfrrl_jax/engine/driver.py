@@ -83,6 +83,7 @@ class Engine:
         self._last_token: dict[int, int] = {}      # parked slot -> its last token (not cached yet)
         self._cached_len: dict[int, int] = {}      # slot -> tokens in its KV cache
         self._task: asyncio.Task | None = None
+        self._kicks = 0
         self._wake: asyncio.Event | None = None
         self._wake_loop = None
         # Idle work (pipelined training): a callable returning a blocking device job or None.
@@ -163,6 +164,7 @@ class Engine:
 
     # -- driver -----------------------------------------------------------------------------
     def _kick(self):
+        self._kicks += 1  # read by a decode chain on the worker thread: something needs the loop
         loop = asyncio.get_running_loop()
         if self._wake is None or self._wake_loop is not loop:  # a new asyncio.run: new primitives
             self._wake, self._wake_loop = asyncio.Event(), loop
@@ -190,15 +192,17 @@ class Engine:
                     self._free.extend(slots)
                 admitted = self._take_admissible()
                 if admitted:
-                    firsts = await asyncio.to_thread(self._admit_on_device, admitted)
+                    firsts, chunks = await asyncio.to_thread(self._admit_on_device, admitted)
                     for job, first in zip(admitted, firsts):
                         self._push(job, first["tokens"], first["logprobs"], first["raw_logprobs"],
                                    bool(first["done"]))
+                    if chunks:
+                        self._distribute(chunks)
+                        continue
                 if self._running:
                     if len(self._running) <= self.underfull_slots:
                         await self._run_idle_job()
-                    results = await asyncio.to_thread(self._decode_on_device)
-                    self._distribute(results)
+                    self._distribute(await asyncio.to_thread(self._decode_chain))
                 elif await self._run_idle_job():
                     continue
                 elif self._queue:
@@ -276,7 +280,24 @@ class Engine:
             firsts.append(first)
         firsts = jax.device_get([_fields(f) for f in firsts])
         self._account("prefill", t0)
-        return firsts
+        # The loop would decode next (unless an underfull batch gives idle work a turn first):
+        # start at once rather than after a round trip through the event loop.
+        decoding = len(self._running) - sum(bool(f["done"]) for f in firsts)
+        return firsts, (self._decode_chain() if decoding > self.underfull_slots else [])
+
+    def _decode_chain(self) -> list[dict]:
+        """Decode chunks back to back on the worker thread for as long as the loop has nothing to
+        act on: no slot finished (its trajectory's tool call should start), no `_kick` (a request,
+        release, cancel or idle work arrived) and the batch is not underfull (idle work's turn).
+        Each round trip through the event loop costs host time in which the device idles, ms per
+        chunk while tool coroutines run. The tokens are the same: sampling is keyed per slot.
+        Returns each chunk's results, in order."""
+        kicks = self._kicks
+        chunks = [self._decode_on_device()]
+        while (not chunks[-1]["done"].any() and self._kicks == kicks
+               and len(self._running) > self.underfull_slots):
+            chunks.append(self._decode_on_device())
+        return chunks
 
     def _free_on_device(self, slots: list[int]) -> None:
         for slot in slots:
@@ -288,6 +309,10 @@ class Engine:
         self.state, results = self.steps.generate(self.params, self.state, self.decode_steps)
         results = jax.device_get(_fields(results))
         self._account("decode", t0)
+        # counted here, not when the tokens reach their requests: a chain delivers those at its end
+        self.stats.decode_steps += self.decode_steps
+        self.stats.slot_steps_total += self.decode_steps * self.steps.max_slots
+        self.stats.slot_steps_active += int(np.sum(results["valid"]))
         return results
 
     def _account(self, name: str, t0: float) -> None:
@@ -296,13 +321,13 @@ class Engine:
         if self.trace is not None:
             self.trace.add(name, "engine", t0, t1)
 
-    def _distribute(self, results):
+    def _distribute(self, chunks: list[dict]):
+        for results in chunks:
+            self._distribute_chunk(results)
+
+    def _distribute_chunk(self, results):
         for step in range(self.decode_steps):
-            valid = results["valid"][step]
-            self.stats.decode_steps += 1
-            self.stats.slot_steps_total += self.steps.max_slots
-            self.stats.slot_steps_active += int(np.sum(valid))
-            for slot in np.nonzero(valid)[0]:
+            for slot in np.nonzero(results["valid"][step])[0]:
                 job = self._running.get(int(slot))
                 if job is None:
                     continue

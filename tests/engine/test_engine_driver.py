@@ -130,6 +130,45 @@ def test_cancelled_request_frees_its_slot():
     assert engine.occupancy["free"] == 1
 
 
+def test_decode_chunks_chain_on_the_worker_until_the_loop_has_something_to_do():
+    """Chunks run back to back without a round trip through the event loop while no slot finishes
+    and nothing arrives; a request that arrives mid-chain is admitted after the chunk in flight.
+    The tokens are those of a lone greedy generation either way."""
+    cfg, params = _params()
+    engine = Engine(cfg, params, max_slots=2, max_len=96, buckets=(16,), decode_steps=2)
+    chains, admitted_at = [], []
+    chain, admit = engine._decode_chain, engine._admit_on_device
+    engine._decode_chain = lambda: chains.append(chain()) or chains[-1]
+    engine._admit_on_device = lambda jobs: admitted_at.append(engine.stats.decode_steps) or admit(jobs)
+
+    async def one(tokens, n):
+        c = await engine.complete(_req(tokens, n))
+        await engine.release(c.slot_handle)
+        return c
+
+    async def late(after):
+        while engine.stats.decode_steps < after:
+            await asyncio.sleep(0.002)
+        submitted = engine.stats.decode_steps
+        return submitted, await one([7, 8], 5)
+
+    async def main():
+        alone = await one([1, 2, 3], 41)   # 1 token from the prefill, 40 in 20 chunks of 2
+        first_chains = [len(c) for c in chains]
+        both = await asyncio.gather(one([1, 2, 3], 61), late(40 + 10))
+        return alone, first_chains, both
+
+    alone, first_chains, (long, (submitted, short)) = asyncio.run(main())
+    assert first_chains == [20]            # one chain: no round trip between its chunks
+    # the late request waited for the chunk in flight when it came (two if it came as the chain
+    # was checking), not for the rest of the chain
+    assert admitted_at[:2] == [0, 40] and submitted <= admitted_at[2] <= submitted + 4
+    reference = generate(cfg, params, [[1, 2, 3], [7, 8]], 61, temperature=0.0)
+    assert alone.tokens == reference[0].tokens[:41] and long.tokens == reference[0].tokens
+    assert short.tokens == reference[1].tokens[:5]
+    engine.release_memory()
+
+
 def test_zero_copy_phase_swaps_and_memory_comes_back():
     cfg, params = _params()
     mesh = S.models.mesh_of(params)
