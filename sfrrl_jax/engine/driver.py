@@ -5,7 +5,9 @@ insert) or into their own parked slot (append-prefill of a tool observation), th
 chunks of `decode_steps` tokens for every running slot, streaming tokens into each request's
 buffer. A finished request leaves its slot *parked*: the KV cache stays so the next turn of the
 same trajectory appends to it; `release(handle)` frees the slot. Device work runs in a worker
-thread so tool coroutines keep running on the event loop meanwhile.
+thread so tool coroutines keep running on the event loop meanwhile; consecutive decode chunks (and
+the decode after an admission) run there back to back until a slot finishes or something arrives
+for the driver, so the device does not wait on the event loop between them.
 """
 from __future__ import annotations
 
