@@ -178,7 +178,9 @@ def calibrate_tool_latency(wl, args, cfg, mesh, steps: int, target_ratio: float,
     between them: through scales 0.5 and 1.5 it chose x0.74 for ratio 1.0 (16 steps then measured
     1.24); a third point there, interpolated again, chose x1.04 from a point at ratio 1.28, and
     measured 1.15. So the points go on (secant steps from both sides, up to `max_points`) until
-    one lands within `tolerance` of the target ratio; that point's scale is the answer."""
+    one lands within `tolerance` of the target ratio; that point's scale is the answer. Replays
+    are noisy too (x1.21 gave 1.105 and x1.236 gave 0.945 in one run: train time alone moved 5%),
+    so five points usually end in a last interpolation; that run then measured 1.00."""
     agent = WorkloadAgent(wl)
     trainer = make_trainer("sync", False, wl, args, cfg, mesh, underfull_slots=0, agent=agent)
     stream, replays = dict(trainer.tasks.state()), dict(agent.replays)
