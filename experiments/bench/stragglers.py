@@ -20,7 +20,8 @@ which the warm-up step provides.
 The cost ratio: what pipelining can hide depends on training time over the rollout's idle, and
 that ratio depends on the machine (a GPU decodes and trains far faster than a tool answers). So
 the tool-bound settings are fixed by the ratio, not by seconds: a calibration first replays the
-measured sync steps at latency scales 0.5, 1.5 and the first solution, and scales every tool
+measured sync steps at latency scales 0.5 and 1.5, then at interpolated scales until one lands
+within --calibration_tolerance (at most --calibration_points scales), and scales every tool
 latency so that sync's training takes --cost_ratio (default 1) times its rollout idle; the queued
 setting gets the same scale. With --cost_ratio 0 the latencies are --tool_latency as given, times
 --latency_scale (the scale an earlier run's calibration chose, to repeat it without calibrating).
