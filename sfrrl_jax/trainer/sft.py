@@ -11,13 +11,17 @@ exactly once. Padding carries segment id 0 and loss mask 0, so it never counts.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.models.api import mesh_of
+from sfrrl_jax.models.transformer import forward_with_aux
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.train.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.rl_trainer import shared_train_step
@@ -92,15 +96,22 @@ class EpochSampler:
 
 def run_sft(model_cfg: ModelConfig, params, optimizer_cfg: OptimizerConfig, examples: Sequence[Mapping],
             steps: int, batch_size: int, seed: int = 0, seq_bucket: int = 32, opt_state=None,
-            log_every: int = 0, log: Callable[[str], None] = print):
-    """`steps` fused SFT updates (masked NLL, token mean) -> (params, opt_state, metrics per step).
+            log_every: int = 0, log: Callable[[str], None] = print,
+            stop_when: Callable[[int, dict], bool] | None = None, check_every: int = 0):
+    """Up to `steps` fused SFT updates (masked NLL, token mean) -> (params, opt_state, metrics per step).
 
     `params` are updated in place of the caller's (the step donates them). Each metrics dict holds
     'loss' (mean NLL per loss token), 'grad_norm', 'learning_rate', 'num_tokens', 'step_s', ...
     `log_every` > 0 prints a progress line every that many steps.
+    Early stop: with `stop_when` and `check_every` > 0, after every `check_every` steps
+    `stop_when(steps_done, params)` is called with the live params; True ends the run there (a
+    criterion on what the model does, e.g. `teacher_forced_accuracy` of held-out demonstrations,
+    rather than a step count that depends on when the model happens to learn).
     """
     if steps < 0:
         raise ValueError(f"run_sft: steps must be >= 0, got {steps}")
+    if stop_when is not None and check_every < 1:
+        raise ValueError(f"run_sft: stop_when needs check_every >= 1, got {check_every}")
     rows = check_examples(examples, model_cfg.vocab_size, model_cfg.max_seq_len)
     width = padded_width([t.size for t, _ in rows], seq_bucket, model_cfg.max_seq_len)
     train_step = shared_train_step(model_cfg, LossConfig(objective="sft"), optimizer_cfg)
@@ -118,4 +129,43 @@ def run_sft(model_cfg: ModelConfig, params, optimizer_cfg: OptimizerConfig, exam
         if log_every and (step % log_every == 0 or step == steps - 1):
             log(f"sft step {step:4d}/{steps}  loss {metrics['loss']:.4f}  lr {metrics['learning_rate']:.2e}  "
                 f"{metrics['step_s']:.2f}s")
+        if stop_when is not None and (step + 1) % check_every == 0 and stop_when(step + 1, params):
+            break
     return params, opt_state, history
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _argmax_hits(cfg: ModelConfig, params, tokens, segment_ids, loss_mask):
+    """[batch, seq] 1.0 where the model's argmax at t-1 equals tokens[t] on a loss token, else 0."""
+    logits = forward_with_aux(cfg, params, tokens, segment_ids, None)[0]
+    predicted = jnp.argmax(logits[:, :-1], axis=-1)
+    hit = (predicted == tokens[:, 1:]).astype(jnp.float32) * loss_mask[:, 1:]
+    return jnp.pad(hit, ((0, 0), (1, 0)))
+
+
+def teacher_forced_accuracy(model_cfg: ModelConfig, params, examples: Sequence[Mapping], seq_bucket: int = 32,
+                            batch_size: int = 32) -> dict:
+    """How well the model reproduces demonstrations token by token (teacher forcing, argmax).
+
+    -> {'token_accuracy': share of loss tokens (after position 0) predicted exactly,
+        'sequence_accuracy': share of examples whose every loss token is predicted exactly}.
+    Rows are padded to one bucketed width and `batch_size` (one compile); pads never count.
+    A sequence counts as exact only if greedy decoding would reproduce each of its turns given
+    the same observations, so on tool demonstrations this is the share the greedy policy solves.
+    """
+    rows = check_examples(examples, model_cfg.vocab_size, model_cfg.max_seq_len)
+    width = padded_width([t.size for t, _ in rows], seq_bucket, model_cfg.max_seq_len)
+    hits_total, tokens_total, exact = 0.0, 0.0, 0
+    mesh = mesh_of(params)
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        chunk = chunk + [(np.zeros(2, np.int32), np.zeros(2, np.float32))] * (batch_size - len(chunk))
+        batch = make_batch(chunk, width)
+        with jax.set_mesh(mesh):
+            hits = np.asarray(jax.device_get(_argmax_hits(model_cfg, params, batch["tokens"],
+                                                          batch["segment_ids"], batch["loss_mask"])))
+        for i in range(min(batch_size, len(rows) - start)):
+            needed = float(batch["loss_mask"][i, 1:].sum())
+            got = float(hits[i].sum())
+            hits_total, tokens_total, exact = hits_total + got, tokens_total + needed, exact + (got == needed)
+    return {"token_accuracy": hits_total / tokens_total, "sequence_accuracy": exact / len(rows)}
