@@ -4,9 +4,11 @@
     result = run_quickstart(QuickstartRecipe.reduced(), "runs/quickstart")  # the CI-size one
 
 1. the tiny tokenizer is built (or loaded from `tokenizer_dir`), the model initialised on a
-   small mesh (`mesh_devices` CPU devices on the `expert` axis; default 1: fake CPU devices run
-   on the same cores, so splitting gives no speed-up, only collectives);
-2. SFT on synthetic demonstrations (`agents.calculator_demonstration`) of `sft_tasks` tasks;
+   small mesh (`mesh_devices` CPU devices: as many on `expert` as divide the experts, the rest on
+   `data`; default 1: fake CPU devices share the same cores, so splitting gives no speed-up);
+2. SFT on demonstrations of `sft_tasks` tasks (`sft_demonstrations`), until the warm start
+   solves the tool-route probe (`sft_target_accuracy`, checked every `sft_probe_every` steps) or
+   `sft_steps` have run;
 3. greedy evaluation on `eval_tasks` held-out tasks (none of them in the SFT or RL sets):
    `success_before`;
 4. `rl_steps` steps of `RLTrainer` in `mode` ('pipelined') with GRPO advantages and the real
@@ -15,22 +17,26 @@
 5. the same greedy evaluation: `success_after`.
 
 Everything is seeded: the tasks, the init, the SFT order, the sampling of every rollout.
-Per-step metrics go to `run_dir/metrics.jsonl` (rows carry `phase` = 'sft' | 'eval' | 'rl') and
-TensorBoard (`run_dir/tensorboard`), the RL timeline to `timeline.trace.json` (Chrome trace) and
-`busy_idle.png`, the recipe to `recipe.json`, the result to `result.json`.
+Per-step metrics go to `run_dir/metrics.jsonl` (rows carry `phase` = 'sft' | 'sft_probe' |
+'eval' | 'rl') and TensorBoard (`run_dir/tensorboard`), the RL timeline to
+`timeline.trace.json` (Chrome trace) and `busy_idle.png`, the recipe to `recipe.json`, the
+result to `result.json`.
 
-Why RL has something to learn: half of the SFT demonstrations call the calculator, half state
-the (correct) answer at once (`sft_direct_answer_fraction`), as mixed human data would. A model
-of this size imitates the direct answers' form but cannot compute them, so after SFT it mostly
-guesses (greedy: it answers directly on almost every held-out task) while the tool route, when
-sampled, often succeeds. GRPO groups then hold both routes, their rewards differ, and the policy
-learns to call the tool. Measured on a 2-core CPU (full recipe, ~5 min): held-out greedy success
-0.015 after SFT -> 0.745 after 20 GRPO steps (+73 points; tool calls per task 0.0 -> 1.5). The
-SFT loss drops sharply only around steps 900-1100 (where the model starts copying numbers), so
-shorter SFT leaves RL little to build on: two trials with 1000 SFT steps gained 0 and 4 points.
-Ablation (`sft_direct_answer_fraction=0`, every demonstration calls the tool): SFT alone reaches
-0.725 and 20 GRPO steps move it to 0.680, so what RL adds here is the tool-use decision, not
-better arithmetic copying than tool-only SFT gives.
+Why RL has something to learn, on every machine (docs/DESIGN.md section 7 has the diagnosis):
+- 75 % of the demonstrations answer at once (`sft_direct_answer_fraction`), 25 % call the
+  calculator. Greedy, the warm-started policy takes the direct route on every task and, unable
+  to compute, scores near 0. Sampled at temperature 0.7, a group of 8 still holds a tool sample
+  most of the time, and those mostly succeed: GRPO groups hold both routes with different
+  rewards, and the policy learns that calling the tool is what pays.
+- A direct answer's content is masked out of the SFT loss (`mask_answer_content`): the model
+  learns the route and its form, not digits it cannot compute. Fitting those digits trains the
+  `<answer>` digit predictions against the copy of the tool's result; with them, the tool route
+  plateaued near 20 % exact on held-out tasks and RL's outcome hung on the float path.
+- SFT stops on what the model does, not after a fixed count: the share of held-out tool
+  demonstrations it reproduces exactly (teacher-forced, route decision excluded) must reach
+  `sft_target_accuracy`. When that happens varies with seed and machine; the stopping point
+  absorbs it.
+`experiments/bench/quickstart_seeds.py` measures the gain over seeds and device counts.
 
 Shapes are kept few on purpose (compiling costs tens of seconds per shape on CPU): SFT rows are
 padded to one width, the engine has fixed buckets and one max_len shared by evaluation and RL,
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import time
 from typing import Callable
@@ -64,7 +71,7 @@ from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.evaluate import evaluate
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
 from sfrrl_jax.trainer.run_logger import RunLogger
-from sfrrl_jax.trainer.sft import run_sft
+from sfrrl_jax.trainer.sft import run_sft, teacher_forced_accuracy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,18 +97,22 @@ class QuickstartRecipe:
     seed: int = 0
     # tasks
     min_ops: int = 1
-    max_ops: int = 2
+    max_ops: int = 1
     max_digits: int = 2
     sft_tasks: int = 1000
     rl_tasks: int = 256
     eval_tasks: int = 200
     show_tool_schemas: bool = False  # see CalculatorEnvironment
+    use_system_prompt: bool = False  # CALCULATOR_SYSTEM_PROMPT: ~50 more tokens in every row
     # SFT
     # share of SFT demonstrations that answer directly, without the tool (see sft_demonstrations)
-    sft_direct_answer_fraction: float = 0.5
-    sft_steps: int = 1500
+    sft_direct_answer_fraction: float = 0.75
+    sft_steps: int = 2000             # at most; the warm start stops once it solves the probe
+    sft_probe_tasks: int = 64         # tool-route probe: RL tasks (unseen in SFT), see tool_route_probe
+    sft_probe_every: int = 100
+    sft_target_accuracy: float = 0.75  # probe sequence accuracy that ends SFT (0: run all sft_steps)
     sft_batch_size: int = 16
-    sft_learning_rate: float = 1e-2
+    sft_learning_rate: float = 3e-3
     sft_warmup_steps: int = 20
     sft_seq_bucket: int = 32
     # RL (GRPO in the pipelined trainer)
@@ -140,12 +151,21 @@ class QuickstartRecipe:
                   "max_total_tokens", "rl_seq_bucket", "max_slots", "engine_max_len", "decode_steps"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{own}.{k} must be >= 1, got {getattr(self, k)!r}")
-        for k in ("sft_steps", "rl_steps", "eval_every", "sft_warmup_steps", "rl_warmup_steps"):
+        for k in ("sft_steps", "rl_steps", "eval_every", "sft_warmup_steps", "rl_warmup_steps", "sft_probe_tasks",
+                  "sft_probe_every"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{own}.{k} must be >= 0, got {getattr(self, k)!r}")
         if not 0.0 <= self.sft_direct_answer_fraction <= 1.0:
             raise ValueError(f"{own}.sft_direct_answer_fraction must be in [0, 1], got "
                              f"{self.sft_direct_answer_fraction!r}")
+        if not 0.0 <= self.sft_target_accuracy <= 1.0:
+            raise ValueError(f"{own}.sft_target_accuracy must be in [0, 1], got {self.sft_target_accuracy!r}")
+        if self.sft_target_accuracy > 0 and not (self.sft_probe_tasks and self.sft_probe_every):
+            raise ValueError(f"{own}.sft_target_accuracy={self.sft_target_accuracy} needs sft_probe_tasks >= 1 "
+                             f"and sft_probe_every >= 1")
+        if self.sft_probe_tasks > self.rl_tasks:
+            raise ValueError(f"{own}.sft_probe_tasks={self.sft_probe_tasks} > rl_tasks={self.rl_tasks}: the "
+                             f"probe is drawn from the RL tasks")
         if self.max_ops < self.min_ops:
             raise ValueError(f"{own}: max_ops={self.max_ops} < min_ops={self.min_ops}")
         if self.max_total_tokens > self.engine_max_len:
@@ -184,8 +204,8 @@ class CalculatorEnvironment(ToolEnvironment):
     Tool calls still go through the same `ToolRunner` (name and argument checks included).
     """
 
-    def __init__(self, show_tool_schemas: bool = True):
-        super().__init__([CalculatorTool()], CALCULATOR_SYSTEM_PROMPT)
+    def __init__(self, show_tool_schemas: bool = True, system_prompt: str | None = CALCULATOR_SYSTEM_PROMPT):
+        super().__init__([CalculatorTool()], system_prompt)
         self.show_tool_schemas = show_tool_schemas
 
     def tool_schemas(self) -> list[dict]:
@@ -213,6 +233,55 @@ def sft_demonstrations(tasks: list[Task], direct_fraction: float, system_prompt:
             for t, d in zip(tasks, direct)]
 
 
+def mask_answer_content(tokenizer, tokens: list[int], loss_mask: list[int]) -> list[int]:
+    """`loss_mask` with the tokens between the last assistant turn's `<answer>` and `</answer>`
+    set to 0 (the tags and the end-of-turn token stay trained).
+
+    Used on direct-answer demonstrations: the model learns to take that route and its form, but
+    is not fitted to digits it cannot compute. Fitting them (memorising each answer) trains the
+    same `<answer>` digit predictions that a tool demonstration trains to copy the tool's result:
+    measured, the tool route's remaining teacher-forced errors sat almost all in the answer's
+    digits, and held-out sequence accuracy plateaued near 0.2.
+    """
+    mask = list(loss_mask)
+    start = len(mask)
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    text = lambda a, b: tokenizer.decode(tokens[a:b])
+    open_end = next((i for i in range(start + 1, len(tokens) + 1) if text(start, i).endswith("<answer>")), None)
+    close = next((i for i in range(open_end or len(tokens), len(tokens)) if text(i, len(tokens)).startswith("</answer>")),
+                 None) if open_end is not None else None
+    if open_end is None or close is None or not text(start, open_end) == "<answer>":
+        raise ValueError(f"mask_answer_content: the last assistant turn is not '<answer>...</answer>': "
+                         f"{text(start, len(tokens))!r}")
+    mask[open_end:close] = [0] * (close - open_end)
+    return mask
+
+
+def sft_examples(tokenizer, demos: list[list[dict]], tools) -> list[dict]:
+    """{'tokens', 'loss_mask'} per transcript; a direct answer's content is masked (`mask_answer_content`)."""
+    out = []
+    for demo in demos:
+        tokens, mask = render_sft_example(tokenizer, demo, tools)
+        if not any(m.get("tool_calls") for m in demo):
+            mask = mask_answer_content(tokenizer, tokens, mask)
+        out.append({"tokens": tokens, "loss_mask": mask})
+    return out
+
+
+def tool_route_probe(tokenizer, tasks: list[Task], system_prompt: str | None, tools) -> list[dict]:
+    """Tool demonstrations of `tasks` with the first generated token (the route decision: call
+    the tool or answer at once) out of the loss mask: teacher-forced, the share of these solved
+    exactly is the share the greedy policy solves once it has chosen the tool."""
+    out = []
+    for task in tasks:
+        tokens, mask = render_sft_example(tokenizer, calculator_demonstration(task, system_prompt), tools)
+        mask = list(mask)
+        mask[mask.index(1)] = 0
+        out.append({"tokens": tokens, "loss_mask": mask})
+    return out
+
+
 def quickstart_tasks(recipe: QuickstartRecipe) -> tuple[list[Task], list[Task], list[Task]]:
     """(sft, rl, eval) task lists; eval holds no expression that occurs in sft or rl."""
     gen = lambda n, salt: generate_arithmetic_tasks(n, seed=recipe.seed * 1000 + salt, min_ops=recipe.min_ops,
@@ -227,6 +296,13 @@ def quickstart_tasks(recipe: QuickstartRecipe) -> tuple[list[Task], list[Task], 
         if extra > 50 * recipe.eval_tasks:
             raise ValueError("quickstart: cannot draw enough held-out tasks; raise max_digits or lower the set sizes")
     return sft, rl, held
+
+
+def quickstart_mesh(recipe: QuickstartRecipe, devices):
+    """The recipe's mesh over `devices`: as many on the `expert` axis as divide the experts, the
+    rest on `data` (8 devices, 4 experts -> data 2 x expert 4)."""
+    expert = math.gcd(len(devices), recipe.n_experts)
+    return make_mesh(data=len(devices) // expert, expert=expert, devices=devices)
 
 
 def _round(metrics: dict) -> dict:
@@ -256,13 +332,15 @@ def _run(recipe: QuickstartRecipe, run_dir: pathlib.Path, logger: RunLogger, log
     devices = jax.devices()
     if recipe.mesh_devices > len(devices):
         raise ValueError(f"QuickstartRecipe.mesh_devices={recipe.mesh_devices} > {len(devices)} available devices")
-    mesh = make_mesh(expert=recipe.mesh_devices, devices=devices[:recipe.mesh_devices])
+    mesh = quickstart_mesh(recipe, devices[:recipe.mesh_devices])
     params = init_params(model_cfg, mesh, seed=recipe.seed)
-    env = CalculatorEnvironment(recipe.show_tool_schemas)
+    env = CalculatorEnvironment(recipe.show_tool_schemas,
+                                CALCULATOR_SYSTEM_PROMPT if recipe.use_system_prompt else None)
     tools = env.tool_schemas() or None
     sft_tasks, rl_tasks, eval_tasks = quickstart_tasks(recipe)
     demos = sft_demonstrations(sft_tasks, recipe.sft_direct_answer_fraction, env.system_prompt, recipe.seed)
-    examples = [dict(zip(("tokens", "loss_mask"), render_sft_example(tokenizer, demo, tools))) for demo in demos]
+    examples = sft_examples(tokenizer, demos, tools)
+    probe = tool_route_probe(tokenizer, rl_tasks[:recipe.sft_probe_tasks], env.system_prompt, tools)
     log(f"quickstart: {model_cfg.name} ({model_cfg.param_count():,} params, {recipe.n_experts} experts, top-{recipe.top_k}) "
         f"on {recipe.mesh_devices} {devices[0].platform} device(s); {len(sft_tasks)} SFT / {len(rl_tasks)} RL / "
         f"{len(eval_tasks)} held-out tasks ({recipe.min_ops}-{recipe.max_ops} ops, <= {recipe.max_digits} digits)")
@@ -284,11 +362,23 @@ def _run(recipe: QuickstartRecipe, run_dir: pathlib.Path, logger: RunLogger, log
     t_sft = time.perf_counter()
     sft_opt = OptimizerConfig(learning_rate=recipe.sft_learning_rate, warmup_steps=recipe.sft_warmup_steps,
                               total_steps=max(recipe.sft_steps, 1), end_lr_ratio=0.1, weight_decay=0.0)
+    probe_history = []
+
+    def probe_solved(steps_done: int, live_params) -> bool:
+        acc = teacher_forced_accuracy(model_cfg, live_params, probe, seq_bucket=recipe.sft_seq_bucket)
+        probe_history.append({"step": steps_done, **acc})
+        log(f"sft probe after {steps_done} steps: tool route solved {acc['sequence_accuracy']:.3f} "
+            f"(token accuracy {acc['token_accuracy']:.3f}; target {recipe.sft_target_accuracy})")
+        return acc["sequence_accuracy"] >= recipe.sft_target_accuracy > 0
+
     params, sft_opt_state, sft_history = run_sft(model_cfg, params, sft_opt, examples, recipe.sft_steps, recipe.sft_batch_size,
                                      seed=recipe.seed, seq_bucket=recipe.sft_seq_bucket,
-                                     log_every=max(recipe.sft_steps // 10, 1), log=log)
+                                     log_every=max(recipe.sft_steps // 10, 1), log=log,
+                                     stop_when=probe_solved if probe else None, check_every=recipe.sft_probe_every)
     for m in sft_history:
         logger.log(m["step"], {"phase": "sft", **{f"sft/{k}": v for k, v in m.items() if k != "step"}})
+    for m in probe_history:
+        logger.log(m["step"], {"phase": "sft_probe", **{f"sft_probe/{k}": v for k, v in m.items() if k != "step"}})
     sft_s = time.perf_counter() - t_sft
     eval_before = held_out_eval(params, 0, "after_sft")
 
@@ -337,6 +427,8 @@ def _run(recipe: QuickstartRecipe, run_dir: pathlib.Path, logger: RunLogger, log
         "sft_s": sft_s,
         "rl_s": rl_s,
         "sft_final_loss": sft_history[-1]["loss"] if sft_history else float("nan"),
+        "sft_steps": len(sft_history),
+        "sft_probe_accuracy": probe_history[-1]["sequence_accuracy"] if probe_history else float("nan"),
         "rl_reward_first": rl_history[0]["reward/mean"] if rl_history else float("nan"),
         "rl_reward_last": rl_history[-1]["reward/mean"] if rl_history else float("nan"),
         "eval_before": _round(eval_before),

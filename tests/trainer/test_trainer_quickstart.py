@@ -15,9 +15,10 @@ from sfrrl_jax.tokenizer import load_tokenizer
 from sfrrl_jax.train.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.agent_rollout import AgentRollout
 from sfrrl_jax.trainer.evaluate import evaluate
-from sfrrl_jax.trainer.quickstart import CalculatorEnvironment, QuickstartRecipe, quickstart_tasks, run_quickstart
+from sfrrl_jax.trainer.quickstart import (CalculatorEnvironment, QuickstartRecipe, mask_answer_content, quickstart_tasks,
+                                         run_quickstart, sft_demonstrations, sft_examples, tool_route_probe)
 from sfrrl_jax.trainer.run_logger import read_metrics
-from sfrrl_jax.trainer.sft import check_examples, make_batch, padded_width, run_sft
+from sfrrl_jax.trainer.sft import check_examples, make_batch, padded_width, run_sft, teacher_forced_accuracy
 from sfrrl_jax.trainer.rl_trainer import shared_train_step
 from sfrrl_jax.rl.config import LossConfig
 
@@ -164,10 +165,11 @@ def test_recipe_validation_and_held_out_tasks_are_unseen():
 
 
 def test_quickstart_learns_and_writes_its_outputs(tok_dir, tmp_path):
-    """The CI-size quickstart: SFT, held-out eval, pipelined GRPO, eval; RL raises held-out success.
+    """The CI-size quickstart: SFT to the probe, held-out eval, pipelined GRPO, eval.
 
-    Greedy decoding and seeded sampling make the run deterministic on one machine; measured here
-    0.146 -> 0.573 (+43 points); the bound asks for the issue's 15.
+    The bound (+15 points) is far below what the recipe gains on any seed and device count
+    measured (experiments/bench/quickstart_seeds.py, README): a machine whose float path differs
+    changes the figures, not the verdict.
     """
     recipe = QuickstartRecipe.reduced(tokenizer_dir=str(tok_dir))
     logs = []
@@ -177,8 +179,13 @@ def test_quickstart_learns_and_writes_its_outputs(tok_dir, tmp_path):
     assert result["eval_after"]["mean_tool_calls"] > result["eval_before"]["mean_tool_calls"]
     rows = read_metrics(tmp_path)
     phases = [r["phase"] for r in rows]
-    assert phases.count("sft") == recipe.sft_steps and phases.count("rl") == recipe.rl_steps
+    assert phases.count("sft") == result["sft_steps"] <= recipe.sft_steps and phases.count("rl") == recipe.rl_steps
     assert phases.count("eval") == 2
+    probes = [r for r in rows if r["phase"] == "sft_probe"]
+    assert len(probes) == result["sft_steps"] // recipe.sft_probe_every
+    # SFT ran until the probe was solved (or to its cap), and the probe is what the result reports
+    assert (result["sft_probe_accuracy"] >= recipe.sft_target_accuracy) or result["sft_steps"] == recipe.sft_steps
+    assert probes[-1]["sft_probe/sequence_accuracy"] == result["sft_probe_accuracy"]
     sft = [r["sft/loss"] for r in rows if r["phase"] == "sft"]
     assert np.mean(sft[-10:]) < 0.5 * np.mean(sft[:10])  # the warm start learns the demonstrations
     rl_rows = [r for r in rows if r["phase"] == "rl"]
@@ -188,3 +195,54 @@ def test_quickstart_learns_and_writes_its_outputs(tok_dir, tmp_path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert json.loads((tmp_path / "result.json").read_text())["success_after"] == result["success_after"]
     assert any("held-out success" in line for line in logs)
+
+
+def test_direct_answers_train_the_route_not_the_digits_and_the_probe_excludes_the_route(tokenizer):
+    env = CalculatorEnvironment(show_tool_schemas=False, system_prompt=None)
+    tasks = generate_arithmetic_tasks(40, seed=11, min_ops=1, max_ops=1, max_digits=2)
+    demos = sft_demonstrations(tasks, 0.5, None, seed=3)
+    examples = sft_examples(tokenizer, demos, None)
+    kinds = set()
+    for task, demo, ex in zip(tasks, demos, examples):
+        trained = tokenizer.decode([t for t, m in zip(ex["tokens"], ex["loss_mask"]) if m])
+        direct = not any(m.get("tool_calls") for m in demo)
+        kinds.add(direct)
+        if direct:  # tags and end of turn trained, the answer's digits not
+            assert trained == "<answer></answer><|end|>", trained
+        else:       # a tool demonstration trains everything it generates, digits included
+            assert trained.endswith(f"<answer>{task.answer}</answer><|end|>") and "<|call|>" in trained
+    assert kinds == {True, False}
+    probe = tool_route_probe(tokenizer, tasks[:3], None, None)
+    for task, ex in zip(tasks, probe):
+        full_tokens, full_mask = render_sft_example(tokenizer, calculator_demonstration(task, None))
+        assert ex["tokens"] == full_tokens
+        first = full_mask.index(1)
+        assert ex["loss_mask"][first] == 0 and tokenizer.decode([full_tokens[first]]) == "<|call|>"
+        assert ex["loss_mask"][first + 1:] == full_mask[first + 1:]
+    with pytest.raises(ValueError, match="not '<answer>...</answer>'"):
+        tokens = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], None, add_generation_prompt=True)
+        extra = tokenizer.encode("no tags<|end|>")
+        mask_answer_content(tokenizer, tokens + extra, [0] * len(tokens) + [1] * len(extra))
+
+
+def test_teacher_forced_accuracy_counts_exact_rows_and_sft_stops_when_asked(tokenizer):
+    cfg = S.ModelConfig.preset("tiny-moe", n_experts=4, max_seq_len=192)
+    params = S.init_params(cfg, _one_device_mesh(), seed=0)
+    examples = _examples(tokenizer, 8)
+    acc = teacher_forced_accuracy(cfg, params, examples, batch_size=8)
+    assert acc["sequence_accuracy"] == 0.0 and 0.0 <= acc["token_accuracy"] < 0.2  # untrained
+    # a row whose loss tokens are all the model's own argmax counts as exact
+    row = np.asarray(examples[0]["tokens"][:12], np.int32)
+    for i in range(4, 12):
+        row[i] = int(np.argmax(np.asarray(S.forward(cfg, params, row[None, :i]))[0, -1]))
+    mask = [0] * 4 + [1] * 8
+    mine = teacher_forced_accuracy(cfg, params, [{"tokens": row.tolist(), "loss_mask": mask}] + examples[:1],
+                                   batch_size=8)
+    assert mine["sequence_accuracy"] == 0.5
+    calls = []
+    opt = OptimizerConfig(learning_rate=1e-3, total_steps=20)
+    _, _, hist = run_sft(cfg, params, opt, examples, steps=20, batch_size=8, stop_when=lambda n, p: calls.append(n) or n >= 6,
+                         check_every=3)
+    assert calls == [3, 6] and len(hist) == 6
+    with pytest.raises(ValueError, match="stop_when needs check_every >= 1"):
+        run_sft(cfg, params, opt, examples, steps=2, batch_size=8, stop_when=lambda n, p: True)
