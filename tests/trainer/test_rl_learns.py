@@ -18,8 +18,10 @@ def test_grpo_raises_the_reward_of_the_workload():
                        buckets=(16, 32), seq_bucket=64)
     trainer = RLTrainer(cfg, S.init_params(cfg, mesh, seed=0), tc, S.LossConfig(),
                         S.OptimizerConfig(learning_rate=1e-2), WorkloadAgent(wl), TaskStream(make_tasks(wl)))
-    rewards = [trainer.step()["reward/mean"] for _ in range(12)]
-    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.05, rewards
+    # 12 steps moved the mean by only +0.06..+0.12 over init seeds 0-2: a +0.05 bound met with no
+    # margin. After 20 steps it is +0.33..+0.37 on those seeds, so +0.15 holds with room to spare.
+    rewards = [trainer.step()["reward/mean"] for _ in range(20)]
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.15, rewards
 
 
 def test_host_group_advantages_equal_the_rl_library():
