@@ -47,6 +47,10 @@ def _decode_object(payload: str, what: str) -> dict | ToolCallError:
         value, end = json.JSONDecoder().raw_decode(text)
     except json.JSONDecodeError as e:
         return ToolCallError(f"malformed tool call JSON in {what}: {e.msg} at char {e.pos}", raw=payload)
+    except ValueError as e:  # an integer literal past Python's int digit limit (4300 by default)
+        return ToolCallError(f"unparsable tool call JSON in {what}: {e}", raw=payload)
+    except RecursionError:  # JSON nested deeper than the interpreter's recursion limit
+        return ToolCallError(f"tool call JSON in {what} is nested too deeply", raw=payload)
     if text[end:].strip():
         return ToolCallError(f"unexpected text after the JSON object in {what}: {text[end:end + 30]!r}", raw=payload)
     if not isinstance(value, dict):
@@ -86,9 +90,11 @@ def _tagged_calls(text: str, open_tag: str, close_tag: str, decode_body, stop_su
     while (start := text.find(open_tag, pos)) >= 0:
         content.append(text[pos:start])
         body_start = start + len(open_tag)
+        # At most 16 candidate close tags: collecting every later one made a turn of n calls
+        # cost O(n^2) (16,000 calls: 18 s on the event loop).
         ends = []
         end = text.find(close_tag, body_start)
-        while end >= 0:
+        while end >= 0 and len(ends) < 16:
             ends.append(end)
             end = text.find(close_tag, end + len(close_tag))
         if not ends:
@@ -98,7 +104,7 @@ def _tagged_calls(text: str, open_tag: str, close_tag: str, decode_body, stop_su
         # The nearest close tag, unless it sits inside the JSON (e.g. in a string) and a later one
         # closes a body that decodes.
         first, chosen = None, None
-        for e in ends[:16]:
+        for e in ends:
             item = decode_body(text[body_start:e], len(calls), text[start:e + len(close_tag)])
             first = first or (item, e)
             if isinstance(item, ToolCall):

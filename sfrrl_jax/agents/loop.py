@@ -20,7 +20,8 @@ import time
 from typing import Any, Awaitable, Callable, Sequence
 
 from sfrrl_jax.agents.formats import get_format
-from sfrrl_jax.agents.protocols import EngineProtocol, Environment, GenerationRequest, Task
+from sfrrl_jax.agents.protocols import (EngineProtocol, Environment, GenerationRequest, Task, ToolCall,
+                                       ToolCallError)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
 
 
@@ -35,10 +36,12 @@ class AgentConfig:
     top_p: float | None = None
     seed: int = 0
     tool_format: str = "compact"  # 'compact' | 'qwen3' | 'harmony'
+    max_tool_calls_per_turn: int = 32  # calls past it are not run: one error observation says so
     stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-turn and eos
 
     def __post_init__(self):
-        for name in ("max_turns", "max_new_tokens_per_turn", "max_total_tokens", "wall_budget_s"):
+        for name in ("max_turns", "max_new_tokens_per_turn", "max_total_tokens", "wall_budget_s",
+                     "max_tool_calls_per_turn"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"AgentConfig.{name} must be > 0, got {getattr(self, name)!r}")
         get_format(self.tool_format)  # fail early on an unknown format name
@@ -48,6 +51,15 @@ def turn_seed(seed: int, task_id: str, sample_index: int, turn: int) -> int:
     """Deterministic per-(task, sample, turn) sampling seed in [0, 2**31)."""
     digest = hashlib.blake2b(f"{seed}/{task_id}/{sample_index}/{turn}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % 2**31
+
+
+def capped_calls(calls: Sequence[ToolCall | ToolCallError], cap: int) -> tuple[ToolCall | ToolCallError, ...]:
+    """The first `cap` calls, then (if any were cut) one `ToolCallError` naming how many were not
+    run: a turn of thousands of calls costs the tools and the context nothing past the cap."""
+    if len(calls) <= cap:
+        return tuple(calls)
+    return tuple(calls[:cap]) + (ToolCallError(
+        f"{len(calls) - cap} more tool calls in this turn were not run: at most {cap} per turn"),)
 
 
 async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokenizer, cfg: AgentConfig,
@@ -109,27 +121,28 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                 record(gen_hi, calls=len(parsed.calls))
                 traj.finish_reason = "max_turns"
                 break
+            calls = capped_calls(parsed.calls, cfg.max_tool_calls_per_turn)
             tools_start = time.perf_counter()
             try:
                 async with asyncio.timeout_at(deadline):
-                    results = await env.step(parsed.calls)
+                    results = await env.step(calls)
             except TimeoutError:
-                record(gen_hi, time.perf_counter() - tools_start, calls=len(parsed.calls))
+                record(gen_hi, time.perf_counter() - tools_start, calls=len(calls))
                 traj.finish_reason = "wall_budget"
                 break
             tools_s = time.perf_counter() - tools_start
-            if len(results) != len(parsed.calls):
-                raise RuntimeError(f"environment returned {len(results)} results for {len(parsed.calls)} calls")
+            if len(results) != len(calls):
+                raise RuntimeError(f"environment returned {len(results)} results for {len(calls)} calls")
             tool_messages = [r.as_message() for r in results]
             delta = tokenizer.render_delta(messages, tool_messages, tools,
                                            stop_text=tokenizer.decode([completion.tokens[-1]]))
             messages.extend(tool_messages)
             errors = sum(r.is_error for r in results)
             if len(builder) + len(delta) >= cfg.max_total_tokens:  # no room to append and still generate
-                record(gen_hi, tools_s, errors, len(parsed.calls))
+                record(gen_hi, tools_s, errors, len(calls))
                 traj.finish_reason = "max_tokens"
                 break
-            record(builder.append_observation(delta), tools_s, errors, len(parsed.calls))
+            record(builder.append_observation(delta), tools_s, errors, len(calls))
             pending = delta
     finally:
         if handle is not None:

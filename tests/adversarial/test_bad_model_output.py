@@ -1,0 +1,71 @@
+"""Hostile model output (issue: a bad turn must be that trajectory's error observation): JSON the
+parser cannot hold, thousands of calls in one turn. Each attack as it was tried."""
+import asyncio
+
+import pytest
+
+from sfrrl_jax.agents.environments import calculator_environment
+from sfrrl_jax.agents.formats import get_format
+from sfrrl_jax.agents.loop import AgentConfig, capped_calls, run_agent
+from sfrrl_jax.agents.protocols import Completion, ToolCall, ToolCallError
+from sfrrl_jax.agents.tasks import arithmetic_task
+from sfrrl_jax.tokenizer import load_tokenizer
+
+HUGE_INT = "9" * 5000          # past Python's 4,300-digit int conversion limit: ValueError in json
+DEEP = '{"a":' * 3000 + "1" + "}" * 3000   # past the recursion limit: RecursionError in json
+
+TURNS = {
+    "compact": lambda body: f"<|call|>calculator{body}<|/call|>",
+    "qwen3": lambda body: f'<tool_call>{{"name": "calculator", "arguments": {body}}}</tool_call>',
+    "harmony": lambda body: f"<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{body}<|call|>",
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(TURNS))
+@pytest.mark.parametrize("body, says", [('{"expression": ' + HUGE_INT + "}", "integer string conversion"),
+                                        (DEEP, "nested too deeply")])
+def test_unparsable_json_is_a_call_error_not_an_exception(fmt, body, says):
+    parsed = get_format(fmt).parse(TURNS[fmt](body))
+    (call,) = parsed.calls
+    assert isinstance(call, ToolCallError) and says in call.message
+
+
+def test_thousands_of_calls_in_one_turn_parse_each_and_run_only_up_to_the_cap():
+    text = '<|call|>calculator{"expression": "1 + 1"}<|/call|>' * 16000
+    parsed = get_format("compact").parse(text)  # was O(n^2) in the calls: 17.8 s at 16,000
+    assert len(parsed.calls) == 16000 and all(isinstance(c, ToolCall) for c in parsed.calls)
+    capped = capped_calls(parsed.calls, 4)
+    assert capped[:4] == parsed.calls[:4] and len(capped) == 5
+    assert isinstance(capped[4], ToolCallError) and "15996 more tool calls" in capped[4].message
+    assert capped_calls(parsed.calls[:3], 4) == parsed.calls[:3]
+    with pytest.raises(ValueError, match="max_tool_calls_per_turn must be > 0"):
+        AgentConfig(max_tool_calls_per_turn=0)
+
+
+class _OneTurnEngine:
+    def __init__(self, tok, turns):
+        self.tok, self.turns, self.released = tok, list(turns), []
+
+    async def complete(self, request):
+        tokens = self.tok.encode(self.turns.pop(0))
+        return Completion(tokens, [-0.1] * len(tokens), "stop", "slot")
+
+    async def release(self, handle):
+        self.released.append(handle)
+
+
+def test_a_turn_past_the_call_cap_runs_the_cap_and_reads_one_error(tok_dir):
+    tok = load_tokenizer(tok_dir)
+    env = calculator_environment()
+    task = arithmetic_task("2 + 3", "t0")
+    calls = '<|call|>calculator{"expression": "2 + 3"}<|/call|>' * 50
+    engine = _OneTurnEngine(tok, [calls + "<|end|>", "<answer>5</answer><|end|>"])
+    cfg = AgentConfig(max_turns=3, max_new_tokens_per_turn=4000, max_total_tokens=8000, temperature=0.0,
+                      max_tool_calls_per_turn=3)
+    traj = asyncio.run(run_agent(engine, env, task, tok, cfg))
+    env.close()
+    assert traj.reward == 1.0 and traj.finish_reason == "answer" and engine.released == ["slot"]
+    turn = traj.turns[0]
+    assert turn.num_tool_calls == 4 and turn.num_tool_errors == 1   # 3 run + the one error observation
+    observation = tok.decode(traj.tokens[turn.gen_end:turn.obs_end])
+    assert observation.count("<|tool|>5<|end|>") == 3 and "47 more tool calls in this turn were not run" in observation
