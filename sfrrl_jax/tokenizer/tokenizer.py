@@ -124,6 +124,12 @@ class Tokenizer:
         stop_text = stop_text or self.end_of_turn_token
         before = self.render(history, tools, add_generation_prompt=False, **template_kwargs)
         cut = before.rfind(stop_text)
+        if cut < 0 and stop_text != self.end_of_turn_token:
+            # The turn stopped on a token the template never renders (e.g. EOS where the template
+            # closes assistant turns with end-of-turn): what follows the turn is the same as after
+            # the template's own close of it.
+            stop_text = self.end_of_turn_token
+            cut = before.rfind(stop_text)
         if cut < 0:
             raise TemplateDeltaError(f"{self.name}: the rendered history has no {stop_text!r} to cut after")
         prefix = before[:cut + len(stop_text)]

@@ -69,3 +69,20 @@ def test_a_turn_past_the_call_cap_runs_the_cap_and_reads_one_error(tok_dir):
     assert turn.num_tool_calls == 4 and turn.num_tool_errors == 1   # 3 run + the one error observation
     observation = tok.decode(traj.tokens[turn.gen_end:turn.obs_end])
     assert observation.count("<|tool|>5<|end|>") == 3 and "47 more tool calls in this turn were not run" in observation
+
+
+def test_a_tool_call_turn_ended_by_eos_continues_with_the_tool_result(tok_dir):
+    tok = load_tokenizer(tok_dir)
+    env = calculator_environment()
+    task = arithmetic_task("2 + 3", "t0")
+    eos = tok.eos_token
+    assert eos and eos != tok.end_of_turn_token
+    engine = _OneTurnEngine(tok, ['<|call|>calculator{"expression": "2 + 3"}<|/call|>' + eos,
+                                  "<answer>5</answer><|end|>"])
+    cfg = AgentConfig(max_turns=3, max_new_tokens_per_turn=64, max_total_tokens=512, temperature=0.0)
+    traj = asyncio.run(run_agent(engine, env, task, tok, cfg))  # was TemplateDeltaError out of the loop
+    env.close()
+    assert traj.reward == 1.0 and traj.finish_reason == "answer" and traj.num_tool_calls == 1
+    turn = traj.turns[0]
+    assert tok.decode(traj.tokens[turn.gen_start:turn.gen_end]).endswith("<|/call|>" + eos)
+    assert tok.decode(traj.tokens[turn.gen_end:turn.obs_end]) == "<|tool|>5<|end|><|assistant|>"
