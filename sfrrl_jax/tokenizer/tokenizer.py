@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -89,7 +90,16 @@ class Tokenizer:
         return self.hf.id_to_token(token_id)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token strings become their ids; no bos/eos is added."""
+        """Token ids of `text`; special-token strings become their ids; no bos/eos is added.
+
+        A Python str may hold lone surrogates (e.g. a tool echoing '\\ud800' decoded from JSON),
+        which are not UTF-8 and which the Rust tokenizer refuses with a TypeError; they become
+        U+FFFD, as any UTF-8 decoder would show them.
+        """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = _SURROGATE.sub("\ufffd", text)
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -140,6 +150,9 @@ class Tokenizer:
                 f"{self.name}: chat template re-renders history differently once new messages follow "
                 f"(first difference at char {at}: {prefix[at:at + 40]!r} vs {after[at:at + 40]!r})")
         return self.encode(after[len(prefix):])
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -86,3 +86,26 @@ def test_a_tool_call_turn_ended_by_eos_continues_with_the_tool_result(tok_dir):
     turn = traj.turns[0]
     assert tok.decode(traj.tokens[turn.gen_start:turn.gen_end]).endswith("<|/call|>" + eos)
     assert tok.decode(traj.tokens[turn.gen_end:turn.obs_end]) == "<|tool|>5<|end|><|assistant|>"
+
+
+class _EchoTool:
+    name, description = "echo", "returns its text"
+    parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+    async def __call__(self, text):
+        return text
+
+
+def test_a_tool_echoing_a_lone_surrogate_is_observed_not_a_crash(tok_dir):
+    from sfrrl_jax.agents.environments import ToolEnvironment
+    tok = load_tokenizer(tok_dir)
+    env = ToolEnvironment([_EchoTool()], None)
+    task = arithmetic_task("2 + 3", "t0")
+    # JSON's \ud800 escape decodes to a lone surrogate: valid in a Python str, not in UTF-8
+    engine = _OneTurnEngine(tok, ['<|call|>echo{"text": "a\\ud800b"}<|/call|><|end|>', "<answer>5</answer><|end|>"])
+    cfg = AgentConfig(max_turns=3, max_new_tokens_per_turn=64, max_total_tokens=512, temperature=0.0)
+    traj = asyncio.run(run_agent(engine, env, task, tok, cfg))  # was TypeError out of the tokenizer
+    env.close()
+    assert traj.reward == 1.0 and traj.num_tool_calls == 1
+    turn = traj.turns[0]
+    assert tok.decode(traj.tokens[turn.gen_end:turn.obs_end]) == "<|tool|>a\ufffdb<|end|><|assistant|>"
