@@ -375,7 +375,8 @@ def _run(recipe: QuickstartRecipe, run_dir: pathlib.Path, logger: RunLogger, log
     params, sft_opt_state, sft_history = run_sft(model_cfg, params, sft_opt, examples, recipe.sft_steps, recipe.sft_batch_size,
                                      seed=recipe.seed, seq_bucket=recipe.sft_seq_bucket,
                                      log_every=max(recipe.sft_steps // 10, 1), log=log,
-                                     stop_when=probe_solved if probe else None, check_every=recipe.sft_probe_every)
+                                     stop_when=probe_solved if probe and recipe.sft_probe_every else None,
+                                     check_every=recipe.sft_probe_every)
     for m in sft_history:
         logger.log(m["step"], {"phase": "sft", **{f"sft/{k}": v for k, v in m.items() if k != "step"}})
     for m in probe_history:

@@ -55,11 +55,7 @@ def test_pipelined_equals_sync_after_a_step_and_both_are_on_policy(tmp_path):
         assert m["perf/busy_ceiling_on_policy"] == 1.0 - m["time/idle_starved_s"] / m["time/wall_s"]
     # sync idles with finished groups waiting: idle a pipelined schedule could fill
     assert m_sync["time/idle_starved_s"] < m_sync["time/idle_s"]
-    # sync trains in launch order: a second run is bitwise identical, whatever finished first
-    again = _trainer("sync")
-    again.step()
-    for (path, a), b in zip(flat_s, jax.tree.leaves(jax.device_get(again.params))):
-        np.testing.assert_array_equal(a, b, err_msg=str(path))
+    # (sync repeats bitwise over steps, whatever finished first: tests/trainer/test_determinism.py)
     # metrics, TensorBoard, Chrome trace and the busy/idle PNG land in the run dir
     log = RunLogger(tmp_path)
     log.log(0, m_pipe)

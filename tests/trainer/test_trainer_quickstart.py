@@ -233,8 +233,8 @@ def test_teacher_forced_accuracy_counts_exact_rows_and_sft_stops_when_asked(toke
     assert acc["sequence_accuracy"] == 0.0 and 0.0 <= acc["token_accuracy"] < 0.2  # untrained
     # a row whose loss tokens are all the model's own argmax counts as exact
     row = np.asarray(examples[0]["tokens"][:12], np.int32)
-    for i in range(4, 12):
-        row[i] = int(np.argmax(np.asarray(S.forward(cfg, params, row[None, :i]))[0, -1]))
+    for i in range(4, 12):  # greedy, one shape: causal logits at i - 1 do not see tokens >= i
+        row[i] = int(np.argmax(np.asarray(S.forward(cfg, params, row[None, :]))[0, i - 1]))
     mask = [0] * 4 + [1] * 8
     mine = teacher_forced_accuracy(cfg, params, [{"tokens": row.tolist(), "loss_mask": mask}] + examples[:1],
                                    batch_size=8)
