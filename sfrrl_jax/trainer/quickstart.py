@@ -45,6 +45,7 @@ and the RL micro-batches are padded to multiples of `rl_seq_bucket`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import pathlib
@@ -245,17 +246,19 @@ def mask_answer_content(tokenizer, tokens: list[int], loss_mask: list[int]) -> l
     digits, and held-out sequence accuracy plateaued near 0.2.
     """
     mask = list(loss_mask)
-    start = len(mask)
+    start = len(mask)  # the last assistant turn: the trailing run of loss tokens
     while start > 0 and mask[start - 1]:
         start -= 1
-    text = lambda a, b: tokenizer.decode(tokens[a:b])
-    open_end = next((i for i in range(start + 1, len(tokens) + 1) if text(start, i).endswith("<answer>")), None)
-    close = next((i for i in range(open_end or len(tokens), len(tokens)) if text(i, len(tokens)).startswith("</answer>")),
-                 None) if open_end is not None else None
-    if open_end is None or close is None or not text(start, open_end) == "<answer>":
-        raise ValueError(f"mask_answer_content: the last assistant turn is not '<answer>...</answer>': "
-                         f"{text(start, len(tokens))!r}")
-    mask[open_end:close] = [0] * (close - open_end)
+    # token i of the turn spans characters ends[i - 1]..ends[i] of its text
+    ends = list(itertools.accumulate(len(tokenizer.decode([t])) for t in tokens[start:]))
+    turn = tokenizer.decode(tokens[start:])
+    open_at, close_at = len("<answer>"), turn.rfind("</answer>")
+    if (not turn.startswith("<answer>") or close_at < open_at or ends[-1] != len(turn) or open_at not in ends
+            or close_at not in [0] + ends):
+        raise ValueError(f"mask_answer_content: the last assistant turn is not '<answer>...</answer>' on token "
+                         f"boundaries: {turn!r}")
+    first, stop = start + ends.index(open_at) + 1, start + ([0] + ends).index(close_at)
+    mask[first:stop] = [0] * (stop - first)
     return mask
 
 
