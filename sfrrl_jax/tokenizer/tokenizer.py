@@ -96,9 +96,7 @@ class Tokenizer:
         which are not UTF-8 and which the Rust tokenizer refuses with a TypeError; they become
         U+FFFD, as any UTF-8 decoder would show them.
         """
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
+        if _SURROGATE.search(text):
             text = _SURROGATE.sub("\ufffd", text)
         return self.hf.encode(text, add_special_tokens=False).ids
 
