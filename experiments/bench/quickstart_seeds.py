@@ -20,6 +20,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -42,7 +43,7 @@ print("RESULT " + json.dumps({k: r[k] for k in keep}), flush=True)
 
 def run_one(seed: int, devices: int, recipe: str, overrides: dict, run_dir: str, tokenizer_dir: str) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")).strip()
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     spec = {"recipe": recipe, "run_dir": run_dir,
             "overrides": {**overrides, "seed": seed, "mesh_devices": devices, "tokenizer_dir": tokenizer_dir}}
