@@ -6,7 +6,9 @@ memory plan or a mesh choice made on a preset holds for the real model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Sequence
+import math
+import numbers
+from typing import Iterable, Literal, Sequence
 
 Family = Literal["qwen3_moe", "gpt_oss", "mixtral"]
 RouterKind = Literal["softmax_topk", "topk_softmax"]
@@ -14,6 +16,102 @@ ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 LayerType = Literal["full", "sliding"]
 Dispatch = Literal["padded", "ragged"]
 Remat = Literal["none", "full", "dots", "dots_no_batch"]
+RopeType = Literal["default", "yarn"]
+
+
+# -- field checks shared by the config dataclasses ----------------------------------------------
+# gin and JSON hand values over as written: `True` where an int belongs (bool is an int subclass,
+# so `True >= 1` passes), '128' where a number belongs, nan (every comparison with it is False,
+# so `x < 0` checks wave it through). These helpers check the type first, then finiteness, then
+# the range, and name the field ("TrainerConfig.max_len") in every message.
+
+def _fmt(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _range_text(lo, hi, lo_open: bool, hi_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {_fmt(lo)}"
+    if hi is not None:
+        return f"{'<' if hi_open else '<='} {_fmt(hi)}"
+    return ""
+
+
+def _check_range(where: str, value, lo, hi, lo_open: bool, hi_open: bool) -> None:
+    below = lo is not None and (value <= lo if lo_open else value < lo)
+    above = hi is not None and (value >= hi if hi_open else value > hi)
+    if below or above:
+        raise ValueError(f"{where} must be {_range_text(lo, hi, lo_open, hi_open)}, got {value!r}")
+
+
+def _type_error(where: str, kind: str, value, lo, hi, lo_open, hi_open, optional: bool) -> ValueError:
+    rng = _range_text(lo, hi, lo_open, hi_open)
+    return ValueError(f"{where} must be {kind}{' ' + rng if rng else ''}{' or None' if optional else ''}, "
+                      f"got {value!r} ({type(value).__name__})")
+
+
+def check_int(where: str, value, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False,
+              optional: bool = False) -> None:
+    """Raises ValueError naming `where` unless `value` is an int (not a bool) in the range."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _type_error(where, "an int", value, lo, hi, lo_open, hi_open, optional)
+    _check_range(where, value, lo, hi, lo_open, hi_open)
+
+
+def check_number(where: str, value, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False,
+                 optional: bool = False) -> None:
+    """Raises ValueError naming `where` unless `value` is a finite real (int or float, not a bool)
+    in the range."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _type_error(where, "a number", value, lo, hi, lo_open, hi_open, optional)
+    if not math.isfinite(value):
+        rng = _range_text(lo, hi, lo_open, hi_open)
+        raise ValueError(f"{where} must be {rng + ' and ' if rng else ''}finite, got {value!r}")
+    _check_range(where, value, lo, hi, lo_open, hi_open)
+
+
+def check_bool(where: str, value) -> None:
+    """Raises ValueError naming `where` unless `value` is True or False (not 0/1, not 'false')."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{where} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def check_str(where: str, value, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        raise ValueError(f"{where} must be a str{' or None' if optional else ''}, got {value!r} "
+                         f"({type(value).__name__})")
+
+
+def check_int_fields(obj, names: Iterable[str], lo=None, hi=None, optional: bool = False) -> None:
+    """`check_int` on each named field of the dataclass `obj` ("Class.field" in messages)."""
+    for n in names:
+        check_int(f"{type(obj).__name__}.{n}", getattr(obj, n), lo, hi, optional=optional)
+
+
+def check_number_fields(obj, names: Iterable[str], lo=None, hi=None, *, lo_open: bool = False,
+                        hi_open: bool = False, optional: bool = False) -> None:
+    for n in names:
+        check_number(f"{type(obj).__name__}.{n}", getattr(obj, n), lo, hi, lo_open=lo_open,
+                     hi_open=hi_open, optional=optional)
+
+
+def check_bool_fields(obj, names: Iterable[str]) -> None:
+    for n in names:
+        check_bool(f"{type(obj).__name__}.{n}", getattr(obj, n))
+
+
+def check_seed(where: str, value) -> None:
+    """Seeds feed numpy's default_rng (rejects negatives) and the engine's uint32 sampling seed."""
+    check_int(where, value, 0, 2**32 - 1)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +149,7 @@ class ModelConfig:
     layer_types: tuple[LayerType, ...] | None = None  # None: all 'full'
     rope_theta: float = 10000.0
     # YaRN rope scaling (GPT-OSS); rope_type 'default' ignores the rest.
-    rope_type: Literal["default", "yarn"] = "default"
+    rope_type: RopeType = "default"
     rope_factor: float = 1.0
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
@@ -69,11 +167,18 @@ class ModelConfig:
     router_z_coef: float = 0.0
 
     def __post_init__(self):
-        pos = lambda k: getattr(self, k) > 0
-        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                  "d_ff_expert", "n_experts", "top_k", "max_seq_len"):
-            if not pos(k):
-                raise ValueError(f"ModelConfig.{k} must be > 0, got {getattr(self, k)!r}")
+        check_str("ModelConfig.name", self.name)
+        check_int_fields(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                                "d_ff_expert", "n_experts", "top_k", "max_seq_len", "rope_original_max_len"), 1)
+        check_int("ModelConfig.sliding_window", self.sliding_window, 0, optional=True)  # 0: no window
+        check_bool_fields(self, ("norm_topk_prob", "router_bias", "expert_bias", "qk_norm", "attention_bias",
+                                 "attn_sinks", "rope_truncate", "tie_embeddings"))
+        check_number_fields(self, ("rope_theta", "rope_factor", "rms_eps", "swiglu_limit", "swiglu_alpha"), 0,
+                            lo_open=True)
+        check_number_fields(self, ("rope_beta_fast", "rope_beta_slow", "init_std", "router_aux_coef",
+                                   "router_z_coef"), 0)
+        for k in ("param_dtype", "compute_dtype"):
+            check_str(f"ModelConfig.{k}", getattr(self, k))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
@@ -92,7 +197,7 @@ class ModelConfig:
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise ValueError("ModelConfig.layer_types has 'sliding' layers but sliding_window is unset")
         for k, allowed in (("router", RouterKind), ("expert_act", ExpertAct), ("moe_dispatch", Dispatch),
-                           ("remat", Remat), ("family", Family)):
+                           ("remat", Remat), ("family", Family), ("rope_type", RopeType)):
             if getattr(self, k) not in allowed.__args__:
                 raise ValueError(f"ModelConfig.{k}={getattr(self, k)!r}; valid: {list(allowed.__args__)}")
 

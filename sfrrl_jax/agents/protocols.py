@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Awaitable, Mapping, Protocol, Sequence, runtime_checkable
 
+from sfrrl_jax.config import check_int, check_number, check_seed
+
 Message = dict  # {"role": "system"|"user"|"assistant"|"tool", "content": str, "tool_calls"?: [...]}
 
 
@@ -38,8 +40,13 @@ class GenerationRequest:
     slot_handle: Any = None
 
     def __post_init__(self):
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"GenerationRequest.max_new_tokens must be > 0, got {self.max_new_tokens}")
+        own = "GenerationRequest"
+        check_int(f"{own}.max_new_tokens", self.max_new_tokens, 1)
+        # nan/inf sampling settings reach the jitted sampler as nan logprobs, not as an error
+        check_number(f"{own}.temperature", self.temperature, 0)
+        check_int(f"{own}.top_k", self.top_k, 0, optional=True)
+        check_number(f"{own}.top_p", self.top_p, 0, 1, lo_open=True, optional=True)
+        check_seed(f"{own}.seed", self.seed)
         if not self.tokens:
             raise ValueError("GenerationRequest.tokens is empty: there is nothing to prefill or append")
 

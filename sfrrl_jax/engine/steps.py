@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.config import ModelConfig, check_int, check_number, check_seed
 from sfrrl_jax.engine.model_step import CACHE_AXES, extend
 from sfrrl_jax.engine.sampling import SamplingParams, sample
 from sfrrl_jax.mesh import sharding_for
@@ -41,16 +41,17 @@ class SlotRequest:
 
     @staticmethod
     def make(temperature=0.0, top_k=0, top_p=1.0, seed=0, max_new=16, stop_ids=()) -> "SlotRequest":
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if max_new < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+        # Checked on the host: inside the jitted sampler a nan temperature or top_p silently
+        # turns every logprob into nan, and a negative seed does not fit the uint32 it becomes.
+        check_number("temperature", temperature, 0)
+        check_number("top_p", top_p, 0, 1, lo_open=True)
+        check_int("top_k", top_k, 0)
+        check_seed("seed", seed)
+        check_int("max_new_tokens", max_new, 1)
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
+        for i, t in enumerate(stop_ids):
+            check_int(f"stop_ids[{i}]", t, 0, 2**31 - 1)
         stops = np.full((MAX_STOP_IDS,), -1, np.int32)
         stops[: len(stop_ids)] = stop_ids
         sp = SamplingParams(

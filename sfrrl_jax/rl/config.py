@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from sfrrl_jax.config import check_int, check_int_fields, check_number, check_number_fields
+
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 Objective = Literal["policy", "sft"]
 PolicyLoss = Literal["ppo", "gspo"]
@@ -43,10 +45,8 @@ class AdvantageConfig:
 
     def __post_init__(self):
         _check_choice("AdvantageConfig", "estimator", self.estimator, AdvantageEstimator)
-        if self.std_ddof not in (0, 1):
-            raise ValueError(f"AdvantageConfig.std_ddof must be 0 or 1, got {self.std_ddof!r}")
-        if not self.eps >= 0:
-            raise ValueError(f"AdvantageConfig.eps must be >= 0, got {self.eps!r}")
+        check_int("AdvantageConfig.std_ddof", self.std_ddof, 0, 1)
+        check_number("AdvantageConfig.eps", self.eps, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,29 +112,21 @@ class LossConfig:
         _check_choice(own, "kl_estimator", self.kl_estimator, KLEstimator)
         _check_choice(own, "is_correction", self.is_correction, ISCorrection)
         _check_choice(own, "is_level", self.is_level, ISLevel)
-        if not (0.0 <= self.clip_low < 1.0):
-            raise ValueError(f"{own}.clip_low must be in [0, 1), got {self.clip_low!r}")
-        if not self.clip_high >= 0.0:
-            raise ValueError(f"{own}.clip_high must be >= 0, got {self.clip_high!r}")
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(f"{own}.dual_clip must be None or > 1, got {self.dual_clip!r}")
-        if self.aggregation == "seq_mean_token_sum_norm":
-            if self.norm_length is None or self.norm_length < 1:
-                raise ValueError(
-                    f"{own}.aggregation='seq_mean_token_sum_norm' needs norm_length >= 1 "
-                    f"(e.g. the max response length), got {self.norm_length!r}"
-                )
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError(f"{own}.kl_coef and entropy_coef must be >= 0, got "
-                             f"{self.kl_coef!r}, {self.entropy_coef!r}")
-        if not self.is_cap > 0:
-            raise ValueError(f"{own}.is_cap must be > 0, got {self.is_cap!r}")
-        if not (0 <= self.is_low <= 1.0 <= self.is_high):
+        check_number(f"{own}.clip_low", self.clip_low, 0, 1, hi_open=True)
+        check_number_fields(self, ("clip_high", "kl_coef", "entropy_coef", "is_low", "is_high"), 0)
+        check_number(f"{own}.dual_clip", self.dual_clip, 1, lo_open=True, optional=True)
+        check_number(f"{own}.is_cap", self.is_cap, 0, lo_open=True)
+        check_number_fields(self, ("router_aux_coef", "router_z_coef"), 0, optional=True)
+        check_int_fields(self, ("vocab_chunk", "seq_chunk"), 1)
+        check_int(f"{own}.norm_length", self.norm_length, 1, optional=True)
+        if self.aggregation == "seq_mean_token_sum_norm" and self.norm_length is None:
+            raise ValueError(
+                f"{own}.aggregation='seq_mean_token_sum_norm' needs norm_length >= 1 "
+                f"(e.g. the max response length), got {self.norm_length!r}"
+            )
+        if not (self.is_low <= 1.0 <= self.is_high):
             raise ValueError(f"{own}: need 0 <= is_low <= 1 <= is_high, got "
                              f"is_low={self.is_low!r}, is_high={self.is_high!r}")
-        for k in ("vocab_chunk", "seq_chunk"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"{own}.{k} must be >= 1, got {getattr(self, k)!r}")
 
     @property
     def per_sequence(self) -> bool:
@@ -160,8 +152,6 @@ class OverlongConfig:
     def __post_init__(self):
         if self.mode not in ("mask", "soft"):
             raise ValueError(f"OverlongConfig.mode={self.mode!r}; valid: ['mask', 'soft']")
-        if self.max_length < 1 or not (0 <= self.buffer <= self.max_length):
-            raise ValueError(f"OverlongConfig: need max_length >= 1 and 0 <= buffer <= max_length, "
-                             f"got max_length={self.max_length!r}, buffer={self.buffer!r}")
-        if self.penalty < 0:
-            raise ValueError(f"OverlongConfig.penalty must be >= 0, got {self.penalty!r}")
+        check_int("OverlongConfig.max_length", self.max_length, 1)
+        check_int("OverlongConfig.buffer", self.buffer, 0, self.max_length)
+        check_number("OverlongConfig.penalty", self.penalty, 0)

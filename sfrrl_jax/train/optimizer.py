@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from sfrrl_jax.config import check_bool, check_int, check_number, check_str
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
@@ -42,19 +44,17 @@ class OptimizerConfig:
 
     def __post_init__(self):
         own = "OptimizerConfig"
-        if not self.learning_rate >= 0:
-            raise ValueError(f"{own}.learning_rate must be >= 0, got {self.learning_rate!r}")
-        if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ValueError(f"{own}: need warmup_steps >= 0 and total_steps >= 1, got "
-                             f"{self.warmup_steps!r}, {self.total_steps!r}")
-        if not 0.0 <= self.end_lr_ratio <= 1.0:
-            raise ValueError(f"{own}.end_lr_ratio must be in [0, 1], got {self.end_lr_ratio!r}")
-        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
-            raise ValueError(f"{own}: b1, b2 must be in [0, 1), got {self.b1!r}, {self.b2!r}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"{own}.max_grad_norm must be None or > 0, got {self.max_grad_norm!r}")
-        if self.weight_decay < 0:
-            raise ValueError(f"{own}.weight_decay must be >= 0, got {self.weight_decay!r}")
+        check_number(f"{own}.learning_rate", self.learning_rate, 0)
+        check_int(f"{own}.warmup_steps", self.warmup_steps, 0)
+        check_int(f"{own}.total_steps", self.total_steps, 1)
+        check_number(f"{own}.end_lr_ratio", self.end_lr_ratio, 0, 1)
+        for k in ("b1", "b2"):
+            check_number(f"{own}.{k}", getattr(self, k), 0, 1, hi_open=True)
+        check_number(f"{own}.eps", self.eps, 0)
+        check_number(f"{own}.weight_decay", self.weight_decay, 0)
+        check_number(f"{own}.max_grad_norm", self.max_grad_norm, 0, lo_open=True, optional=True)
+        check_bool(f"{own}.decay_matrices_only", self.decay_matrices_only)
+        check_str(f"{own}.state_shard_axis", self.state_shard_axis, optional=True)
 
 
 def learning_rate_schedule(cfg: OptimizerConfig):

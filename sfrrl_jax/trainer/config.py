@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from sfrrl_jax.config import check_bool_fields, check_int, check_int_fields, check_seed
 from sfrrl_jax.rl.config import AdvantageConfig
 
 Mode = Literal["sync", "pipelined", "one_step_off"]
@@ -61,14 +62,20 @@ class TrainerConfig:
         own = "TrainerConfig"
         if self.mode not in Mode.__args__:
             raise ValueError(f"{own}.mode={self.mode!r}; valid: {list(Mode.__args__)}")
-        for k in ("groups_per_step", "group_size", "max_slots", "max_len", "decode_steps",
-                  "groups_per_microbatch", "seq_bucket"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"{own}.{k} must be >= 1, got {getattr(self, k)!r}")
-        for k in ("underfull_slots", "overprovision_groups", "max_refill_groups", "microbatch_rows",
-                  "early_groups"):
-            if getattr(self, k) < 0:
-                raise ValueError(f"{own}.{k} must be >= 0, got {getattr(self, k)!r}")
+        check_int_fields(self, ("groups_per_step", "group_size", "max_slots", "max_len", "decode_steps",
+                                "groups_per_microbatch", "seq_bucket"), 1)
+        check_int_fields(self, ("underfull_slots", "overprovision_groups", "max_refill_groups",
+                                "microbatch_rows", "early_groups"), 0)
+        check_bool_fields(self, ("longest_first", "dynamic_sampling"))
+        check_seed(f"{own}.seed", self.seed)
+        if self.buckets is not None:
+            if not isinstance(self.buckets, (tuple, list)) or not self.buckets:
+                raise ValueError(f"{own}.buckets must be None or a non-empty tuple of ints, got {self.buckets!r}")
+            for i, b in enumerate(self.buckets):
+                check_int(f"{own}.buckets[{i}]", b, 1)
+            object.__setattr__(self, "buckets", tuple(self.buckets))  # hashable: a static jit argument
+        if not isinstance(self.advantage, AdvantageConfig):
+            raise ValueError(f"{own}.advantage must be an AdvantageConfig, got {type(self.advantage).__name__}")
         if self.groups_per_step % self.groups_per_microbatch:
             raise ValueError(
                 f"{own}.groups_per_step={self.groups_per_step} is not divisible into micro-batches "

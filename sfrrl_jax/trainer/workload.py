@@ -24,6 +24,8 @@ import numpy as np
 
 from sfrrl_jax.agents.protocols import GenerationRequest, Task, ToolCall
 from sfrrl_jax.agents.tools import ToolRunner, ToolRunnerConfig
+from sfrrl_jax.config import (check_bool_fields, check_int_fields, check_number, check_number_fields, check_seed,
+                              check_str)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
 
 
@@ -50,11 +52,19 @@ class WorkloadConfig:
     redraw_each_replay: bool = False  # a (prompt, sample)'s n-th rollout draws its own work
 
     def __post_init__(self):
-        for k in ("num_prompts", "prompt_len", "max_turns", "max_response", "observation_len"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"WorkloadConfig.{k} must be >= 1, got {getattr(self, k)!r}")
-        if self.difficulty_sigma < 0:
-            raise ValueError(f"WorkloadConfig.difficulty_sigma must be >= 0, got {self.difficulty_sigma!r}")
+        own = "WorkloadConfig"
+        check_int_fields(self, ("num_prompts", "prompt_len", "max_turns", "max_response", "observation_len"), 1)
+        # Token ids are drawn from [3, vocab_size) (0-2 are left to special tokens).
+        check_int_fields(self, ("vocab_size",), 4)
+        check_seed(f"{own}.seed", self.seed)
+        # The medians go through log(): a negative one gives nan draws (nan tool latencies that
+        # sleep for nothing or forever, nan lengths), zero gives -inf; so they must be > 0.
+        # A run without tool waits sets max_tool_latency_s = 0 (every latency is clipped to it).
+        check_number_fields(self, ("turns_median", "response_median", "tool_latency_median_s"), 0, lo_open=True)
+        check_number_fields(self, ("turns_sigma", "response_sigma", "tool_latency_sigma", "difficulty_sigma"), 0)
+        check_number(f"{own}.max_tool_latency_s", self.max_tool_latency_s, 0)
+        check_str(f"{own}.tool_name", self.tool_name)
+        check_bool_fields(self, ("redraw_each_replay",))
 
 
 @dataclasses.dataclass(frozen=True)
