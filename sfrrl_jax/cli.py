@@ -4,9 +4,14 @@
                 --gin_param="ExperimentConfig.num_steps=50" --run_dir=/tmp/run [--resume]
 
 --gin_file and --gin_param repeat; bindings apply after the files, in order. --resume continues
-from the newest checkpoint in the run dir. --cpu_devices=N gives a CPU run N (fake) devices; it
-must be set before JAX starts its backends, so it is applied here first.
-Exit status: 0 done; 2 bad config; 128+signal when SIGTERM/SIGINT stopped the run (after saving).
+from the newest checkpoint in the run dir (with no checkpoint there, it starts at step 0 and
+says so). Without --resume, a run dir that holds an earlier run's metrics or checkpoints is
+refused. --cpu_devices=N gives a CPU run N (fake) devices; it must be set before JAX starts its
+backends, so it is applied here first.
+Exit status: 0 done; 2 bad config (a binding the job never uses included); 3 the run dir cannot
+be used as asked (an earlier run there and no --resume; --resume with no restorable checkpoint;
+nan/inf in the restored or loaded weights); 128+signal when SIGTERM/SIGINT stopped the run
+(after saving).
 """
 from __future__ import annotations
 
@@ -43,13 +48,15 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
     from sfrrl_jax import gin_bindings
-    params = list(args.gin_param)
-    if args.run_dir is not None:  # bound through gin, so the operative config records it
-        params += [f"ExperimentConfig.run_dir = {args.run_dir!r}", f"Job.run_dir = {args.run_dir!r}"]
+    # Bound through gin, so the operative config records them; optional because each job kind
+    # builds only one of Job.run_dir / ExperimentConfig (a quickstart Job has no ExperimentConfig).
+    own = []
+    if args.run_dir is not None:
+        own += [f"ExperimentConfig.run_dir = {args.run_dir!r}", f"Job.run_dir = {args.run_dir!r}"]
     if args.resume:
-        params.append("ExperimentConfig.resume = True")
+        own.append("ExperimentConfig.resume = True")
     try:
-        job = gin_bindings.load_job(args.gin_file, params)
+        job = gin_bindings.load_job(args.gin_file, args.gin_param, optional_params=own)
     except gin_bindings.GinConfigError as e:
         print(f"sfrrl-train: {e}", file=sys.stderr)
         return 2
@@ -57,10 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and job.kind != "rl":
         print("sfrrl-train: --resume applies to rl jobs only; the quickstart starts fresh", file=sys.stderr)
     if args.validate_only:
-        model_cfg = gin_bindings.validate_job(job)
+        try:
+            model_cfg = gin_bindings.validate_job(job)
+        except (ValueError, KeyError, FileNotFoundError) as e:   # the configs do not fit together
+            print(f"sfrrl-train: config invalid: {e}", file=sys.stderr)
+            return 2
         print(f"sfrrl-train: config valid ({job.kind}" + (f", model {model_cfg.name}" if model_cfg else "") + ")")
         return 0
-    summary = gin_bindings.run_job(job, operative)
+    from sfrrl_jax.trainer.checkpoint import NoRestorableCheckpointError, NonFiniteStateError
+    from sfrrl_jax.trainer.runner import RunDirError
+    try:
+        summary = gin_bindings.run_job(job, operative)
+    except (RunDirError, NoRestorableCheckpointError, NonFiniteStateError) as e:
+        print(f"sfrrl-train: {type(e).__name__}: {e}", file=sys.stderr)
+        return 3
     print("SUMMARY " + json.dumps(summary, sort_keys=True, default=str), flush=True)
     signum = summary.get("stopped_by_signal") if isinstance(summary, dict) else None
     return 128 + int(signum) if signum else 0

@@ -28,7 +28,9 @@ written is restored on orbax's own checks alone.
 Restore goes from the newest step down: a step whose files are missing, truncated or unreadable
 is skipped with a `CheckpointFallbackWarning` naming the step and the reason, and the previous one
 is tried; the skipped step is renamed "<step>.damaged" (kept for inspection) so that the resumed
-run can save that step number again. A state *structure* that does not match the checkpoint (other keys, shapes, dtypes) is
+run can save that step number again. When steps exist but none restores (or only quarantined
+"<step>.damaged" ones are left), `NoRestorableCheckpointError` lists each step and its reason and
+nothing is renamed: returning None there would let a resume start over at step 0 unnoticed. A state *structure* that does not match the checkpoint (other keys, shapes, dtypes) is
 not corruption but a changed config: it raises `CheckpointMismatchError` instead of silently
 falling back to an older step or a fresh start.
 
@@ -48,6 +50,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -76,6 +79,26 @@ class CheckpointCorruptError(RuntimeError):
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint's state tree (keys, shapes, dtypes) differs from the requested one."""
+
+
+class NoRestorableCheckpointError(RuntimeError):
+    """Checkpoint steps exist but none can be restored (each step's reason is in `failures`)."""
+
+    def __init__(self, directory: Path, failures: list[tuple[str, str]]):
+        listed = "; ".join(f"step {step}: {reason}" for step, reason in failures)
+        super().__init__(
+            f"no restorable checkpoint in {directory} ({listed}). Nothing was moved or deleted. Resuming "
+            f"would start the run over at step 0; to do that on purpose, start it in a new run dir "
+            f"(or move {directory} away)")
+        self.directory, self.failures = directory, failures
+
+
+class NonFiniteStateError(ValueError):
+    """Restored or loaded arrays hold nan/inf (`leaves` names them)."""
+
+    def __init__(self, message: str, leaves: list[str]):
+        super().__init__(message)
+        self.leaves = leaves
 
 
 # -- pytree helpers ------------------------------------------------------------------------------
@@ -153,6 +176,31 @@ def _wrap_prng_keys(restored, abstract_state, impls: dict[str, str]):
         return key  # placed as requested (a replicated key may report P(None,) for P())
 
     return jax.tree.map_with_path(convert, restored, abstract_state)
+
+
+@jax.jit
+def _leaves_finite(leaves):
+    return [jnp.all(jnp.isfinite(x)) for x in leaves]
+
+
+def nonfinite_leaves(tree) -> list[str]:
+    """Dotted names of the floating-point leaves of `tree` that hold a nan or inf.
+
+    One jitted reduction per leaf (the arrays stay where they are; only booleans come back)."""
+    named = [(leaf_name(p), x) for p, x in jax.tree.leaves_with_path(tree)
+             if jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.inexact)]
+    if not named:
+        return []
+    flags = jax.device_get(_leaves_finite([x for _, x in named]))
+    return [name for (name, _), ok in zip(named, flags) if not ok]
+
+
+def check_finite(tree, where: str, hint: str = "") -> None:
+    """Raises NonFiniteStateError naming (up to 8 of) the leaves of `tree` holding nan/inf."""
+    bad = nonfinite_leaves(tree)
+    if bad:
+        shown = ", ".join(bad[:8]) + (f", ... ({len(bad)} in all)" if len(bad) > 8 else "")
+        raise NonFiniteStateError(f"{where} holds nan/inf in {shown}" + (f"; {hint}" if hint else ""), bad)
 
 
 def check_json_exact(obj, where: str = "host_state") -> None:
@@ -434,11 +482,14 @@ class Checkpointer:
         return _wrap_prng_keys(state, abstract_state, meta.get("prng_impls", {})), host
 
     def restore_latest(self, abstract_state) -> tuple[int, Any, dict] | None:
-        """(step, state, host_state) of the newest restorable step, or None.
+        """(step, state, host_state) of the newest restorable step, or None when there is none.
 
-        Damaged steps are skipped with a CheckpointFallbackWarning naming the step and reason;
-        None comes with a warning when steps existed but none could be restored (an empty
-        directory is a fresh run: None, no warning).
+        Damaged steps newer than the one restored are skipped with a CheckpointFallbackWarning
+        naming the step and reason, and renamed "<step>.damaged". When steps exist but none
+        restores, or only "<step>.damaged" ones from an earlier restore are left, raises
+        NoRestorableCheckpointError naming every step and why, and renames nothing. None means
+        no checkpoint was ever finished here (an empty directory, or only an interrupted first
+        save): a fresh run.
         """
         self.wait()
         for step, name in self._unfinished_at_start:
@@ -446,24 +497,31 @@ class Checkpointer:
                   "the save was interrupted); it is ignored")
         self._unfinished_at_start = []
         steps = self.finished_steps()
-        bad: list[int] = []
-        try:
-            for step in reversed(steps):
-                try:
-                    state, host = self.restore(step, abstract_state)
-                except CheckpointCorruptError as e:
-                    bad.append(step)
-                    older = [s for s in steps if s < step]
-                    _warn(f"cannot restore checkpoint step {step} in {self.directory}: {e.reason}; "
-                          + (f"falling back to step {older[-1]}" if older else "no older step left")
-                          + f" (the damaged step is moved to {step}{QUARANTINE_SUFFIX})")
-                    continue
-                return step, state, host
-            if steps:
-                _warn(f"no restorable checkpoint in {self.directory} (tried steps {steps[::-1]}); starting fresh")
-            return None
-        finally:
-            self._quarantine(bad)
+        failures: list[tuple[str, str]] = []
+        for step in reversed(steps):
+            try:
+                state, host = self.restore(step, abstract_state)
+            except CheckpointCorruptError as e:
+                failures.append((str(step), e.reason))
+                older = [s for s in steps if s < step]
+                _warn(f"cannot restore checkpoint step {step} in {self.directory}: {e.reason}; "
+                      + (f"falling back to step {older[-1]} (if that restores, this step is moved to "
+                         f"{step}{QUARANTINE_SUFFIX})" if older else "no older step left"))
+                continue
+            # Only now that an older step restored are the damaged newer ones moved aside.
+            self._quarantine([int(s) for s, _ in failures])
+            return step, state, host
+        failures += [(p.name.partition(".")[0], f"quarantined earlier as {p.name}") for p in self._quarantined()]
+        if failures:
+            raise NoRestorableCheckpointError(self.directory, failures)
+        return None
+
+    def _quarantined(self) -> list[Path]:
+        if not self.directory.is_dir():
+            return []
+        return sorted((p for p in self.directory.iterdir()
+                       if p.is_dir() and QUARANTINE_SUFFIX in p.name and p.name.partition(".")[0].isdigit()),
+                      key=lambda p: (int(p.name.partition(".")[0]), p.name), reverse=True)
 
     def _quarantine(self, steps: list[int]) -> None:
         """Renames damaged steps out of the way, so the resumed run can save those steps again."""

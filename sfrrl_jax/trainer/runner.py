@@ -9,6 +9,14 @@ The run dir then holds:
   operative_config.gin            the gin config the run was built from (when given)
   timeline.trace.json, busy_idle.png, summary.json
 
+A run dir holds one run. Without `resume`, a dir that already holds metrics rows or checkpoints
+is refused (`RunDirError`): the new run would append to the old run's metrics.jsonl and fail at
+its first save. `resume=True` with no checkpoint at all (a new dir, or a run killed before its
+first save) starts at step 0, says so, and drops the rows an earlier attempt logged (they are
+redone); with checkpoints of which none restores it raises `NoRestorableCheckpointError` naming
+each step and why, and moves nothing. A restored (or HF-loaded) state with nan/inf in any param
+or optimizer moment raises `NonFiniteStateError` naming the tensors: every update would be skipped.
+
 `resume=True` restores the newest restorable checkpoint (falling back past a damaged one with a
 warning) and continues: params, optimizer state, data position, step, longest-first history and
 the one_step_off carry-over all come back (see `trainer_state`), so the resumed run repeats the
@@ -27,6 +35,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -37,13 +46,14 @@ import jax
 import numpy as np
 
 from sfrrl_jax.agents.protocols import Task
-from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.config import (ModelConfig, check_bool_fields, check_int, check_int_fields, check_seed,
+                              check_str)
 from sfrrl_jax.mesh import make_mesh
 from sfrrl_jax.models.api import check_mesh_fits, init_params, param_shardings
 from sfrrl_jax.models.transformer import param_shapes
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.train.optimizer import OptimizerConfig, opt_state_shardings
-from sfrrl_jax.trainer.checkpoint import Checkpointer
+from sfrrl_jax.trainer.checkpoint import Checkpointer, check_finite
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, RolloutFn, TaskStream, shared_train_step
 from sfrrl_jax.trainer.run_logger import RunLogger
@@ -120,19 +130,26 @@ class ExperimentConfig:
 
     def __post_init__(self):
         own = "ExperimentConfig"
-        if not self.run_dir:
+        if not isinstance(self.run_dir, (str, os.PathLike)):
+            raise ValueError(f"{own}.run_dir must be a path, got {self.run_dir!r} ({type(self.run_dir).__name__})")
+        if not str(self.run_dir):
             raise ValueError(f"{own}.run_dir is empty: set the directory the run writes to")
         if self.model is None and self.hf_path is None:
             raise ValueError(f"{own}: set model (a preset name) or hf_path (an HF directory)")
         if self.model_overrides and self.hf_path is not None:
             raise ValueError(f"{own}.model_overrides only apply to presets; with hf_path the "
                              "config comes from the directory's config.json")
-        for k in ("mesh_data", "mesh_expert", "mesh_tensor", "num_steps", "keep_checkpoints", "log_every"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{own}.{k} must be an int >= 1, got {v!r}")
-        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
-            raise ValueError(f"{own}.checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
+        for k in ("model", "hf_path", "hf_dtype"):
+            check_str(f"{own}.{k}", getattr(self, k), optional=True)
+        if not isinstance(self.model_overrides, dict):
+            raise ValueError(f"{own}.model_overrides must be a dict of ModelConfig fields, got "
+                             f"{self.model_overrides!r}")
+        check_int_fields(self, ("mesh_data", "mesh_expert", "mesh_tensor", "num_steps", "keep_checkpoints",
+                                "log_every"), 1)
+        check_int(f"{own}.checkpoint_every", self.checkpoint_every, 0)
+        check_int(f"{own}.num_devices", self.num_devices, 1, optional=True)
+        check_seed(f"{own}.seed", self.seed)   # numpy's default_rng (the task order) rejects negatives
+        check_bool_fields(self, ("async_checkpoint", "resume", "progress_bar", "tensorboard"))
         if self.num_devices is not None and self.num_devices != self.mesh_size:
             raise ValueError(f"{own}: mesh_data={self.mesh_data} x mesh_expert={self.mesh_expert} x "
                              f"mesh_tensor={self.mesh_tensor} = {self.mesh_size}, but num_devices="
@@ -251,7 +268,38 @@ def _fresh_params(cfg: ExperimentConfig, model_cfg: ModelConfig, mesh):
     from sfrrl_jax.checkpoints.hf import load_hf
     loaded_cfg, params = load_hf(cfg.hf_path, mesh, dtype=cfg.hf_dtype)
     check_same_shapes(model_cfg, loaded_cfg, "the validated config", cfg.hf_path)
+    # nan weights would make every update non-finite, and the train step skips those: a run that
+    # "finishes" having learnt nothing. Say which tensors instead.
+    check_finite({"params": params}, f"the HF checkpoint {cfg.hf_path}")
     return params
+
+
+class RunDirError(RuntimeError):
+    """The run dir holds an earlier run and this one was not asked to resume it."""
+
+
+def earlier_run_outputs(run_dir: Path) -> list[str]:
+    """What in `run_dir` belongs to an earlier run: a non-empty metrics.jsonl, checkpoint entries."""
+    found = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append("metrics.jsonl")
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir():
+        names = sorted(p.name for p in ckpts.iterdir())
+        if names:
+            found.append(f"checkpoints/ ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''})")
+    return found
+
+
+def check_run_dir(cfg: ExperimentConfig) -> None:
+    """Refuses a new (not resumed) run in a dir holding an earlier run's metrics or checkpoints."""
+    found = earlier_run_outputs(Path(cfg.run_dir))
+    if found and not cfg.resume:
+        raise RunDirError(
+            f"ExperimentConfig.run_dir={str(cfg.run_dir)!r} already holds an earlier run ({'; '.join(found)}); "
+            "a new run there would append to its metrics and collide with its checkpoints. Either continue "
+            "it with --resume (ExperimentConfig.resume=True), or give a new or empty --run_dir")
 
 
 def _drop_metrics_after(path: Path, first_redone_step: int) -> int:
@@ -288,9 +336,8 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
     t_run = time.perf_counter()
     primary = jax.process_index() == 0
     run_dir = Path(cfg.run_dir)
+    check_run_dir(cfg)   # before anything is written there
     run_dir.mkdir(parents=True, exist_ok=True)
-    if operative_config is not None and primary:
-        (run_dir / "operative_config.gin").write_text(operative_config)
     model_cfg = validate_experiment(cfg, jax.device_count())
     mesh = make_mesh(data=cfg.mesh_data, expert=cfg.mesh_expert, tensor=cfg.mesh_tensor)
     check_mesh_fits(model_cfg, mesh)
@@ -304,15 +351,20 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
     if cfg.resume:
         abstract = dict(zip(("params", "opt_state"),
                             abstract_params_and_opt_state(model_cfg, mesh, cfg.optimizer, train_step)))
-        restored = ckpt.restore_latest(abstract)
-        if restored is None:
-            log(f"resume: no checkpoint in {ckpt.directory}; starting fresh")
+        restored = ckpt.restore_latest(abstract)   # raises when checkpoints exist but none restores
     if restored is not None:
         step0, state, host = restored
-        check_resumable(host, fingerprint, len(source.tasks), f"checkpoint step {step0} in {ckpt.directory}")
+        where = f"checkpoint step {step0} in {ckpt.directory}"
+        check_resumable(host, fingerprint, len(source.tasks), where)
+        # Training from nan weights skips every update (non-finite gradients) and still exits 0.
+        check_finite(state, where, hint=f"training from it would skip every update. Nothing was changed; "
+                     f"an older step may be clean: move {ckpt.directory / str(step0)} aside and resume again")
         params, opt_state = state["params"], state["opt_state"]
     else:
         params, opt_state = _fresh_params(cfg, model_cfg, mesh), None
+    # Written once the run is known to go ahead: a refused resume leaves the run's own config.
+    if operative_config is not None and primary:
+        (run_dir / "operative_config.gin").write_text(operative_config)
 
     trainer = RLTrainer(model_cfg, params, cfg.trainer, cfg.loss, cfg.optimizer, source.rollout_fn,
                         TaskStream(source.tasks, seed=cfg.seed), expected_length=source.expected_length,
@@ -322,6 +374,12 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
         dropped = _drop_metrics_after(run_dir / "metrics.jsonl", trainer.step_index) if primary else 0
         log(f"resumed from checkpoint step {step0} (data epoch {trainer.tasks.epoch}, index "
             f"{trainer.tasks.index}); {dropped} metrics rows after it dropped")
+    elif cfg.resume:
+        # No checkpoint was ever finished here: the run starts at step 0, so rows an earlier
+        # attempt logged (killed before its first save) are redone and would appear twice.
+        dropped = _drop_metrics_after(run_dir / "metrics.jsonl", 0) if primary else 0
+        log(f"resume: no checkpoint in {ckpt.directory}; starting at step 0"
+            + (f" ({dropped} metrics rows of an earlier attempt dropped: they are redone)" if dropped else ""))
     start_step = trainer.step_index
     run_log = RunLogger(run_dir, tensorboard=cfg.tensorboard) if primary else None
     stop = (install_sigterm_handler(signals=(signal.SIGTERM, signal.SIGINT))

@@ -22,7 +22,8 @@ from sfrrl_jax.rl import LossConfig
 from sfrrl_jax.train import OptimizerConfig, make_train_step
 from sfrrl_jax.train.optimizer import opt_state_shardings
 from sfrrl_jax.trainer.checkpoint import (
-    MANIFEST_NAME, CheckpointFallbackWarning, CheckpointMismatchError, Checkpointer, abstract_of,
+    MANIFEST_NAME, CheckpointFallbackWarning, CheckpointMismatchError, Checkpointer, NoRestorableCheckpointError,
+    abstract_of,
     python_random_state_from_json, python_random_state_to_json,
 )
 from sfrrl_jax.trainer.stop_signal import install_sigterm_handler, should_stop
@@ -210,17 +211,25 @@ def test_checkpoint_unfinished_tmp_dir_is_ignored_with_warning(setup, golden, tm
     assert ckpt.finished_steps() == [1, 2]
 
 
-def test_checkpoint_none_restorable_returns_none_with_warning(setup, golden, tmp_path):
+def test_checkpoint_none_restorable_raises_naming_each_step_and_moves_nothing(setup, golden, tmp_path):
     d = _copy(golden, tmp_path)
     for step in (1, 2):
         shutil.rmtree(d / str(step) / "state")
-    with pytest.warns(CheckpointFallbackWarning) as record:
-        assert Checkpointer(d, save_every=1).restore_latest(abstract_of(setup["state"])) is None
+    with pytest.warns(CheckpointFallbackWarning) as record, pytest.raises(NoRestorableCheckpointError) as e:
+        Checkpointer(d, save_every=1).restore_latest(abstract_of(setup["state"]))
     messages = [str(w.message) for w in record]
-    assert len(messages) == 3, messages
+    assert len(messages) == 2, messages
     assert "step 2" in messages[0] and "file state/_METADATA is missing; falling back to step 1" in messages[0]
     assert "step 1" in messages[1] and "no older step left" in messages[1]
-    assert "no restorable checkpoint" in messages[2] and "tried steps [2, 1]" in messages[2]
+    # None here would have let a resume start over at step 0 unnoticed (issue #24 D)
+    assert "step 2: file state/_METADATA is missing; step 1: file state/_METADATA is missing" in str(e.value)
+    assert [s for s, _ in e.value.failures] == ["2", "1"]
+    assert sorted(p.name for p in d.iterdir()) == ["1", "2"]   # nothing renamed: kept as found
+    # steps quarantined by an earlier restore, none left: still an error, not a fresh start
+    shutil.rmtree(d / "1")
+    os.replace(d / "2", d / "2.damaged")
+    with pytest.raises(NoRestorableCheckpointError, match=r"step 2: quarantined earlier as 2\.damaged"):
+        Checkpointer(d, save_every=1).restore_latest(abstract_of(setup["state"]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fresh run (empty directory) is not a fallback
         assert Checkpointer(tmp_path / "empty", save_every=1).restore_latest(abstract_of(setup["state"])) is None
