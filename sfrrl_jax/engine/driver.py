@@ -22,6 +22,7 @@ import numpy as np
 
 from sfrrl_jax.agents.protocols import Completion, GenerationRequest
 from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.engine.recovery import EngineFailure, SlotLog, restorer_for  # noqa: F401 (re-export)
 from sfrrl_jax.engine.steps import SlotRequest, engine_steps
 from sfrrl_jax.models.api import mesh_of
 
@@ -46,6 +47,11 @@ class _Job:
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     raw_logprobs: list = dataclasses.field(default_factory=list)
+    feed: list | None = None  # an append's tokens for the device: the slot's pending token + the new ones
+
+
+class _DeviceFault(Exception):
+    """A device step raised (its `__cause__`); the driver rebuilds the state and goes on."""
 
 
 @dataclasses.dataclass
@@ -57,6 +63,8 @@ class EngineStats:
     prefills: int = 0
     appends: int = 0
     device_seconds: float = 0.0      # wall time inside device steps (block-until-ready)
+    faults: int = 0                  # device steps that raised; each rebuilt the state
+    restored_slots: int = 0          # slots refilled from their token logs after a fault
 
     @property
     def slot_occupancy(self) -> float:
@@ -64,17 +72,29 @@ class EngineStats:
 
 
 class Engine:
-    """Rollout engine over the training params (`set_params` after each optimizer update)."""
+    """Rollout engine over the training params (`set_params` after each optimizer update).
+
+    Fault tolerance: a device step that raises does not fail the requests. The driver drops the
+    state, builds a fresh one and refills every occupied slot from the host's token log
+    (`engine.recovery`), then goes on decoding; `stats.faults` counts these. Only
+    `max_consecutive_faults` faults in a row without a successful step in between make it give
+    up: every waiting request then fails with `EngineFailure`.
+    """
 
     def __init__(self, cfg: ModelConfig, params, *, max_slots: int = 8, max_len: int = 256,
-                 buckets=None, decode_steps: int = 1, cache_dtype: str | None = None):
+                 buckets=None, decode_steps: int = 1, cache_dtype: str | None = None,
+                 max_consecutive_faults: int = 3):
+        if max_consecutive_faults < 0:
+            raise ValueError(f"max_consecutive_faults must be >= 0, got {max_consecutive_faults}")
         self.cfg = cfg
         self.params = params
         self.steps = engine_steps(cfg, mesh_of(params), max_slots, max_len,
                                   None if buckets is None else tuple(buckets), cache_dtype)
         self.decode_steps = decode_steps
+        self.max_consecutive_faults = max_consecutive_faults
         self.state = None
         self.stats = EngineStats()
+        self.fault_messages: collections.deque[str] = collections.deque(maxlen=32)
         self._queue: collections.deque[_Job] = collections.deque()
         self._running: dict[int, _Job] = {}
         self._parked: dict[int, int] = {}          # slot -> serial
@@ -82,8 +102,9 @@ class Engine:
         self._serial = 0
         self._serials: dict[int, int] = {}
         self._to_free: list[int] = []               # cancelled slots awaiting a device reset
-        self._last_token: dict[int, int] = {}      # parked slot -> its last token (not cached yet)
-        self._cached_len: dict[int, int] = {}      # slot -> tokens in its KV cache
+        self._logs: dict[int, SlotLog] = {}         # occupied slot -> its tokens (see engine.recovery)
+        self._faults_in_a_row = 0
+        self._needs_rebuild = False                 # after giving up: the parked slots need a refill
         self._task: asyncio.Task | None = None
         self._kicks = 0
         self._wake: asyncio.Event | None = None
@@ -111,12 +132,10 @@ class Engine:
             raise RuntimeError(
                 f"release_memory with {len(self._running)} running, {len(self._parked)} parked, "
                 f"{len(self._queue)} queued requests: finish and release them first")
-        if self.state is not None:
-            for leaf in jax.tree.leaves(self.state):
-                leaf.delete()
-            self.state = None
+        self._discard_state()
         self._free.extend(self._to_free)  # a fresh state has no stale slots to reset
         self._to_free = []
+        self._logs.clear()
 
     @property
     def occupancy(self) -> dict:
@@ -134,9 +153,9 @@ class Engine:
         h = request.slot_handle
         if h is not None and self._parked.get(h.slot) != h.serial:
             raise ValueError(f"slot handle {h} is not parked on this engine (released or stale)")
-        if h is not None and self._cached_len[h.slot] + 1 + len(request.tokens) > self.steps.max_len:
+        if h is not None and len(self._logs[h.slot].context) + len(request.tokens) > self.steps.max_len:
             raise ValueError(
-                f"appending {len(request.tokens)} tokens to a slot holding {self._cached_len[h.slot] + 1} "
+                f"appending {len(request.tokens)} tokens to a slot holding {len(self._logs[h.slot].context)} "
                 f"exceeds the engine's max_len={self.steps.max_len}")
         job = _Job(request, asyncio.get_running_loop().create_future(), slot_req)
         self._queue.append(job)
@@ -148,17 +167,15 @@ class Engine:
             raise
 
     async def release(self, slot_handle: Any) -> None:
-        if slot_handle is None:
-            return
-        if self._parked.get(slot_handle.slot) == slot_handle.serial:
-            del self._parked[slot_handle.slot]
-            self._free.append(slot_handle.slot)
-            self._kick()
+        self._release_parked(slot_handle)
 
     async def wait_idle(self) -> None:
-        """Returns once the driver has nothing left to do (its task has ended)."""
+        """Returns once the driver has nothing left to do (its task has ended); raises the error
+        that ended it, if one did (the requests it failed have seen it too)."""
         while self._task is not None and not self._task.done():
             await asyncio.wait([self._task])
+        if self._task is not None and not self._task.cancelled() and self._task.exception() is not None:
+            raise self._task.exception()
 
     def notify_idle_work(self) -> None:
         """New idle work is ready: make sure the driver is awake to run it."""
@@ -174,51 +191,152 @@ class Engine:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
+    def _release_parked(self, slot_handle: Any) -> None:
+        if slot_handle is not None and self._parked.get(slot_handle.slot) == slot_handle.serial:
+            del self._parked[slot_handle.slot]
+            self._logs.pop(slot_handle.slot, None)
+            self._free.append(slot_handle.slot)
+            self._kick()
+
     def _cancel(self, job: _Job):
-        if job in self._queue:
+        if job.future.done():
+            # The result was set, but the caller was cancelled before it resumed: nobody will
+            # ever release the parked slot it names, so release it here.
+            if not job.future.cancelled() and job.future.exception() is None:
+                self._release_parked(job.future.result().slot_handle)
+        elif job in self._queue:
             self._queue.remove(job)
         elif job.slot is not None and self._running.get(job.slot) is job:
             # Stop decoding it; the driver frees the slot on the device between two device steps
             # (a step may be running on the worker thread right now), then it rejoins the pool.
             del self._running[job.slot]
             self._serials.pop(job.slot, None)
+            self._logs.pop(job.slot, None)
             self._to_free.append(job.slot)
             self._kick()
+        if not job.future.done():
+            job.future.cancel()  # nobody awaits it any more; nothing may set it later
+
+    async def _device(self, fn, *args):
+        """Runs a device step on the worker thread; its failure becomes a `_DeviceFault`."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except Exception as e:
+            raise _DeviceFault() from e
 
     async def _run(self):
         try:
             while True:
-                if self._to_free:
-                    slots, self._to_free = self._to_free, []
-                    await asyncio.to_thread(self._free_on_device, slots)
-                    self._free.extend(slots)
-                admitted = self._take_admissible()
-                if admitted:
-                    firsts, chunks = await asyncio.to_thread(self._admit_on_device, admitted)
-                    for job, first in zip(admitted, firsts):
-                        self._push(job, first["tokens"], first["logprobs"], first["raw_logprobs"],
-                                   bool(first["done"]))
-                    if chunks:
-                        self._distribute(chunks)
+                # Cleared before looking at the queues: whatever arrives from here on (a request,
+                # release, cancel) sets it again, so the wait below can never miss a wake-up.
+                self._wake.clear()
+                try:
+                    if await self._cycle():
                         continue
-                if self._running:
-                    if len(self._running) <= self.underfull_slots:
-                        await self._run_idle_job()
-                    self._distribute(await asyncio.to_thread(self._decode_chain))
-                elif await self._run_idle_job():
+                except _DeviceFault as fault:
+                    await self._recover(fault.__cause__)
                     continue
-                elif self._queue:
-                    self._wake.clear()       # every slot parked: wait for a release
-                    await self._wake.wait()
-                else:
-                    return
-        except Exception as e:  # a device failure fails every waiting request, visibly
+                if await self._run_idle_job():
+                    continue
+                if self._queue or self._to_free:
+                    if not self._wake.is_set() and not self._to_free:
+                        await self._wake.wait()  # every slot parked: wait for a release
+                    continue
+                return
+        except Exception as e:  # the engine gave up (or idle work failed): fail every waiter, visibly
             for job in list(self._queue) + list(self._running.values()):
                 if not job.future.done():
                     job.future.set_exception(e)
             self._queue.clear()
+            for slot in self._running:
+                self._logs.pop(slot, None)
+                self._to_free.append(slot)
             self._running.clear()
+            if isinstance(e, EngineFailure):
+                # The state is lost: the next driver run rebuilds the parked slots first (their
+                # trajectories may still append), from scratch rather than from a stale count.
+                self._discard_state()
+                self._free.extend(self._to_free)
+                self._to_free = []
+                self._faults_in_a_row = 0
+                self._needs_rebuild = True
             raise
+
+    async def _cycle(self) -> bool:
+        """One round of device work; False when there was none to do."""
+        if self._needs_rebuild:
+            self._needs_rebuild = False
+            await self._device(self._rebuild_on_device, self._rebuild_plan())
+        if self._to_free:
+            slots, self._to_free = self._to_free, []
+            try:
+                await self._device(self._free_on_device, slots)
+            except _DeviceFault:
+                self._free.extend(slots)  # the rebuilt state starts with them free
+                raise
+            self._free.extend(slots)
+        admitted = self._take_admissible()
+        if admitted:
+            firsts, chunks = await self._device(self._admit_on_device, admitted)
+            self._faults_in_a_row = 0
+            for job, first in zip(admitted, firsts):
+                if self._running.get(job.slot) is not job:
+                    continue  # cancelled while its prefill ran: its slot is already in _to_free
+                self._push(job, first["tokens"], first["logprobs"], first["raw_logprobs"], bool(first["done"]))
+            self._distribute(chunks)
+            return True
+        if not self._running:
+            return False
+        if len(self._running) <= self.underfull_slots:
+            await self._run_idle_job()
+        if self._running:
+            self._distribute(await self._device(self._decode_chain))
+            self._faults_in_a_row = 0
+        return True
+
+    async def _recover(self, error: BaseException) -> None:
+        """A device step failed: rebuild the state from the token logs (see `engine.recovery`)."""
+        self.stats.faults += 1
+        self._faults_in_a_row += 1
+        self.fault_messages.append(f"{type(error).__name__}: {error}")
+        if self._faults_in_a_row > self.max_consecutive_faults:
+            raise EngineFailure(
+                f"{self._faults_in_a_row} device faults in a row (max_consecutive_faults="
+                f"{self.max_consecutive_faults}); last: {type(error).__name__}: {error}") from error
+        self._discard_state()
+        self._free.extend(self._to_free)  # a fresh state has them free already
+        self._to_free = []
+        try:
+            await self._device(self._rebuild_on_device, self._rebuild_plan())
+        except _DeviceFault as fault:
+            await self._recover(fault.__cause__)
+
+    def _rebuild_plan(self) -> list:
+        # A snapshot taken on the loop: cancellations may change the dicts while the worker refills.
+        return [(slot, SlotLog(list(log.context), log.draws), self._running.get(slot))
+                for slot, log in self._logs.items()]
+
+    def _rebuild_on_device(self, plan) -> None:
+        self._discard_state()
+        self.allocate()
+        restorer = restorer_for(self.steps)
+        t0 = time.perf_counter()
+        for slot, log, job in plan:
+            running = job is not None
+            self.state = restorer.restore(self.params, self.state, slot, log, len(job.tokens) if running else 0,
+                                          running, job.slot_req if running else SlotRequest.make())
+            jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
+            self.stats.restored_slots += 1
+        self._account("restore", t0)
+
+    def _discard_state(self) -> None:
+        if self.state is not None:
+            for leaf in jax.tree.leaves(self.state):
+                try:
+                    leaf.delete()
+                except Exception:  # already donated or deleted by the step that failed
+                    pass
+            self.state = None
 
     async def _run_idle_job(self) -> bool:
         job = self.idle_work() if self.idle_work is not None else None
@@ -238,11 +356,16 @@ class Engine:
                 if self._parked.get(h.slot) == h.serial:
                     del self._parked[h.slot]
                     job.slot = h.slot
+                    log = self._logs[h.slot]
+                    # The slot's last sampled token is not cached yet: it leads the append.
+                    job.feed = [log.context[-1]] + list(job.request.tokens)
+                    log.context.extend(job.request.tokens)
                     out.append(job)
                 else:
                     job.future.set_exception(ValueError(f"slot handle {h} was released"))
             elif self._free:
                 job.slot = self._free.pop(0)
+                self._logs[job.slot] = SlotLog(list(job.request.tokens))
                 out.append(job)
             else:
                 keep.append(job)
@@ -259,21 +382,17 @@ class Engine:
         t0 = time.perf_counter()
         firsts = []
         for job in jobs:
-            tokens = list(job.request.tokens)
-            if job.request.slot_handle is None:
+            if job.feed is None:
+                tokens = list(job.request.tokens)
                 padded = self.steps.pad(tokens)
                 prefix, first = self.steps.prefill(self.params, padded, len(tokens), job.slot_req)
                 self.state = self.steps.insert(prefix, self.state, job.slot, job.slot_req, first)
                 self.stats.prefills += 1
-                self._cached_len[job.slot] = len(tokens)
             else:
-                # The slot's last generated token is not in its cache yet: it leads the append.
-                tokens = [self._last_token.pop(job.slot)] + tokens
-                padded = self.steps.pad(tokens)
+                padded = self.steps.pad(job.feed)
                 self.state, first = self.steps.append_prefill(
-                    self.params, self.state, job.slot, padded, len(tokens), job.slot_req)
+                    self.params, self.state, job.slot, padded, len(job.feed), job.slot_req)
                 self.stats.appends += 1
-                self._cached_len[job.slot] += len(tokens)
             # One multi-device program in flight at a time: XLA:CPU aborted (an all-gather
             # rendezvous that one device never joined) with a burst of 64 admissions dispatched
             # back to back. On GPU the programs run in stream order anyway, so this costs only the
@@ -302,6 +421,8 @@ class Engine:
         return chunks
 
     def _free_on_device(self, slots: list[int]) -> None:
+        if self.state is None:
+            return  # no state yet (or dropped): every slot of the next one starts free
         for slot in slots:
             self.state = self.steps.free_resource(self.state, slot)
         jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
@@ -340,14 +461,15 @@ class Engine:
         job.tokens.append(int(token))
         job.logprobs.append(float(logprob))
         job.raw_logprobs.append(float(raw))
+        log = self._logs[job.slot]
+        log.context.append(int(token))
+        log.draws += 1
         self.stats.generated_tokens += 1
         if not done:
             return
         del self._running[job.slot]
-        self._cached_len[job.slot] += len(job.tokens) - 1  # all but the last were fed back
         serial = self._serials[job.slot]
         self._parked[job.slot] = serial
-        self._last_token[job.slot] = int(token)
         stop = int(token) in job.request.stop_token_ids
         if not job.future.done():
             job.future.set_result(Completion(
