@@ -1,49 +1,89 @@
 """Sandboxed Python: one fresh, jailed process per call (see `sandbox_launcher.py` for the jail).
 
-What is enforced (probed once per host process by `probe_capabilities`; `PythonSandbox.capabilities`
-says what this machine allows):
+What the jail enforces (every layer is probed once per host uid by `probe_capabilities`;
+`PythonSandbox` refuses to start unless all of them work, see "Unisolated mode" below):
 
-* always: a separate process per call in its own process group, killed as a group on the wall-clock
-  timeout; rlimits on CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), file size
-  (RLIMIT_FSIZE), open files and processes (RLIMIT_NPROC); stdout/stderr capped (the process is
-  killed once it writes more); an empty environment; stdin is /dev/null.
-* as root: the code runs under a fresh unprivileged uid per concurrent call (drawn from a random
-  range per sandbox), because root ignores RLIMIT_NPROC and because a per-call uid makes the
-  process cap per call: a fork bomb in one call cannot starve another call's fork.
-* network namespace (CLONE_NEWNET): no interface but a down loopback; every connect fails.
-* mount namespace (CLONE_NEWNS): every mount is remounted read-only; /tmp (the cwd), /var/tmp,
-  /dev/shm and /run/lock are private size-capped tmpfs mounts that vanish with the call.
-* pid namespace (CLONE_NEWPID): when the code's main process ends, the kernel kills everything it
-  spawned, including processes that called setsid() to leave the process group.
+* a separate process per call in its own process group, killed as a group on the wall-clock
+  timeout (which starts when the call gets one of the `max_concurrency` slots, not while it
+  queues); rlimits on CPU seconds, address space, file size, open files and processes; stdout and
+  stderr capped (the process is killed once it writes more); stdin is /dev/null.
+* a clean environment: the launcher is started with an explicit environment (LANG only), so the
+  trainer's variables are neither in `os.environ` nor anywhere in the process's memory.
+* a fresh unprivileged uid per concurrent slot (drawn from a random range per sandbox): root
+  ignores RLIMIT_NPROC, and a per-call uid makes the process cap per call.
+* network namespace: no interface but a down loopback; every connect fails (`isolate_network`).
+* mount namespace: every mount is read-only and nosuid; /root, /home, /run, /mnt, /media, /srv,
+  the project, the trainer's cwd, every non-stdlib `sys.path` entry and site-packages are covered
+  by empty read-only tmpfs mounts (only the stdlib is bound back), unless `visible_paths` or
+  `allow_site_packages` allow them; /tmp (the cwd), /var/tmp and /dev/shm are private,
+  size-capped tmpfs mounts that vanish with the call.
+* pid namespace with its own /proc (hidepid=2): the code sees only its own processes, and when
+  its main process ends the kernel kills everything it spawned, even after setsid().
+* IPC namespace (SysV shared memory, queues, semaphores, POSIX queues): nothing is shared with
+  the host or with other calls, nothing outlives the call, and shared memory is capped at
+  `tmpfs_bytes`. UTS namespace: the hostname is "sandbox".
+* no_new_privs (setuid binaries do not raise privileges) and a seccomp filter
+  (`sandbox_seccomp.py`): no ptrace, namespaces, mount API, keyrings, bpf, perf, userfaultfd,
+  io_uring, module/kexec calls; sockets only AF_INET/AF_INET6 (no AF_UNIX connection to a
+  host daemon, even to a socket in a visible path).
 
-Where a namespace is refused (no CAP_SYS_ADMIN, seccomp), that layer is simply absent: without
-the mount namespace the cwd is a host temp dir and the filesystem is protected only by the uid's
-permissions (and not at all if we are not root); without the pid namespace, escaped processes are
-swept by uid (as root) or survive (otherwise); without the network namespace there is no network
-isolation. Not enforced anywhere: host /proc is readable (read-only), CPU time is per process
-(the wall timeout bounds a fork bomb's total), and only stdlib is importable (no site-packages).
+Not enforced: CPU time is per process (the wall timeout bounds a fork bomb's total); /sys and
+/etc are readable (read-only); the paths the denylist above does not name (e.g. a /data tree)
+are readable if their permissions allow the jail's uid; `sys.executable` is not runnable inside
+(its directory is hidden), so the code cannot start another interpreter.
+
+Unisolated mode: without root, or where the kernel refuses a namespace (no CAP_SYS_ADMIN, a
+container's seccomp), `PythonSandbox` raises a RuntimeError naming what is missing, unless
+`SandboxConfig(allow_unisolated=True)`: then it warns loudly (warnings + logging) and runs with
+what there is. Without root the code then runs as the trainer's own uid and can write its files,
+signal its processes and leave daemons behind; only the rlimits, the clean environment,
+no_new_privs and seccomp (which then also denies SysV IPC) still hold.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import random
 import signal
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+import warnings
 from pathlib import Path
+from typing import Callable
+
+from sfrrl_jax.agents import sandbox_seccomp
 
 _LAUNCHER = str(Path(__file__).with_name("sandbox_launcher.py"))
 SETUP_FAILED = 121
+# The launcher's whole environment: the process stack (inherited by the code) holds nothing else.
+_LAUNCHER_ENV = {"LANG": "C.UTF-8"}
+# Never covered, even if they are the trainer's cwd or on its sys.path: the jail needs them.
+_SYSTEM_DIRS = ("/", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/usr/bin", "/usr/sbin",
+                "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libexec", "/usr/local", "/usr/local/bin",
+                "/usr/local/lib", "/usr/share", "/etc", "/dev", "/proc", "/sys", "/tmp", "/var", "/var/tmp")
+# Always covered: host sockets (/run), other users' files, mounted data.
+_ALWAYS_HIDDEN = ("/root", "/home", "/run", "/mnt", "/media", "/srv")
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxConfig:
-    """Limits for one sandboxed call. Sizes in bytes, times in seconds."""
+    """Limits for one sandboxed call. Sizes in bytes, times in seconds.
+
+    `visible_paths`: absolute directories the code may read (bound read-only at the same path,
+    even under a hidden directory, e.g. the project). `allow_site_packages`: make the
+    interpreter's site-packages readable and importable. `allow_unisolated`: run even where the
+    jail cannot be built (see the module docstring); never the default.
+    """
 
     wall_timeout_s: float = 5.0
     cpu_seconds: int = 5
@@ -55,12 +95,18 @@ class SandboxConfig:
     output_limit_bytes: int = 64 * 2**10
     max_concurrency: int = 8
     isolate_network: bool = True
+    visible_paths: tuple[str, ...] = ()
+    allow_site_packages: bool = False
+    allow_unisolated: bool = False
 
     def __post_init__(self):
         for name in ("wall_timeout_s", "cpu_seconds", "memory_bytes", "max_processes", "max_file_bytes",
                      "tmpfs_bytes", "max_open_files", "output_limit_bytes", "max_concurrency"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if isinstance(self.visible_paths, str) or not all(os.path.isabs(p) for p in self.visible_paths):
+            raise ValueError(f"SandboxConfig.visible_paths must be a tuple of absolute paths, "
+                             f"got {self.visible_paths!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +117,24 @@ class SandboxCapabilities:
     network_namespace: bool
     mount_namespace: bool
     pid_namespace: bool
+    ipc_namespace: bool = False
+    uts_namespace: bool = False
+    seccomp: bool = False
+
+    def missing(self, isolate_network: bool = True) -> list[str]:
+        """Names of the layers a full jail needs but this machine refused."""
+        need = [("separate_uid (root)", self.separate_uid), ("mount namespace", self.mount_namespace),
+                ("pid namespace", self.pid_namespace), ("IPC namespace", self.ipc_namespace),
+                ("UTS namespace", self.uts_namespace), ("seccomp", self.seccomp)]
+        if isolate_network:
+            need.append(("network namespace", self.network_namespace))
+        return [name for name, ok in need if not ok]
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxResult:
-    """Outcome of one call. `exec_s` is the code's own run time (fork to exit, measured inside)."""
+    """Outcome of one call. `exec_s` is the code's own run time (fork to exit, measured inside);
+    `wall_s` runs from getting a concurrency slot to the end; `queued_s` is the wait for the slot."""
 
     stdout: str
     stderr: str
@@ -87,6 +146,7 @@ class SandboxResult:
     wall_s: float
     exec_s: float | None
     peak_rss_kb: int | None = None  # largest resident set of the code's processes
+    queued_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -109,51 +169,129 @@ class SandboxResult:
         return None
 
 
-_CAPABILITIES: SandboxCapabilities | None = None
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _stdlib_dirs() -> list[str]:
+    dirs = []
+    for key in ("stdlib", "platstdlib"):
+        base = sysconfig.get_path(key)
+        dirs += [base, os.path.join(base, "lib-dynload")]
+    dirs = [d for d in dirs if os.path.isdir(d)]
+    return sorted(set(dirs + [os.path.realpath(d) for d in dirs]))
+
+
+def _site_dirs() -> list[str]:
+    dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
+    dirs += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    dirs += [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+    return sorted({os.path.realpath(d) for d in dirs if d and os.path.isdir(d)})
+
+
+def _jail_plan(cfg: SandboxConfig) -> dict:
+    """The launcher's `hide` / `expose` / `sys_path` lists for this config (see sandbox_launcher.py)."""
+    stdlib = _stdlib_dirs()
+    sites = _site_dirs()
+    visible = sorted({os.path.realpath(p) for p in cfg.visible_paths})
+    expose = stdlib + visible + (sites if cfg.allow_site_packages else [])
+    candidates = list(_ALWAYS_HIDDEN) + [_PROJECT_ROOT, os.getcwd(), os.path.expanduser("~")]
+    candidates += [p for p in sys.path if p and os.path.isdir(p)] + ([] if cfg.allow_site_packages else sites)
+    # An exposed directory under one the jail's uid cannot traverse (pyenv under a 0700 /root) is
+    # reachable only if that ancestor is covered too (the cover's mount points are mode 0755).
+    for path in expose:
+        if not os.path.isdir(path):
+            continue
+        parts = Path(path).parts
+        for i in range(2, len(parts)):
+            ancestor = os.path.join(*parts[:i])
+            if not os.stat(ancestor).st_mode & 0o001:
+                candidates.append(ancestor)
+                break
+    hide = set()
+    for path in candidates:
+        path = os.path.realpath(path)
+        if not os.path.isdir(path) or path in stdlib:
+            continue
+        if any(_inside(system, path) for system in _SYSTEM_DIRS):
+            continue  # a system dir or an ancestor of one
+        if any(_inside(path, v) for v in visible) or (cfg.allow_site_packages and path in sites):
+            continue  # explicitly allowed
+        hide.add(path)
+    sys_path = sites if cfg.allow_site_packages else []
+    return {"hide": sorted(hide), "expose": sorted(set(expose)), "sys_path": sys_path}
+
+
+def _launcher_config(cfg: SandboxConfig, plan: dict, uid: int | None, workdir: str, seccomp: bytes | None,
+                     net_ns: bool, mount_ns: bool, pid_ns: bool, ipc_ns: bool, uts_ns: bool) -> dict:
+    return {
+        "uid": uid, "gid": uid, "net_ns": net_ns, "mount_ns": mount_ns, "pid_ns": pid_ns, "ipc_ns": ipc_ns,
+        "uts_ns": uts_ns, "tmpfs_bytes": cfg.tmpfs_bytes, "workdir": workdir, "cpu_s": cfg.cpu_seconds,
+        "as_bytes": cfg.memory_bytes, "nproc": cfg.max_processes, "fsize_bytes": cfg.max_file_bytes,
+        "nofile": cfg.max_open_files, "seccomp": seccomp.hex() if seccomp else None, **plan,
+    }
+
+
+def _launcher_argv(launcher_cfg: dict, status_fd: int) -> list[str]:
+    return [sys.executable, "-I", "-S", _LAUNCHER, json.dumps({**launcher_cfg, "status_fd": status_fd})]
 
 
 def _launch_sync(cfg: dict, code: str, timeout: float) -> int:
     read_fd, write_fd = os.pipe()
     try:
         proc = subprocess.run(
-            [sys.executable, "-I", "-S", _LAUNCHER, json.dumps({**cfg, "status_fd": write_fd})],
-            input=code.encode(), capture_output=True, pass_fds=[write_fd], timeout=timeout,
-            start_new_session=True, check=False)
+            _launcher_argv(cfg, write_fd), input=code.encode(), capture_output=True, pass_fds=[write_fd],
+            timeout=timeout, start_new_session=True, check=False, env=_LAUNCHER_ENV)
         return proc.returncode
     finally:
         os.close(write_fd)
         os.close(read_fd)
 
 
-def _launcher_config(cfg: SandboxConfig, uid: int | None, net_ns: bool, mount_ns: bool, pid_ns: bool,
-                     workdir: str) -> dict:
-    return {
-        "uid": uid, "gid": uid, "net_ns": net_ns, "mount_ns": mount_ns, "pid_ns": pid_ns,
-        "tmpfs_bytes": cfg.tmpfs_bytes, "workdir": workdir, "cpu_s": cfg.cpu_seconds,
-        "as_bytes": cfg.memory_bytes, "nproc": cfg.max_processes, "fsize_bytes": cfg.max_file_bytes,
-        "nofile": cfg.max_open_files,
-    }
+def _seccomp_filter(sysv_ipc: bool) -> bytes | None:
+    try:
+        return sandbox_seccomp.build_filter(sysv_ipc)
+    except RuntimeError:  # unsupported architecture: reported as a missing layer
+        return None
 
 
-def probe_capabilities() -> SandboxCapabilities:
-    """Try each isolation layer once with a trivial program; cached for the process."""
-    global _CAPABILITIES
-    if _CAPABILITIES is None:
+_CAPABILITIES: dict[int, SandboxCapabilities] = {}  # per effective uid: the answer depends on it
+
+
+def probe_capabilities(refresh: bool = False) -> SandboxCapabilities:
+    """Try the isolation layers with a trivial program; cached per effective uid.
+
+    The full jail is tried first (one launch); only if it fails is each layer tried alone.
+    """
+    euid = os.geteuid()
+    if refresh or euid not in _CAPABILITIES:
         base = SandboxConfig()
-        uid = random.randint(10**6, 2 * 10**9) if os.geteuid() == 0 else None
+        plan = _jail_plan(base)
+        uid = random.randint(10**6, 2 * 10**9) if euid == 0 else None
         with tempfile.TemporaryDirectory(prefix="sfrrl_probe_") as workdir:
             os.chmod(workdir, 0o777)
 
-            def works(code="pass", **layers) -> bool:
-                flags = {"net_ns": False, "mount_ns": False, "pid_ns": False, **layers}
-                return _launch_sync(_launcher_config(base, uid, workdir=workdir, **flags), code, 10) == 0
+            def works(code="pass", seccomp=None, **layers) -> bool:
+                flags = {"net_ns": False, "mount_ns": False, "pid_ns": False, "ipc_ns": False, "uts_ns": False,
+                         **layers}
+                return _launch_sync(_launcher_config(base, plan, uid, workdir, seccomp, **flags), code, 10) == 0
 
-            if uid is not None and not works():
-                uid = None  # cannot drop to an arbitrary uid (e.g. a user namespace without a mapping)
-            _CAPABILITIES = SandboxCapabilities(
-                separate_uid=uid is not None, network_namespace=works(net_ns=True),
-                mount_namespace=works("import fractions", mount_ns=True), pid_namespace=works(pid_ns=True))
-    return _CAPABILITIES
+            full = _seccomp_filter(sysv_ipc=True)
+            if uid is not None and full is not None and works(
+                    "import fractions", seccomp=full, net_ns=True, mount_ns=True, pid_ns=True, ipc_ns=True,
+                    uts_ns=True):
+                caps = SandboxCapabilities(True, True, True, True, True, True, True)
+            else:
+                if uid is not None and not works():
+                    uid = None  # cannot drop to an arbitrary uid (e.g. a user namespace without a mapping)
+                filt = _seccomp_filter(sysv_ipc=False)
+                caps = SandboxCapabilities(
+                    separate_uid=uid is not None, network_namespace=works(net_ns=True),
+                    mount_namespace=works("import fractions", mount_ns=True), pid_namespace=works(pid_ns=True),
+                    ipc_namespace=works(ipc_ns=True), uts_namespace=works(uts_ns=True),
+                    seccomp=filt is not None and works(seccomp=filt))
+        _CAPABILITIES[euid] = caps
+    return _CAPABILITIES[euid]
 
 
 def _kill_processes_of_uid(uid: int) -> None:
@@ -179,20 +317,45 @@ def _kill_processes_of_uid(uid: int) -> None:
 class PythonSandbox:
     """Runs Python source in a fresh jailed process per call; `await sandbox.run(code)`.
 
-    At most `cfg.max_concurrency` calls run at once (others wait their turn); each concurrent slot
-    owns one uid from this sandbox's random uid range, so per-uid limits are per call.
+    At most `cfg.max_concurrency` calls run at once (others wait their turn; the wait does not
+    count against the call's timeout); each concurrent slot owns one uid from this sandbox's random
+    uid range, so per-uid limits are per call.
     """
 
     def __init__(self, cfg: SandboxConfig = SandboxConfig()):
         self.cfg = cfg
         self.capabilities = probe_capabilities()
-        if os.geteuid() == 0 and not self.capabilities.separate_uid:
-            # Root ignores RLIMIT_NPROC: without another uid a fork bomb would be unbounded.
+        caps = self.capabilities
+        if os.geteuid() == 0 and not caps.separate_uid:
+            # Root ignores RLIMIT_NPROC, and root code can undo any jail: no opt-in for this.
             raise RuntimeError("PythonSandbox: running as root but cannot switch to an unprivileged uid; "
-                               "refusing to run untrusted code without a process limit")
+                               "refusing to run untrusted code as root")
+        missing = caps.missing(cfg.isolate_network)
+        self.unisolated = bool(missing)
+        if missing:
+            why = "not running as root" if os.geteuid() != 0 else "the kernel refused them"
+            message = (f"PythonSandbox cannot build its jail on this machine: missing {', '.join(missing)} "
+                       f"({why}).")
+            if not cfg.allow_unisolated:
+                raise RuntimeError(message + " Untrusted code would run with the trainer's own privileges "
+                                   "(host files, processes, network, SysV IPC). Run the trainer as root on a "
+                                   "kernel that allows namespaces, or pass SandboxConfig(allow_unisolated=True) "
+                                   "to run anyway.")
+            loud = ("UNISOLATED SANDBOX: " + message + " allow_unisolated=True was given, so untrusted code "
+                    "runs WITHOUT these protections.")
+            warnings.warn(loud, RuntimeWarning, stacklevel=2)
+            logger.warning(loud)
+        ipc_ns = caps.ipc_namespace
+        self._seccomp = _seccomp_filter(sysv_ipc=ipc_ns) if caps.seccomp else None
+        self._layers = {"net_ns": caps.network_namespace and cfg.isolate_network, "mount_ns": caps.mount_namespace,
+                        "pid_ns": caps.pid_namespace, "ipc_ns": ipc_ns, "uts_ns": caps.uts_namespace}
+        for path in cfg.visible_paths:
+            if not os.path.isdir(path):
+                raise ValueError(f"SandboxConfig.visible_paths: {path!r} is not an existing directory")
+        self._plan = _jail_plan(cfg)
         self._slots: asyncio.Queue[int | None] | None = None
         base = random.randint(10**6, 2 * 10**9)
-        self._uids = [base + i if self.capabilities.separate_uid else None for i in range(cfg.max_concurrency)]
+        self._uids = [base + i if caps.separate_uid else None for i in range(cfg.max_concurrency)]
 
     def _slot_queue(self) -> asyncio.Queue:
         # Created lazily so the queue binds to the running event loop.
@@ -202,32 +365,41 @@ class PythonSandbox:
                 self._slots.put_nowait(uid)
         return self._slots
 
-    async def run(self, code: str, wall_timeout_s: float | None = None) -> SandboxResult:
-        """Run `code`; never raises for anything the code does (all of it lands in the result)."""
+    async def run(self, code: str, wall_timeout_s: float | None = None,
+                  on_slot: Callable[[], None] | None = None) -> SandboxResult:
+        """Run `code`; never raises for anything the code does (all of it lands in the result).
+
+        The wall-clock timeout starts once the call holds a concurrency slot. `on_slot` is called
+        at that moment, so a caller with its own deadline can start it there too (the queue wait
+        is load, not the code's fault).
+        """
         slots = self._slot_queue()
+        queued = time.perf_counter()
         uid = await slots.get()
+        queued_s = time.perf_counter() - queued
         try:
-            return await self._run_in_slot(code, uid, wall_timeout_s or self.cfg.wall_timeout_s)
+            if on_slot is not None:
+                on_slot()
+            result = await self._run_in_slot(code, uid, wall_timeout_s or self.cfg.wall_timeout_s)
         finally:
             slots.put_nowait(uid)
+        return dataclasses.replace(result, queued_s=queued_s)
 
     async def _run_in_slot(self, code: str, uid: int | None, timeout: float) -> SandboxResult:
-        caps, cfg = self.capabilities, self.cfg
+        cfg = self.cfg
         workdir = None
-        if not caps.mount_namespace:
+        if not self._layers["mount_ns"]:
             workdir = tempfile.mkdtemp(prefix="sfrrl_sbx_")
             if uid is not None:
                 os.chown(workdir, uid, uid)
-        launcher_cfg = _launcher_config(
-            cfg, uid, net_ns=caps.network_namespace and cfg.isolate_network, mount_ns=caps.mount_namespace,
-            pid_ns=caps.pid_namespace, workdir=workdir or "/tmp")
+        launcher_cfg = _launcher_config(cfg, self._plan, uid, workdir or "/tmp", self._seccomp, **self._layers)
         read_fd, write_fd = os.pipe()
         start = time.perf_counter()
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", _LAUNCHER, json.dumps({**launcher_cfg, "status_fd": write_fd}),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                pass_fds=[write_fd], start_new_session=True)
+                *_launcher_argv(launcher_cfg, write_fd), stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, pass_fds=[write_fd],
+                start_new_session=True, env=_LAUNCHER_ENV)
         except BaseException:
             os.close(read_fd)
             os.close(write_fd)
@@ -275,7 +447,7 @@ class PythonSandbox:
             raise
         finally:
             status = _read_status(read_fd)
-            if uid is not None and not caps.pid_namespace:
+            if uid is not None and not self._layers["pid_ns"]:
                 _kill_processes_of_uid(uid)
             if workdir is not None:
                 subprocess.run(["rm", "-rf", workdir], check=False)
