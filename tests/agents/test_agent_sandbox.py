@@ -4,6 +4,7 @@ All programs run concurrently in one event loop (one ~2 s batch), next to a beni
 exact output proves the other calls were unaffected.
 """
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -89,7 +90,8 @@ def outcome(tmp_path_factory):
 
 def test_capabilities_are_fully_enforced_on_this_machine(outcome):
     caps = outcome["sandbox"].capabilities
-    assert (caps.separate_uid, caps.network_namespace, caps.mount_namespace, caps.pid_namespace) == (True,) * 4
+    assert caps.missing() == [] and not outcome["sandbox"].unisolated
+    assert all(dataclasses.asdict(caps).values())
 
 
 def test_benign_call_unaffected_by_hostile_neighbours(outcome):
@@ -183,3 +185,53 @@ def test_python_tool_reports_errors_as_observations():
     assert crash.is_error and crash.content.startswith("error: exit code 1") and "ZeroDivisionError" in crash.content
     assert hang.is_error and hang.content.startswith("error: timed out")
     assert (silent.content, silent.is_error) == ("(no output)", False)
+
+
+def test_queueing_for_a_slot_does_not_count_against_the_timeout():
+    sandbox = PythonSandbox(SandboxConfig(wall_timeout_s=1.5, max_concurrency=2))
+
+    started = []
+
+    async def main():
+        return await asyncio.gather(*(sandbox.run("import time\ntime.sleep(0.5)", on_slot=lambda: started.append(1))
+                                      for _ in range(8)))
+
+    results = asyncio.run(main())
+    assert [r.timed_out for r in results] == [False] * 8 and all(r.ok for r in results)
+    assert max(r.queued_s for r in results) > 1.0  # the last pair waited ~1.5 s for its slots
+    assert len(started) == 8  # on_slot: when a caller's own deadline may start
+
+
+def test_exit_behaves_like_the_interpreter():
+    """sys.exit("msg"), atexit handlers and non-daemon threads keep their output, as with `python -c`."""
+    sandbox = PythonSandbox(SandboxConfig(wall_timeout_s=5.0, max_concurrency=8))
+    programs = {
+        "exit_message": "import sys\nprint('before')\nsys.exit('goodbye: bad input')",
+        "exit_int": "import sys\nsys.exit(3)",
+        "exit_none": "raise SystemExit",
+        "atexit": "import atexit\natexit.register(lambda: print('cleanup ran'))\nprint('main')",
+        "atexit_after_crash": "import atexit\natexit.register(print, 'cleanup ran')\n1 / 0",
+        "thread": ("import threading, time\n"
+                   "def late():\n    time.sleep(0.3)\n    print('thread done', flush=False)\n"
+                   "threading.Thread(target=late).start()\nprint('main done')"),
+        "thread_then_exit": ("import sys, threading, time\n"
+                             "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()\n"
+                             "sys.exit('main failed')"),
+        "main_module": ("import __main__, pickle\ndef f(): pass\n"
+                        "print(__main__.f is f, pickle.loads(pickle.dumps(f)) is f)"),
+    }
+
+    async def main():
+        return dict(zip(programs, await asyncio.gather(*(sandbox.run(code) for code in programs.values()))))
+
+    r = asyncio.run(main())
+    assert (r["exit_message"].exit_code, r["exit_message"].stdout, r["exit_message"].stderr) == (
+        1, "before\n", "goodbye: bad input\n")
+    assert r["exit_int"].exit_code == 3 and r["exit_none"].ok
+    assert r["atexit"].ok and r["atexit"].stdout == "main\ncleanup ran\n"
+    crash = r["atexit_after_crash"]
+    assert crash.exit_code == 1 and crash.stdout == "cleanup ran\n" and "ZeroDivisionError" in crash.stderr
+    assert r["thread"].ok and r["thread"].stdout == "main done\nthread done\n"
+    assert (r["thread_then_exit"].exit_code, r["thread_then_exit"].stdout, r["thread_then_exit"].stderr) == (
+        1, "thread done\n", "main failed\n")
+    assert r["main_module"].stdout == "True True\n"
