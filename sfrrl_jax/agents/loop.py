@@ -8,7 +8,9 @@ share one asyncio loop; tools run through the environment's bounded runner.
 Finish reasons: 'answer' (a turn without tool calls), 'max_turns', 'max_tokens' (the total budget
 `max_total_tokens` would be exceeded: the trajectory never grows past it), 'length' (a turn hit
 `max_new_tokens_per_turn`), 'wall_budget' (the wall-clock budget ran out while generating or
-waiting for tools).
+waiting for tools), 'error' (something in this sample raised: the environment, a tokenizer step,
+the reward; the trajectory keeps its tokens and the error, has reward 0 and trains nothing; it is
+logged, and the other samples go on). An `EngineError` (the engine itself is gone) propagates.
 """
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ import asyncio
 import dataclasses
 import hashlib
 import inspect
+import logging
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
 from sfrrl_jax.agents.formats import get_format
-from sfrrl_jax.agents.protocols import (EngineProtocol, Environment, GenerationRequest, Task, ToolCall,
-                                       ToolCallError)
+from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment, GenerationRequest, Task,
+                                       ToolCall, ToolCallError)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,79 +82,93 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
     traj.finish_reason = "max_turns"
     handle: Any = None
     pending = prompt
+    failure: Exception | None = None
     try:
-        for turn_index in range(cfg.max_turns):
-            room = cfg.max_total_tokens - len(builder)
-            if room <= 0:
-                traj.finish_reason = "max_tokens"
-                break
-            max_new = min(cfg.max_new_tokens_per_turn, room)
-            request = GenerationRequest(
-                tokens=pending, max_new_tokens=max_new, temperature=cfg.temperature, top_k=cfg.top_k,
-                top_p=cfg.top_p, seed=turn_seed(cfg.seed, task.task_id, sample_index, turn_index),
-                stop_token_ids=tuple(stops), slot_handle=handle)
-            gen_start = time.perf_counter()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    completion = await engine.complete(request)
-            except TimeoutError:
-                traj.finish_reason = "wall_budget"
-                break
-            handle = completion.slot_handle
-            generate_s = time.perf_counter() - gen_start
-            gen_lo, gen_hi = builder.append_generated(completion.tokens, completion.logprobs)
-            parsed = fmt.parse(tokenizer.decode(completion.tokens))
-            assistant: dict = {"role": "assistant", "content": parsed.content}
-            if parsed.tool_calls:
-                assistant["tool_calls"] = [c.as_message_entry() for c in parsed.tool_calls]
-            messages.append(assistant)
-            traj.final_text = parsed.content
+        try:
+            for turn_index in range(cfg.max_turns):
+                room = cfg.max_total_tokens - len(builder)
+                if room <= 0:
+                    traj.finish_reason = "max_tokens"
+                    break
+                max_new = min(cfg.max_new_tokens_per_turn, room)
+                request = GenerationRequest(
+                    tokens=pending, max_new_tokens=max_new, temperature=cfg.temperature, top_k=cfg.top_k,
+                    top_p=cfg.top_p, seed=turn_seed(cfg.seed, task.task_id, sample_index, turn_index),
+                    stop_token_ids=tuple(stops), slot_handle=handle)
+                gen_start = time.perf_counter()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        completion = await engine.complete(request)
+                except TimeoutError:
+                    traj.finish_reason = "wall_budget"
+                    break
+                handle = completion.slot_handle
+                generate_s = time.perf_counter() - gen_start
+                gen_lo, gen_hi = builder.append_generated(completion.tokens, completion.logprobs)
+                parsed = fmt.parse(tokenizer.decode(completion.tokens))
+                assistant: dict = {"role": "assistant", "content": parsed.content}
+                if parsed.tool_calls:
+                    assistant["tool_calls"] = [c.as_message_entry() for c in parsed.tool_calls]
+                messages.append(assistant)
+                traj.final_text = parsed.content
 
-            def record(obs_end: int, tools_s: float = 0.0, errors: int = 0, calls: int = 0) -> None:
-                traj.turns.append(Turn(turn_index, gen_lo, gen_hi, obs_end, completion.finish_reason, generate_s,
-                                       tools_s, calls, errors))
+                def record(obs_end: int, tools_s: float = 0.0, errors: int = 0, calls: int = 0) -> None:
+                    traj.turns.append(Turn(turn_index, gen_lo, gen_hi, obs_end, completion.finish_reason, generate_s,
+                                           tools_s, calls, errors))
 
-            if completion.finish_reason == "length" or not completion.tokens:
-                record(gen_hi)
-                traj.finish_reason = "max_tokens" if max_new < cfg.max_new_tokens_per_turn else "length"
-                break
-            if not parsed.calls:
-                record(gen_hi)
-                traj.finish_reason = "answer"
-                break
-            if turn_index == cfg.max_turns - 1:  # nobody would read the results
-                record(gen_hi, calls=len(parsed.calls))
-                traj.finish_reason = "max_turns"
-                break
-            calls = capped_calls(parsed.calls, cfg.max_tool_calls_per_turn)
-            tools_start = time.perf_counter()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    results = await env.step(calls)
-            except TimeoutError:
-                record(gen_hi, time.perf_counter() - tools_start, calls=len(calls))
-                traj.finish_reason = "wall_budget"
-                break
-            tools_s = time.perf_counter() - tools_start
-            if len(results) != len(calls):
-                raise RuntimeError(f"environment returned {len(results)} results for {len(calls)} calls")
-            tool_messages = [r.as_message() for r in results]
-            delta = tokenizer.render_delta(messages, tool_messages, tools,
-                                           stop_text=tokenizer.decode([completion.tokens[-1]]))
-            messages.extend(tool_messages)
-            errors = sum(r.is_error for r in results)
-            if len(builder) + len(delta) >= cfg.max_total_tokens:  # no room to append and still generate
-                record(gen_hi, tools_s, errors, len(calls))
-                traj.finish_reason = "max_tokens"
-                break
-            record(builder.append_observation(delta), tools_s, errors, len(calls))
-            pending = delta
+                if completion.finish_reason == "length" or not completion.tokens:
+                    record(gen_hi)
+                    traj.finish_reason = "max_tokens" if max_new < cfg.max_new_tokens_per_turn else "length"
+                    break
+                if not parsed.calls:
+                    record(gen_hi)
+                    traj.finish_reason = "answer"
+                    break
+                if turn_index == cfg.max_turns - 1:  # nobody would read the results
+                    record(gen_hi, calls=len(parsed.calls))
+                    traj.finish_reason = "max_turns"
+                    break
+                calls = capped_calls(parsed.calls, cfg.max_tool_calls_per_turn)
+                tools_start = time.perf_counter()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        results = await env.step(calls)
+                except TimeoutError:
+                    record(gen_hi, time.perf_counter() - tools_start, calls=len(calls))
+                    traj.finish_reason = "wall_budget"
+                    break
+                tools_s = time.perf_counter() - tools_start
+                if len(results) != len(calls):
+                    raise RuntimeError(f"environment returned {len(results)} results for {len(calls)} calls")
+                tool_messages = [r.as_message() for r in results]
+                delta = tokenizer.render_delta(messages, tool_messages, tools,
+                                               stop_text=tokenizer.decode([completion.tokens[-1]]))
+                messages.extend(tool_messages)
+                errors = sum(r.is_error for r in results)
+                if len(builder) + len(delta) >= cfg.max_total_tokens:  # no room to append and still generate
+                    record(gen_hi, tools_s, errors, len(calls))
+                    traj.finish_reason = "max_tokens"
+                    break
+                record(builder.append_observation(delta), tools_s, errors, len(calls))
+                pending = delta
+        except EngineError:
+            raise  # the engine is gone, not this sample: the batch cannot go on
+        except Exception as e:  # this sample's failure only: it becomes its error, never the batch's
+            failure = e
     finally:
         if handle is not None:
             await engine.release(handle)
     traj.messages = messages
     traj.wall_s = time.perf_counter() - start
-    traj.reward = float(env.reward(task, traj))
+    if failure is None:
+        try:
+            traj.reward = float(env.reward(task, traj))
+        except Exception as e:
+            failure = e
+    if failure is not None:
+        traj.mark_failed(f"{type(failure).__name__}: {failure}")
+        _log.warning("trajectory %s/%d failed (reward 0, trains nothing): %s", task.task_id, sample_index,
+                     traj.error, exc_info=failure)
     return traj
 
 
@@ -165,8 +184,9 @@ async def run_many(engine: EngineProtocol, env: Environment, tasks: Sequence[Tas
     `s` of `tasks[i]`, whose group id is the task id. Trajectories start in task order (so a
     caller can put the longest-expected groups first); at most `max_concurrency` are in flight.
     `on_group_done(group_id, trajectories)` (sync or async) fires as soon as a group's G samples
-    are all finished and rewarded, which is when its advantages can be computed. The first error
-    cancels the rest and propagates.
+    are all finished and rewarded, which is when its advantages can be computed. A sample that
+    fails is returned as a failed trajectory (`Trajectory.error`); an `EngineError`, or an error
+    in `on_group_done`, cancels the rest and propagates.
     """
     if samples_per_task <= 0:
         raise ValueError(f"samples_per_task must be > 0, got {samples_per_task}")

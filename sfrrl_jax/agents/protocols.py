@@ -72,6 +72,11 @@ class Completion:
             raise ValueError(f"Completion.finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
 
 
+class EngineError(RuntimeError):
+    """The engine itself failed, not one request: no trajectory can go on. The agent loop lets it
+    through (a sample's own failure becomes that sample's error instead; see `agents.loop`)."""
+
+
 @runtime_checkable
 class EngineProtocol(Protocol):
     async def complete(self, request: GenerationRequest) -> Completion: ...

@@ -39,12 +39,23 @@ class Trajectory:
     loss_mask: list[int]
     rollout_logprobs: list[float]
     turns: list[Turn] = dataclasses.field(default_factory=list)
-    finish_reason: str = ""  # answer | max_turns | max_tokens | length | wall_budget
+    finish_reason: str = ""  # answer | max_turns | max_tokens | length | wall_budget | error
     reward: float | None = None
     final_text: str = ""
     messages: list[dict] = dataclasses.field(default_factory=list)
     wall_s: float = 0.0
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Why the rollout failed ("TypeError: ..."), or None. A failed trajectory keeps its tokens for
+    # inspection, has reward 0 and trains no token: its loss mask is all zeros.
+    error: str | None = None
+
+    def mark_failed(self, error: str) -> None:
+        """Turns this trajectory into a failed one (see `error`): mask and log-probs zeroed."""
+        self.error = error
+        self.finish_reason = "error"
+        self.reward = 0.0
+        self.loss_mask = [0] * len(self.tokens)
+        self.rollout_logprobs = [0.0] * len(self.tokens)
 
     @property
     def num_tool_calls(self) -> int:
@@ -71,10 +82,11 @@ class Trajectory:
                                  f"[{turn.gen_start}, {turn.gen_end}, {turn.obs_end}) do not tile from {pos}")
             pos = turn.obs_end
         expected = [0] * n
-        for turn in self.turns:
+        for turn in ([] if self.error is not None else self.turns):
             expected[turn.gen_start:turn.gen_end] = [1] * (turn.gen_end - turn.gen_start)
         if expected != list(self.loss_mask):
-            raise ValueError(f"trajectory {self.task_id}/{self.sample_index}: loss_mask is not 1 exactly on turns")
+            raise ValueError(f"trajectory {self.task_id}/{self.sample_index}: loss_mask is not 1 exactly on turns"
+                             + (" (0 everywhere: it failed)" if self.error is not None else ""))
 
 
 class TrajectoryBuilder:

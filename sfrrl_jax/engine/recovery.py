@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sfrrl_jax.agents.protocols import EngineError
 from sfrrl_jax.engine.model_step import extend
 from sfrrl_jax.engine.steps import DecodeState, EngineSteps, SlotRequest
 
@@ -36,7 +37,7 @@ class SlotLog:
     draws: int = 0      # tokens sampled since the slot's prefill (its random stream index)
 
 
-class EngineFailure(RuntimeError):
+class EngineFailure(EngineError):
     """The engine gave up: device steps kept failing after rebuilding the state. Every waiting
     request fails with this error (its `__cause__` is the last device error)."""
 

@@ -19,13 +19,14 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import logging
 import time
 from typing import Awaitable, Callable, Sequence
 
 import jax
 import numpy as np
 
-from sfrrl_jax.agents.protocols import Task
+from sfrrl_jax.agents.protocols import EngineError, Task
 from sfrrl_jax.aio import run_sync
 from sfrrl_jax.agents.trajectory import Trajectory
 from sfrrl_jax.config import ModelConfig
@@ -43,6 +44,16 @@ from sfrrl_jax.trainer.scheduling import LongestFirst
 from sfrrl_jax.trainer.timeline import Timeline, WaitingWork
 
 RolloutFn = Callable[[Engine, Task, int], Awaitable[Trajectory]]
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _FailedGroup:
+    """A group some of whose samples' rollout function raised (not an `EngineError`)."""
+
+    group_id: str
+    launch_index: int
+    errors: list[str]
 
 
 @functools.lru_cache(maxsize=16)
@@ -163,6 +174,7 @@ class RLTrainer:
         pending: list[Group] = []
         units: list[_Unit] = []
         counts = collections.Counter()
+        failures: list[str] = []
         waiting = WaitingWork()
 
         def note_waiting():
@@ -198,8 +210,16 @@ class RLTrainer:
                 self.engine.notify_idle_work()
             return traj
 
-        async def run_group(task: Task, index: int) -> Group:
-            trajs = await asyncio.gather(*(run_sample(task, index, i) for i in range(cfg.group_size)))
+        async def run_group(task: Task, index: int) -> Group | _FailedGroup:
+            # The samples of a group run to their end even if one raises: each releases its slot.
+            trajs = await asyncio.gather(*(run_sample(task, index, i) for i in range(cfg.group_size)),
+                                         return_exceptions=True)
+            errors = [t for t in trajs if isinstance(t, BaseException)]
+            for e in errors:
+                if isinstance(e, EngineError) or not isinstance(e, Exception):
+                    raise e  # the engine is gone (or a cancellation): not this group's fault
+            if errors:
+                return _FailedGroup(task.task_id, index, [f"{type(e).__name__}: {e}" for e in errors])
             return Group(task.task_id, list(trajs), self.params_version, index)
 
         def launch(task):
@@ -213,49 +233,75 @@ class RLTrainer:
         draw_position = {launch_index: i for launch_index, i in enumerate(order)}
         in_flight = {launch(drawn[i]) for i in order}
         refills = 0
-        while in_flight and len(kept) < cfg.groups_per_step:
-            done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                group = fut.result()
-                self.longest_first.observe(group.group_id, group.trajectories)
-                counts["tool_errors"] += sum(t.metadata.get("tool_errors", t.num_tool_errors)
-                                             for t in group.trajectories)
-                if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
-                    counts["groups_dropped"] += 1
+        try:
+            while in_flight and len(kept) < cfg.groups_per_step:
+                done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    group = fut.result()
+                    if isinstance(group, _FailedGroup):
+                        # A rollout function raised for some sample: that group is lost, not the step.
+                        # Another prompt takes its place; a function that keeps failing stops the run.
+                        counts["groups_failed"] += 1
+                        counts["failed_samples"] += len(group.errors)
+                        failures.append(f"{group.group_id}: {group.errors[0]}")
+                        _log.warning("group %s dropped: its rollout raised %s", group.group_id, group.errors)
+                        if early is not None:
+                            early.discard(group.launch_index)
+                        if counts["groups_failed"] > cfg.groups_per_step:
+                            raise RuntimeError(
+                                f"the rollout function raised in {counts['groups_failed']} groups this step "
+                                f"(more than groups_per_step={cfg.groups_per_step}); first errors: {failures[:3]}")
+                        draw_position[launched] = n_launch + refills + counts["groups_failed"] - 1
+                        in_flight.add(launch(self.tasks.next()))  # (extra draws numbered in draw order)
+                        continue
+                    counts["failed_samples"] += sum(t.error is not None for t in group.trajectories)
+                    self.longest_first.observe(group.group_id, group.trajectories)
+                    counts["tool_errors"] += sum(t.metadata.get("tool_errors", t.num_tool_errors)
+                                                 for t in group.trajectories)
+                    if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
+                        counts["groups_dropped"] += 1
+                        if early is not None:
+                            early.discard(group.launch_index)
+                        if refills < cfg.max_refill_groups:
+                            refills += 1
+                            draw_position[launched] = n_launch + refills + counts["groups_failed"] - 1
+                            in_flight.add(launch(self.tasks.next()))
+                        continue
+                    if len(kept) == cfg.groups_per_step:
+                        counts["groups_surplus"] += 1
+                        if early is not None:
+                            early.discard(group.launch_index)
+                        continue
+                    kept.append(group)
                     if early is not None:
-                        early.discard(group.launch_index)
-                    if refills < cfg.max_refill_groups:
-                        refills += 1
-                        draw_position[launched] = n_launch + refills - 1
-                        in_flight.add(launch(self.tasks.next()))
-                    continue
-                if len(kept) == cfg.groups_per_step:
-                    counts["groups_surplus"] += 1
-                    if early is not None:
-                        early.discard(group.launch_index)
-                    continue
-                kept.append(group)
-                if early is not None:
-                    progress = early.group_complete(group.launch_index)
-                    if progress is not None:
-                        self._claimed[group.launch_index] = progress
-                    if len(early):  # its freed buffer went to samples of other groups
-                        self.engine.notify_idle_work()
-                if cfg.mode == "sync":
+                        progress = early.group_complete(group.launch_index)
+                        if progress is not None:
+                            self._claimed[group.launch_index] = progress
+                        if len(early):  # its freed buffer went to samples of other groups
+                            self.engine.notify_idle_work()
+                    if cfg.mode == "sync":
+                        note_waiting()
+                        continue  # micro-batches are formed after the rollout, in launch order
+                    pending.append(group)
+                    if len(pending) == cfg.groups_per_microbatch:
+                        new_units = self._make_units(pending)
+                        pending = []
+                        units.extend(new_units)
+                        if cfg.mode == "pipelined":
+                            ready.extend(new_units)
+                            self.engine.notify_idle_work()
                     note_waiting()
-                    continue  # micro-batches are formed after the rollout, in launch order
-                pending.append(group)
-                if len(pending) == cfg.groups_per_microbatch:
-                    new_units = self._make_units(pending)
-                    pending = []
-                    units.extend(new_units)
-                    if cfg.mode == "pipelined":
-                        ready.extend(new_units)
-                        self.engine.notify_idle_work()
-                note_waiting()
-            if early is not None and len(in_flight) <= cfg.early_groups and early.activate():
-                note_waiting()  # the tail: finished samples of the last groups may train now
-                self.engine.notify_idle_work()
+                if early is not None and len(in_flight) <= cfg.early_groups and early.activate():
+                    note_waiting()  # the tail: finished samples of the last groups may train now
+                    self.engine.notify_idle_work()
+        except BaseException:
+            # The step fails (an EngineError, a rollout function that keeps raising): stop every
+            # group still running, so their slots are released before the error leaves the step.
+            for fut in in_flight:
+                fut.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+            self.engine.idle_work = None
+            raise
         for fut in in_flight:  # over-provisioned groups not needed: stop them
             fut.cancel()
         await asyncio.gather(*in_flight, return_exceptions=True)
@@ -431,6 +477,10 @@ class RLTrainer:
             "rollout/tool_errors": counts["tool_errors"],
             "rollout/groups_dropped": counts["groups_dropped"],
             "rollout/groups_surplus": counts["groups_surplus"],
+            "rollout/groups_failed": counts["groups_failed"],
+            "rollout/failed_samples": counts["failed_samples"],
+            "engine/faults": s.faults - stats0.faults,
+            "engine/restored_slots": s.restored_slots - stats0.restored_slots,
             "train/trained_tokens": trained,
             "train/microsteps": self._trained["microsteps"],
             "train/early_microsteps": self._trained["early_microsteps"],

@@ -109,3 +109,71 @@ def test_a_tool_echoing_a_lone_surrogate_is_observed_not_a_crash(tok_dir):
     assert traj.reward == 1.0 and traj.num_tool_calls == 1
     turn = traj.turns[0]
     assert tok.decode(traj.tokens[turn.gen_end:turn.obs_end]) == "<|tool|>a\ufffdb<|end|><|assistant|>"
+
+
+class _PerPromptEngine:
+    """A new request opens a slot whose turns come from `script(prompt_text)`; appends go on."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.turns, self.released = tok, script, {}, []
+
+    async def complete(self, request):
+        if request.slot_handle is None:
+            handle = len(self.turns)
+            self.turns[handle] = list(self.script(self.tok.decode(request.tokens)))
+        else:
+            handle = request.slot_handle
+        await asyncio.sleep(0.001 * handle)  # interleave the samples
+        tokens = self.tok.encode(self.turns[handle].pop(0))
+        return Completion(tokens, [-0.1] * len(tokens), "stop", handle)
+
+    async def release(self, handle):
+        self.released.append(handle)
+
+
+class _BrokenEnvironment:
+    """The calculator environment, except that a call of '666' raises inside `step` and the reward
+    of task 'rbad' raises: bugs in a user's environment, hit by some samples of a batch."""
+
+    def __init__(self):
+        self.env = calculator_environment()
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    async def step(self, calls):
+        if any(getattr(c, "arguments", {}).get("expression") == "666" for c in calls):
+            raise RuntimeError("environment bug on 666")
+        return await self.env.step(calls)
+
+    def reward(self, task, traj):
+        if task.task_id == "rbad":
+            raise KeyError("no verifier for this task")
+        return self.env.reward(task, traj)
+
+
+def test_one_failing_sample_is_its_own_error_and_the_rest_of_the_batch_finishes(tok_dir):
+    from sfrrl_jax.agents.loop import run_many
+    tok = load_tokenizer(tok_dir)
+    env = _BrokenEnvironment()
+    tasks = [arithmetic_task("2 + 3", "ok"), arithmetic_task("6 + 6", "bad"), arithmetic_task("1 + 1", "rbad")]
+    answers = {"2 + 3": "5", "6 + 6": "12", "1 + 1": "2"}
+
+    def script(prompt):
+        question = next(q for q in answers if q in prompt)
+        expression = "666" if question == "6 + 6" else question
+        return [f'<|call|>calculator{{"expression": "{expression}"}}<|/call|><|end|>',
+                f"<answer>{answers[question]}</answer><|end|>"]
+
+    engine = _PerPromptEngine(tok, script)
+    cfg = AgentConfig(max_turns=3, max_new_tokens_per_turn=64, max_total_tokens=512, temperature=0.0)
+    trajs = asyncio.run(run_many(engine, env, tasks, tok, cfg, samples_per_task=2))
+    env.close()
+    by_task = {t.task_id: [x for x in trajs if x.task_id == t.task_id] for t in tasks}
+    assert all(x.reward == 1.0 and x.error is None and x.num_generated > 0 for x in by_task["ok"])
+    for x in by_task["bad"]:
+        assert x.finish_reason == "error" and x.error == "RuntimeError: environment bug on 666"
+        assert x.reward == 0.0 and x.num_generated == 0
+        x.check()
+    assert all(x.error.startswith("KeyError") and x.reward == 0.0 for x in by_task["rbad"])
+    assert sorted(engine.released) == list(range(6))  # every slot released, failed ones too

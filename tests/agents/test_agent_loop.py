@@ -8,7 +8,7 @@ import pytest
 from sfrrl_jax.agents.demos import calculator_demonstration, render_sft_example
 from sfrrl_jax.agents.environments import calculator_environment
 from sfrrl_jax.agents.loop import AgentConfig, run_agent, run_many
-from sfrrl_jax.agents.protocols import Completion, EngineProtocol, GenerationRequest
+from sfrrl_jax.agents.protocols import Completion, EngineError, EngineProtocol, GenerationRequest
 from sfrrl_jax.agents.tasks import arithmetic_task, generate_arithmetic_tasks
 from sfrrl_jax.agents.tools import ToolRunnerConfig
 from sfrrl_jax.tokenizer import load_tokenizer
@@ -183,10 +183,27 @@ def test_wall_budget_while_generating_and_while_tools_hang(tok):
     assert traj.finish_reason == "wall_budget" and traj.tokens == prompt + call and engine.released == [0]
 
 
-def test_engine_failure_propagates_and_slot_is_released(tok):
+def test_a_failing_request_is_that_samples_error_and_its_slot_is_released(tok):
     env = calculator_environment()
-    engine, _, _ = _looping_engine(tok, env, TASK, turns=1)  # no script for turn 2 -> IndexError
-    with pytest.raises(IndexError):
+    engine, prompt, call = _looping_engine(tok, env, TASK, turns=1)  # no script for turn 2 -> IndexError
+    traj = asyncio.run(run_agent(engine, env, TASK, tok, AgentConfig()))
+    assert engine.released == [0]
+    assert traj.finish_reason == "error" and traj.error.startswith("IndexError")
+    assert traj.reward == 0.0 and traj.num_generated == 0 and traj.tokens[:len(prompt) + len(call)] == prompt + call
+    traj.check()
+
+
+def test_an_engine_error_propagates_and_the_slot_is_released(tok):
+    env = calculator_environment()
+    engine, _, _ = _looping_engine(tok, env, TASK, turns=3)
+    complete = engine.complete
+
+    async def dying(request):
+        if request.slot_handle is not None:
+            raise EngineError("the device is gone")
+        return await complete(request)
+    engine.complete = dying
+    with pytest.raises(EngineError, match="device is gone"):
         asyncio.run(run_agent(engine, env, TASK, tok, AgentConfig()))
     assert engine.released == [0]
 
