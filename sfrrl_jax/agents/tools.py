@@ -4,8 +4,10 @@
 a call does: unparseable call, unknown tool, arguments violating the schema, a tool that raises,
 hangs past the timeout or returns garbage all become error observations. Async tools run on the
 event loop under a concurrency bound; blocking functions run on the runner's bounded thread pool.
-A hung *thread* cannot be killed (its slot stays busy until it returns), so anything that may hang
-for real, such as user code, belongs in a process: see `PythonTool`.
+A hung *thread* cannot be killed (its slot stays busy until it returns): once half the pool is
+stuck in timed-out calls, or the pool was shut down or broke, later calls get a fresh pool
+(`pools_replaced` counts these). Anything that may hang for real, such as user code, belongs in
+a process: see `PythonTool`.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import operator
 import time
 from fractions import Fraction
@@ -22,6 +25,9 @@ from typing import Any, Callable, Mapping, Sequence
 from sfrrl_jax.agents.protocols import Tool, ToolCall, ToolCallError, ToolResult
 from sfrrl_jax.agents.sandbox import PythonSandbox
 from sfrrl_jax.agents.schema import validate
+
+
+_log = logging.getLogger(__name__)
 
 
 class ToolError(Exception):
@@ -64,8 +70,43 @@ class ToolRunner:
             raise ValueError(f"duplicate tool names: {names}")
         self.tools = {t.name: t for t in tools}
         self.cfg = cfg
-        self._executor = concurrent.futures.ThreadPoolExecutor(cfg.thread_workers, thread_name_prefix="tool")
+        self._executor = self._new_pool()
+        self._stuck = 0  # pool threads still inside a call that timed out (a thread cannot be killed)
+        self.pools_replaced = 0
         self._semaphore: asyncio.Semaphore | None = None
+
+    def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(self.cfg.thread_workers, thread_name_prefix="tool")
+
+    def _replace_pool(self, why: str) -> None:
+        """A fresh pool for later calls: the old one is shut down without waiting (its stuck
+        threads end when their calls return, and hold nobody's slot meanwhile)."""
+        old, self._executor, self._stuck = self._executor, self._new_pool(), 0
+        old.shutdown(wait=False, cancel_futures=True)
+        self.pools_replaced += 1
+        _log.warning("tool thread pool replaced: %s", why)
+
+    def _submit(self, fn, arguments) -> concurrent.futures.Future:
+        try:
+            return self._executor.submit(fn, **arguments)
+        except (RuntimeError, concurrent.futures.BrokenExecutor) as e:  # shut down or broken: recover
+            self._replace_pool(f"{type(e).__name__}: {e}")
+            return self._executor.submit(fn, **arguments)
+
+    def _thread_stuck(self, work: concurrent.futures.Future, executor) -> None:
+        """A blocking call timed out; its thread is lost until the call returns. Once half the
+        pool is lost that way, later calls get a fresh pool instead of queueing behind them."""
+        if work.done() or executor is not self._executor:
+            return  # it never started (cancelled while queued), or its pool was replaced already
+        self._stuck += 1
+        loop = asyncio.get_running_loop()
+        work.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstick, executor))
+        if self._stuck * 2 >= self.cfg.thread_workers:
+            self._replace_pool(f"{self._stuck} of {self.cfg.thread_workers} threads stuck in timed-out calls")
+
+    def _unstick(self, executor) -> None:
+        if executor is self._executor and self._stuck > 0:
+            self._stuck -= 1
 
     def schemas(self) -> list[dict]:
         return [tool_schema(t) for t in self.tools.values()]
@@ -99,16 +140,20 @@ class ToolRunner:
             self._semaphore = asyncio.Semaphore(self.cfg.max_concurrency)
         async with self._semaphore:
             start = time.perf_counter()
+            blocking = getattr(tool, "blocking_fn", None)
+            work, executor = None, self._executor
             try:
-                blocking = getattr(tool, "blocking_fn", None)
                 if blocking is not None:
-                    loop = asyncio.get_running_loop()
-                    pending = loop.run_in_executor(self._executor, lambda: blocking(**call.arguments))
+                    work = self._submit(blocking, call.arguments)
+                    executor = self._executor
+                    pending = asyncio.wrap_future(work)
                 else:
                     pending = tool(**call.arguments)
                 async with asyncio.timeout(self.cfg.timeout_s):  # no extra Task, unlike wait_for
                     output = await pending
             except asyncio.TimeoutError:
+                if work is not None:
+                    self._thread_stuck(work, executor)
                 return self._error(call.name, f"tool {call.name!r} timed out after {self.cfg.timeout_s} s",
                                    call.call_id, time.perf_counter() - start)
             except ToolError as e:

@@ -1,0 +1,54 @@
+"""Attacks on the tool runner's worker pool: blocking tools that hang and a pool that dies.
+Each must cost only the calls involved (error observations), never the later calls of the run."""
+import asyncio
+import threading
+import time
+
+from sfrrl_jax.agents.protocols import ToolCall
+from sfrrl_jax.agents.tools import FunctionTool, ToolRunner, ToolRunnerConfig
+
+SCHEMA = {"type": "object", "properties": {"hang": {"type": "boolean"}}, "required": ["hang"]}
+
+
+def _runner(workers):
+    release = threading.Event()
+
+    def work(hang):
+        if hang:
+            release.wait(30)  # a blocking tool stuck (a dead NFS read, a deadlock)
+        return "done"
+    runner = ToolRunner([FunctionTool("work", "maybe hangs", SCHEMA, work)],
+                        ToolRunnerConfig(timeout_s=0.3, thread_workers=workers))
+    return runner, release
+
+
+def test_threads_stuck_in_timed_out_calls_do_not_starve_later_calls():
+    runner, release = _runner(workers=2)
+
+    async def main():
+        hung = await runner.run([ToolCall("work", {"hang": True}, "a"), ToolCall("work", {"hang": True}, "b")])
+        t0 = time.perf_counter()
+        later = await runner.run([ToolCall("work", {"hang": False}, f"c{i}") for i in range(4)])
+        return hung, later, time.perf_counter() - t0
+
+    try:
+        hung, later, later_s = asyncio.run(main())
+    finally:
+        release.set()
+        runner.close()
+    assert all(r.is_error and "timed out" in r.content for r in hung)
+    # Both threads of the pool are stuck: without a fresh pool these would queue and time out.
+    assert [r.content for r in later] == ["done"] * 4 and later_s < 0.3
+    assert runner.pools_replaced == 1
+
+
+def test_a_dead_pool_is_replaced_and_the_call_runs():
+    runner, release = _runner(workers=2)
+    runner._executor.shutdown(wait=True)  # the pool died under the runner
+
+    async def main():
+        return await runner.run([ToolCall("work", {"hang": False}, "a")])
+
+    (result,) = asyncio.run(main())
+    runner.close()
+    assert not result.is_error and result.content == "done" and runner.pools_replaced == 1
