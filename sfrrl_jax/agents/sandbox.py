@@ -232,15 +232,23 @@ def _launcher_config(cfg: SandboxConfig, plan: dict, uid: int | None, workdir: s
     }
 
 
-def _launcher_argv(launcher_cfg: dict, status_fd: int) -> list[str]:
-    return [sys.executable, "-I", "-S", _LAUNCHER, json.dumps({**launcher_cfg, "status_fd": status_fd})]
+# The launcher's source goes in as `-c`, so the code's argv (its stack, /proc/self/cmdline) names
+# no host path: not even where the project lives.
+_LAUNCHER_ARGV = [sys.executable, "-I", "-S", "-c", Path(_LAUNCHER).read_text()]
+
+
+def _launcher_input(launcher_cfg: dict, status_fd: int, code: str) -> bytes:
+    # Config on stdin, not argv: argv stays on the code's stack and in its /proc/self/cmdline, and
+    # the config names host paths. Lone surrogates pass through (compile() then reports them).
+    header = json.dumps({**launcher_cfg, "status_fd": status_fd}).encode()
+    return header + b"\n" + code.encode("utf-8", "surrogatepass")
 
 
 def _launch_sync(cfg: dict, code: str, timeout: float) -> int:
     read_fd, write_fd = os.pipe()
     try:
         proc = subprocess.run(
-            _launcher_argv(cfg, write_fd), input=code.encode(), capture_output=True, pass_fds=[write_fd],
+            _LAUNCHER_ARGV, input=_launcher_input(cfg, write_fd, code), capture_output=True, pass_fds=[write_fd],
             timeout=timeout, start_new_session=True, check=False, env=_LAUNCHER_ENV)
         return proc.returncode
     finally:
@@ -397,7 +405,7 @@ class PythonSandbox:
         start = time.perf_counter()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *_launcher_argv(launcher_cfg, write_fd), stdin=asyncio.subprocess.PIPE,
+                *_LAUNCHER_ARGV, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, pass_fds=[write_fd],
                 start_new_session=True, env=_LAUNCHER_ENV)
         except BaseException:
@@ -427,7 +435,7 @@ class PythonSandbox:
 
         async def feed_and_wait():
             try:
-                proc.stdin.write(code.encode())
+                proc.stdin.write(_launcher_input(launcher_cfg, write_fd, code))
                 await proc.stdin.drain()
                 proc.stdin.close()
             except (BrokenPipeError, ConnectionResetError):

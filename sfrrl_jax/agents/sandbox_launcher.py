@@ -1,4 +1,4 @@
-"""The process that runs inside the sandbox: `python -I -S sandbox_launcher.py CONFIG_JSON < code`.
+"""The process that runs inside the sandbox: `python -I -S -c <this file>`, stdin = config + code.
 
 Standalone on purpose (stdlib only, no package imports) so the interpreter starts in ~10 ms. The
 host (`sandbox.PythonSandbox`) starts it as root with an environment of its own choosing (nearly
@@ -20,7 +20,7 @@ covered by an empty read-only tmpfs, then each `expose` directory under it (the 
 paths) is bind-mounted back read-only at the same path; /tmp (the cwd), /var/tmp and /dev/shm are
 private, size-capped tmpfs mounts that vanish with the call; /proc is the new pid namespace's own.
 
-Config keys (JSON object in argv[1]); every isolation step is optional so the host can fall back
+Config keys (JSON object on the first line of stdin; the code is the rest); every isolation step is optional so the host can fall back
 where it was told to run unisolated (the host probes first and refuses by default; see `sandbox.py`):
   uid, gid            run the code as this uid/gid (needs root); null keeps the current ids
   net_ns, mount_ns, pid_ns, ipc_ns, uts_ns   booleans: which namespaces to create
@@ -281,8 +281,9 @@ def _run_init(cfg, code, status_fd):
 
 
 def main():
-    cfg = json.loads(sys.argv[1])
-    code = sys.stdin.read()
+    header, _, code = sys.stdin.buffer.read().partition(b"\n")
+    cfg = json.loads(header)
+    code = code.decode("utf-8", "surrogatepass")
     status_fd = cfg["status_fd"]
     os.umask(0o022)
     flags = 0

@@ -30,7 +30,7 @@ IPC_KEY = 0x5F00_0000 + (os.getpid() & 0xFFFF)
 _MEMORY_SCAN = """
 import ctypes, json, os
 needle_a, needle_b = {a!r}, {b!r}  # the secret, in two pieces: it never exists whole in here
-found, stack_has_argv, scanned = False, False, 0
+found, stack_has_env, scanned = False, False, 0
 for line in open('/proc/self/maps').read().splitlines():
     fields = line.split()
     name = fields[5] if len(fields) > 5 else ''
@@ -45,12 +45,12 @@ for line in open('/proc/self/maps').read().splitlines():
         found |= data[i + len(needle_a):i + len(needle_a) + len(needle_b)] == needle_b
         i = data.find(needle_a, i + 1)
     if name == '[stack]':
-        stack_has_argv = b'status_fd' in data  # the launcher's argv sits next to its environment
+        stack_has_env = b'LANG=C.UTF-8' in data  # the launcher's environment block is on this stack
 try:
     environ = open('/proc/self/environ', 'rb').read().decode()
 except OSError as e:
     environ = type(e).__name__
-print(json.dumps({{"found": found, "stack_scanned": stack_has_argv, "scanned_mb": scanned / 2**20,
+print(json.dumps({{"found": found, "stack_scanned": stack_has_env, "scanned_mb": scanned / 2**20,
                   "environ": environ, "os_environ": sorted(os.environ)}}))
 """
 
@@ -96,7 +96,8 @@ try:
     signal_host = 'SENT'
 except OSError as e:
     signal_host = type(e).__name__
-print(json.dumps({{"pids": pids, "me": os.getpid(), "host_cmdline": host_cmdline, "signal_host": signal_host}}))
+print(json.dumps({{"pids": pids, "me": os.getpid(), "host_cmdline": host_cmdline, "signal_host": signal_host,
+                  "own_cmdline": open('/proc/self/cmdline', 'rb').read().decode()}}))
 """
 
 _IMPORTS = """
@@ -266,6 +267,8 @@ def test_host_processes_invisible_and_unsignallable(attacks):
     out = _json(attacks, "proc")
     assert out["pids"] == [out["me"]]  # its own pid namespace and /proc; init hidden by hidepid
     assert out["host_cmdline"] == "FileNotFoundError" and out["signal_host"] == "ProcessLookupError"
+    # Its argv (on its stack, in its cmdline) names no host path: the config came on stdin.
+    assert PROJECT not in out["own_cmdline"] and '"hide":' not in out["own_cmdline"]
 
 
 def test_project_and_site_packages_hidden(attacks):
