@@ -219,6 +219,7 @@ def test_exit_behaves_like_the_interpreter():
                              "sys.exit('main failed')"),
         "main_module": ("import __main__, pickle\ndef f(): pass\n"
                         "print(__main__.f is f, pickle.loads(pickle.dumps(f)) is f)"),
+        "lone_surrogate": "print('a')  # \udcff",  # model output can hold one: an error result, no raise
     }
 
     async def main():
@@ -235,3 +236,4 @@ def test_exit_behaves_like_the_interpreter():
     assert (r["thread_then_exit"].exit_code, r["thread_then_exit"].stdout, r["thread_then_exit"].stderr) == (
         1, "thread done\n", "main failed\n")
     assert r["main_module"].stdout == "True True\n"
+    assert r["lone_surrogate"].exit_code == 1 and "surrogates not allowed" in r["lone_surrogate"].stderr
