@@ -205,7 +205,11 @@ def _jail_plan(cfg: SandboxConfig) -> dict:
         parts = Path(path).parts
         for i in range(2, len(parts)):
             ancestor = os.path.join(*parts[:i])
-            if not os.stat(ancestor).st_mode & 0o001:
+            try:
+                traversable = os.stat(ancestor).st_mode & 0o001
+            except OSError:
+                traversable = 0
+            if not traversable:
                 candidates.append(ancestor)
                 break
     hide = set()

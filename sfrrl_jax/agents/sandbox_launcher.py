@@ -1,9 +1,9 @@
 """The process that runs inside the sandbox: `python -I -S -c <this file>`, stdin = config + code.
 
 Standalone on purpose (stdlib only, no package imports) so the interpreter starts in ~10 ms. The
-host (`sandbox.PythonSandbox`) starts it as root with an environment of its own choosing (nearly
-empty: the process's initial stack, which every forked child inherits, never holds the trainer's
-variables), and it builds the jail:
+host (`sandbox.PythonSandbox`) starts it as root with an environment of its own choosing (LANG
+only: the process's initial stack, which every forked child inherits, never holds the trainer's
+variables) and no host path in its argv, and it builds the jail:
 
   launcher (host pgid leader; enters new net, mount, IPC and UTS namespaces, asks for a new pid
   │         namespace, caps SysV IPC sizes, builds the read-only filesystem view)
@@ -20,8 +20,9 @@ covered by an empty read-only tmpfs, then each `expose` directory under it (the 
 paths) is bind-mounted back read-only at the same path; /tmp (the cwd), /var/tmp and /dev/shm are
 private, size-capped tmpfs mounts that vanish with the call; /proc is the new pid namespace's own.
 
-Config keys (JSON object on the first line of stdin; the code is the rest); every isolation step is optional so the host can fall back
-where it was told to run unisolated (the host probes first and refuses by default; see `sandbox.py`):
+Config keys (JSON object on the first line of stdin; the code, UTF-8, is the rest). Every isolation
+step is optional so that the host can run unisolated where it was told to (it probes first and
+refuses by default; see `sandbox.py`):
   uid, gid            run the code as this uid/gid (needs root); null keeps the current ids
   net_ns, mount_ns, pid_ns, ipc_ns, uts_ns   booleans: which namespaces to create
   hide, expose        lists of absolute directories (mount_ns only; see above)
