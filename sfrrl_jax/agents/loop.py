@@ -26,6 +26,7 @@ from sfrrl_jax.agents.formats import get_format
 from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment, GenerationRequest, Task,
                                        ToolCall, ToolCallError)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
+from sfrrl_jax.config import check_int, check_int_fields, check_number, check_seed
 
 _log = logging.getLogger(__name__)
 
@@ -45,10 +46,14 @@ class AgentConfig:
     stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-turn and eos
 
     def __post_init__(self):
-        for name in ("max_turns", "max_new_tokens_per_turn", "max_total_tokens", "wall_budget_s",
-                     "max_tool_calls_per_turn"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"AgentConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        # Checked here, not per request: a bad value would otherwise fail every sample one by one.
+        check_int_fields(self, ("max_turns", "max_new_tokens_per_turn", "max_total_tokens",
+                                "max_tool_calls_per_turn"), 1)
+        check_number("AgentConfig.wall_budget_s", self.wall_budget_s, 0, lo_open=True)
+        check_number("AgentConfig.temperature", self.temperature, 0)
+        check_int("AgentConfig.top_k", self.top_k, 0, optional=True)
+        check_number("AgentConfig.top_p", self.top_p, 0, 1, lo_open=True, optional=True)
+        check_seed("AgentConfig.seed", self.seed)
         get_format(self.tool_format)  # fail early on an unknown format name
 
 

@@ -147,9 +147,19 @@ class ToolRunner:
                     work = self._submit(blocking, call.arguments)
                     executor = self._executor
                     pending = asyncio.wrap_future(work)
-                else:
-                    pending = tool(**call.arguments)
-                async with asyncio.timeout(self.cfg.timeout_s):  # no extra Task, unlike wait_for
+                queues = blocking is None and getattr(tool, "queues_for_capacity", False)
+                # no extra Task, unlike wait_for
+                async with asyncio.timeout(None if queues else self.cfg.timeout_s) as deadline:
+                    if blocking is None:
+                        if queues:
+                            # Its wait for capacity (sandbox slots) is load, not the call's fault:
+                            # the timeout starts once the tool says its work began (the agent's
+                            # wall budget still bounds the wait).
+                            loop = asyncio.get_running_loop()
+                            pending = tool(**call.arguments, on_start=lambda: deadline.reschedule(
+                                loop.time() + self.cfg.timeout_s))
+                        else:
+                            pending = tool(**call.arguments)
                     output = await pending
             except asyncio.TimeoutError:
                 if work is not None:
@@ -241,11 +251,13 @@ class PythonTool:
     parameters = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"],
                   "additionalProperties": False}
 
+    queues_for_capacity = True  # ToolRunner's timeout starts at `on_start`, once a sandbox slot is held
+
     def __init__(self, sandbox: PythonSandbox):
         self.sandbox = sandbox
 
-    async def __call__(self, code: str) -> str:
-        result = await self.sandbox.run(code)
+    async def __call__(self, code: str, on_start=None) -> str:
+        result = await self.sandbox.run(code, on_slot=on_start)
         problem = result.error_summary()
         if problem is None:
             return result.stdout if result.stdout else "(no output)"

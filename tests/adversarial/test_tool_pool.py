@@ -52,3 +52,16 @@ def test_a_dead_pool_is_replaced_and_the_call_runs():
     (result,) = asyncio.run(main())
     runner.close()
     assert not result.is_error and result.content == "done" and runner.pools_replaced == 1
+
+
+def test_queueing_for_sandbox_slots_does_not_count_against_the_tool_timeout():
+    # As tried: many sleep() calls at once through a sandbox with fewer slots; each call's own
+    # run is well inside the timeout, the queue is not (it was: 128 of 200 "timed out").
+    from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig
+    from sfrrl_jax.agents.tools import PythonTool
+    sandbox = PythonSandbox(SandboxConfig(max_concurrency=2, wall_timeout_s=5))
+    runner = ToolRunner([PythonTool(sandbox)], ToolRunnerConfig(timeout_s=1.5))
+    calls = [ToolCall("python", {"code": "import time; time.sleep(0.5); print('ok')"}, f"c{i}") for i in range(8)]
+    results = asyncio.run(runner.run(calls))  # ~2 s of queueing for the last ones, > timeout_s
+    runner.close()
+    assert [r.content.strip() for r in results] == ["ok"] * 8, [r.content for r in results if r.is_error]

@@ -243,8 +243,13 @@ def test_run_many_rejects_duplicate_task_ids(tok):
 
 
 def test_agent_config_validation():
-    with pytest.raises(ValueError, match="AgentConfig.max_turns must be > 0"):
+    with pytest.raises(ValueError, match="AgentConfig.max_turns must be >= 1, got 0"):
         AgentConfig(max_turns=0)
+    # Checked once here: a bad sampling setting would otherwise fail every sample one by one.
+    with pytest.raises(ValueError, match="AgentConfig.temperature must be >= 0 and finite, got nan"):
+        AgentConfig(temperature=float("nan"))
+    with pytest.raises(ValueError, match=r"AgentConfig.top_p must be in \(0, 1\]"):
+        AgentConfig(top_p=0.0)
     with pytest.raises(ValueError, match="unknown tool-call format"):
         AgentConfig(tool_format="xml")
     with pytest.raises(ValueError, match="tokens is empty"):

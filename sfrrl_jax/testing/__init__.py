@@ -1,0 +1,1 @@
+"""Test helpers shipped with the library: fault injection and the fault soak."""
