@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import operator
+import threading
 import time
 from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
@@ -72,6 +73,7 @@ class ToolRunner:
         self.cfg = cfg
         self._executor = self._new_pool()
         self._stuck = 0  # pool threads still inside a call that timed out (a thread cannot be killed)
+        self._stuck_lock = threading.Lock()
         self.pools_replaced = 0
         self._semaphore: asyncio.Semaphore | None = None
 
@@ -81,7 +83,8 @@ class ToolRunner:
     def _replace_pool(self, why: str) -> None:
         """A fresh pool for later calls: the old one is shut down without waiting (its stuck
         threads end when their calls return, and hold nobody's slot meanwhile)."""
-        old, self._executor, self._stuck = self._executor, self._new_pool(), 0
+        with self._stuck_lock:
+            old, self._executor, self._stuck = self._executor, self._new_pool(), 0
         old.shutdown(wait=False, cancel_futures=True)
         self.pools_replaced += 1
         _log.warning("tool thread pool replaced: %s", why)
@@ -98,15 +101,18 @@ class ToolRunner:
         pool is lost that way, later calls get a fresh pool instead of queueing behind them."""
         if work.done() or executor is not self._executor:
             return  # it never started (cancelled while queued), or its pool was replaced already
-        self._stuck += 1
-        loop = asyncio.get_running_loop()
-        work.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstick, executor))
+        with self._stuck_lock:
+            self._stuck += 1
+        # Called on the pool's thread, perhaps after this event loop closed (each trainer step may
+        # run its own): a lock, not the loop, guards the count.
+        work.add_done_callback(lambda _: self._unstick(executor))
         if self._stuck * 2 >= self.cfg.thread_workers:
             self._replace_pool(f"{self._stuck} of {self.cfg.thread_workers} threads stuck in timed-out calls")
 
     def _unstick(self, executor) -> None:
-        if executor is self._executor and self._stuck > 0:
-            self._stuck -= 1
+        with self._stuck_lock:
+            if executor is self._executor and self._stuck > 0:
+                self._stuck -= 1
 
     def schemas(self) -> list[dict]:
         return [tool_schema(t) for t in self.tools.values()]
