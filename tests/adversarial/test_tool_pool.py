@@ -2,7 +2,6 @@
 Each must cost only the calls involved (error observations), never the later calls of the run."""
 import asyncio
 import threading
-import time
 
 from sfrrl_jax.agents.protocols import ToolCall
 from sfrrl_jax.agents.tools import FunctionTool, ToolRunner, ToolRunnerConfig
@@ -27,18 +26,17 @@ def test_threads_stuck_in_timed_out_calls_do_not_starve_later_calls():
 
     async def main():
         hung = await runner.run([ToolCall("work", {"hang": True}, "a"), ToolCall("work", {"hang": True}, "b")])
-        t0 = time.perf_counter()
         later = await runner.run([ToolCall("work", {"hang": False}, f"c{i}") for i in range(4)])
-        return hung, later, time.perf_counter() - t0
+        return hung, later
 
     try:
-        hung, later, later_s = asyncio.run(main())
+        hung, later = asyncio.run(main())
     finally:
         release.set()
         runner.close()
     assert all(r.is_error and "timed out" in r.content for r in hung)
     # Both threads of the pool are stuck: without a fresh pool these would queue and time out.
-    assert [r.content for r in later] == ["done"] * 4 and later_s < 0.3
+    assert [r.content for r in later] == ["done"] * 4  # none timed out (0.3 s) behind the stuck ones
     assert runner.pools_replaced == 1
 
 
@@ -60,8 +58,9 @@ def test_queueing_for_sandbox_slots_does_not_count_against_the_tool_timeout():
     from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig
     from sfrrl_jax.agents.tools import PythonTool
     sandbox = PythonSandbox(SandboxConfig(max_concurrency=2, wall_timeout_s=5))
-    runner = ToolRunner([PythonTool(sandbox)], ToolRunnerConfig(timeout_s=1.5))
-    calls = [ToolCall("python", {"code": "import time; time.sleep(0.5); print('ok')"}, f"c{i}") for i in range(8)]
-    results = asyncio.run(runner.run(calls))  # ~2 s of queueing for the last ones, > timeout_s
+    runner = ToolRunner([PythonTool(sandbox)], ToolRunnerConfig(timeout_s=2.5))
+    calls = [ToolCall("python", {"code": "import time; time.sleep(0.5); print('ok')"}, f"c{i}") for i in range(12)]
+    # The last calls queue > 2.7 s (5 rounds of >= 0.55 s) > timeout_s; each run has 2 s to spare.
+    results = asyncio.run(runner.run(calls))
     runner.close()
-    assert [r.content.strip() for r in results] == ["ok"] * 8, [r.content for r in results if r.is_error]
+    assert [r.content.strip() for r in results] == ["ok"] * 12, [r.content for r in results if r.is_error]
