@@ -38,7 +38,7 @@ def test_thousands_of_calls_in_one_turn_parse_each_and_run_only_up_to_the_cap():
     assert capped[:4] == parsed.calls[:4] and len(capped) == 5
     assert isinstance(capped[4], ToolCallError) and "15996 more tool calls" in capped[4].message
     assert capped_calls(parsed.calls[:3], 4) == parsed.calls[:3]
-    with pytest.raises(ValueError, match="max_tool_calls_per_turn must be > 0"):
+    with pytest.raises(ValueError, match="max_tool_calls_per_turn must be >= 1, got 0"):
         AgentConfig(max_tool_calls_per_turn=0)
 
 

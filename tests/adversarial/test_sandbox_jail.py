@@ -275,7 +275,8 @@ def test_project_and_site_packages_hidden(attacks):
     out = _json(attacks, "imports")
     assert {name: out[name] for name in ("numpy", "jax", "sfrrl_jax", "pytest")} == dict.fromkeys(
         ("numpy", "jax", "sfrrl_jax", "pytest"), "ModuleNotFoundError")
-    assert out[PROJECT] == [] and out["/run"] == []
+    # A project under /tmp (a CI clone) is not even there: the jail's /tmp is its own tmpfs.
+    assert out[PROJECT] in ([], "absent") and out["/run"] == []
     for d in sandbox_module._site_dirs():
         assert out[d] in ([], "absent"), d
     # /root holds nothing but the mount points leading to the stdlib (pyenv lives there).
