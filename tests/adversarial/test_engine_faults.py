@@ -5,12 +5,9 @@ was a lost wake-up (queued requests stuck), a KeyError that killed the driver ta
 leaked by a late cancellation, and any device exception failing every request in flight.
 """
 import asyncio
-import collections
 import functools
-import random
 import threading
 
-import jax
 import numpy as np
 import pytest
 
@@ -18,6 +15,7 @@ import sfrrl_jax as S
 from sfrrl_jax.agents.protocols import GenerationRequest
 from sfrrl_jax.engine import Engine
 from sfrrl_jax.engine.recovery import EngineFailure
+from sfrrl_jax.testing.faults import FlakyEngineSteps
 
 from model_fixtures import TINY, randomize
 
@@ -115,40 +113,6 @@ def test_cancel_after_the_result_is_set_does_not_leak_the_parked_slot():
     _assert_all_free(engine)
 
 
-class FlakySteps:
-    """The engine's steps with injected faults: each call of a device step raises with
-    probability p, and the first call of each always does; half the time before the step runs
-    and half the time after it ran (the donated state is then gone, as after a real runtime
-    failure)."""
-
-    FAULTY = ("prefill", "insert", "generate", "append_prefill", "free_resource")
-
-    def __init__(self, steps, p, seed, always=False):
-        self._steps, self._p, self._rng, self._always = steps, p, random.Random(seed), always
-        self.injected = collections.Counter()
-        self._lock = threading.Lock()
-
-    def __getattr__(self, name):
-        real = getattr(self._steps, name)
-        if name not in self.FAULTY:
-            return real
-
-        def flaky(*args, **kwargs):
-            with self._lock:
-                fault = self._always or name not in self.injected or self._rng.random() < self._p
-                after = self._rng.random() < 0.5
-            if fault and not after:
-                self.injected[name] += 1
-                raise RuntimeError(f"injected fault before {name}")
-            out = real(*args, **kwargs)
-            if fault:
-                jax.block_until_ready(out)
-                self.injected[name] += 1
-                raise RuntimeError(f"injected fault after {name}")
-            return out
-        return flaky
-
-
 def _engine_logprobs(cfg, params, sequences):
     """log p(token t | tokens < t) under the params, for every position t >= 1 of each sequence."""
     width = max(len(s) for s in sequences)
@@ -185,7 +149,7 @@ async def _multi_turn(engine, index, turns=3):
 def test_random_device_faults_are_recovered_and_every_token_stays_on_policy():
     cfg, params = _params()
     engine = _engine(max_slots=4, decode_steps=2, max_consecutive_faults=8)
-    flaky = FlakySteps(engine.steps, p=0.08, seed=0)
+    flaky = FlakyEngineSteps(engine.steps, p=0.08, seed=0)
     engine.steps = flaky
 
     async def main():
@@ -209,7 +173,7 @@ def test_random_device_faults_are_recovered_and_every_token_stays_on_policy():
 
 def test_a_fault_that_never_clears_fails_every_request_with_engine_failure_and_leaks_nothing():
     engine = _engine(max_slots=2, max_consecutive_faults=2)
-    flaky = FlakySteps(engine.steps, p=1.0, seed=0, always=True)
+    flaky = FlakyEngineSteps(engine.steps, p=1.0, seed=0, always=True)
     engine.steps = flaky
 
     async def main():
@@ -220,9 +184,9 @@ def test_a_fault_that_never_clears_fails_every_request_with_engine_failure_and_l
 
     outs = asyncio.run(main())
     assert all(isinstance(o, EngineFailure) for o in outs)
-    assert "injected fault" in str(outs[0].__cause__)
+    assert "injected device fault" in str(outs[0].__cause__)
     assert engine.stats.faults == 3
-    engine.steps = flaky._steps  # the device is back: the same engine serves again
+    engine.steps = flaky.inner  # the device is back: the same engine serves again
     c = asyncio.run(engine.complete(_req([1, 2], 4)))
     asyncio.run(engine.release(c.slot_handle))
     assert len(c.tokens) == 4
