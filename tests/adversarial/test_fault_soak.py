@@ -20,7 +20,8 @@ def test_short_soak_every_step_completes_and_nothing_leaks():
                                   tool_hang_s=0.6, pool_crash_p=0.5, rollout_raise_p=0.05))
     _check(r)
     assert r["rollouts_cancelled"] > 0 and r["tool_pool_crashes_injected"] > 0
-    assert r["failed_samples_counted"] == r["rollout_raises_injected"] or r["rollouts_raised"] >= r["failed_samples_counted"]
+    # Each counted failure is a rollout that raised (some raise in groups cancelled before they end).
+    assert r["failed_samples_counted"] <= r["rollouts_raised"] == r["rollout_raises_injected"]
 
 
 @pytest.mark.soak  # deselected by default (pyproject addopts); run: pytest -m soak tests/adversarial
