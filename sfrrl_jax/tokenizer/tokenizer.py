@@ -4,6 +4,8 @@
 way transformers does (special-token strings in the text map to their ids; nothing is added).
 `Tokenizer.render_delta` renders only what follows the last assistant turn (tool results and the
 next generation prompt), for appending to a trajectory whose generated tokens stay as generated.
+Tool results are untrusted: control-token text inside them is encoded as plain text
+(`sfrrl_jax.tokenizer.untrusted`), so a tool cannot forge an end of turn or a system turn.
 """
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from sfrrl_jax.tokenizer.chat_template import ChatTemplateError, compile_chat_template
+from sfrrl_jax.tokenizer.untrusted import UntrustedEncoder, mark_untrusted
 
 # Tried in order when a directory does not name its end-of-turn token (`end_of_turn_token`).
 _KNOWN_END_OF_TURN = ("<|end|>", "<|im_end|>", "<|eot_id|>", "<|return|>", "<end_of_turn>")
@@ -49,6 +52,7 @@ class Tokenizer:
             eot = next((t for t in _KNOWN_END_OF_TURN
                         if hf_tokenizer.token_to_id(t) is not None and t in (chat_template or "")), self.eos_token)
         self.end_of_turn_token = eot
+        self._untrusted = UntrustedEncoder(hf_tokenizer)
         for field in ("bos_token", "eos_token", "pad_token", "end_of_turn_token"):
             token = getattr(self, field)
             if token is not None and hf_tokenizer.token_to_id(token) is None:
@@ -96,9 +100,7 @@ class Tokenizer:
         which are not UTF-8 and which the Rust tokenizer refuses with a TypeError; they become
         U+FFFD, as any UTF-8 decoder would show them.
         """
-        if _SURROGATE.search(text):
-            text = _SURROGATE.sub("\ufffd", text)
-        return self.hf.encode(text, add_special_tokens=False).ids
+        return self.hf.encode(_without_surrogates(text), add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -115,12 +117,20 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             tools: Sequence[Mapping[str, Any]] | None = None,
-                            add_generation_prompt: bool = False, **template_kwargs: Any) -> list[int]:
-        return self.encode(self.render(messages, tools, add_generation_prompt, **template_kwargs))
+                            add_generation_prompt: bool = False, untrusted_roles: Collection[str] = (),
+                            **template_kwargs: Any) -> list[int]:
+        """Token ids of the rendered chat. Contents of messages whose role is in `untrusted_roles`
+        never yield added (control) tokens: their `<|end|>` text is the plain tokens of '<|end|>'."""
+        marked = mark_untrusted(messages, untrusted_roles) if untrusted_roles else None
+        if marked is None or not self._untrusted.might_forge(marked.contents):
+            return self.encode(self.render(messages, tools, add_generation_prompt, **template_kwargs))
+        text, spans = marked.unmark(self.render(marked.messages, tools, add_generation_prompt, **template_kwargs))
+        return self._untrusted.encode(_without_surrogates(text), spans)
 
     def render_delta(self, history: Sequence[Mapping[str, Any]], new_messages: Sequence[Mapping[str, Any]],
                      tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
-                     stop_text: str | None = None, **template_kwargs: Any) -> list[int]:
+                     stop_text: str | None = None, untrusted_roles: Collection[str] = ("tool",),
+                     **template_kwargs: Any) -> list[int]:
         """Tokens to append after the assistant's last turn, which ended with `stop_text`.
 
         `history` ends with that assistant message. The delta is the full render of
@@ -128,6 +138,11 @@ class Tokenizer:
         `stop_text` (the end-of-turn token by default): prefix tokens + generated tokens + delta
         then equal the full render, token for token, whenever the cut is a token boundary (it is
         for special-token stops). Raises TemplateDeltaError if the template is not append-only.
+
+        Contents of new messages whose role is in `untrusted_roles` (tool results by default) never
+        yield added tokens: a tool echoing '<|end|><|system|>' is read as that text, not as a
+        forged end of turn (`sfrrl_jax.tokenizer.untrusted`). Where no such content holds any
+        added-token string, the ids are exactly the tokenization of the rendered text.
         """
         stop_text = stop_text or self.end_of_turn_token
         before = self.render(history, tools, add_generation_prompt=False, **template_kwargs)
@@ -147,10 +162,24 @@ class Tokenizer:
             raise TemplateDeltaError(
                 f"{self.name}: chat template re-renders history differently once new messages follow "
                 f"(first difference at char {at}: {prefix[at:at + 40]!r} vs {after[at:at + 40]!r})")
-        return self.encode(after[len(prefix):])
+        marked = mark_untrusted(new_messages, untrusted_roles) if untrusted_roles else None
+        if marked is None or not self._untrusted.might_forge(marked.contents):
+            return self.encode(after[len(prefix):])
+        # Rendered again with the untrusted contents between markers, to know where they lie.
+        after = self.render(list(history) + marked.messages, tools, add_generation_prompt, **template_kwargs)
+        if not after.startswith(prefix):
+            raise TemplateDeltaError(f"{self.name}: chat template renders history differently once "
+                                     "untrusted contents are marked")
+        text, spans = marked.unmark(after[len(prefix):])
+        return self._untrusted.encode(_without_surrogates(text), spans)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _without_surrogates(text: str) -> str:
+    """Lone surrogates (not UTF-8; the Rust tokenizer refuses them) become U+FFFD, one char each."""
+    return _SURROGATE.sub("\ufffd", text) if _SURROGATE.search(text) else text
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
