@@ -1,13 +1,13 @@
 """Train with gin configs: `python experiments/train.py --gin_file=experiments/configs/quickstart.gin`.
 
-Same as the installed `sfrrl-train` console script (sfrrl_jax/cli.py holds the flags and the job).
+Same as the installed `sfrrl-train` console script (sfrrl_jax/launch/cli.py holds the flags and the job).
 """
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from sfrrl_jax.cli import main  # noqa: E402
+from sfrrl_jax.launch.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,22 +19,25 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "expert", "tensor")
+# The mesh's axis names: spelt here once, used everywhere by these constants.
+DATA_AXIS, EXPERT_AXIS, TENSOR_AXIS = "data", "expert", "tensor"
+MESH_AXES = (DATA_AXIS, EXPERT_AXIS, TENSOR_AXIS)
+TOKEN_AXES = (DATA_AXIS, EXPERT_AXIS)  # the axes tokens (batch rows, engine slots) are split over
 
 # Logical name -> mesh axis (or tuple of mesh axes, or None = replicated). One table.
 LOGICAL_AXIS_RULES: Mapping[str, Any] = {
-    "batch": ("data", "expert"),
+    "batch": TOKEN_AXES,
     "seq": None,
     "layers": None,
     "embed": None,
-    "vocab": "tensor",
-    "heads": "tensor",
-    "kv_heads": "tensor",
+    "vocab": TENSOR_AXIS,
+    "heads": TENSOR_AXIS,
+    "kv_heads": TENSOR_AXIS,
     "head_dim": None,
-    "mlp": "tensor",
-    "experts": "expert",
+    "mlp": TENSOR_AXIS,
+    "experts": EXPERT_AXIS,
     "experts_router": None,  # router logits are computed for all experts on every token shard
-    "slots": ("data", "expert"),
+    "slots": TOKEN_AXES,
     "cache_len": None,
 }
 
@@ -50,7 +53,7 @@ def make_mesh(
     Axis types are `Auto`: XLA propagates shardings through the dense parts, and the MoE layer
     enters `shard_map` explicitly. The product of the sizes must equal the device count.
     """
-    sizes = {"data": data, "expert": expert, "tensor": tensor}
+    sizes = {DATA_AXIS: data, EXPERT_AXIS: expert, TENSOR_AXIS: tensor}
     for name, size in sizes.items():
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"make_mesh: axis {name!r} must be a positive int, got {size!r}")
@@ -94,7 +97,7 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Mapping[str, Any]
     return P(*out)
 
 
-def _fit_spec_to_shape(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+def fit_spec_to_shape(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     """Drops mesh axes from dimensions they don't divide (e.g. 2 kv heads over tensor=4)."""
     fitted = []
     for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
@@ -116,7 +119,7 @@ def sharding_for(
     """`NamedSharding` for an array with these logical dims (fitted to `shape` if given)."""
     spec = logical_to_spec(logical_axes)
     if shape is not None:
-        spec = _fit_spec_to_shape(spec, shape, mesh)
+        spec = fit_spec_to_shape(spec, shape, mesh)
     return NamedSharding(mesh, spec)
 
 
@@ -141,5 +144,5 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return x
-    spec = _fit_spec_to_shape(logical_to_spec(logical_axes), x.shape, mesh)
+    spec = fit_spec_to_shape(logical_to_spec(logical_axes), x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -69,10 +69,10 @@ import numpy as np  # noqa: E402
 
 import sfrrl_jax as S  # noqa: E402
 from sfrrl_jax.rl.config import LossConfig  # noqa: E402
-from sfrrl_jax.train.optimizer import OptimizerConfig  # noqa: E402
+from sfrrl_jax.learner.optimizer import OptimizerConfig  # noqa: E402
 from sfrrl_jax.trainer.config import TrainerConfig  # noqa: E402
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream  # noqa: E402
-from sfrrl_jax.trainer.workload import WorkloadAgent, WorkloadConfig, make_tasks, sample_spec  # noqa: E402
+from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, make_tasks, sample_spec  # noqa: E402
 
 # (row name, TrainerConfig.mode, early samples on)
 MODES = (("sync", "sync", False), ("pipelined", "pipelined", False),

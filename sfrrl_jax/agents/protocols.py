@@ -1,87 +1,15 @@
-"""Contracts between the agent loop and its neighbours: the engine, tools and environments.
+"""Contracts between the agent loop and its neighbours: tools, environments, tasks.
 
-The engine (issue 4) imports `GenerationRequest`, `Completion` and `EngineProtocol` from here.
-
-Engine semantics the loop relies on:
-* `complete(request)` generates for one trajectory. With `slot_handle=None`, `tokens` is the whole
-  prompt (prefill). With a handle returned by an earlier `Completion`, the slot's KV cache holds
-  everything so far (including the last generated token) and `tokens` are only the NEW tokens to
-  append (append-prefill of the observation delta), never the history again.
-* `Completion.tokens` are the newly generated tokens; the stop token that ended the turn is
-  included (the policy generated it). `logprobs[i]` is log p(tokens[i]) under the sampling
-  distribution actually used. `finish_reason` is 'stop' (a stop token) or 'length' (hit
-  `max_new_tokens`). The returned handle keeps the slot parked until the next `complete` or
-  `release`.
-* `release(handle)` frees a parked slot; the loop calls it exactly once when a trajectory ends.
-  If a `complete` is cancelled (wall budget), the engine frees whatever that request allocated;
-  the loop still releases the last handle it was given.
+The engine's request/response types live in `sfrrl_jax.engine.types` (re-exported here).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Awaitable, Mapping, Protocol, Sequence, runtime_checkable
 
-from sfrrl_jax.config import check_int, check_number, check_seed
+from sfrrl_jax.engine.types import Completion, EngineError, EngineProtocol, GenerationRequest  # noqa: F401
 
 Message = dict  # {"role": "system"|"user"|"assistant"|"tool", "content": str, "tool_calls"?: [...]}
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationRequest:
-    """One turn of generation. `tokens`: prompt ids, or only the appended ids when continuing."""
-
-    tokens: list[int]
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    slot_handle: Any = None
-
-    def __post_init__(self):
-        own = "GenerationRequest"
-        check_int(f"{own}.max_new_tokens", self.max_new_tokens, 1)
-        # nan/inf sampling settings reach the jitted sampler as nan logprobs, not as an error
-        check_number(f"{own}.temperature", self.temperature, 0)
-        check_int(f"{own}.top_k", self.top_k, 0, optional=True)
-        check_number(f"{own}.top_p", self.top_p, 0, 1, lo_open=True, optional=True)
-        check_seed(f"{own}.seed", self.seed)
-        if not self.tokens:
-            raise ValueError("GenerationRequest.tokens is empty: there is nothing to prefill or append")
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    """What one `complete` call generated: tokens[n], logprobs[n] (same n), why it stopped, the slot."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: str  # 'stop' | 'length'
-    slot_handle: Any = None
-    # log p(tokens[i]) under the policy at temperature 1 (what the train forward computes);
-    # None when the engine does not provide it.
-    raw_logprobs: list[float] | None = None
-
-    def __post_init__(self):
-        if self.raw_logprobs is not None and len(self.raw_logprobs) != len(self.tokens):
-            raise ValueError(f"Completion has {len(self.tokens)} tokens but {len(self.raw_logprobs)} raw_logprobs")
-        if len(self.tokens) != len(self.logprobs):
-            raise ValueError(f"Completion has {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
-        if self.finish_reason not in ("stop", "length"):
-            raise ValueError(f"Completion.finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
-
-
-class EngineError(RuntimeError):
-    """The engine itself failed, not one request: no trajectory can go on. The agent loop lets it
-    through (a sample's own failure becomes that sample's error instead; see `agents.loop`)."""
-
-
-@runtime_checkable
-class EngineProtocol(Protocol):
-    async def complete(self, request: GenerationRequest) -> Completion: ...
-
-    async def release(self, slot_handle: Any) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

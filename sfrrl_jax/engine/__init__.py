@@ -2,6 +2,8 @@
 from sfrrl_jax.engine.driver import Engine, EngineStats, SlotHandle
 from sfrrl_jax.engine.generate import generate
 from sfrrl_jax.engine.steps import DecodeState, EngineSteps, Prefix, ResultTokens, SlotRequest
+from sfrrl_jax.engine.types import Completion, EngineError, EngineProtocol, GenerationRequest
 
 __all__ = ["Engine", "EngineStats", "SlotHandle", "generate", "DecodeState", "EngineSteps",
-           "Prefix", "ResultTokens", "SlotRequest"]
+           "Prefix", "ResultTokens", "SlotRequest", "Completion", "EngineError", "EngineProtocol",
+           "GenerationRequest"]

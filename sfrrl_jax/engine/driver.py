@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from sfrrl_jax.agents.protocols import Completion, GenerationRequest
+from sfrrl_jax.engine.types import Completion, GenerationRequest
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.recovery import EngineFailure, SlotLog, restorer_for  # noqa: F401 (re-export)
 from sfrrl_jax.engine.steps import SlotRequest, engine_steps

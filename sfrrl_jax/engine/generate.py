@@ -6,7 +6,7 @@ import asyncio
 from sfrrl_jax.aio import run_sync
 from typing import Sequence
 
-from sfrrl_jax.agents.protocols import Completion, GenerationRequest
+from sfrrl_jax.engine.types import Completion, GenerationRequest
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.driver import Engine
 

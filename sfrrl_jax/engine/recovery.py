@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sfrrl_jax.agents.protocols import EngineError
+from sfrrl_jax.engine.types import EngineError
 from sfrrl_jax.engine.model_step import extend
 from sfrrl_jax.engine.steps import DecodeState, EngineSteps, SlotRequest
 

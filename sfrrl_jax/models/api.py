@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.mesh import sharding_for
+from sfrrl_jax.mesh import EXPERT_AXIS, sharding_for
 from sfrrl_jax.models import transformer as tfm
 
 
@@ -39,7 +39,7 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
 
 
 def check_mesh_fits(cfg: ModelConfig, mesh: Mesh) -> None:
-    n = mesh.shape.get("expert", 1)
+    n = mesh.shape.get(EXPERT_AXIS, 1)
     if cfg.n_experts % n:
         raise ValueError(
             f"ModelConfig.n_experts={cfg.n_experts} is not divisible by the mesh's expert axis size {n}"

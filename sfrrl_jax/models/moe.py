@@ -25,11 +25,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.mesh import _fit_spec_to_shape, logical_to_spec
+from sfrrl_jax.mesh import EXPERT_AXIS, TENSOR_AXIS, TOKEN_AXES, fit_spec_to_shape, logical_to_spec
 from sfrrl_jax.models.layers import cdtype, param
 
-EXPERT_AXIS = "expert"
-TOKEN_AXES = ("data", "expert")
 
 
 class MoE(nnx.Module):
@@ -126,7 +124,7 @@ def expert_ffn(cfg: ModelConfig, rows, local_ids, n_local: int, w: dict):
         # Down bias is added once per row: only on the first mlp shard when mlp is split.
         bias = w["b_down"].astype(dt)[gather_ids]
         if _mlp_is_split(w, cfg):
-            bias = jnp.where(jax.lax.axis_index("tensor") == 0, bias, 0)
+            bias = jnp.where(jax.lax.axis_index(TENSOR_AXIS) == 0, bias, 0)
         out = out + bias
     out = jnp.where((sorted_ids < n_local)[:, None], out, 0)
     return jnp.zeros_like(out).at[order].set(out)
@@ -215,18 +213,18 @@ def _dispatch_compute_combine(cfg: ModelConfig, n_shards: int, x, ids, weights, 
 
 def _mlp_is_split(w, cfg) -> bool:
     """Inside shard_map: this device holds a slice of the experts' mlp dim (split over tensor)."""
-    return "tensor" in _current_axes() and w["w_down"].shape[1] != cfg.d_ff_expert
+    return TENSOR_AXIS in _current_axes() and w["w_down"].shape[1] != cfg.d_ff_expert
 
 
 def _sum_mlp_shards(y, w, cfg):
-    return jax.lax.psum(y, "tensor") if _mlp_is_split(w, cfg) else y
+    return jax.lax.psum(y, TENSOR_AXIS) if _mlp_is_split(w, cfg) else y
 
 
 def _weight_specs(cfg: ModelConfig, w: dict, mesh) -> dict:
     axes = {"w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
             "w_down": ("experts", "mlp", "embed"), "b_gate": ("experts", "mlp"),
             "b_up": ("experts", "mlp"), "b_down": ("experts", "embed")}
-    return {n: _fit_spec_to_shape(logical_to_spec(axes[n]), v.shape, mesh) for n, v in w.items()}
+    return {n: fit_spec_to_shape(logical_to_spec(axes[n]), v.shape, mesh) for n, v in w.items()}
 
 
 def moe_experts(cfg: ModelConfig, x, ids, weights, w: dict):

@@ -25,10 +25,10 @@ from sfrrl_jax.mesh import make_mesh
 from sfrrl_jax.models.api import init_params
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.testing.faults import FlakyEngineSteps, RolloutLedger, faulty_workload_tool
-from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
-from sfrrl_jax.trainer.workload import WorkloadAgent, WorkloadConfig, make_tasks
+from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, make_tasks
 
 
 @dataclasses.dataclass(frozen=True)

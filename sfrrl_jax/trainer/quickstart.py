@@ -66,7 +66,7 @@ from sfrrl_jax.mesh import make_mesh
 from sfrrl_jax.models import init_params
 from sfrrl_jax.rl.config import AdvantageConfig, LossConfig
 from sfrrl_jax.tokenizer import build_tiny_tokenizer, load_tokenizer
-from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.agent_rollout import AgentRollout
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.evaluate import evaluate

@@ -32,9 +32,9 @@ from sfrrl_jax.agents.trajectory import Trajectory
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine
 from sfrrl_jax.rl.config import LossConfig
-from sfrrl_jax.train import make_train_step
-from sfrrl_jax.train.deferred import advantage_free_terms, check_deferrable
-from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.learner import make_train_step
+from sfrrl_jax.learner.deferred import advantage_free_terms, check_deferrable
+from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.batching import (
     Group, TokenShare, group_advantage_slopes, group_advantages, microbatch_from_trajectories,
 )
@@ -85,7 +85,7 @@ class TaskStream:
 
 
 @dataclasses.dataclass
-class _Unit:
+class MicroStepUnit:
     """One gradient micro-step: its batch and whose tokens it holds (Groups or TokenShares).
 
     early: set for a sample trained into its unfinished group's buffer; merges: (group progress,
@@ -146,7 +146,7 @@ class RLTrainer:
         self.step_index = 0
         # expected_length: optional prior `fn(task) -> tokens` for prompts not seen yet
         self.longest_first = LongestFirst(expected_tokens=expected_length)
-        self.carry_over: list[_Unit] = []   # one_step_off: last step's groups
+        self.carry_over: list[MicroStepUnit] = []   # one_step_off: last step's groups
         self.timeline = Timeline()
         self.engine.trace = self.timeline
 
@@ -168,11 +168,11 @@ class RLTrainer:
         early = (EarlySamples(cfg.early_groups, cfg.group_size, active=n_launch <= cfg.early_groups)
                  if cfg.early_groups else None)
         self._claimed = {}  # launch index -> GroupProgress of a finished group with early samples
-        ready: collections.deque[_Unit] = collections.deque(self.carry_over if cfg.mode == "one_step_off" else [])
+        ready: collections.deque[MicroStepUnit] = collections.deque(self.carry_over if cfg.mode == "one_step_off" else [])
         self.carry_over = []
         kept: list[Group] = []
         pending: list[Group] = []
-        units: list[_Unit] = []
+        units: list[MicroStepUnit] = []
         counts = collections.Counter()
         failures: list[str] = []
         waiting = WaitingWork()
@@ -378,7 +378,7 @@ class RLTrainer:
         return shapes
 
     # -- internals ----------------------------------------------------------------------------
-    def _make_units(self, groups: list[Group]) -> list[_Unit]:
+    def _make_units(self, groups: list[Group]) -> list[MicroStepUnit]:
         """Micro-steps of these finished groups. Samples already in a group buffer (trained early)
         are left out; the last micro-step merges those buffers at the final advantages."""
         adv = group_advantages(groups, self.cfg.advantage)
@@ -402,12 +402,12 @@ class RLTrainer:
         units[-1].groups += [self._share(g, i) for g, i in merged]
         return units
 
-    def _split(self, batch: dict, owners: list, whole: list | None = None) -> list[_Unit]:
+    def _split(self, batch: dict, owners: list, whole: list | None = None) -> list[MicroStepUnit]:
         """Micro-steps of at most `microbatch_rows` rows; owners: (group, sample) per row."""
         rows, step = len(owners), self.cfg.microbatch_rows
         if not step or rows <= step:
-            return [_Unit(whole if whole is not None else [self._share(g, i) for g, i in owners], batch)]
-        return [_Unit([self._share(g, i) for g, i in owners[a:a + step]],
+            return [MicroStepUnit(whole if whole is not None else [self._share(g, i) for g, i in owners], batch)]
+        return [MicroStepUnit([self._share(g, i) for g, i in owners[a:a + step]],
                       {k: v[a:a + step] for k, v in batch.items()}) for a in range(0, rows, step)]
 
     @staticmethod
@@ -415,12 +415,12 @@ class RLTrainer:
         return TokenShare(group.group_id, group.params_version,
                           int(np.sum(group.trajectories[sample].loss_mask)))
 
-    def _early_unit(self, unit: EarlyUnit) -> _Unit:
+    def _early_unit(self, unit: EarlyUnit) -> MicroStepUnit:
         traj = unit.progress.finished[unit.sample]
         batch = microbatch_from_trajectories([traj], [0.0], self.cfg.seq_bucket, self.cfg.max_len)
-        return _Unit([], batch, early=unit)
+        return MicroStepUnit([], batch, early=unit)
 
-    def _microstep(self, unit: _Unit) -> None:
+    def _microstep(self, unit: MicroStepUnit) -> None:
         """Blocking: one gradient micro-step on the current params (runs on the driver thread)."""
         t0 = time.perf_counter()
         ts = self.train_step

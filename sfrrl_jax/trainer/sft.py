@@ -23,7 +23,7 @@ from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.models.api import mesh_of
 from sfrrl_jax.models.transformer import forward_with_aux
 from sfrrl_jax.rl.config import LossConfig
-from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.rl_trainer import shared_train_step
 
 

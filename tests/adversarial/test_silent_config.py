@@ -14,18 +14,18 @@ import jax
 import numpy as np
 import pytest
 
-from sfrrl_jax import cli, gin_bindings
+from sfrrl_jax.launch import cli, gin_bindings
 from sfrrl_jax.agents.protocols import GenerationRequest
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.steps import SlotRequest
 from sfrrl_jax.mesh import make_mesh
 from sfrrl_jax.rl.config import LossConfig
-from sfrrl_jax.trainer.checkpoint import Checkpointer
+from sfrrl_jax.checkpoints.orbax_store import Checkpointer
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rl_trainer import shared_train_step
 from sfrrl_jax.trainer.run_logger import read_metrics
-from sfrrl_jax.trainer.runner import ExperimentConfig, abstract_params_and_opt_state, validate_experiment
-from sfrrl_jax.trainer.workload import WorkloadConfig
+from sfrrl_jax.launch.runner import ExperimentConfig, abstract_params_and_opt_state, validate_experiment
+from sfrrl_jax.testing.workload import WorkloadConfig
 
 REPO = Path(__file__).resolve().parents[2]
 STRAGGLERS = str(REPO / "experiments/configs/stragglers.gin")

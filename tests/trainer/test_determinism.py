@@ -17,10 +17,10 @@ import numpy as np
 
 import sfrrl_jax as S
 from sfrrl_jax.rl.config import LossConfig
-from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
-from sfrrl_jax.trainer.workload import WorkloadAgent, WorkloadConfig, make_tasks
+from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, make_tasks
 
 CFG = S.ModelConfig.preset("tiny-moe", max_seq_len=128)
 WL = WorkloadConfig(num_prompts=6, response_median=5, response_sigma=0.8, max_response=16,

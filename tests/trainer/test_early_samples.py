@@ -7,11 +7,11 @@ import pytest
 import sfrrl_jax as S
 from sfrrl_jax.agents.trajectory import Trajectory
 from sfrrl_jax.rl.config import LossConfig
-from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.early_samples import EarlySamples
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
-from sfrrl_jax.trainer.workload import WorkloadAgent, WorkloadConfig, make_tasks
+from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, make_tasks
 
 
 def _traj(reward):

@@ -5,7 +5,7 @@ import numpy as np
 import sfrrl_jax as S
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
-from sfrrl_jax.trainer.workload import WorkloadAgent, WorkloadConfig, make_tasks
+from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, make_tasks
 
 
 def test_grpo_raises_the_reward_of_the_workload():

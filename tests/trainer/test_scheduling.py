@@ -12,11 +12,11 @@ import sfrrl_jax as S
 from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.agents.trajectory import Trajectory, Turn
 from sfrrl_jax.rl.config import LossConfig
-from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
 from sfrrl_jax.trainer.scheduling import LongestFirst, trajectory_timing
-from sfrrl_jax.trainer.workload import WorkloadAgent, WorkloadConfig, difficulty, make_tasks, sample_spec
+from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, difficulty, make_tasks, sample_spec
 
 
 def _traj(turns):

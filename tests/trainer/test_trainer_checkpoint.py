@@ -19,9 +19,9 @@ from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import make_mesh
 from sfrrl_jax.models.api import init_params, param_shardings
 from sfrrl_jax.rl import LossConfig
-from sfrrl_jax.train import OptimizerConfig, make_train_step
-from sfrrl_jax.train.optimizer import opt_state_shardings
-from sfrrl_jax.trainer.checkpoint import (
+from sfrrl_jax.learner import OptimizerConfig, make_train_step
+from sfrrl_jax.learner.optimizer import opt_state_shardings
+from sfrrl_jax.checkpoints.orbax_store import (
     MANIFEST_NAME, CheckpointFallbackWarning, CheckpointMismatchError, Checkpointer, NoRestorableCheckpointError,
     abstract_of,
     python_random_state_from_json, python_random_state_to_json,
@@ -326,7 +326,7 @@ CHILD = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from sfrrl_jax.mesh import make_mesh
-    from sfrrl_jax.trainer.checkpoint import Checkpointer
+    from sfrrl_jax.checkpoints.orbax_store import Checkpointer
     from sfrrl_jax.trainer.stop_signal import install_sigterm_handler
 
     mesh = make_mesh(data=2, expert=4)

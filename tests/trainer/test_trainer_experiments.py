@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from sfrrl_jax import cli, gin_bindings
+from sfrrl_jax.launch import cli, gin_bindings
 from sfrrl_jax.trainer.quickstart import QuickstartRecipe
-from sfrrl_jax.trainer.runner import ExperimentConfig, comparable_metrics, validate_experiment
+from sfrrl_jax.launch.runner import ExperimentConfig, comparable_metrics, validate_experiment
 from sfrrl_jax.trainer.run_logger import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import sfrrl_jax as S
 from sfrrl_jax.agents import AgentConfig, Completion, generate_arithmetic_tasks
 from sfrrl_jax.agents.demos import calculator_demonstration, render_sft_example
 from sfrrl_jax.tokenizer import load_tokenizer
-from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.agent_rollout import AgentRollout
 from sfrrl_jax.trainer.evaluate import evaluate
 from sfrrl_jax.trainer.quickstart import (CalculatorEnvironment, QuickstartRecipe, mask_answer_content, quickstart_tasks,

@@ -31,8 +31,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from sfrrl_jax.train.objective import microbatch_objective
-from sfrrl_jax.train.train_step import accumulate_stats
+from sfrrl_jax.learner.objective import microbatch_objective
+from sfrrl_jax.learner.train_step import accumulate_stats
 
 
 def advantage_free_terms(train_step) -> bool:

@@ -10,8 +10,8 @@ import pytest
 import sfrrl_jax as S
 from sfrrl_jax.agents.trajectory import Trajectory
 from sfrrl_jax.rl.config import AdvantageConfig, LossConfig
-from sfrrl_jax.train import make_train_step
-from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.learner import make_train_step
+from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.batching import Group, group_advantage_slopes, group_advantages
 
 CFG = S.ModelConfig.preset("tiny-moe", max_seq_len=64)

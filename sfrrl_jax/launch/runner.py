@@ -48,23 +48,22 @@ import numpy as np
 from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.config import (ModelConfig, check_bool_fields, check_int, check_int_fields, check_seed,
                               check_str)
-from sfrrl_jax.mesh import make_mesh
+from sfrrl_jax.mesh import MESH_AXES, make_mesh
 from sfrrl_jax.models.api import check_mesh_fits, init_params, param_shardings
 from sfrrl_jax.models.transformer import param_shapes
 from sfrrl_jax.rl.config import LossConfig
-from sfrrl_jax.train.optimizer import OptimizerConfig, opt_state_shardings
-from sfrrl_jax.trainer.checkpoint import Checkpointer, check_finite
+from sfrrl_jax.learner.optimizer import OptimizerConfig, opt_state_shardings
+from sfrrl_jax.checkpoints.orbax_store import Checkpointer, check_finite
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, RolloutFn, TaskStream, shared_train_step
 from sfrrl_jax.trainer.run_logger import RunLogger
 from sfrrl_jax.trainer.stop_signal import install_sigterm_handler
-from sfrrl_jax.trainer.trainer_state import (check_resumable, config_fingerprint, load_trainer_state,
+from sfrrl_jax.checkpoints.trainer_state import (check_resumable, config_fingerprint, load_trainer_state,
                                              trainer_state)
-from sfrrl_jax.trainer.workload import WorkloadAgent, WorkloadConfig, make_tasks
+from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, make_tasks
 
 logger = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "expert", "tensor")
 # Metric prefixes that measure time or this process (compile counts), not the run's math: they
 # differ between a resumed and an uninterrupted run and are left out of exactness comparisons.
 TIMING_PREFIXES = ("time/", "perf/", "checkpoint/")

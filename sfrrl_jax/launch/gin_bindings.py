@@ -23,10 +23,10 @@ from typing import Any, Sequence
 import gin
 
 from sfrrl_jax.rl.config import AdvantageConfig, LossConfig
-from sfrrl_jax.train.optimizer import OptimizerConfig
+from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.config import TrainerConfig
-from sfrrl_jax.trainer.runner import ExperimentConfig, validate_experiment
-from sfrrl_jax.trainer.workload import WorkloadConfig
+from sfrrl_jax.launch.runner import ExperimentConfig, validate_experiment
+from sfrrl_jax.testing.workload import WorkloadConfig
 
 JOB_KINDS = ("rl", "quickstart")
 
@@ -123,7 +123,7 @@ def _gin_tables() -> tuple[dict, dict]:
     parsed, operative = getattr(gin.config, "_CONFIG", None), getattr(gin.config, "_OPERATIVE_CONFIG", None)
     if not isinstance(parsed, dict) or not isinstance(operative, dict):
         raise RuntimeError("this gin-config version has no gin.config._CONFIG / _OPERATIVE_CONFIG dicts; "
-                           "sfrrl_jax.gin_bindings.unused_bindings needs updating")
+                           "sfrrl_jax.launch.gin_bindings.unused_bindings needs updating")
     return parsed, operative
 
 
@@ -183,7 +183,7 @@ def validate_job(job: Job, num_devices: int | None = None):
 
 def run_job(job: Job, operative: str | None = None, log=print) -> dict:
     if job.kind == "rl":
-        from sfrrl_jax.trainer.runner import run_experiment
+        from sfrrl_jax.launch.runner import run_experiment
         return run_experiment(job.experiment, operative_config=operative, log=log)
     qs = _quickstart_module()
     if qs is None:

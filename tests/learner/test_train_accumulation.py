@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.mesh import make_mesh
 from sfrrl_jax.rl import LossConfig
-from sfrrl_jax.train import OptimizerConfig, TrainStep
+from sfrrl_jax.learner import OptimizerConfig, TrainStep
 
 V, D, B, T = 48, 8, 8, 12
 

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
-    from sfrrl_jax import gin_bindings
+    from sfrrl_jax.launch import gin_bindings
     # Bound through gin, so the operative config records them; optional because each job kind
     # builds only one of Job.run_dir / ExperimentConfig (a quickstart Job has no ExperimentConfig).
     own = []
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"sfrrl-train: config valid ({job.kind}" + (f", model {model_cfg.name}" if model_cfg else "") + ")")
         return 0
-    from sfrrl_jax.trainer.checkpoint import NoRestorableCheckpointError, NonFiniteStateError
-    from sfrrl_jax.trainer.runner import RunDirError
+    from sfrrl_jax.checkpoints.orbax_store import NoRestorableCheckpointError, NonFiniteStateError
+    from sfrrl_jax.launch.runner import RunDirError
     try:
         summary = gin_bindings.run_job(job, operative)
     except (RunDirError, NoRestorableCheckpointError, NonFiniteStateError) as e:

@@ -39,8 +39,8 @@ from sfrrl_jax.models.api import mesh_of
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.losses import finalize_metrics, policy_objective, sft_objective
 from sfrrl_jax.rl.aggregation import SequenceLayout
-from sfrrl_jax.train.objective import ROUTER_METRICS, ForwardFn, microbatch_objective
-from sfrrl_jax.train.optimizer import (
+from sfrrl_jax.learner.objective import ROUTER_METRICS, ForwardFn, microbatch_objective
+from sfrrl_jax.learner.optimizer import (
     OptimizerConfig, build_optimizer, learning_rate_schedule, opt_state_shardings,
 )
 
@@ -182,7 +182,7 @@ class TrainStep:
                    for fns in cache.values() for f in fns.values())
 
     def _deferred(self, params) -> dict:
-        from sfrrl_jax.train.deferred import build_deferred_fns
+        from sfrrl_jax.learner.deferred import build_deferred_fns
         key = _key(params)
         if key not in self._deferred_cache:
             self._fns(params)  # the accumulator layout

@@ -7,7 +7,7 @@ from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import make_mesh
 from sfrrl_jax.models import init_params
 from sfrrl_jax.rl import LossConfig
-from sfrrl_jax.train import OptimizerConfig, make_train_step
+from sfrrl_jax.learner import OptimizerConfig, make_train_step
 
 B, T = 8, 16
 

@@ -3,8 +3,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.mesh import make_mesh
-from sfrrl_jax.train import OptimizerConfig, learning_rate_schedule
-from sfrrl_jax.train.optimizer import _with_extra_axis
+from sfrrl_jax.learner import OptimizerConfig, learning_rate_schedule
+from sfrrl_jax.learner.optimizer import _with_extra_axis
 
 
 @pytest.mark.parametrize("step,lr", [(0, 0.5), (1, 1.0), (2, 1.0), (4, 0.55), (6, 0.1), (100, 0.1)])

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from sfrrl_jax.trainer.checkpoint import abstract_of, check_json_exact
-from sfrrl_jax.trainer.rl_trainer import RLTrainer, _Unit
+from sfrrl_jax.checkpoints.orbax_store import abstract_of, check_json_exact
+from sfrrl_jax.trainer.rl_trainer import RLTrainer, MicroStepUnit
 
 HOST_FORMAT = 2  # 2: 'longest_first' (durations in seconds) replaced 'length_history' (tokens)
 
@@ -52,7 +52,7 @@ def _array_from_json(obj: dict, where: str) -> np.ndarray:
         raise ValueError(f"checkpoint host state {where} is not a saved array ({e})") from None
 
 
-def _unit_to_json(unit: _Unit) -> dict:
+def _unit_to_json(unit: MicroStepUnit) -> dict:
     return {
         "groups": [{"group_id": str(g.group_id), "params_version": int(g.params_version),
                     "num_generated": int(g.num_generated)} for g in unit.groups],
@@ -60,11 +60,11 @@ def _unit_to_json(unit: _Unit) -> dict:
     }
 
 
-def _unit_from_json(obj: dict, where: str) -> _Unit:
+def _unit_from_json(obj: dict, where: str) -> MicroStepUnit:
     groups = [RestoredGroup(g["group_id"], int(g["params_version"]), int(g["num_generated"]))
               for g in obj["groups"]]
     batch = {k: _array_from_json(v, f"{where}.batch[{k!r}]") for k, v in obj["batch"].items()}
-    return _Unit(groups, batch)
+    return MicroStepUnit(groups, batch)
 
 
 def config_fingerprint(**configs) -> dict:
