@@ -1,12 +1,17 @@
-"""Tool-using environments for the tasks: stateless, so one instance serves every trajectory."""
+"""Tool-using environments for the tasks: stateless, so one instance serves every trajectory.
+
+The reward is the weighted sum of reward functions (`reward_fns.py`; default: `answer_correct`,
+the verifier of `task.kind`), each component recorded in `trajectory.metadata["rewards"]`.
+"""
 from __future__ import annotations
 
 from typing import Sequence
 
-from sfrrl_jax.agents.protocols import Message, Task, Tool, ToolCall, ToolCallError, ToolResult
-from sfrrl_jax.agents.rewards import task_reward
+from sfrrl_jax.agents.protocols import Message, RewardFn, Task, Tool, ToolCall, ToolCallError, ToolResult
+from sfrrl_jax.agents.reward_fns import RewardSum, answer_correct
 from sfrrl_jax.agents.sandbox import PythonSandbox
 from sfrrl_jax.agents.tools import CalculatorTool, PythonTool, ToolRunner, ToolRunnerConfig
+from sfrrl_jax.agents.trajectory import Trajectory
 
 CALCULATOR_SYSTEM_PROMPT = ("You are a careful assistant that solves problems step by step with tools. "
                             "Call the calculator tool for every arithmetic step.")
@@ -16,10 +21,17 @@ QA_SYSTEM_PROMPT = "You are a careful assistant. Answer the question."
 
 
 class ToolEnvironment:
-    """System prompt + tools + the task's verifier (`rewards.task_reward`)."""
+    """System prompt + tools + reward functions.
+
+    `reward(task, trajectory)` is `sum(w * fn(task, trajectory))` over `reward_fns` and
+    `reward_weights` (default: `[answer_correct]`, weight 1 each), checked here (see
+    `reward_fns.RewardSum`); each fn's unweighted value goes to `trajectory.metadata["rewards"]`.
+    """
 
     def __init__(self, tools: Sequence[Tool], system_prompt: str | None,
-                 runner_cfg: ToolRunnerConfig = ToolRunnerConfig()):
+                 runner_cfg: ToolRunnerConfig = ToolRunnerConfig(), reward_fns: Sequence[RewardFn] | None = None,
+                 reward_weights: Sequence[float] | None = None):
+        self.rewards = RewardSum([answer_correct] if reward_fns is None else reward_fns, reward_weights)
         self.runner = ToolRunner(tools, runner_cfg)
         self.system_prompt = system_prompt
 
@@ -36,20 +48,26 @@ class ToolEnvironment:
     async def step(self, calls: Sequence[ToolCall | ToolCallError]) -> list[ToolResult]:
         return await self.runner.run(calls)
 
-    def reward(self, task: Task, trajectory) -> float:
-        return task_reward(task, trajectory.final_text)
+    def reward(self, task: Task, trajectory: Trajectory) -> float:
+        return self.rewards(task, trajectory)
 
     def close(self) -> None:
         self.runner.close()
 
 
-def calculator_environment(runner_cfg: ToolRunnerConfig = ToolRunnerConfig()) -> ToolEnvironment:
-    return ToolEnvironment([CalculatorTool()], CALCULATOR_SYSTEM_PROMPT, runner_cfg)
+def calculator_environment(runner_cfg: ToolRunnerConfig = ToolRunnerConfig(),
+                           reward_fns: Sequence[RewardFn] | None = None,
+                           reward_weights: Sequence[float] | None = None) -> ToolEnvironment:
+    return ToolEnvironment([CalculatorTool()], CALCULATOR_SYSTEM_PROMPT, runner_cfg, reward_fns, reward_weights)
 
 
-def countdown_environment(sandbox: PythonSandbox, runner_cfg: ToolRunnerConfig = ToolRunnerConfig()) -> ToolEnvironment:
-    return ToolEnvironment([PythonTool(sandbox), CalculatorTool()], COUNTDOWN_SYSTEM_PROMPT, runner_cfg)
+def countdown_environment(sandbox: PythonSandbox, runner_cfg: ToolRunnerConfig = ToolRunnerConfig(),
+                          reward_fns: Sequence[RewardFn] | None = None,
+                          reward_weights: Sequence[float] | None = None) -> ToolEnvironment:
+    return ToolEnvironment([PythonTool(sandbox), CalculatorTool()], COUNTDOWN_SYSTEM_PROMPT, runner_cfg,
+                           reward_fns, reward_weights)
 
 
-def qa_environment(runner_cfg: ToolRunnerConfig = ToolRunnerConfig()) -> ToolEnvironment:
-    return ToolEnvironment([], QA_SYSTEM_PROMPT, runner_cfg)
+def qa_environment(runner_cfg: ToolRunnerConfig = ToolRunnerConfig(), reward_fns: Sequence[RewardFn] | None = None,
+                   reward_weights: Sequence[float] | None = None) -> ToolEnvironment:
+    return ToolEnvironment([], QA_SYSTEM_PROMPT, runner_cfg, reward_fns, reward_weights)

@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import inspect
 import logging
+import math
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -74,7 +75,8 @@ def capped_calls(calls: Sequence[ToolCall | ToolCallError], cap: int) -> tuple[T
 
 async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokenizer, cfg: AgentConfig,
                     sample_index: int = 0, group_id: str | None = None) -> Trajectory:
-    """Roll out one trajectory of `task`; the reward is set from `env.reward` at the end."""
+    """Roll out one trajectory of `task`; the reward is set from `env.reward` at the end (which may
+    record its components in `traj.metadata["rewards"]`, see `reward_fns.py`)."""
     start = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + cfg.wall_budget_s
     fmt = get_format(cfg.tool_format)
@@ -167,7 +169,10 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
     traj.wall_s = time.perf_counter() - start
     if failure is None:
         try:
-            traj.reward = float(env.reward(task, traj))
+            reward = float(env.reward(task, traj))
+            if not math.isfinite(reward):  # one NaN would poison its whole group's advantages
+                raise ValueError(f"the environment's reward is {reward}, not a finite number")
+            traj.reward = reward
         except Exception as e:
             failure = e
     if failure is not None:

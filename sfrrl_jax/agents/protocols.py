@@ -1,4 +1,4 @@
-"""Contracts between the agent loop and its neighbours: tools, environments, tasks.
+"""Contracts between the agent loop and its neighbours: tools, environments, tasks, reward functions.
 
 The engine's request/response types live in `sfrrl_jax.engine.types` (re-exported here).
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Awaitable, Mapping, Protocol, Sequence, runtime_checkable
 
+from sfrrl_jax.agents.trajectory import Trajectory
 from sfrrl_jax.engine.types import Completion, EngineError, EngineProtocol, GenerationRequest  # noqa: F401
 
 Message = dict  # {"role": "system"|"user"|"assistant"|"tool", "content": str, "tool_calls"?: [...]}
@@ -62,7 +63,8 @@ class Tool(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """A prompt and what its verifier needs. `kind` selects the verifier (see `tasks.py`)."""
+    """A prompt and what its verifier needs. `kind` names the verifier in the task-kind registry
+    (`task_kinds.register_task_kind`; built-in: 'arithmetic', 'countdown', 'qa', see `tasks.py`)."""
 
     task_id: str
     kind: str
@@ -76,7 +78,9 @@ class Environment(Protocol):
 
     `reset(task)` gives the initial messages; `step(calls)` runs the parsed calls and returns one
     result per item, in order (unparseable items included, as errors); `reward(task, trajectory)`
-    is a pure function of the task and the finished trajectory.
+    is a pure function of the task and the finished trajectory: a finite float (anything else, or
+    an exception, makes that sample an error). It may record its components (unweighted, by name)
+    in `trajectory.metadata["rewards"]`, as `ToolEnvironment` does: see `reward_fns.RewardSum`.
     """
 
     def tool_schemas(self) -> list[dict]: ...
@@ -85,4 +89,17 @@ class Environment(Protocol):
 
     async def step(self, calls: Sequence[ToolCall | ToolCallError]) -> list[ToolResult]: ...
 
-    def reward(self, task: Task, trajectory: Any) -> float: ...
+    def reward(self, task: Task, trajectory: Trajectory) -> float: ...
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """A reward function is a plain callable value: `fn(task, trajectory) -> float` (finite).
+
+    Its log name (`reward/<name>`) is its `__name__`; give a lambda, a `functools.partial` or a
+    callable object one with `reward_fns.named(fn, name)`. Environments take a list of them and
+    their weights (`ToolEnvironment(..., reward_fns=[...], reward_weights=[...])`), as TRL's
+    `reward_funcs` / `reward_weights`.
+    """
+
+    def __call__(self, task: Task, trajectory: Trajectory) -> float: ...

@@ -1,6 +1,10 @@
 """Pure verifiers: (final assistant text, task data) -> reward in [0, 1].
 
 Every task asks for the final answer inside `<answer>...</answer>`; the last such block counts.
+`verify_arithmetic` / `verify_countdown` / `verify_qa` are the built-in kinds' verifiers
+(`(task, final_text) -> float`, registered in `tasks.py`); `task_reward` dispatches on `task.kind`
+through the registry (`task_kinds.py`). Reward *functions* of a whole trajectory, which an
+environment sums, are in `reward_fns.py`.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from fractions import Fraction
 from typing import Sequence
 
 from sfrrl_jax.agents.protocols import Task
+from sfrrl_jax.agents.task_kinds import UnknownTaskKindError, get_task_kind
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -99,14 +104,26 @@ def countdown_reward(text: str, numbers: Sequence[int], target: int) -> float:
     return float(value == target)
 
 
+def verify_arithmetic(task: Task, final_text: str) -> float:
+    return arithmetic_reward(final_text, task.answer)
+
+
+def verify_countdown(task: Task, final_text: str) -> float:
+    return countdown_reward(final_text, task.metadata["numbers"], task.metadata["target"])
+
+
+def verify_qa(task: Task, final_text: str) -> float:
+    """Exact match, or numeric within `metadata['tolerance']` when `metadata['match'] == 'numeric'`."""
+    if task.metadata.get("match", "exact") == "numeric":
+        return numeric_match_reward(final_text, task.answer, rel_tol=task.metadata.get("tolerance", 1e-6))
+    return exact_match_reward(final_text, task.answer)
+
+
 def task_reward(task: Task, final_text: str) -> float:
-    """Dispatch on `task.kind` ('arithmetic', 'countdown', 'qa')."""
-    if task.kind == "arithmetic":
-        return arithmetic_reward(final_text, task.answer)
-    if task.kind == "countdown":
-        return countdown_reward(final_text, task.metadata["numbers"], task.metadata["target"])
-    if task.kind == "qa":
-        if task.metadata.get("match", "exact") == "numeric":
-            return numeric_match_reward(final_text, task.answer, rel_tol=task.metadata.get("tolerance", 1e-6))
-        return exact_match_reward(final_text, task.answer)
-    raise ValueError(f"task {task.task_id}: no verifier for kind {task.kind!r}")
+    """The verifier of `task.kind` from the registry (`task_kinds.register_task_kind`); an unknown
+    kind raises UnknownTaskKindError (a ValueError) listing the registered kinds."""
+    try:
+        kind = get_task_kind(task.kind)
+    except UnknownTaskKindError as e:
+        raise UnknownTaskKindError(f"task {task.task_id}: {e}") from None
+    return kind.verify(task, final_text)

@@ -4,7 +4,10 @@ JSONL: one object per line; `kind` (default: the loader's `default_kind`) picks 
   qa          question: str, answer: str|number, [match: 'exact'|'numeric'], [tolerance: number]
   arithmetic  expression: str (answer derived; if given it must agree)
   countdown   numbers: [int, ...], target: int
+  a kind registered with `task_kinds.register_task_kind` without a record format of its own:
+              prompt: str, [answer: str|number], any other field -> Task.metadata
   all kinds   [id: str] (default '<file stem>-<line>'); blank lines are skipped.
+The kinds are looked up in the registry (`task_kinds.py`); the built-in ones are registered below.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sfrrl_jax.agents.protocols import Task
+from sfrrl_jax.agents.rewards import verify_arithmetic, verify_countdown, verify_qa
+from sfrrl_jax.agents.task_kinds import get_task_kind, register_task_kind, registered_task_kinds
 from sfrrl_jax.agents.tools import evaluate_arithmetic, format_number
 
 ANSWER_INSTRUCTION = "Give the final answer as <answer>N</answer>."
@@ -110,54 +115,92 @@ def eval_fraction(a: Fraction, op: str, b: int) -> Fraction:
 
 # ----------------------------------------------------------------------------- JSONL
 
-_KIND_FIELDS = {"qa": ("question", "answer"), "arithmetic": ("expression",), "countdown": ("numbers", "target")}
+def _qa_from_record(record: dict, task_id: str) -> Task:
+    question, answer = record["question"], record["answer"]
+    if not isinstance(question, str):
+        raise ValueError(f"field 'question' must be a string, got {type(question).__name__}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(f"field 'answer' must be a string or number, got {type(answer).__name__}")
+    match = record.get("match", "exact")
+    if match not in ("exact", "numeric"):
+        raise ValueError(f"field 'match' must be 'exact' or 'numeric', got {match!r}")
+    metadata: dict[str, Any] = {"match": match}
+    if "tolerance" in record:
+        tol = record["tolerance"]
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol < 0:
+            raise ValueError(f"field 'tolerance' must be a non-negative number, got {tol!r}")
+        metadata["tolerance"] = float(tol)
+    return Task(task_id=task_id, kind="qa", prompt=f"{question} {ANSWER_INSTRUCTION}", answer=str(answer),
+                metadata=metadata)
+
+
+def _qa_to_record(task: Task) -> dict:
+    return {"question": task.prompt[: -len(ANSWER_INSTRUCTION) - 1], "answer": task.answer, **task.metadata}
+
+
+def _arithmetic_from_record(record: dict, task_id: str) -> Task:
+    expression = record["expression"]
+    if not isinstance(expression, str):
+        raise ValueError(f"field 'expression' must be a string, got {type(expression).__name__}")
+    try:
+        task = arithmetic_task(expression, task_id)
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"field 'expression' is not a valid arithmetic expression: {e}") from None
+    if "answer" in record and str(record["answer"]) != task.answer:
+        raise ValueError(f"field 'answer' {record['answer']!r} disagrees with the expression's value {task.answer}")
+    return task
+
+
+def _arithmetic_to_record(task: Task) -> dict:
+    return {"expression": task.metadata["expression"]}
+
+
+def _countdown_from_record(record: dict, task_id: str) -> Task:
+    numbers, target = record["numbers"], record["target"]
+    if not isinstance(numbers, list) or not numbers or not all(type(x) is int for x in numbers):
+        raise ValueError(f"field 'numbers' must be a non-empty list of integers, got {numbers!r}")
+    if type(target) is not int:
+        raise ValueError(f"field 'target' must be an integer, got {target!r}")
+    return countdown_task(numbers, target, task_id, solution=record.get("solution"))
+
+
+def _countdown_to_record(task: Task) -> dict:
+    record = {"numbers": task.metadata["numbers"], "target": task.metadata["target"]}
+    if task.answer is not None:
+        record["solution"] = task.answer
+    return record
+
+
+# The built-in kinds, registered exactly as a user registers one (see task_kinds.py).
+register_task_kind("qa", verify_qa, from_record=_qa_from_record, to_record=_qa_to_record,
+                   fields=("question", "answer"))
+register_task_kind("arithmetic", verify_arithmetic, from_record=_arithmetic_from_record,
+                   to_record=_arithmetic_to_record, fields=("expression",))
+register_task_kind("countdown", verify_countdown, from_record=_countdown_from_record,
+                   to_record=_countdown_to_record, fields=("numbers", "target"))
 
 
 def _task_from_record(record: dict, where: str, default_id: str, default_kind: str) -> Task:
     kind = record.get("kind", default_kind)
-    if kind not in _KIND_FIELDS:
-        raise DatasetError(f"{where}: field 'kind' must be one of {sorted(_KIND_FIELDS)}, got {kind!r}")
-    for field in _KIND_FIELDS[kind]:
+    if not isinstance(kind, str) or kind not in registered_task_kinds():
+        raise DatasetError(f"{where}: field 'kind' must be one of {registered_task_kinds()}, got {kind!r} "
+                           f"(add a kind with sfrrl_jax.agents.register_task_kind(name, verify))")
+    spec = get_task_kind(kind)
+    for field in spec.fields:
         if field not in record:
             raise DatasetError(f"{where}: missing required field {field!r} (kind {kind!r})")
     task_id = record.get("id", default_id)
     if not isinstance(task_id, str) or not task_id:
         raise DatasetError(f"{where}: field 'id' must be a non-empty string, got {task_id!r}")
-    if kind == "qa":
-        question, answer = record["question"], record["answer"]
-        if not isinstance(question, str):
-            raise DatasetError(f"{where}: field 'question' must be a string, got {type(question).__name__}")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            raise DatasetError(f"{where}: field 'answer' must be a string or number, got {type(answer).__name__}")
-        match = record.get("match", "exact")
-        if match not in ("exact", "numeric"):
-            raise DatasetError(f"{where}: field 'match' must be 'exact' or 'numeric', got {match!r}")
-        metadata: dict[str, Any] = {"match": match}
-        if "tolerance" in record:
-            tol = record["tolerance"]
-            if isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol < 0:
-                raise DatasetError(f"{where}: field 'tolerance' must be a non-negative number, got {tol!r}")
-            metadata["tolerance"] = float(tol)
-        return Task(task_id=task_id, kind="qa", prompt=f"{question} {ANSWER_INSTRUCTION}", answer=str(answer),
-                    metadata=metadata)
-    if kind == "arithmetic":
-        expression = record["expression"]
-        if not isinstance(expression, str):
-            raise DatasetError(f"{where}: field 'expression' must be a string, got {type(expression).__name__}")
-        try:
-            task = arithmetic_task(expression, task_id)
-        except (ValueError, SyntaxError) as e:
-            raise DatasetError(f"{where}: field 'expression' is not a valid arithmetic expression: {e}") from None
-        if "answer" in record and str(record["answer"]) != task.answer:
-            raise DatasetError(f"{where}: field 'answer' {record['answer']!r} disagrees with the expression's "
-                               f"value {task.answer}")
-        return task
-    numbers, target = record["numbers"], record["target"]
-    if not isinstance(numbers, list) or not numbers or not all(type(x) is int for x in numbers):
-        raise DatasetError(f"{where}: field 'numbers' must be a non-empty list of integers, got {numbers!r}")
-    if type(target) is not int:
-        raise DatasetError(f"{where}: field 'target' must be an integer, got {target!r}")
-    return countdown_task(numbers, target, task_id, solution=record.get("solution"))
+    try:
+        task = spec.from_record({**record, "kind": kind}, task_id)
+    except Exception as e:  # a ValueError names the bad field; anything else is named by its type
+        raise DatasetError(f"{where}: {e}" if isinstance(e, ValueError) else f"{where}: {type(e).__name__}: {e}") \
+            from None
+    if not isinstance(task, Task) or task.kind != kind or task.task_id != task_id:
+        raise DatasetError(f"{where}: kind {kind!r}: from_record must return a Task with kind {kind!r} and id "
+                           f"{task_id!r}, got {task!r}")
+    return task
 
 
 def load_tasks_jsonl(path: str | os.PathLike, default_kind: str = "qa") -> list[Task]:
@@ -184,17 +227,8 @@ def load_tasks_jsonl(path: str | os.PathLike, default_kind: str = "qa") -> list[
 
 
 def task_to_record(task: Task) -> dict:
-    """The JSONL record `load_tasks_jsonl` reads back into an equal task."""
-    record: dict[str, Any] = {"id": task.task_id, "kind": task.kind}
-    if task.kind == "qa":
-        record.update(question=task.prompt[: -len(ANSWER_INSTRUCTION) - 1], answer=task.answer, **task.metadata)
-    elif task.kind == "arithmetic":
-        record["expression"] = task.metadata["expression"]
-    elif task.kind == "countdown":
-        record.update(numbers=task.metadata["numbers"], target=task.metadata["target"])
-        if task.answer is not None:
-            record["solution"] = task.answer
-    return record
+    """The JSONL record `load_tasks_jsonl` reads back into an equal task (the kind's `to_record`)."""
+    return {"id": task.task_id, "kind": task.kind, **get_task_kind(task.kind).to_record(task)}
 
 
 def save_tasks_jsonl(tasks: Iterable[Task], path: str | os.PathLike) -> Path:

@@ -5,7 +5,9 @@
 
 `await rollout(engine, task, sample_index)` runs `agents.run_agent` (multi-turn, tools on the
 event loop, the slot's KV cache continued between turns) and returns its `Trajectory` with the
-environment's reward set. Sampling seeds differ per sample index (the G samples of a group are
+environment's reward set (for a `ToolEnvironment`, the weighted sum of its reward functions, each
+component in `traj.metadata["rewards"]`; `agents.reward_component_means(trajs)` gives the
+`reward/<name>` metrics of a batch). Sampling seeds differ per sample index (the G samples of a group are
 distinct draws) *and* per visit: the k-th rollout of the same (task, sample index) uses the
 agent seed folded with k, so a prompt seen again in a later epoch is sampled afresh, while a rerun
 of the whole training (same order of calls) reproduces every draw.

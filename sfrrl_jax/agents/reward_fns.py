@@ -1,0 +1,152 @@
+"""Reward functions: plain callable values `fn(task, trajectory) -> float`, summed with weights.
+
+    def short(task, trajectory):                   # any function of the task and the trajectory
+        return -len(trajectory.final_text) / 1000
+
+    env = ToolEnvironment([CalculatorTool()], prompt, reward_fns=[answer_correct, short],
+                          reward_weights=[1.0, 0.1])
+
+The trajectory's reward is `sum(w * fn(task, traj))` (in list order); each component's value,
+unweighted, is recorded as `traj.metadata["rewards"][name]`, and `reward_component_means(trajs)`
+gives the `reward/<name>` means a trainer logs (TRL's `reward_funcs` / `reward_weights`, logged as
+`rewards/<name>`). A function's name is its `__name__`; `named(fn, name)` gives one to a lambda, a
+partial or a callable object. A function that raises, or returns something that is not a finite
+number, makes that sample an error (`Trajectory.error` names the function); the batch goes on.
+
+Built-in: `answer_correct` (the verifier of `task.kind` from the task-kind registry: the default,
+what `ToolEnvironment` did before), `answer_format` (1 if the final text has an <answer> block),
+`tool_error_penalty` (minus the fraction of tool calls that errored).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+from sfrrl_jax.agents.protocols import RewardFn, Task
+from sfrrl_jax.agents.rewards import extract_answer, task_reward
+from sfrrl_jax.agents.trajectory import Trajectory
+
+__all__ = ["REWARDS_KEY", "RewardError", "RewardFn", "RewardSum", "answer_correct", "answer_format", "named",
+           "reward_component_means", "reward_name", "tool_error_penalty"]
+
+REWARDS_KEY = "rewards"  # Trajectory.metadata[REWARDS_KEY] = {name: unweighted value}
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned a value that is not a finite number."""
+
+
+def reward_name(fn: RewardFn) -> str:
+    """The log name of `fn`: its `__name__` (a lambda's '<lambda>' is refused: name it)."""
+    name = getattr(fn, "__name__", None)
+    if not isinstance(name, str) or not name or name == "<lambda>" or "/" in name:
+        what = "a lambda" if name == "<lambda>" else f"{fn!r}"
+        raise ValueError(f"reward function {what} has no usable name ({name!r}; a name is non-empty, without "
+                         f"'/'): give it one with sfrrl_jax.agents.named(fn, 'my_reward')")
+    return name
+
+
+def named(fn: RewardFn, name: str) -> RewardFn:
+    """`fn` under the log name `name` (same values)."""
+    if not callable(fn):
+        raise TypeError(f"named: fn must be callable, got {fn!r}")
+
+    def reward(task: Task, trajectory: Trajectory) -> float:
+        return fn(task, trajectory)
+
+    reward.__name__ = reward.__qualname__ = name
+    reward.__wrapped__ = fn  # type: ignore[attr-defined]
+    reward_name(reward)  # refuse a bad name here, not when the environment is built
+    return reward
+
+
+def answer_correct(task: Task, trajectory: Trajectory) -> float:
+    """The verifier of `task.kind` (`task_kinds.register_task_kind`) on the final assistant text."""
+    return task_reward(task, trajectory.final_text)
+
+
+def answer_format(task: Task, trajectory: Trajectory) -> float:
+    """1.0 if the final assistant text has an <answer>...</answer> block, else 0.0."""
+    return float(extract_answer(trajectory.final_text) is not None)
+
+
+def tool_error_penalty(task: Task, trajectory: Trajectory) -> float:
+    """-(tool calls that errored) / (tool calls), in [-1, 0]; 0.0 without calls."""
+    calls = trajectory.num_tool_calls
+    return -trajectory.num_tool_errors / calls if calls else 0.0
+
+
+def _finite_weight(i: int, w) -> float:
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+        raise ValueError(f"reward_weights[{i}] must be a finite number, got {w!r}")
+    return float(w)
+
+
+class RewardSum:
+    """`(task, trajectory) -> sum_i w_i * fn_i(task, trajectory)`, recording each fn's unweighted
+    value in `trajectory.metadata["rewards"]` (only when all succeed). Checked when built: at least
+    one fn, each callable and named (`named`), names distinct, one finite weight per fn (default 1)."""
+
+    def __init__(self, reward_fns: Sequence[RewardFn], reward_weights: Sequence[float] | None = None):
+        if callable(reward_fns) or isinstance(reward_fns, (str, bytes)) or not isinstance(reward_fns, Iterable):
+            raise TypeError(f"reward_fns must be a list of reward functions, got {reward_fns!r} (wrap one in [...])")
+        fns = tuple(reward_fns)
+        if not fns:
+            raise ValueError("reward_fns is empty: give at least one reward function")
+        for i, fn in enumerate(fns):
+            if not callable(fn):
+                raise TypeError(f"reward_fns[{i}] must be callable (task, trajectory) -> float, got {fn!r}")
+        names = tuple(reward_name(fn) for fn in fns)
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate reward function names {duplicates}: each is logged as reward/<name>, so "
+                             f"give them distinct names with sfrrl_jax.agents.named(fn, name)")
+        if reward_weights is None:
+            weights = (1.0,) * len(fns)
+        else:
+            if isinstance(reward_weights, (str, bytes)) or not isinstance(reward_weights, Iterable):
+                raise TypeError(f"reward_weights must be a list of numbers or None, got {reward_weights!r}")
+            weights = tuple(reward_weights)
+            if len(weights) != len(fns):
+                raise ValueError(f"reward_weights has {len(weights)} entries for {len(fns)} reward_fns {list(names)}")
+            weights = tuple(_finite_weight(i, w) for i, w in enumerate(weights))
+        self.fns, self.names, self.weights = fns, names, weights
+
+    def __repr__(self) -> str:
+        return f"RewardSum({dict(zip(self.names, self.weights))})"
+
+    def __call__(self, task: Task, trajectory: Trajectory) -> float:
+        components: dict[str, float] = {}
+        total = 0.0
+        for name, fn, weight in zip(self.names, self.fns, self.weights):
+            try:
+                raw = fn(task, trajectory)
+            except Exception as e:
+                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+            try:
+                value = float(raw) if not isinstance(raw, (str, bytes)) else None
+            except (TypeError, ValueError):
+                value = None
+            if value is None:
+                raise RewardError(f"reward function {name!r} returned {raw!r}, not a number")
+            if not math.isfinite(value):
+                raise RewardError(f"reward function {name!r} returned {value} for task {task.task_id}: rewards "
+                                  f"must be finite")
+            components[name] = value
+            total += weight * value
+        if not math.isfinite(total):
+            raise RewardError(f"the weighted sum of the rewards {components} is {total}")
+        trajectory.metadata[REWARDS_KEY] = components
+        return total
+
+
+def reward_component_means(trajectories: Iterable[Trajectory]) -> dict[str, float]:
+    """`{"reward/<name>": mean}` of each recorded component (`metadata["rewards"]`), over the
+    trajectories that have it; failed trajectories (`error` set) are left out. Keys sorted."""
+    values: dict[str, list[float]] = {}
+    for traj in trajectories:
+        if traj.error is not None:
+            continue
+        for name, value in traj.metadata.get(REWARDS_KEY, {}).items():
+            values.setdefault(name, []).append(float(value))
+    return {f"reward/{name}": math.fsum(v) / len(v) for name, v in sorted(values.items())}
