@@ -32,6 +32,9 @@ def _fields(x) -> dict:
     return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
 
 
+IdleWork = Callable[[], Callable[[], None] | None]  # () -> a blocking device job, or None
+
+
 @dataclasses.dataclass(frozen=True)
 class SlotHandle:
     slot: int
@@ -83,7 +86,8 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, params, *, max_slots: int = 8, max_len: int = 256,
                  buckets=None, decode_steps: int = 1, cache_dtype: str | None = None,
-                 max_consecutive_faults: int = 3):
+                 max_consecutive_faults: int = 3, idle_work: IdleWork | None = None,
+                 underfull_slots: int = 0):
         if max_consecutive_faults < 0:
             raise ValueError(f"max_consecutive_faults must be >= 0, got {max_consecutive_faults}")
         self.cfg = cfg
@@ -109,17 +113,37 @@ class Engine:
         self._kicks = 0
         self._wake: asyncio.Event | None = None
         self._wake_loop = None
-        # Idle work (pipelined training): a callable returning a blocking device job or None.
-        # The driver runs one job when no slot is decoding, or before a decode chunk when at
-        # most `underfull_slots` slots are decoding; decode keeps priority otherwise.
-        self.idle_work: Callable[[], Callable[[], None] | None] | None = None
-        self.underfull_slots: int = 0
+        self._idle_work: IdleWork | None = None
+        self._underfull_slots = 0
+        self.set_idle_work(idle_work, underfull_slots=underfull_slots)
         self.idle_seconds = 0.0  # time idle work took inside the driver
         self.trace = None        # optional Timeline: spans of device work
 
     # -- lifecycle --------------------------------------------------------------------------
     def set_params(self, params) -> None:
         self.params = params
+
+    def set_idle_work(self, idle_work: IdleWork | None, *, underfull_slots: int | None = None) -> None:
+        """The idle-work hook (pipelined training): `idle_work()` returns a blocking device job, or
+        None when there is none. The driver runs one job when no slot is decoding, or before a
+        decode chunk when at most `underfull_slots` slots are decoding; decode keeps priority
+        otherwise. `None` removes the hook; `underfull_slots=None` keeps the current value."""
+        if idle_work is not None and not callable(idle_work):
+            raise TypeError(f"idle_work must be callable or None, got {type(idle_work).__name__}")
+        if underfull_slots is not None:
+            if isinstance(underfull_slots, bool) or not isinstance(underfull_slots, int) or underfull_slots < 0:
+                raise ValueError(f"underfull_slots must be an int >= 0, got {underfull_slots!r}")
+            self._underfull_slots = underfull_slots
+        self._idle_work = idle_work
+
+    @property
+    def idle_work(self) -> IdleWork | None:
+        """The idle-work hook (read-only: set it with `set_idle_work` or the constructor)."""
+        return self._idle_work
+
+    @property
+    def underfull_slots(self) -> int:
+        return self._underfull_slots
 
     def allocate(self) -> None:
         """Allocates the KV cache (also done lazily by the first request)."""
@@ -339,7 +363,7 @@ class Engine:
             self.state = None
 
     async def _run_idle_job(self) -> bool:
-        job = self.idle_work() if self.idle_work is not None else None
+        job = self._idle_work() if self._idle_work is not None else None
         if job is None:
             return False
         t0 = time.perf_counter()

@@ -1,0 +1,434 @@
+"""One RL step's schedule, as an object: `RLStep(trainer).run()` (DESIGN.md section 3).
+
+`RLTrainer.step_async` builds one `RLStep` per step; the step holds everything that lives for one
+step (the gradient accumulator, the groups in flight and kept, the micro-steps ready to run, the
+counters) as attributes, and its methods are the phases, in the order `run` calls them:
+
+  begin            the engine gets the current params, a fresh accumulator, the idle-work hook
+  launch_groups    draw `groups_per_step + overprovision_groups` prompts, launch them longest first
+  collect_groups   as groups finish: drop / refill / keep them; kept groups become micro-steps
+                   (`pipelined`: queued for the engine's idle time; `sync`: held for after the
+                   rollout); the rollout's tail activates early samples
+  cancel_leftovers on failure: stop every group still running so their slots are released
+  end_rollout      stop surplus groups, form the last micro-steps, wait for the driver's last
+                   micro-step, free the KV cache
+  train_remaining  the micro-steps the rollout did not hide (all of them in `sync`, in draw order)
+  finish           the one optimizer update; the step's metrics
+
+The engine pops work through `idle_work` (micro-steps of finished groups first, then early
+samples) and runs it on its driver thread with `microstep`. Everything else runs on the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+import jax
+import numpy as np
+
+from sfrrl_jax.agents.protocols import EngineError, Task
+from sfrrl_jax.agents.trajectory import Trajectory
+from sfrrl_jax.trainer.batching import (
+    Group, TokenShare, group_advantage_slopes, group_advantages, microbatch_from_trajectories,
+)
+from sfrrl_jax.trainer.config import TrainerConfig
+from sfrrl_jax.trainer.early_samples import EarlySamples, EarlyUnit, GroupProgress
+from sfrrl_jax.trainer.timeline import WaitingWork
+
+if TYPE_CHECKING:
+    from sfrrl_jax.trainer.rl_trainer import RLTrainer
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class FailedGroup:
+    """A group some of whose samples' rollout function raised (not an `EngineError`)."""
+
+    group_id: str
+    launch_index: int
+    errors: list[str]
+
+
+@dataclasses.dataclass
+class MicroStepUnit:
+    """One gradient micro-step: its batch and whose tokens it holds (Groups or TokenShares).
+
+    early: set for a sample trained into its unfinished group's buffer; merges: (group progress,
+    advantage slope, reference advantage) of group buffers to add at their final advantages.
+    """
+
+    groups: list
+    batch: dict
+    early: EarlyUnit | None = None
+    merges: list = dataclasses.field(default_factory=list)
+
+
+# -- forming micro-steps (pure: host arrays only) ------------------------------------------------
+def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, GroupProgress]) -> list[MicroStepUnit]:
+    """Micro-steps of these finished groups. Samples already in a group buffer (trained early)
+    are left out; the last micro-step merges those buffers at the final advantages.
+    claimed: launch index -> progress of groups with early samples (their entries are popped)."""
+    adv = group_advantages(groups, cfg.advantage)
+    progress = [claimed.pop(g.launch_index, None) for g in groups]
+    slopes = group_advantage_slopes(groups, cfg.advantage) if any(progress) else [None] * len(groups)
+    owners, row_adv, merges, merged = [], [], [], []
+    for g, a, prog, slope in zip(groups, adv, progress, slopes):
+        done_early = set(prog.claimed) if prog else set()
+        for i in range(len(g.trajectories)):
+            if i in done_early:
+                merged.append((g, i))
+            else:
+                owners.append((g, i))
+                row_adv.append(a[i])
+        if prog:
+            merges.append((prog, float(slope), float(a[prog.reference])))
+    batch = microbatch_from_trajectories([g.trajectories[i] for g, i in owners], row_adv,
+                                         cfg.seq_bucket, cfg.max_len)
+    units = split_rows(batch, owners, cfg.microbatch_rows, whole=None if merged else list(groups))
+    units[-1].merges = merges
+    units[-1].groups += [token_share(g, i) for g, i in merged]
+    return units
+
+
+def split_rows(batch: dict, owners: list, microbatch_rows: int, whole: list | None = None) -> list[MicroStepUnit]:
+    """Micro-steps of at most `microbatch_rows` rows (0: no limit); owners: (group, sample) per row."""
+    rows, step = len(owners), microbatch_rows
+    if not step or rows <= step:
+        return [MicroStepUnit(whole if whole is not None else [token_share(g, i) for g, i in owners], batch)]
+    return [MicroStepUnit([token_share(g, i) for g, i in owners[a:a + step]],
+                          {k: v[a:a + step] for k, v in batch.items()}) for a in range(0, rows, step)]
+
+
+def token_share(group: Group, sample: int) -> TokenShare:
+    return TokenShare(group.group_id, group.params_version, int(np.sum(group.trajectories[sample].loss_mask)))
+
+
+def early_micro_step(unit: EarlyUnit, cfg: TrainerConfig) -> MicroStepUnit:
+    """The one-row micro-step of an early sample (advantage 1: its buffer is merged at the end)."""
+    traj = unit.progress.finished[unit.sample]
+    batch = microbatch_from_trajectories([traj], [0.0], cfg.seq_bucket, cfg.max_len)
+    return MicroStepUnit([], batch, early=unit)
+
+
+class RLStep:
+    """The schedule and state of one RL step of `trainer` (see the module doc)."""
+
+    def __init__(self, trainer: RLTrainer):
+        self.trainer, self.cfg, self.engine = trainer, trainer.cfg, trainer.engine
+        cfg = self.cfg
+        self.n_launch = cfg.groups_per_step + cfg.overprovision_groups
+        self.early = (EarlySamples(cfg.early_groups, cfg.group_size, active=self.n_launch <= cfg.early_groups)
+                      if cfg.early_groups else None)
+        self.claimed: dict[int, GroupProgress] = {}  # launch index -> progress of a finished group with early samples
+        self.ready: collections.deque[MicroStepUnit] = collections.deque()  # micro-steps the engine may run
+        self.kept: list[Group] = []       # groups this step trains
+        self.pending: list[Group] = []    # kept, not yet a micro-batch (fewer than groups_per_microbatch)
+        self.units: list[MicroStepUnit] = []  # the micro-steps of this step's groups (one_step_off carries them)
+        self.counts = collections.Counter()
+        self.failures: list[str] = []
+        self.waiting = WaitingWork()
+        self.in_flight: set[asyncio.Future] = set()
+        self.draw_position: dict[int, int] = {}  # launch index -> position in draw order
+        self.launched = 0
+        self.refills = 0
+        self.acc = None
+        self.train_device_s = 0.0
+        self.trained_during_rollout = 0.0
+        self.trained = {"tokens": 0, "on_policy_tokens": 0, "microsteps": 0, "early_microsteps": 0}
+        self.t_start = self.t_rollout = 0.0
+        self.stats0 = None
+
+    async def run(self) -> dict:
+        self.begin()
+        self.launch_groups()
+        try:
+            await self.collect_groups()
+        except BaseException:
+            await self.cancel_leftovers()
+            raise
+        await self.end_rollout()
+        self.train_remaining()
+        return self.finish()
+
+    # -- phases -------------------------------------------------------------------------------
+    def begin(self) -> None:
+        tr, cfg = self.trainer, self.cfg
+        self.t_start = time.perf_counter()
+        tr.timeline.begin_step(tr.step_index, self.t_start)
+        self.stats0 = dataclasses.replace(self.engine.stats)
+        self.engine.set_params(tr.params)
+        self.acc = jax.block_until_ready(tr.train_step.init_accumulator(tr.params))  # one in flight
+        if cfg.mode == "one_step_off":
+            self.ready.extend(tr.carry_over)
+        tr.carry_over = []
+        self.note_waiting()
+        self.engine.set_idle_work(self.idle_work, underfull_slots=cfg.underfull_slots)
+
+    def launch_groups(self) -> None:
+        """Draws the step's prompts and launches their groups, longest expected first."""
+        tr, n = self.trainer, self.n_launch
+        drawn = [tr.tasks.next() for _ in range(n)]
+        order = tr.longest_first.order(drawn) if self.cfg.longest_first else range(n)
+        # sync trains in draw order: the launch order follows measured durations, draws do not
+        self.draw_position = {launch_index: i for launch_index, i in enumerate(order)}
+        self.in_flight = {self.launch(drawn[i]) for i in order}
+
+    async def collect_groups(self) -> None:
+        """Until `groups_per_step` groups are kept (or none is left running)."""
+        cfg, early = self.cfg, self.early
+        while self.in_flight and len(self.kept) < cfg.groups_per_step:
+            done, self.in_flight = await asyncio.wait(self.in_flight, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                self.on_group_done(fut.result())
+            if early is not None and len(self.in_flight) <= cfg.early_groups and early.activate():
+                self.note_waiting()  # the tail: finished samples of the last groups may train now
+                self.engine.notify_idle_work()
+
+    async def cancel_leftovers(self) -> None:
+        """The step fails (an EngineError, a rollout function that keeps raising): stop every group
+        still running, so their slots are released before the error leaves the step."""
+        await self._stop_in_flight()
+        self.engine.set_idle_work(None)
+
+    async def end_rollout(self) -> None:
+        cfg = self.cfg
+        await self._stop_in_flight()  # over-provisioned groups not needed
+        if self.early is not None:
+            self.early.clear()  # samples of cancelled groups
+        if len(self.kept) < cfg.groups_per_step:
+            raise RuntimeError(f"only {len(self.kept)} of {cfg.groups_per_step} groups survived dynamic sampling "
+                               f"after {self.refills} refills; raise TrainerConfig.max_refill_groups")
+        if self.pending:
+            self._form_units(self.pending)
+            self.pending = []
+        self.engine.set_idle_work(None)
+        await self.engine.wait_idle()  # a micro-step may still be running on the driver thread
+        self.t_rollout = time.perf_counter()
+        self.engine.release_memory()  # the cache goes before the update needs the memory
+        self.trained_during_rollout = self.train_device_s
+
+    def train_remaining(self) -> None:
+        cfg = self.cfg
+        if cfg.mode == "sync":
+            # Draw order, not finish order: the gradient sum is then bitwise repeatable.
+            ordered = sorted(self.kept, key=lambda g: self.draw_position[g.launch_index])
+            gpm = cfg.groups_per_microbatch
+            self.units = [u for i in range(0, len(ordered), gpm)
+                          for u in self.trainer._make_units(ordered[i:i + gpm])]
+            self.ready.extend(self.units)
+        while self.ready:
+            self.microstep(self.ready.popleft())
+
+    def finish(self) -> dict:
+        """The optimizer update (if anything trained) and the step's metrics."""
+        tr = self.trainer
+        metrics = {}
+        if self.trained["microsteps"]:
+            t0 = time.perf_counter()
+            tr.params, tr.opt_state, train_metrics = tr.train_step.apply(tr.params, tr.opt_state, self.acc)
+            train_metrics = jax.device_get(train_metrics)
+            tr.timeline.add("apply", "train", t0, time.perf_counter())
+            self.train_device_s += time.perf_counter() - t0
+            tr.params_version += 1
+            metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
+        if self.cfg.mode == "one_step_off":
+            tr.carry_over = self.units
+        self.engine.set_params(tr.params)
+        wall = time.perf_counter() - self.t_start
+        self.waiting.update(0, self.t_start + wall)
+        idle = tr.timeline.idle_split(self.t_start, self.t_start + wall, self.waiting.intervals)
+        metrics.update(self.metrics(wall))
+        metrics.update({"time/idle_s": idle["idle_s"], "time/idle_starved_s": idle["starved_s"],
+                        "perf/busy_ceiling_on_policy": 1.0 - idle["starved_s"] / wall})
+        tr.timeline.end_step(time.perf_counter())
+        tr.step_index += 1
+        return metrics
+
+    # -- groups ---------------------------------------------------------------------------------
+    def launch(self, task: Task) -> asyncio.Future:
+        self.launched += 1
+        return asyncio.ensure_future(self.run_group(task, self.launched - 1))
+
+    async def run_group(self, task: Task, index: int) -> Group | FailedGroup:
+        # The samples of a group run to their end even if one raises: each releases its slot.
+        trajs = await asyncio.gather(*(self.run_sample(task, index, i) for i in range(self.cfg.group_size)),
+                                     return_exceptions=True)
+        errors = [t for t in trajs if isinstance(t, BaseException)]
+        for e in errors:
+            if isinstance(e, EngineError) or not isinstance(e, Exception):
+                raise e  # the engine is gone (or a cancellation): not this group's fault
+        if errors:
+            return FailedGroup(task.task_id, index, [f"{type(e).__name__}: {e}" for e in errors])
+        return Group(task.task_id, list(trajs), self.trainer.params_version, index)
+
+    async def run_sample(self, task: Task, index: int, sample: int) -> Trajectory:
+        traj = await self.trainer.rollout_fn(self.engine, task, sample)
+        if self.early is not None and self.early.sample_finished(index, sample, traj):
+            self.note_waiting()
+            self.engine.notify_idle_work()
+        return traj
+
+    def on_group_done(self, group: Group | FailedGroup) -> None:
+        """A group finished: lost (refilled), dropped by dynamic sampling (refilled while refills
+        last), surplus, or kept; a kept one becomes micro-steps once `groups_per_microbatch` are in."""
+        cfg, early, counts = self.cfg, self.early, self.counts
+        if isinstance(group, FailedGroup):
+            # A rollout function raised for some sample: that group is lost, not the step.
+            # Another prompt takes its place; a function that keeps failing stops the run.
+            counts["groups_failed"] += 1
+            counts["failed_samples"] += len(group.errors)
+            self.failures.append(f"{group.group_id}: {group.errors[0]}")
+            _log.warning("group %s dropped: its rollout raised %s", group.group_id, group.errors)
+            if early is not None:
+                early.discard(group.launch_index)
+            if counts["groups_failed"] > cfg.groups_per_step:
+                raise RuntimeError(
+                    f"the rollout function raised in {counts['groups_failed']} groups this step "
+                    f"(more than groups_per_step={cfg.groups_per_step}); first errors: {self.failures[:3]}")
+            self.refill()
+            return
+        counts["failed_samples"] += sum(t.error is not None for t in group.trajectories)
+        self.trainer.longest_first.observe(group.group_id, group.trajectories)
+        counts["tool_errors"] += sum(t.metadata.get("tool_errors", t.num_tool_errors) for t in group.trajectories)
+        if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
+            counts["groups_dropped"] += 1
+            if early is not None:
+                early.discard(group.launch_index)
+            if self.refills < cfg.max_refill_groups:
+                self.refills += 1
+                self.refill()
+            return
+        if len(self.kept) == cfg.groups_per_step:
+            counts["groups_surplus"] += 1
+            if early is not None:
+                early.discard(group.launch_index)
+            return
+        self.kept.append(group)
+        if early is not None:
+            progress = early.group_complete(group.launch_index)
+            if progress is not None:
+                self.claimed[group.launch_index] = progress
+            if len(early):  # its freed buffer went to samples of other groups
+                self.engine.notify_idle_work()
+        if cfg.mode == "sync":
+            self.note_waiting()
+            return  # micro-batches are formed after the rollout, in launch order
+        self.pending.append(group)
+        if len(self.pending) == cfg.groups_per_microbatch:
+            self._form_units(self.pending)
+            self.pending = []
+            if cfg.mode == "pipelined":
+                self.engine.notify_idle_work()
+        self.note_waiting()
+
+    def refill(self) -> None:
+        """Launches one more prompt in place of a lost or dropped group (numbered in draw order)."""
+        self.draw_position[self.launched] = self.n_launch + self.refills + self.counts["groups_failed"] - 1
+        self.in_flight.add(self.launch(self.trainer.tasks.next()))
+
+    # -- training ---------------------------------------------------------------------------------
+    def note_waiting(self) -> None:
+        """Work this step could train on the current params right now: finished, untrained groups,
+        and samples queued to train early."""
+        mode = self.cfg.mode
+        self.waiting.update(len(self.ready) + (len(self.pending) if mode == "pipelined" else 0)
+                            + (len(self.kept) if mode == "sync" else 0)
+                            + (len(self.early) if self.early is not None else 0))
+
+    def idle_work(self) -> Callable[[], None] | None:
+        """The engine's idle hook: the next micro-step to run on its driver thread, or None."""
+        if self.cfg.mode == "sync":
+            return None
+        if self.ready:
+            unit = self.ready.popleft()
+        elif self.early is not None and len(self.early):
+            unit = early_micro_step(self.early.pop(), self.cfg)
+        else:
+            return None
+        self.note_waiting()
+        return lambda: self.microstep(unit)
+
+    def microstep(self, unit: MicroStepUnit) -> None:
+        """Blocking: one gradient micro-step on the current params (runs on the driver thread)."""
+        tr = self.trainer
+        t0 = time.perf_counter()
+        ts = tr.train_step
+        if unit.early is not None:  # into the group's buffer; its tokens count at the merge
+            prog = unit.early.progress
+            if prog.buffer is None:
+                prog.buffer = ts.init_deferred(tr.params)
+            prog.buffer = ts.deferred_microstep(tr.params, prog.buffer, unit.batch, unit.early.centred_reward)
+            jax.block_until_ready(prog.buffer["pg1"])
+            name = "grad_microstep_early"
+            self.trained["early_microsteps"] += 1
+        else:
+            self.acc = ts.grad_microstep(tr.params, self.acc, unit.batch)
+            for prog, slope, reference_advantage in unit.merges:
+                self.acc = ts.merge_deferred(tr.params, self.acc, prog.buffer, slope, reference_advantage)
+                prog.buffer = None
+            jax.block_until_ready(self.acc["scalars"]["numerator"])
+            name = "grad_microstep"
+            for g in unit.groups:
+                n = g.num_generated
+                self.trained["tokens"] += n
+                self.trained["on_policy_tokens"] += n if g.params_version == tr.params_version else 0
+        t1 = time.perf_counter()
+        tr.timeline.add(name, "train", t0, t1)
+        self.train_device_s += t1 - t0
+        self.trained["microsteps"] += 1
+
+    def metrics(self, wall: float) -> dict:
+        s, s0, counts, groups = self.engine.stats, self.stats0, self.counts, self.kept
+        decode_s = s.device_seconds - s0.device_seconds
+        slot_total = s.slot_steps_total - s0.slot_steps_total
+        rewards = np.concatenate([g.rewards for g in groups]) if groups else np.zeros(0)
+        generated = sum(g.num_generated for g in groups)
+        trained, train_s = self.trained["tokens"], self.train_device_s
+        compiles = sum(self.engine.steps.compile_counts().values())
+        compiles += self.trainer.train_step.compile_count()
+        return {
+            "step": self.trainer.step_index,
+            "time/wall_s": wall,
+            "time/rollout_s": self.t_rollout - self.t_start,
+            "time/train_s": train_s,
+            "time/train_exposed_s": train_s - self.trained_during_rollout,
+            "time/hidden_train_share": self.trained_during_rollout / train_s if train_s else 0.0,
+            "perf/device_busy": min((decode_s + train_s) / wall, 1.0),
+            "perf/slot_occupancy": (s.slot_steps_active - s0.slot_steps_active) / slot_total if slot_total else 0.0,
+            "perf/generated_tokens_per_s": generated / wall,
+            "perf/trained_tokens_per_s": trained / wall,
+            "perf/samples_per_s": sum(len(g.trajectories) for g in groups) / wall,
+            "perf/compile_count": compiles,
+            "policy/on_policy_fraction": self.trained["on_policy_tokens"] / trained if trained else 1.0,
+            "reward/mean": float(rewards.mean()) if rewards.size else 0.0,
+            "reward/success_rate": float(np.mean(rewards >= 1.0)) if rewards.size else 0.0,
+            "rollout/generated_tokens": generated,
+            "rollout/tool_errors": counts["tool_errors"],
+            "rollout/groups_dropped": counts["groups_dropped"],
+            "rollout/groups_surplus": counts["groups_surplus"],
+            "rollout/groups_failed": counts["groups_failed"],
+            "rollout/failed_samples": counts["failed_samples"],
+            "engine/faults": s.faults - s0.faults,
+            "engine/restored_slots": s.restored_slots - s0.restored_slots,
+            "train/trained_tokens": trained,
+            "train/microsteps": self.trained["microsteps"],
+            "train/early_microsteps": self.trained["early_microsteps"],
+        }
+
+    # -- internals --------------------------------------------------------------------------------
+    def _form_units(self, groups: list[Group]) -> None:
+        """Micro-steps of kept groups during the rollout; `pipelined` queues them for idle time."""
+        new_units = self.trainer._make_units(groups)
+        self.units.extend(new_units)
+        if self.cfg.mode == "pipelined":
+            self.ready.extend(new_units)
+
+    async def _stop_in_flight(self) -> None:
+        for fut in self.in_flight:
+            fut.cancel()
+        await asyncio.gather(*self.in_flight, return_exceptions=True)
