@@ -40,6 +40,12 @@ class AgentRollout:
         self.env, self.tokenizer, self.agent_cfg = env, tokenizer, agent_cfg
         self.visits: collections.Counter = collections.Counter()
 
+    @property
+    def max_total_tokens(self) -> int:
+        """The token budget of one trajectory (`RolloutFn`'s optional declaration: RLTrainer checks
+        it is <= TrainerConfig.max_len)."""
+        return self.agent_cfg.max_total_tokens
+
     def config_for(self, task: Task, sample_index: int) -> AgentConfig:
         """The AgentConfig of the next rollout of (task, sample_index); counts the visit."""
         if sample_index < 0:
