@@ -8,8 +8,10 @@ is the engine's log-prob of `tokens[t]`; `loss_mask` is 1 exactly on policy-gene
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,24 +48,25 @@ class TokenShare:
 
 
 def group_advantages(groups: Sequence[Group], cfg: AdvantageConfig) -> np.ndarray:
-    """[groups, G] per-sample advantages of these groups.
+    """[groups, G] per-sample advantages of these groups: `rl.compute_advantages` (the one
+    definition), returned as host numpy.
 
-    The group estimators (what pipelined modes allow) run in host numpy: this is called on the
-    event-loop thread while the engine's driver thread runs multi-device steps, and dispatching
-    device work from two threads at once is what we avoid. They equal `rl.compute_advantages`
-    (tested); batch-normalised estimators (sync only, after the rollout) use it directly.
+    This is called on the event-loop thread while the engine's driver thread may be running
+    multi-device steps: the few element-wise ops run on one host CPU device, never as a
+    multi-device program of the mesh (see `_host_device`).
     """
     rewards = np.stack([g.rewards for g in groups]).astype(np.float32)
-    g = rewards.shape[-1]
-    centred = rewards - rewards.mean(axis=-1, keepdims=True)
-    if cfg.estimator == "grpo":
-        std = rewards.std(axis=-1, ddof=cfg.std_ddof, keepdims=True) if g - cfg.std_ddof > 0 else 0.0
-        return centred / (std + np.float32(cfg.eps))
-    if cfg.estimator == "dr_grpo":
-        return centred
-    if cfg.estimator == "rloo":
-        return np.zeros_like(rewards) if g == 1 else np.float32(g / (g - 1)) * centred
-    return np.asarray(compute_advantages(jnp.asarray(rewards), cfg))
+    with jax.default_device(_host_device()):
+        return np.asarray(compute_advantages(jnp.asarray(rewards), cfg))
+
+
+@functools.lru_cache(maxsize=1)
+def _host_device():
+    """A CPU device for host-side arithmetic (with GPUs: the CPU backend, apart from them)."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # no CPU backend initialised (jax_platforms without cpu)
+        return jax.devices()[0]
 
 
 def group_advantage_slopes(groups: Sequence[Group], cfg: AdvantageConfig) -> np.ndarray:

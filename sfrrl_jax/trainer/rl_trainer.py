@@ -31,7 +31,7 @@ from sfrrl_jax.learner.deferred import advantage_free_terms, check_deferrable
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.batching import Group
 from sfrrl_jax.trainer.config import TrainerConfig
-from sfrrl_jax.trainer.rollout_fn import RolloutFn, declared_token_budget
+from sfrrl_jax.trainer.rollout_fn import RolloutFn, check_length_budget
 from sfrrl_jax.trainer.scheduling import LongestFirst
 from sfrrl_jax.trainer.step_schedule import MicroStepUnit, RLStep, make_units
 from sfrrl_jax.trainer.timeline import Timeline
@@ -90,17 +90,46 @@ def check_memory_fits(engine_cache_bytes: int, params, device=None, param_copies
 
 
 class RLTrainer:
-    def __init__(self, model_cfg: ModelConfig, params, trainer_cfg: TrainerConfig, loss_cfg: LossConfig,
-                 optimizer_cfg: OptimizerConfig, rollout_fn: RolloutFn, tasks: TaskStream,
-                 expected_length: Callable[[Task], float] | None = None, opt_state=None):
+    """Rollout + training on one mesh (see the module doc); `step()` runs one RL step.
+
+    Prebuilt parts may be passed as values: `engine=` (an `Engine` over `model_cfg`, whose
+    max_len must be `trainer_cfg.max_len`; its slots, buckets and decode_steps are its own) and
+    `train_step=` (a `TrainStep`; then `optimizer_cfg` must be None, and `loss_cfg` may be None
+    to take the train step's). By default both are built from the configs.
+    One length budget is checked here, once: the rollout function's declared `max_total_tokens`
+    (if any, `trainer.rollout_fn`) <= `TrainerConfig.max_len` <= `ModelConfig.max_seq_len`.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, params, trainer_cfg: TrainerConfig, loss_cfg: LossConfig | None,
+                 optimizer_cfg: OptimizerConfig | None, rollout_fn: RolloutFn, tasks: TaskStream,
+                 expected_length: Callable[[Task], float] | None = None, opt_state=None, *,
+                 engine: Engine | None = None, train_step=None):
         if trainer_cfg.max_len > model_cfg.max_seq_len:
             raise ValueError(f"TrainerConfig.max_len={trainer_cfg.max_len} > ModelConfig.max_seq_len="
                              f"{model_cfg.max_seq_len}")
+        check_length_budget(rollout_fn, trainer_cfg.max_len, model_cfg.max_seq_len)
+        if train_step is None and optimizer_cfg is None:
+            raise ValueError("RLTrainer needs optimizer_cfg (or a prebuilt train_step=)")
+        if train_step is not None and optimizer_cfg is not None:
+            raise ValueError("RLTrainer: pass optimizer_cfg or a prebuilt train_step=, not both "
+                             "(the train step holds its own optimizer)")
+        if loss_cfg is None:
+            loss_cfg = getattr(train_step, "loss_cfg", None)
+            if loss_cfg is None:
+                raise ValueError("RLTrainer needs loss_cfg (or a prebuilt train_step= that has one)")
+        if engine is not None:
+            if engine.cfg != model_cfg:
+                raise ValueError("RLTrainer: the prebuilt engine was built for another ModelConfig")
+            if engine.steps.max_len != trainer_cfg.max_len:
+                raise ValueError(f"RLTrainer: the prebuilt engine's max_len={engine.steps.max_len} != "
+                                 f"TrainerConfig.max_len={trainer_cfg.max_len} (one length budget)")
         self.cfg, self.model_cfg, self.loss_cfg = trainer_cfg, model_cfg, loss_cfg
         self.rollout_fn, self.tasks = rollout_fn, tasks
-        self.engine = Engine(model_cfg, params, max_slots=trainer_cfg.max_slots, max_len=trainer_cfg.max_len,
-                             buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps)
-        self.train_step = shared_train_step(model_cfg, loss_cfg, optimizer_cfg)
+        self.engine = engine if engine is not None else Engine(
+            model_cfg, params, max_slots=trainer_cfg.max_slots, max_len=trainer_cfg.max_len,
+            buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps)
+        self.train_step = (train_step if train_step is not None
+                           else shared_train_step(model_cfg, loss_cfg, optimizer_cfg))
         copies = 3.0
         if trainer_cfg.early_groups:
             check_deferrable(loss_cfg)
