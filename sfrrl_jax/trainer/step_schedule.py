@@ -25,7 +25,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import jax
 import numpy as np
@@ -38,9 +38,6 @@ from sfrrl_jax.trainer.batching import (
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.early_samples import EarlySamples, EarlyUnit, GroupProgress
 from sfrrl_jax.trainer.timeline import WaitingWork
-
-if TYPE_CHECKING:
-    from sfrrl_jax.trainer.rl_trainer import RLTrainer
 
 _log = logging.getLogger(__name__)
 
@@ -118,7 +115,10 @@ def early_micro_step(unit: EarlyUnit, cfg: TrainerConfig) -> MicroStepUnit:
 class RLStep:
     """The schedule and state of one RL step of `trainer` (see the module doc)."""
 
-    def __init__(self, trainer: RLTrainer):
+    def __init__(self, trainer):
+        """trainer: the `RLTrainer` (not imported here: it imports this module). The step reads its
+        configs, engine, train step, rollout fn, task stream and timeline, and updates its params,
+        opt_state, params_version, step_index and carry_over."""
         self.trainer, self.cfg, self.engine = trainer, trainer.cfg, trainer.engine
         cfg = self.cfg
         self.n_launch = cfg.groups_per_step + cfg.overprovision_groups
