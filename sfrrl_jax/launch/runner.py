@@ -52,7 +52,7 @@ from sfrrl_jax.mesh import MESH_AXES, make_mesh
 from sfrrl_jax.models.api import check_mesh_fits, init_params, param_shardings
 from sfrrl_jax.models.transformer import param_shapes
 from sfrrl_jax.rl.config import LossConfig
-from sfrrl_jax.learner.optimizer import OptimizerConfig, opt_state_shardings
+from sfrrl_jax.learner.optimizer import OptState, OptimizerConfig, opt_state_shardings
 from sfrrl_jax.checkpoints.orbax_store import Checkpointer, check_finite
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, RolloutFn, TaskStream, shared_train_step
@@ -255,8 +255,8 @@ def abstract_params_and_opt_state(model_cfg: ModelConfig, mesh, optimizer_cfg: O
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           param_shapes(model_cfg), shardings)
     opt_sh = opt_state_shardings(train_step.tx, params, optimizer_cfg)
-    opt_shapes = {"step": jax.ShapeDtypeStruct((), np.int32),
-                  "inner": jax.eval_shape(train_step.tx.init, params)}
+    opt_shapes = OptState(step=jax.ShapeDtypeStruct((), np.int32),
+                          inner=jax.eval_shape(train_step.tx.init, params))
     opt = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes, opt_sh)
     return params, opt
 

@@ -1,4 +1,8 @@
-"""The loss of one (micro-)batch: model forward -> chunked log-probs -> RL / SFT objective.
+"""The loss of one (micro-)batch: model forward -> chunked log-probs -> the `Loss`'s objective.
+
+The objective is a value (`sfrrl_jax.rl.Loss`: built-ins from a `LossConfig`, or any new one);
+it receives the target-aligned log-probs, entropies and mask plus the batch fields it declares
+(`rl.loss_fn.LossInputs`) and returns `ObjectiveParts`.
 
 Shift convention. A batch stores, per position t of `tokens` [batch, seq], the loss-mask bit, the
 advantage and the rollout log-prob *of token t* (aligned to the token they belong to; position 0
@@ -18,9 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from sfrrl_jax.rl.aggregation import SequenceLayout
-from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.logprobs import token_logprobs_and_entropy
-from sfrrl_jax.rl.losses import ObjectiveParts, policy_objective, sft_objective
+from sfrrl_jax.rl.loss_fn import BASE_FIELDS, LAYOUT_FIELDS, Loss, LossInputs
+from sfrrl_jax.rl.losses import ObjectiveParts
 
 # forward_fn(params, tokens, segment_ids, positions) -> (hidden [batch, seq, embed],
 #   unembedding [embed, vocab], aux dict of scalars incl. 'router_aux_loss', 'router_z_loss')
@@ -43,31 +47,31 @@ def target_mask(loss_mask: jnp.ndarray, segment_ids: jnp.ndarray | None) -> jnp.
     return m
 
 
-def objective_from_logprobs(
-    loss_cfg: LossConfig,
-    logp: jnp.ndarray,
-    entropy: jnp.ndarray,
-    batch: dict,
-) -> ObjectiveParts:
-    """The objective given target-aligned log-probs/entropy [batch, seq] and the stored batch."""
+def loss_inputs(loss: Loss, logp: jnp.ndarray, entropy: jnp.ndarray, batch: dict) -> LossInputs:
+    """Target-aligned `LossInputs` from log-probs/entropy [batch, seq] and the stored batch:
+    the fields `loss` declares (and the batch holds), as float32, shifted left by one."""
     seg = batch.get("segment_ids")
     mask = target_mask(batch["loss_mask"], seg)
     layout = SequenceLayout(mask.shape, None if seg is None else shift_left(seg))
-    if loss_cfg.objective == "sft":
-        return sft_objective(logp, entropy, mask, layout, loss_cfg)
-    adv = batch["advantages"].astype(jnp.float32)
-    if adv.ndim == 1:  # one advantage per row (unpacked rows only; checked by the caller)
-        adv = jnp.broadcast_to(adv[:, None], mask.shape)
-    shifted = lambda k: None if batch.get(k) is None else shift_left(batch[k].astype(jnp.float32))
-    return policy_objective(
-        logp, entropy, mask, shift_left(adv), shifted("rollout_logprobs"), layout, loss_cfg,
-        old_logp=shifted("old_logprobs"), ref_logp=shifted("ref_logprobs"),
-    )
+    fields = {}
+    for k in loss.fields:
+        if k in BASE_FIELDS or k in LAYOUT_FIELDS or batch.get(k) is None:
+            continue
+        v = batch[k].astype(jnp.float32)
+        if k == "advantages" and v.ndim == 1:  # one advantage per row (unpacked rows; checked by the caller)
+            v = jnp.broadcast_to(v[:, None], mask.shape)
+        fields[k] = shift_left(v)
+    return LossInputs(logp, entropy, mask, layout, fields)
+
+
+def objective_from_logprobs(loss: Loss, logp: jnp.ndarray, entropy: jnp.ndarray, batch: dict) -> ObjectiveParts:
+    """The objective given target-aligned log-probs/entropy [batch, seq] and the stored batch."""
+    return loss.fn(loss_inputs(loss, logp, entropy, batch))
 
 
 def microbatch_objective(
     forward_fn: ForwardFn,
-    loss_cfg: LossConfig,
+    loss: Loss,
     router_coefs: tuple[float, float],
     params,
     batch: dict,
@@ -82,8 +86,8 @@ def microbatch_objective(
     tokens = batch["tokens"]
     hidden, unembed, aux = forward_fn(params, tokens, batch.get("segment_ids"), batch.get("positions"))
     logp, entropy = token_logprobs_and_entropy(
-        hidden, unembed.astype(hidden.dtype), shift_left(tokens), loss_cfg.vocab_chunk, loss_cfg.seq_chunk)
-    parts = objective_from_logprobs(loss_cfg, logp, entropy, batch)
+        hidden, unembed.astype(hidden.dtype), shift_left(tokens), loss.vocab_chunk, loss.seq_chunk)
+    parts = objective_from_logprobs(loss, logp, entropy, batch)
     den = jax.lax.stop_gradient(parts.denominator)
     numerator = parts.numerator
     router_sums = {}

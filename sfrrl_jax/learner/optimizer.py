@@ -1,14 +1,19 @@
 """AdamW with linear warmup + cosine decay and global-norm clipping; ZeRO-1 state shardings.
 
-The optimizer state is `{'step': int32 scalar, 'inner': optax state}`. `step` counts *applied*
-updates (a skipped non-finite update does not advance it), and is what the schedule reads.
+The optimizer state is `OptState(step: int32 scalar, inner: optax state)`, a NamedTuple pytree
+(`state['step']` / `state['inner']` still read the fields, as the former dict did). `step` counts
+*applied* updates (a skipped non-finite update does not advance it), and is what the schedule
+reads. The train step also takes any optax `GradientTransformation` instead of an
+`OptimizerConfig` (`as_transformation`); its state sits in `inner` the same way.
 Params keep the shared sharding (generation reads the same arrays); the moments, which only the
-train step reads, may additionally be split over the `data` axis.
+train step reads, may additionally be split over the `data` axis (config path), or follow the
+params' shardings (a raw transformation).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +21,25 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.config import check_bool, check_int, check_number, check_str
+
+
+class OptState(NamedTuple):
+    """Optimizer state: applied-update counter + the optax transformation's own state."""
+    step: Any   # int32 scalar: updates applied (skipped ones not counted)
+    inner: Any  # optax state of the transformation
+
+    def __getitem__(self, key):
+        # state['step'] / state['inner'] keep reading like the former {'step', 'inner'} dict
+        return getattr(self, key) if isinstance(key, str) else tuple.__getitem__(self, key)
+
+
+def as_opt_state(state) -> OptState:
+    """An OptState as is; a `{'step', 'inner'}` dict (the former layout) converted."""
+    if isinstance(state, OptState):
+        return state
+    if isinstance(state, dict) and set(state) == {"step", "inner"}:
+        return OptState(step=state["step"], inner=state["inner"])
+    raise TypeError(f"expected an OptState (or a {{'step', 'inner'}} dict), got {type(state).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +108,26 @@ def build_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
 
 
+def as_transformation(optimizer) -> tuple[optax.GradientTransformation, OptimizerConfig | None]:
+    """(transformation, config or None) of an OptimizerConfig or an optax GradientTransformation."""
+    if isinstance(optimizer, OptimizerConfig):
+        return build_optimizer(optimizer), optimizer
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer, None
+    raise TypeError(f"expected an OptimizerConfig or an optax.GradientTransformation, got "
+                    f"{type(optimizer).__name__}")
+
+
+def learning_rate_in_state(inner):
+    """The learning rate an `optax.inject_hyperparams(...)` state holds (the first one found,
+    outermost first), or None if the state exposes none."""
+    kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    for node in jax.tree.leaves(inner, is_leaf=lambda x: isinstance(x, kinds)):
+        if isinstance(node, kinds) and "learning_rate" in node.hyperparams:
+            return jnp.asarray(node.hyperparams["learning_rate"], jnp.float32)
+    return None
+
+
 def _with_extra_axis(sharding: NamedSharding, shape, axis: str | None) -> NamedSharding:
     """The param's sharding with `axis` added on the first unsharded dim it divides."""
     mesh = sharding.mesh
@@ -99,11 +143,14 @@ def _with_extra_axis(sharding: NamedSharding, shape, axis: str | None) -> NamedS
     return sharding
 
 
-def opt_state_shardings(tx: optax.GradientTransformation, params, cfg: OptimizerConfig):
-    """Shardings of `{'step', 'inner'}` for params (arrays or ShapeDtypeStructs with .sharding).
+def opt_state_shardings(tx: optax.GradientTransformation, params, cfg: OptimizerConfig | None = None) -> OptState:
+    """Shardings of `OptState(step, inner)` for params (arrays or ShapeDtypeStructs with .sharding).
 
     Param-shaped state (the moments) follows each param's sharding plus `cfg.state_shard_axis`;
-    everything else (counts) is replicated.
+    everything else (counts) is replicated. cfg None (a raw transformation): no extra axis, and a
+    state leaf at a param's place but of another shape is replicated; if optax cannot locate the
+    params in the state (`optax.tree_map_params`), leaves shaped like a param take that param's
+    sharding and the rest is replicated.
     """
     leaves = jax.tree.leaves(params)
     if not leaves or not isinstance(getattr(leaves[0], "sharding", None), NamedSharding):
@@ -111,12 +158,30 @@ def opt_state_shardings(tx: optax.GradientTransformation, params, cfg: Optimizer
     mesh = leaves[0].sharding.mesh
     replicated = NamedSharding(mesh, P())
     param_sh = jax.tree.map(lambda p: p.sharding, params)
-    abstract = jax.eval_shape(tx.init, jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params))
-    inner = optax.tree_map_params(
-        tx,
-        lambda leaf, sh: _with_extra_axis(sh, leaf.shape, cfg.state_shard_axis),
-        abstract,
-        param_sh,
-        transform_non_params=lambda _: replicated,
-    )
-    return {"step": replicated, "inner": inner}
+    shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+    abstract = jax.eval_shape(tx.init, shapes)
+    if cfg is not None:
+        inner = optax.tree_map_params(
+            tx,
+            lambda leaf, sh: _with_extra_axis(sh, leaf.shape, cfg.state_shard_axis),
+            abstract,
+            param_sh,
+            transform_non_params=lambda _: replicated,
+        )
+        return OptState(step=replicated, inner=inner)
+    try:
+        inner = optax.tree_map_params(
+            tx,
+            lambda leaf, sh, p: sh if tuple(leaf.shape) == tuple(p.shape) else replicated,
+            abstract,
+            param_sh,
+            shapes,
+            transform_non_params=lambda _: replicated,
+        )
+    except Exception:  # a state optax cannot map over: match by shape
+        by_shape = {}
+        for p, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(param_sh)):
+            by_shape.setdefault(tuple(p.shape), sh)
+        inner = jax.tree.map(lambda leaf: by_shape.get(tuple(leaf.shape), replicated)
+                             if getattr(leaf, "ndim", 0) > 0 else replicated, abstract)
+    return OptState(step=replicated, inner=inner)

@@ -1,5 +1,7 @@
 """Frozen configs of the RL math: advantage estimators, the policy/SFT loss, filters.
 
+`LossConfig` describes the built-in losses; `rl.loss_fn` turns it into a `Loss` value.
+
 Everything here is plain data (hashable, so it can be a static argument of `jax.jit`). Values are
 checked in `__post_init__`; a bad value raises naming the field and the valid choices.
 """
@@ -51,7 +53,11 @@ class AdvantageConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """The train-step objective.
+    """The train-step objective of the built-in losses (gin binds it at the experiment edge).
+
+    It maps to a loss value: `rl.loss_fn.loss_from_config(cfg)` -> `policy_loss(cfg)` or
+    `sft_loss(cfg)` (a `rl.Loss`, which the train step takes directly; a new loss is a new `Loss`,
+    not a new option here).
 
     objective: 'policy' (clipped policy gradient, below) or 'sft' (masked NLL of the loss tokens).
     policy_loss: 'ppo' (token ratio) or 'gspo' (sequence ratio = exp(mean token log-ratio)).

@@ -5,6 +5,9 @@ its loss-mask bit, its advantage, its rollout log-prob). The objective is return
 an exact accumulation (see `rl.aggregation`): a numerator and a denominator that are sums over
 sequences, and metric sums/maxima/minima, so micro-batches add up to the full batch.
 
+These are the built-in objectives; `rl.loss_fn` wraps them as `Loss` values (`policy_loss`,
+`sft_loss`), and a new loss returns the same `ObjectiveParts`.
+
 Metric keys say how they are normalised at the end:
   'agg/<name>'  divided by the aggregation denominator (loss components)
   'tok/<name>'  divided by the number of loss tokens (per-token means and fractions)
@@ -35,7 +38,8 @@ class ObjectiveParts(NamedTuple):
     mins: dict                # metric minima over loss tokens (+inf if none)
     # The part of `numerator` that carries the advantages (the clipped policy term; differentiable).
     # With behavior='current' the ratio is exactly 1, so it is linear in the advantages and the rest
-    # of the numerator (KL, entropy) does not depend on them: see `train.deferred`.
+    # of the numerator (KL, entropy) does not depend on them: see `learner.deferred`. A `rl.Loss`
+    # declaring `linear_in_advantages` must fill it the same way.
     advantage_term: jnp.ndarray | float = 0.0
 
 
