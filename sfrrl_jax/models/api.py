@@ -1,11 +1,15 @@
 """Public model entry points: `init_params` and `forward`.
 
-Both take and return the one sharded param pytree. `forward` checks its inputs on the host
-(shape, dtype, vocab range, length) before it enters the jitted computation, because a gather
-with an out-of-range index silently clamps inside XLA.
+Both take and return the one sharded param pytree. `forward` is a JAX function like any other:
+it composes with `jax.jit`, `jax.grad` and `jax.vmap`. Concrete inputs are checked on the host
+(shape, dtype, vocab range, length) before the jitted computation, because a gather with an
+out-of-range index silently clamps inside XLA; traced inputs (inside a user's transformation)
+get the static checks only (rank, dtype, length): their values are checked at the edges that see
+them (batch building, engine admission).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -16,6 +20,29 @@ from jax.sharding import Mesh, NamedSharding
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import EXPERT_AXIS, sharding_for
 from sfrrl_jax.models import transformer as tfm
+
+
+def _is_traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def mesh_context(params):
+    """The context to run the model under: `jax.set_mesh` of the params' mesh outside any trace;
+    inside a user's jit/grad/vmap, the abstract mesh of the params' type (or the mesh already set)."""
+    leaf = jax.tree.leaves(params)[0]
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    if not _is_traced(leaf):
+        mesh = mesh_of(params)
+        try:
+            return jax.set_mesh(mesh)
+        except ValueError:  # called inside a trace (jit/vmap of a closure over concrete params)
+            return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+    mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty:
+        raise ValueError("forward under a transformation: the params carry no mesh; run it under "
+                         "`jax.set_mesh(mesh)` or pass params from init_params/load_hf")
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def mesh_of(params) -> Mesh:
@@ -65,24 +92,39 @@ def _forward_jit(cfg, params, tokens, segment_ids, positions):
 
 
 def validate_tokens(cfg: ModelConfig, tokens, segment_ids=None, positions=None) -> None:
-    """Host-side checks with messages that name the offending input."""
+    """Checks with messages that name the offending input: rank, dtype and length always (they
+    are static), value ranges only for concrete arrays (a traced value is unknown here)."""
     shape = np.shape(tokens)
     if len(shape) != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {shape}")
-    if not jnp.issubdtype(jnp.asarray(tokens).dtype, jnp.integer):
-        raise TypeError(f"tokens must be integer ids, got dtype {jnp.asarray(tokens).dtype}")
+    dtype = jnp.result_type(tokens)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer ids, got dtype {dtype}")
     if shape[1] > cfg.max_seq_len:
         raise ValueError(f"tokens has seq length {shape[1]} > ModelConfig.max_seq_len={cfg.max_seq_len}")
-    lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
-    if lo < 0 or hi >= cfg.vocab_size:
-        raise ValueError(
-            f"token ids must lie in [0, vocab_size={cfg.vocab_size}); found min {lo}, max {hi}"
-        )
     for name, arr in (("segment_ids", segment_ids), ("positions", positions)):
         if arr is not None and np.shape(arr) != shape:
             raise ValueError(f"{name} shape {np.shape(arr)} != tokens shape {shape}")
-    if positions is not None and int(jnp.max(positions)) >= cfg.max_seq_len:
-        raise ValueError(f"positions reach {int(jnp.max(positions))} >= max_seq_len={cfg.max_seq_len}")
+    token_range = _concrete_range(tokens)
+    if token_range is not None and (token_range[0] < 0 or token_range[1] >= cfg.vocab_size):
+        raise ValueError(f"token ids must lie in [0, vocab_size={cfg.vocab_size}); found min {token_range[0]}, "
+                         f"max {token_range[1]}")
+    position_range = None if positions is None else _concrete_range(positions)
+    if position_range is not None and position_range[1] >= cfg.max_seq_len:
+        raise ValueError(f"positions reach {position_range[1]} >= max_seq_len={cfg.max_seq_len}")
+
+
+def _concrete_range(x) -> tuple[int, int] | None:
+    """(min, max) of a concrete array; None for a traced one (or a constant inside a trace)."""
+    if _is_traced(x):
+        return None
+    if isinstance(x, jax.Array):
+        try:
+            return int(jnp.min(x)), int(jnp.max(x))
+        except jax.errors.ConcretizationTypeError:  # a concrete array captured inside a user's jit
+            return None
+    a = np.asarray(x)
+    return int(a.min()), int(a.max())
 
 
 def forward(cfg: ModelConfig, params, tokens, segment_ids=None, positions=None, return_aux=False):
@@ -91,8 +133,9 @@ def forward(cfg: ModelConfig, params, tokens, segment_ids=None, positions=None, 
     segment_ids [batch, seq]: tokens attend only within their segment (0 = padding);
     positions [batch, seq]: RoPE positions (default: restart at 0 in each segment).
     With return_aux, also the router metrics ('router_aux_loss', 'router_z_loss', ...).
+    Composes with jax.jit / jax.grad / jax.vmap (see the module doc).
     """
     validate_tokens(cfg, tokens, segment_ids, positions)
-    with jax.set_mesh(mesh_of(params)):
+    with mesh_context(params):
         logits, aux = _forward_jit(cfg, params, tokens, segment_ids, positions)
     return (logits, aux) if return_aux else logits
