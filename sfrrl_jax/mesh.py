@@ -12,6 +12,8 @@ Mesh axes:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any, Mapping, Sequence
 
@@ -146,3 +148,24 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     spec = fit_spec_to_shape(logical_to_spec(logical_axes), x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+_CONCRETE_MESH_IN_TRACE: contextvars.ContextVar = contextvars.ContextVar("concrete_mesh_in_trace", default=None)
+
+
+def concrete_mesh_in_trace() -> Mesh | None:
+    """The concrete mesh of params closed over inside a user's `jax.jit` (see `use_mesh_in_trace`)."""
+    return _CONCRETE_MESH_IN_TRACE.get()
+
+
+@contextlib.contextmanager
+def use_mesh_in_trace(mesh: Mesh):
+    """Inside a trace `jax.set_mesh` is refused; a model called there on params closed over
+    (concrete arrays on `mesh`) runs under `mesh`'s abstract mesh, and its `shard_map`s take the
+    concrete `mesh` from here so the outer jit learns the devices it must compile for."""
+    token = _CONCRETE_MESH_IN_TRACE.set(mesh)
+    try:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            yield
+    finally:
+        _CONCRETE_MESH_IN_TRACE.reset(token)

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.mesh import EXPERT_AXIS, sharding_for
+from sfrrl_jax.mesh import EXPERT_AXIS, sharding_for, use_mesh_in_trace
 from sfrrl_jax.models import transformer as tfm
 
 
@@ -28,7 +28,9 @@ def _is_traced(x) -> bool:
 
 def mesh_context(params):
     """The context to run the model under: `jax.set_mesh` of the params' mesh outside any trace;
-    inside a user's jit/grad/vmap, the abstract mesh of the params' type (or the mesh already set)."""
+    inside a user's jit/grad/vmap, the abstract mesh of the params' type (or the mesh already set);
+    inside a user's jit over params closed over (concrete, but set_mesh is refused in a trace),
+    their concrete mesh through `mesh.use_mesh_in_trace`."""
     leaf = jax.tree.leaves(params)[0]
     if not jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
@@ -37,7 +39,7 @@ def mesh_context(params):
         try:
             return jax.set_mesh(mesh)
         except ValueError:  # called inside a trace (jit/vmap of a closure over concrete params)
-            return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+            return use_mesh_in_trace(mesh)
     mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
     if mesh is None or mesh.empty:
         raise ValueError("forward under a transformation: the params carry no mesh; run it under "

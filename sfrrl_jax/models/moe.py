@@ -25,7 +25,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.mesh import EXPERT_AXIS, TENSOR_AXIS, TOKEN_AXES, fit_spec_to_shape, logical_to_spec
+from sfrrl_jax.mesh import (EXPERT_AXIS, TENSOR_AXIS, TOKEN_AXES, concrete_mesh_in_trace, fit_spec_to_shape,
+                            logical_to_spec)
 from sfrrl_jax.models.grouped_matmul import grouped_matmul
 from sfrrl_jax.models.layers import cdtype, param
 
@@ -234,7 +235,8 @@ def moe_experts(cfg: ModelConfig, x, ids, weights, w: dict):
     Under a mesh with an `expert` axis this runs in `shard_map`; tokens are split over
     (data, expert), padded to a multiple of that product (padding rows are dropped after).
     """
-    mesh = jax.sharding.get_abstract_mesh()
+    # the concrete mesh when the model runs inside a user's jit on params closed over (mesh.py)
+    mesh = concrete_mesh_in_trace() or jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return _dispatch_compute_combine(cfg, 1, x, ids, weights, w)
     n_shards = mesh.shape[EXPERT_AXIS]

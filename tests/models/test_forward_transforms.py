@@ -56,7 +56,8 @@ def test_vmap_of_forward_and_per_example_grads(family):
     logits = np.asarray(S.forward(cfg, params, tokens))
     # vmap over rows (each a batch of one) and over a leading axis of two batches of two
     rows = jax.vmap(lambda t: S.forward(cfg, params, t[None])[0])(tokens)
-    pairs = jax.vmap(lambda t: S.forward(cfg, params, t))(tokens.reshape(2, 2, 8))
+    # jit of a closure over the params: the jit learns the devices from the MoE's shard_map
+    pairs = jax.jit(jax.vmap(lambda t: S.forward(cfg, params, t)))(tokens.reshape(2, 2, 8))
     np.testing.assert_allclose(np.asarray(rows), logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(pairs).reshape(logits.shape), logits, rtol=1e-5, atol=1e-5)
     # per-example gradients: vmap of grad == one grad per example
