@@ -1,21 +1,65 @@
 """sfrrl_jax: pipelined-synchronous RL for agentic Mixture-of-Experts LLMs in JAX.
 
-    mesh = make_mesh(data=2, expert=4)
-    cfg = ModelConfig.preset("tiny-moe")
-    params = init_params(cfg, mesh, seed=0)        # the one sharded param pytree
-    logits = forward(cfg, params, tokens)          # training forward
-    outs = generate(cfg, params, prompts, 16)      # the rollout engine, same arrays
-"""
-from sfrrl_jax import agents, engine, learner, rl  # noqa: F401
-from sfrrl_jax.checkpoints.hf import load_hf, save_hf
-from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.engine import Engine, generate
-from sfrrl_jax.mesh import LOGICAL_AXIS_RULES, make_mesh, shard_by_logical
-from sfrrl_jax.models import forward, init_params, param_logical_axes
-from sfrrl_jax.rl import AdvantageConfig, LossConfig
-from sfrrl_jax.tokenizer import load_tokenizer
-from sfrrl_jax.learner import OptimizerConfig, make_train_step
+One import gives the whole public API (`import sfrrl_jax as S`); the sub-packages hold the rest.
 
-__all__ = ["ModelConfig", "LOGICAL_AXIS_RULES", "make_mesh", "shard_by_logical", "forward",
-           "init_params", "param_logical_axes", "Engine", "generate", "AdvantageConfig", "LossConfig",
-           "OptimizerConfig", "make_train_step", "load_tokenizer", "load_hf", "save_hf"]
+    mesh = S.make_mesh(data=2, expert=4)
+    cfg = S.ModelConfig.preset("tiny-moe")
+    params = S.init_params(cfg, mesh, seed=0)        # the one sharded param pytree
+    logits = S.forward(cfg, params, tokens)          # [batch, seq, vocab]; composes with jit/grad/vmap
+    outs = S.generate(cfg, params, prompts, 16)      # the rollout engine, same arrays
+
+    env = S.ToolEnvironment([tool], system_prompt, reward_fns=[S.answer_correct, my_reward])
+    trainer = S.RLTrainer(cfg, params, S.TrainerConfig(...), S.LossConfig(), S.OptimizerConfig(),
+                          S.AgentRollout(env, tokenizer, S.AgentConfig(...)), S.TaskStream(tasks))
+    metrics = trainer.step()                         # one on-policy RL step; 'reward/<name>' per reward fn
+
+Rooms, lowest first (an import only goes downwards; `tests/test_architecture.py` checks it):
+`mesh`, `config` -> `models`, `tokenizer` -> `engine`, `rl` -> `agents`, `learner` -> `trainer` ->
+`checkpoints`, `testing` -> `launch` (CLI, gin bindings, experiment runner).
+"""
+from sfrrl_jax import agents, checkpoints, engine, learner, rl, tokenizer, trainer  # noqa: F401
+from sfrrl_jax.agents import (AgentConfig, CalculatorTool, Environment, FunctionTool, PythonSandbox, PythonTool,
+                              RewardError, RewardFn, RewardSum, SandboxConfig, Task, TaskKind, Tool, ToolEnvironment,
+                              ToolRunnerConfig, Trajectory, UnknownTaskKindError, answer_correct, answer_format,
+                              calculator_environment, countdown_environment, generate_arithmetic_tasks,
+                              generate_countdown_tasks, get_task_kind, load_tasks_jsonl, named, qa_environment,
+                              register_task_kind, registered_task_kinds, reward_component_means, run_agent,
+                              run_many, save_tasks_jsonl, tool_error_penalty, unregister_task_kind)
+from sfrrl_jax.agents.rewards import extract_answer
+from sfrrl_jax.checkpoints import (Checkpointer, abstract_trainer_state, load_hf, load_trainer_state, save_hf,
+                                   trainer_state)
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.engine import Engine, EngineProtocol, generate
+from sfrrl_jax.learner import OptimizerConfig, TrainStep, make_train_step
+from sfrrl_jax.mesh import (DATA_AXIS, EXPERT_AXIS, LOGICAL_AXIS_RULES, TENSOR_AXIS, make_mesh,
+                            shard_by_logical)
+from sfrrl_jax.models import forward, init_params, param_logical_axes
+from sfrrl_jax.rl import (AdvantageConfig, Loss, LossConfig, LossInputs, ObjectiveParts, compute_advantages,
+                          loss_from_config, policy_loss, sft_loss)
+from sfrrl_jax.tokenizer import Tokenizer, build_tiny_tokenizer, load_tokenizer
+from sfrrl_jax.trainer import (AgentRollout, RLTrainer, RolloutFn, RunLogger, TaskStream, TrainerConfig, evaluate,
+                               read_metrics, run_sft)
+
+__all__ = [
+    # mesh and models
+    "DATA_AXIS", "EXPERT_AXIS", "LOGICAL_AXIS_RULES", "TENSOR_AXIS", "ModelConfig", "forward", "init_params",
+    "make_mesh", "param_logical_axes", "shard_by_logical",
+    # checkpoints: Hugging Face formats and resumable trainer state
+    "Checkpointer", "abstract_trainer_state", "load_hf", "load_trainer_state", "save_hf", "trainer_state",
+    # rollout engine and tokenizers
+    "Engine", "EngineProtocol", "generate", "Tokenizer", "build_tiny_tokenizer", "load_tokenizer",
+    # tasks, tools, environments, rewards, the agent loop
+    "AgentConfig", "CalculatorTool", "Environment", "FunctionTool", "PythonSandbox", "PythonTool", "RewardError",
+    "RewardFn", "RewardSum", "SandboxConfig", "Task", "TaskKind", "Tool", "ToolEnvironment", "ToolRunnerConfig",
+    "Trajectory", "UnknownTaskKindError", "answer_correct", "answer_format", "calculator_environment",
+    "countdown_environment", "extract_answer", "generate_arithmetic_tasks", "generate_countdown_tasks",
+    "get_task_kind", "load_tasks_jsonl", "named", "qa_environment", "register_task_kind", "registered_task_kinds",
+    "reward_component_means", "run_agent", "run_many", "save_tasks_jsonl", "tool_error_penalty",
+    "unregister_task_kind",
+    # losses, advantages, the train step
+    "AdvantageConfig", "Loss", "LossConfig", "LossInputs", "ObjectiveParts", "OptimizerConfig", "TrainStep",
+    "compute_advantages", "loss_from_config", "make_train_step", "policy_loss", "sft_loss",
+    # the loops
+    "AgentRollout", "RLTrainer", "RolloutFn", "RunLogger", "TaskStream", "TrainerConfig", "evaluate",
+    "read_metrics", "run_sft",
+]
