@@ -1,6 +1,5 @@
-"""The agent loop against a scripted fake engine: exact tokens, masks, logprobs, slot protocol, limits."""
+"""The agent loop against the scripted engine: exact tokens, masks, logprobs, slot protocol, limits."""
 import asyncio
-import itertools
 import random
 
 import pytest
@@ -11,54 +10,13 @@ from sfrrl_jax.agents.loop import AgentConfig, run_agent, run_many
 from sfrrl_jax.agents.protocols import Completion, EngineError, EngineProtocol, GenerationRequest
 from sfrrl_jax.agents.tasks import arithmetic_task, generate_arithmetic_tasks
 from sfrrl_jax.agents.tools import ToolRunnerConfig
+from sfrrl_jax.testing import ScriptedEngine
 from sfrrl_jax.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok(tok_dir):
     return load_tokenizer(tok_dir)
-
-
-class ScriptedEngine:
-    """Replays scripted turns per prompt; keeps each slot's full sequence to check append-prefill.
-
-    `scripts[prompt tuple]` is a list of generated-token lists, one per turn. Logprobs are unique
-    numbers (-1e-3 * running index) so misplaced ones are caught.
-    """
-
-    def __init__(self, scripts, delay=None, hang_on_turn=None):
-        self.scripts, self.delay, self.hang_on_turn = scripts, delay, hang_on_turn
-        self.slots, self.requests, self.released = {}, [], []
-        self._ids, self._counter = itertools.count(), itertools.count(1)
-
-    async def complete(self, request: GenerationRequest) -> Completion:
-        self.requests.append(request)
-        if request.slot_handle is None:
-            handle = next(self._ids)
-            self.slots[handle] = {"script": self.scripts[tuple(request.tokens)], "turn": 0, "seq": []}
-        else:
-            handle = request.slot_handle
-            assert handle in self.slots and handle not in self.released
-        slot = self.slots[handle]
-        slot["seq"] += request.tokens
-        if self.hang_on_turn is not None and slot["turn"] == self.hang_on_turn:
-            await asyncio.sleep(3600)
-        if self.delay:
-            await asyncio.sleep(self.delay())
-        tokens = list(slot["script"][slot["turn"]])
-        slot["turn"] += 1
-        finish = "stop"
-        if len(tokens) > request.max_new_tokens:
-            tokens, finish = tokens[:request.max_new_tokens], "length"
-        elif tokens[-1] not in request.stop_token_ids:
-            finish = "length"
-        slot["seq"] += tokens
-        logprobs = [-1e-3 * next(self._counter) for _ in tokens]
-        return Completion(tokens, logprobs, finish, handle)
-
-    async def release(self, slot_handle):
-        assert slot_handle not in self.released
-        self.released.append(slot_handle)
 
 
 def _demo(tok, task, env):
@@ -78,7 +36,7 @@ def _demo(tok, task, env):
 TASK = arithmetic_task("1933 - (85407 - 98)", "t0")  # 2 calculator steps, then the answer: 3 turns
 
 
-def test_engine_protocol_is_satisfied_by_fake():
+def test_engine_protocol_is_satisfied_by_the_scripted_engine():
     assert isinstance(ScriptedEngine({}), EngineProtocol)
 
 
@@ -106,7 +64,7 @@ def test_three_turn_trajectory_exact_tokens_masks_logprobs(tok):
     # Append-prefill: the prompt once, then only the deltas, on the same slot; released once.
     assert [r.tokens for r in engine.requests] == [prompt, obs1, obs2]
     assert [r.slot_handle for r in engine.requests] == [None, 0, 0]
-    assert engine.released == [0] and engine.slots[0]["seq"] == traj.tokens
+    assert engine.released == [0] and engine.slots[0].tokens == traj.tokens
     assert all(r.stop_token_ids == tok.stop_token_ids for r in engine.requests)
     assert len({r.seed for r in engine.requests}) == 3
 
@@ -231,7 +189,7 @@ def test_run_many_thousand_concurrent_nothing_lost_or_duplicated(tok):
     assert [(t.task_id, t.sample_index) for t in trajs] == [(task.task_id, s) for task in tasks for s in range(G)]
     assert groups == {task.task_id: list(range(G)) for task in tasks}
     assert all(t.tokens == expected[t.task_id] and t.reward == 1.0 and t.finish_reason == "answer" for t in trajs)
-    assert all(engine.slots[h]["seq"] for h in engine.released)
+    assert all(engine.slots[h].tokens for h in engine.released)
     # A long-running, fully concurrent batch: far more trajectories in flight than tools allowed at once.
     assert len({r.seed for r in engine.requests}) == len(engine.requests)
 
