@@ -26,12 +26,15 @@ import subprocess
 import sys
 import tempfile
 
+_REPO = str(pathlib.Path(__file__).resolve().parents[2])  # the recipe is experiment code: import it from here
+
 _CHILD = r"""
 import json, sys
+spec = json.loads(sys.argv[1])
+sys.path.insert(0, spec["repo"])
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")
-from sfrrl_jax.trainer.quickstart import QuickstartRecipe, run_quickstart
-spec = json.loads(sys.argv[1])
+from experiments.recipes.quickstart import QuickstartRecipe, run_quickstart
 make = QuickstartRecipe.reduced if spec["recipe"] == "reduced" else QuickstartRecipe
 recipe = make(**spec["overrides"])
 r = run_quickstart(recipe, spec["run_dir"], log=lambda line: print(line, flush=True))
@@ -45,7 +48,7 @@ def run_one(seed: int, devices: int, recipe: str, overrides: dict, run_dir: str,
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")).strip()
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
-    spec = {"recipe": recipe, "run_dir": run_dir,
+    spec = {"recipe": recipe, "run_dir": run_dir, "repo": _REPO,
             "overrides": {**overrides, "seed": seed, "mesh_devices": devices, "tokenizer_dir": tokenizer_dir}}
     proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], env=env, capture_output=True, text=True)
     lines = proc.stdout.splitlines()

@@ -3,6 +3,11 @@
     sfrrl-train --gin_file=experiments/configs/stragglers.gin \
                 --gin_param="ExperimentConfig.num_steps=50" --run_dir=/tmp/run [--resume]
 
+Job kinds besides 'rl' are recipes (experiment code, `sfrrl_jax.launch.recipes`): the shipped ones
+are in a source checkout's experiments/recipes/, imported here before the gin files are read (from
+the checkout this package was installed from in editable mode, else from `experiments` on
+sys.path); without them a recipe Job is refused with how to run it from a checkout.
+
 --gin_file and --gin_param repeat; bindings apply after the files, in order. --resume continues
 from the newest checkpoint in the run dir (with no checkpoint there, it starts at step 0 and
 says so). Without --resume, a run dir that holds an earlier run's metrics or checkpoints is
@@ -17,9 +22,36 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import importlib
 import json
 import os
 import sys
+from pathlib import Path
+
+# How to run a recipe when this install cannot see experiments/ (a wheel, not a checkout).
+RECIPES_HINT = ("the shipped recipes (e.g. Job.kind = 'quickstart') live in a source checkout's experiments/recipes/, "
+                "which this install cannot find: from a checkout's root run "
+                "`python experiments/train.py --gin_file=experiments/configs/quickstart.gin` (or `pip install -e .` "
+                "from the checkout), or import your recipe module (it calls sfrrl_jax.launch.register_recipe) "
+                "before calling sfrrl_jax.launch.cli.main")
+
+
+def import_shipped_recipes() -> bool:
+    """Imports `experiments.recipes`, registering the shipped recipes' Job kinds; False if not found.
+
+    The checkout next to this package comes first (an editable install runs from it; recipes are
+    experiment code, not installed with the library), then whatever `experiments` sys.path holds.
+    """
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "experiments" / "recipes" / "__init__.py").is_file() and str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    try:
+        importlib.import_module("experiments.recipes")
+    except ModuleNotFoundError as e:
+        if e.name not in ("experiments", "experiments.recipes"):
+            raise   # a recipe's own import failed: that error is the one to see
+        return False
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+    have_recipes = import_shipped_recipes()   # after --cpu_devices: a recipe may import jax
     from sfrrl_jax.launch import gin_bindings
     # Bound through gin, so the operative config records them; optional because each job kind
-    # builds only one of Job.run_dir / ExperimentConfig (a quickstart Job has no ExperimentConfig).
+    # builds only one of Job.run_dir / ExperimentConfig (a recipe Job has no ExperimentConfig).
     own = []
     if args.run_dir is not None:
         own += [f"ExperimentConfig.run_dir = {args.run_dir!r}", f"Job.run_dir = {args.run_dir!r}"]
@@ -59,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         job = gin_bindings.load_job(args.gin_file, args.gin_param, optional_params=own)
     except gin_bindings.GinConfigError as e:
         print(f"sfrrl-train: {e}", file=sys.stderr)
+        if not have_recipes:
+            print(f"sfrrl-train: {RECIPES_HINT}", file=sys.stderr)
         return 2
     operative = gin_bindings.operative_config()
     if args.resume and job.kind != "rl":
-        print("sfrrl-train: --resume applies to rl jobs only; the quickstart starts fresh", file=sys.stderr)
+        print(f"sfrrl-train: --resume applies to rl jobs only; the {job.kind} recipe starts fresh", file=sys.stderr)
     if args.validate_only:
         try:
             model_cfg = gin_bindings.validate_job(job)

@@ -14,6 +14,7 @@ the line; `load_job` adds which files and bindings were being read. A binding th
 never used -- its configurable is never built (`LossConfig.policy_loss = 'gspo'` without
 `ExperimentConfig.loss = @LossConfig()`), a scope nothing calls, a macro nothing refers to -- is an
 error too: gin would drop it silently, and the run would not be the one the file describes.
+Job kinds other than 'rl' are recipes, registered by experiment code (`sfrrl_jax.launch.recipes`).
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from sfrrl_jax.rl.config import AdvantageConfig, LossConfig
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.launch.runner import ExperimentConfig, validate_experiment
+from sfrrl_jax.launch.recipes import (BUILTIN_KINDS, get_recipe, recipe_kinds, registered_recipes,
+                                      unknown_kind_message)
 from sfrrl_jax.testing.workload import WorkloadConfig
-
-JOB_KINDS = ("rl", "quickstart")
 
 
 class GinConfigError(ValueError):
@@ -39,49 +40,78 @@ class GinConfigError(ValueError):
 class Job:
     """What `sfrrl-train` runs.
 
-    kind: 'rl' (`run_experiment(experiment)`) or 'quickstart' (`run_quickstart(quickstart, run_dir)`:
-      SFT warm start on the calculator task, then RL, with held-out success before/after).
+    kind: 'rl' (`run_experiment(experiment)`) or a registered recipe kind (`sfrrl_jax.launch.recipes`:
+      `recipe` is that kind's config, run as `run(recipe, run_dir)`; e.g. 'quickstart', registered
+      by experiments/recipes/quickstart.py: SFT warm start on the calculator task, then RL, with
+      held-out success before/after).
+    In gin the recipe is bound under its kind's name (`Job.quickstart = @QuickstartRecipe()`, see
+    `make_job`); in Python, `Job(kind='quickstart', recipe=QuickstartRecipe(), run_dir=...)`.
     """
 
     kind: str = "rl"
     experiment: ExperimentConfig | None = None
-    quickstart: Any = None
+    recipe: Any = None
     run_dir: str | None = None
 
     def __post_init__(self):
-        if self.kind not in JOB_KINDS:
-            raise ValueError(f"Job.kind={self.kind!r}; valid: {list(JOB_KINDS)}")
-        if self.kind == "rl" and self.experiment is None:
-            raise ValueError("Job.kind='rl' needs Job.experiment = @ExperimentConfig()")
-        if self.kind == "quickstart":
-            if self.quickstart is None:
-                raise ValueError("Job.kind='quickstart' needs Job.quickstart = @QuickstartRecipe()")
-            if not self.run_dir:
-                raise ValueError("Job.kind='quickstart' needs Job.run_dir")
+        if self.kind not in recipe_kinds():
+            raise ValueError(unknown_kind_message(self.kind))
+        if self.kind == "rl":
+            if self.experiment is None:
+                raise ValueError("Job.kind='rl' needs Job.experiment = @ExperimentConfig()")
+            if self.recipe is not None:
+                raise ValueError(f"Job.kind='rl' runs Job.experiment; it has no recipe, got {self.recipe!r}")
+            return
+        entry = get_recipe(self.kind)
+        name = entry.recipe_cls.__name__
+        if self.recipe is None:
+            raise ValueError(f"Job.kind={self.kind!r} needs Job.{self.kind} = @{name}()")
+        if not isinstance(self.recipe, entry.recipe_cls):
+            raise ValueError(f"Job.{self.kind} must be a {name}, got {type(self.recipe).__name__}")
+        if self.experiment is not None:
+            raise ValueError(f"Job.kind={self.kind!r} runs its recipe; Job.experiment would be ignored")
+        if not self.run_dir:
+            raise ValueError(f"Job.kind={self.kind!r} needs Job.run_dir")
 
 
-def _quickstart_module():
-    try:
-        from sfrrl_jax.trainer import quickstart
-    except ImportError:
-        return None
-    return quickstart
+def make_job(kind: str = "rl", experiment: ExperimentConfig | None = None, run_dir: str | None = None,
+             **recipes: Any) -> Job:
+    """The Job that gin's `Job` builds: a recipe's config comes under its kind's name.
+
+    `Job.quickstart = @QuickstartRecipe()` passes recipes={'quickstart': ...}. A name that is no
+    registered recipe kind (a misspelt parameter), or a recipe bound under another kind than
+    `Job.kind`, is a ValueError: gin would otherwise accept any name here.
+    """
+    kinds = recipe_kinds()
+    if kind not in kinds:   # first: then `Job.quickstart` of an unregistered recipe reads as such
+        raise ValueError(unknown_kind_message(kind))
+    for name in recipes:
+        if name not in kinds:
+            raise ValueError(f"Job has no parameter {name!r}: Job takes kind, experiment, run_dir, and a "
+                             f"recipe under its kind's name (recipe kinds: {list(kinds[len(BUILTIN_KINDS):])})")
+    other = sorted(set(recipes) - {kind})
+    if other:
+        raise ValueError(f"Job.kind={kind!r} but Job.{other[0]} is bound: that recipe would not run")
+    return Job(kind=kind, experiment=experiment, recipe=recipes.get(kind), run_dir=run_dir)
 
 
-_REGISTERED = False
+_REGISTERED: set[type] = set()
 
 
 def register() -> None:
-    """Registers the config classes with gin (idempotent)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    for cls in (ExperimentConfig, TrainerConfig, LossConfig, AdvantageConfig, OptimizerConfig, WorkloadConfig, Job):
-        gin.external_configurable(cls, module="sfrrl")
-    qs = _quickstart_module()
-    if qs is not None:
-        gin.external_configurable(qs.QuickstartRecipe, module="sfrrl")
-    _REGISTERED = True
+    """Registers the config classes, and every recipe class registered so far, with gin (idempotent).
+
+    Called by every `load_job`, so a recipe whose module is imported later is picked up then.
+    """
+    if not _REGISTERED:
+        for cls in (ExperimentConfig, TrainerConfig, LossConfig, AdvantageConfig, OptimizerConfig, WorkloadConfig):
+            gin.external_configurable(cls, module="sfrrl")
+        gin.external_configurable(make_job, name="Job", module="sfrrl")
+        _REGISTERED.add(Job)
+    for entry in registered_recipes():
+        if entry.recipe_cls not in _REGISTERED:
+            gin.external_configurable(entry.recipe_cls, module="sfrrl")
+            _REGISTERED.add(entry.recipe_cls)
 
 
 def load_job(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
@@ -89,8 +119,10 @@ def load_job(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
     """Parses the files then the bindings (later ones win) and builds the Job. Clears gin first.
 
     optional_params: bindings parsed last that the built Job may leave unused (the CLI's
-    --run_dir / --resume bind ExperimentConfig fields, which a quickstart Job never builds). Every
+    --run_dir / --resume bind ExperimentConfig fields, which a recipe Job never builds). Every
     other binding must be used by the build, else GinConfigError names the unused ones.
+    A recipe's class is known to gin only once its module has been imported (it registers
+    itself, `sfrrl_jax.launch.recipes`); the error for an unknown name lists the kinds there are.
     """
     register()
     gin.clear_config()
@@ -100,7 +132,11 @@ def load_job(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
         before = _bound_keys()
         gin.parse_config(list(optional_params))
     except (ValueError, KeyError, TypeError, ImportError, SyntaxError) as e:
-        raise GinConfigError(f"gin config ({where}) is invalid: {type(e).__name__}: {e}") from e
+        hint = ""
+        if "No configurable matching" in str(e):  # e.g. @QuickstartRecipe() with its module not imported
+            hint = (f"\n  (registered job kinds: {list(recipe_kinds())}; a recipe's configurable exists once its "
+                    f"module is imported: experiments/train.py imports experiments/recipes/)")
+        raise GinConfigError(f"gin config ({where}) is invalid: {type(e).__name__}: {e}{hint}") from e
     except OSError as e:
         raise GinConfigError(f"cannot read gin file: {e}") from e
     exempt = _bound_keys() - before   # keys only the optional bindings introduced
@@ -172,24 +208,25 @@ def operative_config() -> str:
 
 
 def validate_job(job: Job, num_devices: int | None = None):
-    """Checks the job's configs fit together without allocating; returns the ModelConfig (rl) or None."""
+    """Checks the job's configs fit together without allocating; returns the ModelConfig (rl) or None
+    (a recipe: its registered `validate`, if any, is called)."""
     if job.kind == "rl":
         return validate_experiment(job.experiment, num_devices)
-    qs = _quickstart_module()
-    if qs is None:
-        raise NotImplementedError("Job.kind='quickstart' needs sfrrl_jax.trainer.quickstart")
+    entry = get_recipe(job.kind)
+    if entry.validate is not None:
+        entry.validate(job.recipe)
     return None
 
 
 def run_job(job: Job, operative: str | None = None, log=print) -> dict:
+    """Runs the job: 'rl' through `run_experiment`; a recipe kind through its registered `run`,
+    into `Job.run_dir` (created, with `operative_config.gin` written there first)."""
     if job.kind == "rl":
         from sfrrl_jax.launch.runner import run_experiment
         return run_experiment(job.experiment, operative_config=operative, log=log)
-    qs = _quickstart_module()
-    if qs is None:
-        raise NotImplementedError("Job.kind='quickstart' needs sfrrl_jax.trainer.quickstart (not installed)")
+    entry = get_recipe(job.kind)
     from pathlib import Path
     Path(job.run_dir).mkdir(parents=True, exist_ok=True)
     if operative is not None:
         (Path(job.run_dir) / "operative_config.gin").write_text(operative)
-    return qs.run_quickstart(job.quickstart, job.run_dir, log=log)
+    return entry.run(job.recipe, job.run_dir, log=log)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sfrrl_jax.launch import cli, gin_bindings
-from sfrrl_jax.trainer.quickstart import QuickstartRecipe
+from experiments.recipes.quickstart import QuickstartRecipe
 from sfrrl_jax.launch.runner import ExperimentConfig, comparable_metrics, validate_experiment
 from sfrrl_jax.trainer.run_logger import read_metrics
 
@@ -75,7 +75,7 @@ def test_every_shipped_gin_parses_and_validates():
             assert exp.mesh_size == n
             seen[path.name] = (model, exp)
         else:
-            assert job.kind == "quickstart" and isinstance(job.quickstart, QuickstartRecipe) and job.run_dir
+            assert job.kind == "quickstart" and isinstance(job.recipe, QuickstartRecipe) and job.run_dir
             assert gin_bindings.validate_job(job) is None
         assert "Job.kind" in gin_bindings.operative_config()
     model, exp = seen["gpt_oss_120b_16xh200.gin"]

@@ -9,18 +9,20 @@ import numpy as np
 import pytest
 
 import sfrrl_jax as S
-from sfrrl_jax.agents import AgentConfig, Completion, generate_arithmetic_tasks
+from sfrrl_jax.agents import AgentConfig, generate_arithmetic_tasks
 from sfrrl_jax.agents.demos import calculator_demonstration, render_sft_example
 from sfrrl_jax.tokenizer import load_tokenizer
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.agent_rollout import AgentRollout
 from sfrrl_jax.trainer.evaluate import evaluate
-from sfrrl_jax.trainer.quickstart import (CalculatorEnvironment, QuickstartRecipe, mask_answer_content, quickstart_tasks,
-                                         run_quickstart, sft_demonstrations, sft_examples, tool_route_probe)
+from experiments.recipes.quickstart import (CalculatorEnvironment, QuickstartRecipe, mask_answer_content,
+                                           quickstart_tasks, run_quickstart, sft_demonstrations, sft_examples,
+                                           tool_route_probe)
 from sfrrl_jax.trainer.run_logger import read_metrics
 from sfrrl_jax.trainer.sft import check_examples, make_batch, padded_width, run_sft, teacher_forced_accuracy
 from sfrrl_jax.trainer.rl_trainer import shared_train_step
 from sfrrl_jax.rl.config import LossConfig
+from sfrrl_jax.testing import ScriptedEngine
 
 
 
@@ -34,23 +36,6 @@ def _one_device_mesh():
     return S.make_mesh(devices=jax.devices()[:1])
 
 
-class ScriptedEngine:
-    """An EngineProtocol that answers each turn from a script and records the requests."""
-
-    def __init__(self, tokenizer, turns):
-        self.tokenizer, self.turns, self.requests, self.released = tokenizer, turns, [], []
-
-    async def complete(self, request):
-        self.requests.append(request)
-        turn = 0 if request.slot_handle is None else request.slot_handle[1] + 1
-        tokens = self.tokenizer.encode(self.turns[turn])
-        return Completion(tokens=tokens, logprobs=[-0.5] * len(tokens), finish_reason="stop",
-                          slot_handle=("slot", turn))
-
-    async def release(self, handle):
-        self.released.append(handle)
-
-
 def test_agent_rollout_runs_the_loop_sets_the_reward_and_draws_distinct_seeds(tokenizer):
     env = CalculatorEnvironment(show_tool_schemas=False)
     (task,) = generate_arithmetic_tasks(1, seed=5, min_ops=1, max_ops=1, max_digits=2)
@@ -61,14 +46,14 @@ def test_agent_rollout_runs_the_loop_sets_the_reward_and_draws_distinct_seeds(to
                                                        max_total_tokens=192, seed=7))
 
     def roll(sample_index):
-        engine = ScriptedEngine(tokenizer, script)
+        engine = ScriptedEngine(script, tokenizer=tokenizer)
         traj = asyncio.run(rollout(engine, task, sample_index))
         return traj, [r.seed for r in engine.requests], engine
 
     t0, seeds0, engine = roll(0)
     assert t0.reward == 1.0 and t0.finish_reason == "answer" and t0.num_tool_calls == 1
     assert t0.group_id == task.task_id and t0.sample_index == 0 and t0.metadata["tool_errors"] == 0
-    assert engine.released == [("slot", 1)]  # the parked slot is released once, at the end
+    assert engine.released == [0] and engine.slots[0].turn == 2  # one slot, released once at the end
     t0.check()
     # the observation is the calculator's real result, appended as a delta (mask 0)
     turn = t0.turns[0]
@@ -79,10 +64,10 @@ def test_agent_rollout_runs_the_loop_sets_the_reward_and_draws_distinct_seeds(to
     assert len(set(seeds0 + seeds1 + seeds0_again)) == 6
     assert rollout.visits[(task.task_id, 0)] == 2
     fresh = AgentRollout(env, tokenizer, rollout.agent_cfg)  # a rerun reproduces the draws
-    engine = ScriptedEngine(tokenizer, script)
+    engine = ScriptedEngine(script, tokenizer=tokenizer)
     asyncio.run(fresh(engine, task, 0))
     assert [r.seed for r in engine.requests] == seeds0
-    wrong = ScriptedEngine(tokenizer, [script[0], "<answer>0</answer><|end|>"])
+    wrong = ScriptedEngine([script[0], "<answer>0</answer><|end|>"], tokenizer=tokenizer)
     assert asyncio.run(rollout(wrong, task, 2)).reward == 0.0
     with pytest.raises(TypeError, match="agent_cfg must be an AgentConfig"):
         AgentRollout(env, tokenizer, {"temperature": 1.0})

@@ -1,7 +1,16 @@
 """The quickstart: SFT warm start + pipelined GRPO of the tiny MoE on the calculator-tool task.
 
+A recipe (experiment code built on the library, not part of it). From a checkout's root:
+
+    python experiments/train.py --gin_file=experiments/configs/quickstart.gin   # Job.kind = 'quickstart'
+
+or in Python (with the checkout root on sys.path):
+
+    from experiments.recipes.quickstart import QuickstartRecipe, run_quickstart
     result = run_quickstart(QuickstartRecipe(), "runs/quickstart")          # the full recipe
     result = run_quickstart(QuickstartRecipe.reduced(), "runs/quickstart")  # the CI-size one
+
+Importing this module registers Job kind 'quickstart' (`sfrrl_jax.launch.register_recipe`).
 
 1. the tiny tokenizer is built (or loaded from `tokenizer_dir`), the model initialised on a
    small mesh (`mesh_devices` CPU devices: as many on `expert` as divide the experts, the rest on
@@ -62,6 +71,7 @@ from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.agents.tools import CalculatorTool
 from sfrrl_jax.agents.tasks import generate_arithmetic_tasks
 from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.launch.recipes import register_recipe
 from sfrrl_jax.mesh import make_mesh
 from sfrrl_jax.models import init_params
 from sfrrl_jax.rl.config import AdvantageConfig, LossConfig
@@ -450,3 +460,6 @@ def _run(recipe: QuickstartRecipe, run_dir: pathlib.Path, logger: RunLogger, log
     log(f"  metrics: {result['metrics_path']}\n  tensorboard: {result['tensorboard_dir']}\n"
         f"  timeline: {result['trace_path']}\n  busy/idle plot: {result['png_path']}")
     return result
+
+
+register_recipe("quickstart", QuickstartRecipe, run_quickstart)
