@@ -36,7 +36,7 @@ from sfrrl_jax.mesh import (DATA_AXIS, EXPERT_AXIS, LOGICAL_AXIS_RULES, TENSOR_A
 from sfrrl_jax.models import forward, init_params, param_logical_axes
 from sfrrl_jax.rl import (AdvantageConfig, Loss, LossConfig, LossInputs, ObjectiveParts, compute_advantages,
                           loss_from_config, policy_loss, sft_loss)
-from sfrrl_jax.tokenizer import Tokenizer, build_tiny_tokenizer, load_tokenizer
+from sfrrl_jax.tokenizer import Tokenizer, TokenizerProtocol, build_tiny_tokenizer, load_tokenizer
 from sfrrl_jax.trainer import (AgentRollout, RLTrainer, RolloutFn, RunLogger, TaskStream, TrainerConfig, evaluate,
                                read_metrics, run_sft)
 
@@ -47,7 +47,7 @@ __all__ = [
     # checkpoints: Hugging Face formats and resumable trainer state
     "Checkpointer", "abstract_trainer_state", "load_hf", "load_trainer_state", "save_hf", "trainer_state",
     # rollout engine and tokenizers
-    "Engine", "EngineProtocol", "generate", "Tokenizer", "build_tiny_tokenizer", "load_tokenizer",
+    "Engine", "EngineProtocol", "generate", "Tokenizer", "TokenizerProtocol", "build_tiny_tokenizer", "load_tokenizer",
     # tasks, tools, environments, rewards, the agent loop
     "AgentConfig", "CalculatorTool", "Environment", "FunctionTool", "PythonSandbox", "PythonTool", "RewardError",
     "RewardFn", "RewardSum", "SandboxConfig", "Task", "TaskKind", "Tool", "ToolEnvironment", "ToolRunnerConfig",

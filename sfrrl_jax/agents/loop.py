@@ -28,6 +28,7 @@ from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment
                                        ToolCall, ToolCallError)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
 from sfrrl_jax.config import check_int, check_int_fields, check_number, check_seed
+from sfrrl_jax.tokenizer.protocol import TokenizerProtocol
 
 _log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def capped_calls(calls: Sequence[ToolCall | ToolCallError], cap: int) -> tuple[T
         f"{len(calls) - cap} more tool calls in this turn were not run: at most {cap} per turn"),)
 
 
-async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokenizer, cfg: AgentConfig,
+async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokenizer: TokenizerProtocol, cfg: AgentConfig,
                     sample_index: int = 0, group_id: str | None = None) -> Trajectory:
     """Roll out one trajectory of `task`; the reward is set from `env.reward` at the end (which may
     record its components in `traj.metadata["rewards"]`, see `reward_fns.py`)."""
@@ -185,7 +186,7 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
 GroupCallback = Callable[[str, list[Trajectory]], Any | Awaitable[Any]]
 
 
-async def run_many(engine: EngineProtocol, env: Environment, tasks: Sequence[Task], tokenizer, cfg: AgentConfig,
+async def run_many(engine: EngineProtocol, env: Environment, tasks: Sequence[Task], tokenizer: TokenizerProtocol, cfg: AgentConfig,
                    samples_per_task: int = 1, max_concurrency: int | None = None,
                    on_group_done: GroupCallback | None = None) -> list[Trajectory]:
     """Roll out `samples_per_task` (G) trajectories per task, all on this event loop.
