@@ -80,7 +80,8 @@ class Environment(Protocol):
     result per item, in order (unparseable items included, as errors); `reward(task, trajectory)`
     is a pure function of the task and the finished trajectory: a finite float (anything else, or
     an exception, makes that sample an error). It may record its components (unweighted, by name)
-    in `trajectory.metadata["rewards"]`, as `ToolEnvironment` does: see `reward_fns.RewardSum`.
+    in `trajectory.metadata["rewards"]`, as `ToolEnvironment` does: see `reward_fns.RewardSum`
+    (`RLTrainer` logs each component's mean over a step as `reward/<name>`).
     """
 
     def tool_schemas(self) -> list[dict]: ...
@@ -95,6 +96,7 @@ class Environment(Protocol):
 @runtime_checkable
 class RewardFn(Protocol):
     """A reward function is a plain callable value: `fn(task, trajectory) -> float` (finite).
+    Defined here only; `reward_fns` (with the built-ins) and `sfrrl_jax.agents` re-export it.
 
     Its log name (`reward/<name>`) is its `__name__`; give a lambda, a `functools.partial` or a
     callable object one with `reward_fns.named(fn, name)`. Environments take a list of them and

@@ -8,8 +8,9 @@
 
 The trajectory's reward is `sum(w * fn(task, traj))` (in list order); each component's value,
 unweighted, is recorded as `traj.metadata["rewards"][name]`, and `reward_component_means(trajs)`
-gives the `reward/<name>` means a trainer logs (TRL's `reward_funcs` / `reward_weights`, logged as
-`rewards/<name>`). A function's name is its `__name__`; `named(fn, name)` gives one to a lambda, a
+gives the `reward/<name>` means `RLTrainer` logs each step over the step's trained trajectories
+(TRL's `reward_funcs` / `reward_weights`, logged as `rewards/<name>`); 'mean' and 'success_rate'
+are taken by the summed reward's metrics. A function's name is its `__name__`; `named(fn, name)` gives one to a lambda, a
 partial or a callable object. A function that raises, or returns something that is not a finite
 number, makes that sample an error (`Trajectory.error` names the function); the batch goes on.
 
@@ -26,10 +27,12 @@ from sfrrl_jax.agents.protocols import RewardFn, Task
 from sfrrl_jax.agents.rewards import extract_answer, task_reward
 from sfrrl_jax.agents.trajectory import Trajectory
 
-__all__ = ["REWARDS_KEY", "RewardError", "RewardFn", "RewardSum", "answer_correct", "answer_format", "named",
+__all__ = ["RESERVED_NAMES", "REWARDS_KEY", "RewardError", "RewardFn", "RewardSum", "answer_correct", "answer_format", "named",
            "reward_component_means", "reward_name", "tool_error_penalty"]
 
 REWARDS_KEY = "rewards"  # Trajectory.metadata[REWARDS_KEY] = {name: unweighted value}
+# reward/mean and reward/success_rate are the trainer's metrics of the summed reward
+RESERVED_NAMES = frozenset({"mean", "success_rate"})
 
 
 class RewardError(RuntimeError):
@@ -37,12 +40,16 @@ class RewardError(RuntimeError):
 
 
 def reward_name(fn: RewardFn) -> str:
-    """The log name of `fn`: its `__name__` (a lambda's '<lambda>' is refused: name it)."""
+    """The log name of `fn`: its `__name__` (a lambda's '<lambda>' is refused: name it; so are the
+    names of the trainer's own reward metrics, `RESERVED_NAMES`)."""
     name = getattr(fn, "__name__", None)
     if not isinstance(name, str) or not name or name == "<lambda>" or "/" in name:
         what = "a lambda" if name == "<lambda>" else f"{fn!r}"
         raise ValueError(f"reward function {what} has no usable name ({name!r}; a name is non-empty, without "
                          f"'/'): give it one with sfrrl_jax.agents.named(fn, 'my_reward')")
+    if name in RESERVED_NAMES:
+        raise ValueError(f"reward function name {name!r} would be logged as reward/{name}, which the trainer "
+                         f"logs itself (the summed reward); rename it with sfrrl_jax.agents.named(fn, name)")
     return name
 
 

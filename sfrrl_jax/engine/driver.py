@@ -82,12 +82,16 @@ class Engine:
     (`engine.recovery`), then goes on decoding; `stats.faults` counts these. Only
     `max_consecutive_faults` faults in a row without a successful step in between make it give
     up: every waiting request then fails with `EngineFailure`.
+
+    Hooks, given to the constructor or set later (never assigned from outside): `idle_work` and
+    `underfull_slots` (`set_idle_work`: device jobs run when decode would idle) and `trace`
+    (`set_trace`: where spans of device work go).
     """
 
     def __init__(self, cfg: ModelConfig, params, *, max_slots: int = 8, max_len: int = 256,
                  buckets=None, decode_steps: int = 1, cache_dtype: str | None = None,
                  max_consecutive_faults: int = 3, idle_work: IdleWork | None = None,
-                 underfull_slots: int = 0):
+                 underfull_slots: int = 0, trace=None):
         if max_consecutive_faults < 0:
             raise ValueError(f"max_consecutive_faults must be >= 0, got {max_consecutive_faults}")
         self.cfg = cfg
@@ -117,7 +121,8 @@ class Engine:
         self._underfull_slots = 0
         self.set_idle_work(idle_work, underfull_slots=underfull_slots)
         self.idle_seconds = 0.0  # time idle work took inside the driver
-        self.trace = None        # optional Timeline: spans of device work
+        self._trace = None
+        self.set_trace(trace)
 
     # -- lifecycle --------------------------------------------------------------------------
     def set_params(self, params) -> None:
@@ -144,6 +149,19 @@ class Engine:
     @property
     def underfull_slots(self) -> int:
         return self._underfull_slots
+
+    def set_trace(self, trace) -> None:
+        """Where spans of device work go: an object with `add(name, lane, t0, t1)` (a
+        `trainer.timeline.Timeline`; lane 'engine', perf_counter seconds), or None for none."""
+        if trace is not None and not callable(getattr(trace, "add", None)):
+            raise TypeError(f"trace must have an add(name, lane, t0, t1) method or be None, got "
+                            f"{type(trace).__name__}")
+        self._trace = trace
+
+    @property
+    def trace(self):
+        """The span sink (read-only: set it with `set_trace` or the constructor)."""
+        return self._trace
 
     def allocate(self) -> None:
         """Allocates the KV cache (also done lazily by the first request)."""
@@ -465,8 +483,8 @@ class Engine:
     def _account(self, name: str, t0: float) -> None:
         t1 = time.perf_counter()
         self.stats.device_seconds += t1 - t0
-        if self.trace is not None:
-            self.trace.add(name, "engine", t0, t1)
+        if self._trace is not None:
+            self._trace.add(name, "engine", t0, t1)
 
     def _distribute(self, chunks: list[dict]):
         for results in chunks:

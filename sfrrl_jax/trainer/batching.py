@@ -4,6 +4,11 @@ A micro-batch holds whole groups, one trajectory per row, right-padded to a mult
 `seq_bucket` (a bounded number of shapes, so the micro-step compiles a bounded number of times).
 Arrays are aligned to the token they belong to, as the train step expects: `rollout_logprobs[t]`
 is the engine's log-prob of `tokens[t]`; `loss_mask` is 1 exactly on policy-generated tokens.
+
+A trajectory supplies the fields in `TRAJECTORY_FIELDS`; a micro-batch carries those the train
+step's loss reads (`batch_fields(loss)`: its required fields, the optional ones trajectories
+supply, and `segment_ids`). A loss that requires anything else cannot train on trajectories:
+`batch_fields` raises naming the field.
 """
 from __future__ import annotations
 
@@ -18,6 +23,11 @@ import numpy as np
 from sfrrl_jax.agents.trajectory import Trajectory
 from sfrrl_jax.rl.advantages import compute_advantages
 from sfrrl_jax.rl.config import AdvantageConfig
+from sfrrl_jax.rl.loss_fn import Loss
+
+# What a micro-batch built from trajectories can carry, with each field's dtype (all [rows, T]).
+TRAJECTORY_FIELDS = {"tokens": np.int32, "loss_mask": np.float32, "advantages": np.float32,
+                     "rollout_logprobs": np.float32, "segment_ids": np.int32}
 
 
 @dataclasses.dataclass
@@ -71,7 +81,7 @@ def _host_device():
 
 def group_advantage_slopes(groups: Sequence[Group], cfg: AdvantageConfig) -> np.ndarray:
     """[groups] d advantage / d reward of each group: the group estimators are affine in the reward,
-    A_i = slope * (r_i - r_j) + A_j for any two samples i, j of a group (`train.deferred` needs it)."""
+    A_i = slope * (r_i - r_j) + A_j for any two samples i, j of a group (`learner.deferred` needs it)."""
     rewards = np.stack([g.rewards for g in groups]).astype(np.float32)
     g = rewards.shape[-1]
     if cfg.estimator == "grpo":
@@ -85,10 +95,42 @@ def group_advantage_slopes(groups: Sequence[Group], cfg: AdvantageConfig) -> np.
                      "reward; advantage-deferred gradients need one of grpo, dr_grpo, rloo")
 
 
+def batch_fields(loss: Loss) -> tuple[str, ...]:
+    """The fields of the micro-batches built for `loss` (a `rl.Loss`, e.g. `TrainStep.loss`): its
+    required fields, the optional ones a trajectory supplies, and 'segment_ids' (rows are padded),
+    in `TRAJECTORY_FIELDS` order. Raises ValueError naming any required field that trajectories
+    do not supply (they supply exactly `TRAJECTORY_FIELDS`)."""
+    missing = [k for k in loss.required_fields if k not in TRAJECTORY_FIELDS]
+    if missing:
+        raise ValueError(f"the loss {loss.name!r} requires {missing} (Loss.required_fields="
+                         f"{list(loss.required_fields)}), which micro-batches built from trajectories do not "
+                         f"carry: they carry {list(TRAJECTORY_FIELDS)}")
+    wanted = set(loss.fields) | {"segment_ids"}
+    return tuple(k for k in TRAJECTORY_FIELDS if k in wanted)
+
+
+def zero_microbatch(fields: Sequence[str], rows: int, width: int) -> dict:
+    """All-zero [rows, width] arrays of `fields` (dtypes of `TRAJECTORY_FIELDS`): a compile warm-up
+    batch with the keys, shapes and dtypes real micro-batches of those fields have."""
+    _check_fields(fields)
+    return {k: np.zeros((rows, width), TRAJECTORY_FIELDS[k]) for k in fields}
+
+
+def _check_fields(fields: Sequence[str]) -> None:
+    unknown = [k for k in fields if k not in TRAJECTORY_FIELDS]
+    if unknown:
+        raise ValueError(f"micro-batch fields {unknown} cannot be built from trajectories; they carry "
+                         f"{list(TRAJECTORY_FIELDS)}")
+
+
 def microbatch_from_trajectories(trajs: Sequence[Trajectory], advantages: np.ndarray, seq_bucket: int,
-                                 max_len: int) -> dict:
+                                 max_len: int, fields: Sequence[str] | None = None) -> dict:
     """Host arrays [rows, T] for `grad_microstep`, one row per trajectory, T = the longest rounded up
-    to `seq_bucket`; `advantages` holds one value per trajectory."""
+    to `seq_bucket`; `advantages` holds one value per trajectory (spread over the row's loss tokens).
+    fields: the keys to return (`batch_fields(loss)`; a field trajectories do not carry raises
+    ValueError naming it); None: every field in `TRAJECTORY_FIELDS`."""
+    fields = tuple(TRAJECTORY_FIELDS) if fields is None else tuple(fields)
+    _check_fields(fields)
     adv = np.asarray(advantages, np.float32).reshape(-1)
     if len(adv) != len(trajs):
         raise ValueError(f"{len(adv)} advantages for {len(trajs)} trajectories")
@@ -105,5 +147,6 @@ def microbatch_from_trajectories(trajs: Sequence[Trajectory], advantages: np.nda
         mask[i, :n] = t.loss_mask
         logp[i, :n] = t.rollout_logprobs
         seg[i, :n] = 1
-    return {"tokens": tokens, "loss_mask": mask, "advantages": adv[:, None] * mask,
-            "rollout_logprobs": logp, "segment_ids": seg}
+    out = {"tokens": tokens, "loss_mask": mask, "advantages": adv[:, None] * mask,
+           "rollout_logprobs": logp, "segment_ids": seg}
+    return {k: out[k] for k in fields}

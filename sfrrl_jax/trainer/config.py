@@ -34,7 +34,8 @@ class TrainerConfig:
       finer work units leave a returning tool less to wait for (micro-steps are not preempted).
     early_groups: pipelined: once at most this many groups of the step are unfinished (the
       rollout's tail), their finished samples train before the group finishes (advantage-deferred
-      gradients, `train.deferred`; needs a loss with behavior='current'), so a straggler holds back
+      gradients, `learner.deferred`; needs a loss linear in the advantages: `Loss.linear_in_advantages`,
+      for the built-in policy loss behavior='current'), so a straggler holds back
       only itself. Each such group holds two or three param-sized float32 buffers until it
       finishes. 0 = train whole groups only.
     """

@@ -3,7 +3,7 @@
 Pipelined mode trains a group once all of its G samples are in: a group whose last sample waits
 on a slow tool holds back its finished siblings, and at the end of a rollout the device idles
 beside them. With `TrainerConfig.early_groups > 0` a sample that finishes before its group
-becomes an *early* micro-step into its group's buffer (`train.deferred`, advantage 1, centred on
+becomes an *early* micro-step into its group's buffer (`learner.deferred`, advantage 1, centred on
 the group's reference reward). When the group completes, its other rows train as usual with the
 final advantages and the buffer is merged at those advantages: the same update as training the
 whole group then.

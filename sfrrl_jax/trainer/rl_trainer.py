@@ -11,7 +11,7 @@ One `step()`:
   4. the KV cache is freed, the remaining micro-steps run, then exactly one optimizer update.
 Gradient sums accumulate, so the update equals the full-batch one whatever ran when.
 With `early_groups`, pipelined also trains finished samples of unfinished groups
-(`trainer.early_samples`, `train.deferred`): a straggler then holds back only itself.
+(`trainer.early_samples`, `learner.deferred`): a straggler then holds back only itself.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.deferred import advantage_free_terms, check_deferrable
 from sfrrl_jax.learner.optimizer import OptimizerConfig
-from sfrrl_jax.trainer.batching import Group
+from sfrrl_jax.trainer.batching import Group, batch_fields, zero_microbatch
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rollout_fn import RolloutFn, check_length_budget
 from sfrrl_jax.trainer.scheduling import LongestFirst
@@ -94,8 +94,11 @@ class RLTrainer:
 
     Prebuilt parts may be passed as values: `engine=` (an `Engine` over `model_cfg`, whose
     max_len must be `trainer_cfg.max_len`; its slots, buckets and decode_steps are its own) and
-    `train_step=` (a `TrainStep`; then `optimizer_cfg` must be None, and `loss_cfg` may be None
-    to take the train step's). By default both are built from the configs.
+    `train_step=` (a `TrainStep`, e.g. `make_train_step(model_cfg, my_loss, optax.sgd(1e-3))`;
+    then `optimizer_cfg` must be None, and `loss_cfg` None or the train step's own LossConfig).
+    By default both are built from the configs. The loss trained is `self.loss` (an `rl.Loss`);
+    its micro-batches carry `self.batch_fields` (`trainer.batching.batch_fields`): a loss that
+    requires a field trajectories do not supply fails here, naming it.
     One length budget is checked here, once: the rollout function's declared `max_total_tokens`
     (if any, `trainer.rollout_fn`) <= `TrainerConfig.max_len` <= `ModelConfig.max_seq_len`.
     """
@@ -113,10 +116,13 @@ class RLTrainer:
         if train_step is not None and optimizer_cfg is not None:
             raise ValueError("RLTrainer: pass optimizer_cfg or a prebuilt train_step=, not both "
                              "(the train step holds its own optimizer)")
-        if loss_cfg is None:
-            loss_cfg = getattr(train_step, "loss_cfg", None)
-            if loss_cfg is None:
-                raise ValueError("RLTrainer needs loss_cfg (or a prebuilt train_step= that has one)")
+        if train_step is None and loss_cfg is None:
+            raise ValueError("RLTrainer needs loss_cfg (or a prebuilt train_step= holding its loss)")
+        if train_step is not None:
+            if loss_cfg is not None and loss_cfg != train_step.loss_cfg:
+                raise ValueError(f"RLTrainer: loss_cfg={loss_cfg} is not the prebuilt train step's loss "
+                                 f"({train_step.loss.name}); pass loss_cfg=None to train the train step's")
+            loss_cfg = train_step.loss_cfg  # None for a custom rl.Loss
         if engine is not None:
             if engine.cfg != model_cfg:
                 raise ValueError("RLTrainer: the prebuilt engine was built for another ModelConfig")
@@ -130,9 +136,11 @@ class RLTrainer:
             buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps)
         self.train_step = (train_step if train_step is not None
                            else shared_train_step(model_cfg, loss_cfg, optimizer_cfg))
+        self.loss = self.train_step.loss
+        self.batch_fields = batch_fields(self.loss)  # raises naming a required field trajectories lack
         copies = 3.0
         if trainer_cfg.early_groups:
-            check_deferrable(loss_cfg)
+            check_deferrable(self.loss)
             # float32 buffers per early group: h1, hc (+ k), relative to the params' own dtype
             per_group = 3 if advantage_free_terms(self.train_step) else 2
             itemsize = max(jax.tree.leaves(params)[0].dtype.itemsize, 1)
@@ -146,7 +154,7 @@ class RLTrainer:
         self.longest_first = LongestFirst(expected_tokens=expected_length)
         self.carry_over: list[MicroStepUnit] = []   # one_step_off: last step's groups
         self.timeline = Timeline()
-        self.engine.trace = self.timeline
+        self.engine.set_trace(self.timeline)
         self._step: RLStep | None = None  # the step in progress (or the last one)
 
     # -- public -------------------------------------------------------------------------------
@@ -164,6 +172,8 @@ class RLTrainer:
         early-sample functions), on zero batches, so that no compile stalls a rollout later.
         Returns the number of shapes. Widths: multiples of `seq_bucket` capped at `max_len`;
         rows: up to `microbatch_rows` (else a whole micro-batch of groups; fewer with early samples).
+        The zero batches carry the fields real micro-batches carry for the train step's loss
+        (`self.batch_fields`: its required fields and the optional ones trajectories supply).
         """
         cfg = self.cfg
         widths = sorted({min(k * cfg.seq_bucket, cfg.max_len) for k in range(1, -(-cfg.max_len // cfg.seq_bucket) + 1)})
@@ -173,10 +183,7 @@ class RLTrainer:
         ts, acc = self.train_step, self.train_step.init_accumulator(self.params)
         shapes = 0
         for width in widths:
-            zero = lambda n: {"tokens": np.zeros((n, width), np.int32), "loss_mask": np.zeros((n, width), np.float32),
-                              "advantages": np.zeros((n, width), np.float32),
-                              "rollout_logprobs": np.zeros((n, width), np.float32),
-                              "segment_ids": np.zeros((n, width), np.int32)}
+            zero = functools.partial(zero_microbatch, self.batch_fields, width=width)
             for n in rows:
                 acc = jax.block_until_ready(ts.grad_microstep(self.params, acc, zero(n)))  # one in flight
                 shapes += 1
@@ -189,4 +196,4 @@ class RLTrainer:
     def _make_units(self, groups: list[Group]) -> list[MicroStepUnit]:
         """Micro-steps of finished groups of the step in progress (the step forms every micro-step
         of its groups here: a seam to observe which groups trained)."""
-        return make_units(groups, self.cfg, self._step.claimed)
+        return make_units(groups, self.cfg, self._step.claimed, self.batch_fields)

@@ -10,6 +10,7 @@ counters) as attributes, and its methods are the phases, in the order `run` call
                    (`pipelined`: queued for the engine's idle time; `sync`: held for after the
                    rollout); the rollout's tail activates early samples
   cancel_leftovers on failure: stop every group still running so their slots are released
+                   (on any failure of the rollout the engine's idle-work hook is removed)
   end_rollout      stop surplus groups, form the last micro-steps, wait for the driver's last
                    micro-step, free the KV cache
   train_remaining  the micro-steps the rollout did not hide (all of them in `sync`, in draw order)
@@ -25,12 +26,13 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
 from sfrrl_jax.agents.protocols import EngineError, Task
+from sfrrl_jax.agents.reward_fns import reward_component_means
 from sfrrl_jax.agents.trajectory import Trajectory
 from sfrrl_jax.trainer.batching import (
     Group, TokenShare, group_advantage_slopes, group_advantages, microbatch_from_trajectories,
@@ -66,10 +68,12 @@ class MicroStepUnit:
 
 
 # -- forming micro-steps (pure: host arrays only) ------------------------------------------------
-def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, GroupProgress]) -> list[MicroStepUnit]:
+def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, GroupProgress],
+               fields: Sequence[str] | None = None) -> list[MicroStepUnit]:
     """Micro-steps of these finished groups. Samples already in a group buffer (trained early)
     are left out; the last micro-step merges those buffers at the final advantages.
-    claimed: launch index -> progress of groups with early samples (their entries are popped)."""
+    claimed: launch index -> progress of groups with early samples (their entries are popped).
+    fields: the batch fields (`batching.batch_fields(loss)`; None: all a trajectory supplies)."""
     adv = group_advantages(groups, cfg.advantage)
     progress = [claimed.pop(g.launch_index, None) for g in groups]
     slopes = group_advantage_slopes(groups, cfg.advantage) if any(progress) else [None] * len(groups)
@@ -85,7 +89,7 @@ def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, Group
         if prog:
             merges.append((prog, float(slope), float(a[prog.reference])))
     batch = microbatch_from_trajectories([g.trajectories[i] for g, i in owners], row_adv,
-                                         cfg.seq_bucket, cfg.max_len)
+                                         cfg.seq_bucket, cfg.max_len, fields)
     units = split_rows(batch, owners, cfg.microbatch_rows, whole=None if merged else list(groups))
     units[-1].merges = merges
     units[-1].groups += [token_share(g, i) for g, i in merged]
@@ -105,10 +109,10 @@ def token_share(group: Group, sample: int) -> TokenShare:
     return TokenShare(group.group_id, group.params_version, int(np.sum(group.trajectories[sample].loss_mask)))
 
 
-def early_micro_step(unit: EarlyUnit, cfg: TrainerConfig) -> MicroStepUnit:
+def early_micro_step(unit: EarlyUnit, cfg: TrainerConfig, fields: Sequence[str] | None = None) -> MicroStepUnit:
     """The one-row micro-step of an early sample (advantage 1: its buffer is merged at the end)."""
     traj = unit.progress.finished[unit.sample]
-    batch = microbatch_from_trajectories([traj], [0.0], cfg.seq_bucket, cfg.max_len)
+    batch = microbatch_from_trajectories([traj], [0.0], cfg.seq_bucket, cfg.max_len, fields)
     return MicroStepUnit([], batch, early=unit)
 
 
@@ -145,13 +149,18 @@ class RLStep:
 
     async def run(self) -> dict:
         self.begin()
-        self.launch_groups()
         try:
-            await self.collect_groups()
-        except BaseException:
-            await self.cancel_leftovers()
-            raise
-        await self.end_rollout()
+            self.launch_groups()
+            try:
+                await self.collect_groups()
+            except BaseException:
+                await self.cancel_leftovers()
+                raise
+            await self.end_rollout()
+        finally:
+            # Whatever ends the rollout (an error included: too few groups survived dynamic
+            # sampling, an EngineError), the engine must not keep calling into this step.
+            self.engine.set_idle_work(None)
         self.train_remaining()
         return self.finish()
 
@@ -347,7 +356,7 @@ class RLStep:
         if self.ready:
             unit = self.ready.popleft()
         elif self.early is not None and len(self.early):
-            unit = early_micro_step(self.early.pop(), self.cfg)
+            unit = early_micro_step(self.early.pop(), self.cfg, self.trainer.batch_fields)
         else:
             return None
         self.note_waiting()
@@ -363,7 +372,7 @@ class RLStep:
             if prog.buffer is None:
                 prog.buffer = ts.init_deferred(tr.params)
             prog.buffer = ts.deferred_microstep(tr.params, prog.buffer, unit.batch, unit.early.centred_reward)
-            jax.block_until_ready(prog.buffer["pg1"])
+            jax.block_until_ready(prog.buffer.pg1)
             name = "grad_microstep_early"
             self.trained["early_microsteps"] += 1
         else:
@@ -371,7 +380,7 @@ class RLStep:
             for prog, slope, reference_advantage in unit.merges:
                 self.acc = ts.merge_deferred(tr.params, self.acc, prog.buffer, slope, reference_advantage)
                 prog.buffer = None
-            jax.block_until_ready(self.acc["scalars"]["numerator"])
+            jax.block_until_ready(self.acc.scalars.numerator)
             name = "grad_microstep"
             for g in unit.groups:
                 n = g.num_generated
@@ -387,11 +396,14 @@ class RLStep:
         decode_s = s.device_seconds - s0.device_seconds
         slot_total = s.slot_steps_total - s0.slot_steps_total
         rewards = np.concatenate([g.rewards for g in groups]) if groups else np.zeros(0)
+        # reward/<name>: each reward function's mean over the kept trajectories that recorded it
+        components = reward_component_means(t for g in groups for t in g.trajectories)
         generated = sum(g.num_generated for g in groups)
         trained, train_s = self.trained["tokens"], self.train_device_s
         compiles = sum(self.engine.steps.compile_counts().values())
         compiles += self.trainer.train_step.compile_count()
         return {
+            **components,  # first: the trainer's own reward/mean and reward/success_rate win
             "step": self.trainer.step_index,
             "time/wall_s": wall,
             "time/rollout_s": self.t_rollout - self.t_start,

@@ -1,22 +1,37 @@
-"""RLTrainer's parts as values: the engine's idle hook (constructor / setter, not attributes set
-from outside), one length budget checked when the trainer is built, prebuilt engine= and
-train_step=."""
+"""RLTrainer's parts as values: the engine's hooks (idle work, trace: constructor / setter, not
+attributes set from outside; the idle hook gone after a failed step), one length budget checked
+when the trainer is built, prebuilt engine= and train_step= (a custom rl.Loss and an optax
+transformation included), reward functions logged as reward/<name>."""
 import asyncio
 import functools
+import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 import sfrrl_jax as S
+from sfrrl_jax.agents import ToolEnvironment, named
 from sfrrl_jax.agents.loop import AgentConfig
+from sfrrl_jax.agents.tasks import arithmetic_task
 from sfrrl_jax.engine import Engine
+from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.optimizer import OptimizerConfig
+from sfrrl_jax.rl import Loss, LossInputs, ObjectiveParts
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, make_tasks
+from sfrrl_jax.tokenizer import load_tokenizer
 from sfrrl_jax.trainer.agent_rollout import AgentRollout
+from sfrrl_jax.trainer.batching import (
+    TRAJECTORY_FIELDS, batch_fields, microbatch_from_trajectories, zero_microbatch,
+)
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream, shared_train_step
 from sfrrl_jax.trainer.rollout_fn import declared_token_budget
+from sfrrl_jax.trainer.run_logger import RunLogger, read_metrics
+from sfrrl_jax.trainer.timeline import Timeline
 
 CFG = S.ModelConfig.preset("tiny-moe", max_seq_len=128)
 WL = WorkloadConfig(num_prompts=4, response_median=4, response_sigma=0.5, max_response=8,
@@ -26,6 +41,11 @@ LOSS, OPT = LossConfig(), OptimizerConfig(learning_rate=1e-3)
 
 @functools.lru_cache(maxsize=None)
 def _params():
+    return S.init_params(CFG, S.make_mesh(devices=jax.devices()[:1]), seed=0)
+
+
+def _fresh_params():
+    """Params of their own, for a trainer that steps (the optimizer update donates them)."""
     return S.init_params(CFG, S.make_mesh(devices=jax.devices()[:1]), seed=0)
 
 
@@ -110,7 +130,7 @@ def test_a_budget_over_max_len_fails_when_the_trainer_is_built(rollout):
 
 # -- prebuilt parts ---------------------------------------------------------------------------------
 def test_prebuilt_engine_and_train_step_are_used_and_checked():
-    params, tc = _params(), _tc()
+    params, tc = _fresh_params(), _tc()
     engine = Engine(CFG, params, max_slots=4, max_len=64, buckets=(16, 32))
     ts = shared_train_step(CFG, LOSS, OPT)
     agent = AgentRollout(None, None, AgentConfig(max_total_tokens=64))  # == max_len: fits
@@ -119,6 +139,10 @@ def test_prebuilt_engine_and_train_step_are_used_and_checked():
     tr = RLTrainer(CFG, params, tc, None, None, WorkloadAgent(WL), TaskStream(make_tasks(WL), seed=1),
                    engine=engine, train_step=ts)
     assert tr.engine is engine and tr.train_step is ts and tr.loss_cfg == ts.loss_cfg
+    assert engine.trace is tr.timeline  # set through the engine's own API
+    with pytest.raises(ValueError, match="not the prebuilt train step's loss"):
+        RLTrainer(CFG, params, tc, LossConfig(clip_high=0.5), None, WorkloadAgent(WL),
+                  TaskStream(make_tasks(WL)), train_step=ts)
     with pytest.raises(ValueError, match="not both"):
         RLTrainer(CFG, params, tc, LOSS, OPT, WorkloadAgent(WL), TaskStream(make_tasks(WL)), train_step=ts)
     with pytest.raises(ValueError, match="needs optimizer_cfg"):
@@ -134,3 +158,142 @@ def test_prebuilt_engine_and_train_step_are_used_and_checked():
     assert m["train/microsteps"] >= 1 and m["rollout/generated_tokens"] > 0
     assert engine.idle_work is None and engine.underfull_slots == tc.underfull_slots
     assert engine.occupancy == {"running": 0, "parked": 0, "free": 4, "queued": 0}
+
+
+# -- the engine's trace ------------------------------------------------------------------------------
+def test_trace_is_a_constructor_argument_and_a_setter_not_an_attribute():
+    tl = Timeline()
+    engine = Engine(CFG, _params(), max_slots=2, max_len=64, trace=tl)
+    assert engine.trace is tl
+    with pytest.raises(AttributeError):
+        engine.trace = Timeline()
+    engine.set_trace(None)
+    assert engine.trace is None
+    with pytest.raises(TypeError, match="add"):
+        engine.set_trace(42)
+    with pytest.raises(TypeError, match="add"):
+        Engine(CFG, _params(), max_slots=2, max_len=64, trace=object())
+
+
+# -- a failed step leaves no idle hook behind ------------------------------------------------------------
+class _ConstantReward:
+    """WorkloadAgent's trajectories with reward 0: every group is dropped by dynamic sampling."""
+
+    def __init__(self):
+        self.agent = WorkloadAgent(WL)
+
+    async def __call__(self, engine, task, sample_index):
+        traj = await self.agent(engine, task, sample_index)
+        traj.reward = 0.0
+        return traj
+
+
+def test_a_failed_step_leaves_the_engine_without_idle_work():
+    params = _fresh_params()
+    engine = Engine(CFG, params, max_slots=4, max_len=64, buckets=(16, 32))
+    tr = RLTrainer(CFG, params, _tc(dynamic_sampling=True, max_refill_groups=0), LOSS, OPT, _ConstantReward(),
+                   TaskStream(make_tasks(WL)), engine=engine)
+    seen = []
+    orig = engine.set_idle_work
+    engine.set_idle_work = lambda hook, **kw: (seen.append(hook), orig(hook, **kw))[1]  # observe the step's hook
+    with pytest.raises(RuntimeError, match="survived dynamic sampling"):
+        tr.step()
+    assert seen and seen[0] is not None  # the step installed its hook ...
+    assert engine.idle_work is None      # ... and removed it when it failed
+    assert engine.occupancy["running"] == 0 and engine.occupancy["parked"] == 0
+
+
+# -- a custom loss and an optax transformation ------------------------------------------------------------
+def _reinforce(x: LossInputs) -> ObjectiveParts:
+    """-(A * logp) over the loss tokens (token mean); the optional rollout log-probs only feed a metric."""
+    m, f = x.mask, x.fields
+    num = jnp.sum(-f["advantages"] * x.logp * m)
+    rollout = f.get("rollout_logprobs", jnp.zeros_like(x.logp))
+    sg = jax.lax.stop_gradient
+    return ObjectiveParts(
+        numerator=num, denominator=jnp.sum(m), num_tokens=jnp.sum(m),
+        num_seqs=jnp.sum((jnp.sum(m, axis=1) > 0).astype(jnp.float32)),
+        sums={"agg/reinforce": sg(num), "tok/logp_gap": sg(jnp.sum((x.logp - rollout) * m))},
+        maxes={}, mins={}, advantage_term=num)
+
+
+REINFORCE = Loss(fn=_reinforce, required_fields=("tokens", "loss_mask", "advantages"),
+                 optional_fields=("rollout_logprobs", "old_logprobs"), linear_in_advantages=True,
+                 has_advantage_free_terms=False, advantage_metrics=("agg/reinforce",), name="reinforce",
+                 router_aux_coef=0.0, router_z_coef=0.0)
+
+
+def test_a_custom_loss_and_an_optax_transformation_train_a_step():
+    params = _fresh_params()
+    p0 = jax.tree.map(np.asarray, params)
+    ts = make_train_step(CFG, REINFORCE, optax.sgd(1e-2))
+    tr = RLTrainer(CFG, params, _tc(), None, None, WorkloadAgent(WL), TaskStream(make_tasks(WL)), train_step=ts)
+    assert tr.loss is REINFORCE and tr.loss_cfg is None
+    # the loss's required fields, the optional one trajectories supply, the padding layout
+    assert tr.batch_fields == ("tokens", "loss_mask", "advantages", "rollout_logprobs", "segment_ids")
+    assert tr.compile_train_shapes() == 2  # widths 32, 64; one micro-batch of 2 rows
+    compiled = ts.jitted_microstep(tr.params)._cache_size()
+    m = tr.step()
+    assert ts.jitted_microstep(tr.params)._cache_size() == compiled  # the warm-up had the step's batches
+    assert m["train/microsteps"] == 2 and m["train/trained_tokens"] > 0
+    assert math.isfinite(m["train/loss"]) and m["train/update_skipped"] == 0.0
+    assert "train/reinforce" in m and "train/logp_gap" in m and "train/learning_rate" not in m
+    assert any(not np.array_equal(a, np.asarray(b))
+               for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(tr.params)))
+
+
+def test_a_loss_needing_a_field_trajectories_lack_fails_naming_it():
+    needs_ref = Loss(fn=_reinforce, required_fields=("tokens", "loss_mask", "advantages", "ref_logprobs"))
+    needs_own = Loss(fn=_reinforce, required_fields=("tokens", "loss_mask", "advantages", "values"),
+                     name="critic")
+    for loss, field in ((needs_ref, "ref_logprobs"), (needs_own, "values")):
+        with pytest.raises(ValueError, match=rf"requires \['{field}'\].*do not carry"):
+            batch_fields(loss)
+        with pytest.raises(ValueError, match=rf"requires \['{field}'\]"):
+            RLTrainer(CFG, _params(), _tc(), None, None, WorkloadAgent(WL), TaskStream(make_tasks(WL)),
+                      train_step=make_train_step(CFG, loss, optax.sgd(1e-2)))
+    with pytest.raises(ValueError, match=r"\['values'\] cannot be built from trajectories"):
+        zero_microbatch(("tokens", "values"), 1, 32)
+    with pytest.raises(ValueError, match=r"\['values'\] cannot be built from trajectories"):
+        microbatch_from_trajectories([], [], 32, 64, fields=("tokens", "values"))
+    zero = zero_microbatch(batch_fields(REINFORCE), 3, 32)
+    assert {k: (v.shape, v.dtype) for k, v in zero.items()} == {
+        k: ((3, 32), np.dtype(TRAJECTORY_FIELDS[k])) for k in batch_fields(REINFORCE)}
+
+
+# -- reward functions logged as reward/<name> --------------------------------------------------------------
+def generated_share(task, trajectory):
+    """Share of the trajectory's tokens the policy generated."""
+    return sum(trajectory.loss_mask) / len(trajectory.tokens)
+
+
+def test_each_reward_function_is_logged_as_its_mean_over_the_step(tok_dir, tmp_path):
+    tok = load_tokenizer(tok_dir)
+    length = named(lambda task, traj: len(traj.tokens) / 100.0, "length")
+    env = ToolEnvironment([], None, reward_fns=[generated_share, length], reward_weights=[1.0, 0.5])
+    agent = AgentRollout(env, tok, AgentConfig(max_turns=1, max_new_tokens_per_turn=8, max_total_tokens=64))
+    tasks = [arithmetic_task(f"{i} + {i + 1}", f"t{i}") for i in range(4)]
+    tr = RLTrainer(CFG, _fresh_params(), _tc(), LOSS, OPT, agent, TaskStream(tasks))
+    m = tr.step()
+    trajs = [t for g in tr._step.kept for t in g.trajectories]
+    assert len(trajs) == 4 and all(t.error is None for t in trajs)
+    share = [sum(t.loss_mask) / len(t.tokens) for t in trajs]
+    lens = [len(t.tokens) / 100.0 for t in trajs]
+    assert m["reward/generated_share"] == pytest.approx(np.mean(share), rel=1e-12)
+    assert m["reward/length"] == pytest.approx(np.mean(lens), rel=1e-12)
+    assert m["reward/mean"] == pytest.approx(np.mean(share) + 0.5 * np.mean(lens), rel=1e-6)  # float32 sums
+    log = RunLogger(tmp_path, tensorboard=False)
+    log.log(m["step"], m)
+    row = read_metrics(tmp_path)[0]
+    assert (row["reward/generated_share"], row["reward/length"]) == (m["reward/generated_share"], m["reward/length"])
+    # one RewardFn protocol, re-exported where reward functions live
+    from sfrrl_jax.agents import protocols, reward_fns
+    assert reward_fns.RewardFn is protocols.RewardFn is S.RewardFn and isinstance(length, reward_fns.RewardFn)
+    # the trainer's own reward metrics cannot be shadowed by a reward function's name
+    def mean(task, trajectory):
+        return 0.0
+
+    for bad in (lambda: ToolEnvironment([], None, reward_fns=[mean]),
+                lambda: named(generated_share, "success_rate")):
+        with pytest.raises(ValueError, match=r"reward/(mean|success_rate), which the trainer logs itself"):
+            bad()
