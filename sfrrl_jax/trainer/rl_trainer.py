@@ -20,12 +20,14 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
+import optax
 
 from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.aio import run_sync
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine
 from sfrrl_jax.rl.config import LossConfig
+from sfrrl_jax.rl.loss_fn import Loss
 from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.deferred import advantage_free_terms, check_deferrable
 from sfrrl_jax.learner.optimizer import OptimizerConfig
@@ -92,6 +94,8 @@ def check_memory_fits(engine_cache_bytes: int, params, device=None, param_copies
 class RLTrainer:
     """Rollout + training on one mesh (see the module doc); `step()` runs one RL step.
 
+    The loss is a `LossConfig` or any `rl.Loss` value; the optimizer an `OptimizerConfig` or any
+    optax `GradientTransformation` (e.g. `RLTrainer(cfg, params, tc, my_loss, optax.adamw(1e-5), ...)`).
     Prebuilt parts may be passed as values: `engine=` (an `Engine` over `model_cfg`, whose
     max_len must be `trainer_cfg.max_len`; its slots, buckets and decode_steps are its own) and
     `train_step=` (a `TrainStep`, e.g. `make_train_step(model_cfg, my_loss, optax.sgd(1e-3))`;
@@ -103,10 +107,23 @@ class RLTrainer:
     (if any, `trainer.rollout_fn`) <= `TrainerConfig.max_len` <= `ModelConfig.max_seq_len`.
     """
 
-    def __init__(self, model_cfg: ModelConfig, params, trainer_cfg: TrainerConfig, loss_cfg: LossConfig | None,
-                 optimizer_cfg: OptimizerConfig | None, rollout_fn: RolloutFn, tasks: TaskStream,
-                 expected_length: Callable[[Task], float] | None = None, opt_state=None, *,
+    def __init__(self, model_cfg: ModelConfig, params, trainer_cfg: TrainerConfig, loss_cfg: LossConfig | Loss | None,
+                 optimizer_cfg: OptimizerConfig | optax.GradientTransformation | None, rollout_fn: RolloutFn,
+                 tasks: TaskStream, expected_length: Callable[[Task], float] | None = None, opt_state=None, *,
                  engine: Engine | None = None, train_step=None):
+        if isinstance(loss_cfg, Loss) or isinstance(optimizer_cfg, optax.GradientTransformation):
+            # values in the config slots: the train step is built here from them (not shared)
+            if train_step is not None:
+                raise ValueError("RLTrainer: pass a loss and optimizer, or a prebuilt train_step=, not both")
+            if loss_cfg is None or optimizer_cfg is None:
+                raise ValueError("RLTrainer: a Loss or optax transformation needs both a loss and an optimizer")
+            train_step = make_train_step(model_cfg, loss_cfg, optimizer_cfg)
+            loss_cfg, optimizer_cfg = None, None
+        elif optimizer_cfg is not None and not isinstance(optimizer_cfg, OptimizerConfig):
+            raise TypeError(f"RLTrainer: optimizer must be an OptimizerConfig or an optax GradientTransformation, "
+                            f"got {type(optimizer_cfg).__name__}")
+        elif loss_cfg is not None and not isinstance(loss_cfg, LossConfig):
+            raise TypeError(f"RLTrainer: loss must be a LossConfig or a sfrrl_jax.rl.Loss, got {type(loss_cfg).__name__}")
         if trainer_cfg.max_len > model_cfg.max_seq_len:
             raise ValueError(f"TrainerConfig.max_len={trainer_cfg.max_len} > ModelConfig.max_seq_len="
                              f"{model_cfg.max_seq_len}")

@@ -242,6 +242,23 @@ def test_a_custom_loss_and_an_optax_transformation_train_a_step():
                for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(tr.params)))
 
 
+def test_a_loss_value_and_an_optax_transformation_go_in_the_config_slots():
+    tx = optax.sgd(1e-2)
+    tr = RLTrainer(CFG, _params(), _tc(), REINFORCE, tx, WorkloadAgent(WL), TaskStream(make_tasks(WL)))
+    assert tr.loss is REINFORCE and tr.loss_cfg is None and tr.train_step.tx is tx
+    tr = RLTrainer(CFG, _params(), _tc(), LOSS, tx, WorkloadAgent(WL), TaskStream(make_tasks(WL)))
+    assert tr.loss_cfg == LOSS and tr.train_step.tx is tx  # a LossConfig with an optax optimizer
+    args = (WorkloadAgent(WL), TaskStream(make_tasks(WL)))
+    with pytest.raises(TypeError, match="optimizer must be an OptimizerConfig or an optax GradientTransformation, got str"):
+        RLTrainer(CFG, _params(), _tc(), LOSS, "adam", *args)
+    with pytest.raises(TypeError, match="loss must be a LossConfig or a sfrrl_jax.rl.Loss, got str"):
+        RLTrainer(CFG, _params(), _tc(), "grpo", OPT, *args)
+    with pytest.raises(ValueError, match="not both"):
+        RLTrainer(CFG, _params(), _tc(), REINFORCE, tx, *args, train_step=make_train_step(CFG, REINFORCE, tx))
+    with pytest.raises(ValueError, match="needs both a loss and an optimizer"):
+        RLTrainer(CFG, _params(), _tc(), REINFORCE, None, *args)
+
+
 def test_a_loss_needing_a_field_trajectories_lack_fails_naming_it():
     needs_ref = Loss(fn=_reinforce, required_fields=("tokens", "loss_mask", "advantages", "ref_logprobs"))
     needs_own = Loss(fn=_reinforce, required_fields=("tokens", "loss_mask", "advantages", "values"),
