@@ -17,6 +17,7 @@ LayerType = Literal["full", "sliding"]
 Dispatch = Literal["padded", "ragged"]
 Remat = Literal["none", "full", "dots", "dots_no_batch"]
 RopeType = Literal["default", "yarn"]
+AttentionImpl = Literal["blockwise", "naive"]
 
 
 # -- field checks shared by the config dataclasses ----------------------------------------------
@@ -165,11 +166,19 @@ class ModelConfig:
     moe_dispatch: Dispatch = "padded"
     router_aux_coef: float = 0.0
     router_z_coef: float = 0.0
+    # Training/prefill attention: 'blockwise' (flash-style online softmax over
+    # attention_block_q x attention_block_k tiles, memory linear in seq, models/attention.py) or
+    # 'naive' (the full [seq, seq] score tensor; the reference). The engine's KV-cache steps use
+    # the naive core either way.
+    attention_impl: AttentionImpl = "blockwise"
+    attention_block_q: int = 512
+    attention_block_k: int = 512
 
     def __post_init__(self):
         check_str("ModelConfig.name", self.name)
         check_int_fields(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                                "d_ff_expert", "n_experts", "top_k", "max_seq_len", "rope_original_max_len"), 1)
+                                "d_ff_expert", "n_experts", "top_k", "max_seq_len", "rope_original_max_len",
+                                "attention_block_q", "attention_block_k"), 1)
         check_int("ModelConfig.sliding_window", self.sliding_window, 0, optional=True)  # 0: no window
         check_bool_fields(self, ("norm_topk_prob", "router_bias", "expert_bias", "qk_norm", "attention_bias",
                                  "attn_sinks", "rope_truncate", "tie_embeddings"))
@@ -197,7 +206,8 @@ class ModelConfig:
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise ValueError("ModelConfig.layer_types has 'sliding' layers but sliding_window is unset")
         for k, allowed in (("router", RouterKind), ("expert_act", ExpertAct), ("moe_dispatch", Dispatch),
-                           ("remat", Remat), ("family", Family), ("rope_type", RopeType)):
+                           ("remat", Remat), ("family", Family), ("rope_type", RopeType),
+                           ("attention_impl", AttentionImpl)):
             if getattr(self, k) not in allowed.__args__:
                 raise ValueError(f"ModelConfig.{k}={getattr(self, k)!r}; valid: {list(allowed.__args__)}")
 

@@ -14,6 +14,7 @@ from flax import nnx
 
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import constrain
+from sfrrl_jax.models.attention import blockwise_attention
 
 
 def param(rngs: nnx.Rngs | None, init: str, shape, logical_axes, cfg: ModelConfig) -> nnx.Param:
@@ -192,7 +193,19 @@ class Attention(nnx.Module):
         return self.sinks[...] if self.cfg.attn_sinks else None
 
     def __call__(self, x, positions, segment_ids, window):
-        """Self-attention over a packed batch: x [b, s, embed]; positions, segment_ids [b, s]."""
+        """Self-attention over a packed batch: x [b, s, embed]; positions, segment_ids [b, s].
+
+        window: int scalar, may be traced (0 = unlimited). cfg.attention_impl picks the core:
+        'blockwise' never builds a [s, s] array (forward or backward); 'naive' is the reference.
+        """
+        cfg = self.cfg
         q, k, v = self.project_qkv(x, positions)
-        mask = attention_mask(positions, positions, segment_ids, segment_ids, window)
-        return self.output(attend(q, k, v, mask, self.sink_logits()))
+        if cfg.attention_impl == "blockwise":
+            out = blockwise_attention(q, k, v, positions, positions, segment_ids, segment_ids, window,
+                                      self.sink_logits(), block_q=cfg.attention_block_q,
+                                      block_k=cfg.attention_block_k)
+            out = constrain(out, ("batch", "seq", "heads", "head_dim"))  # its block layout is internal
+        else:
+            mask = attention_mask(positions, positions, segment_ids, segment_ids, window)
+            out = attend(q, k, v, mask, self.sink_logits())
+        return self.output(out)
