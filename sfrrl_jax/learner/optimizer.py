@@ -52,6 +52,11 @@ class OptimizerConfig:
     max_grad_norm: global-norm clip (None: no clipping).
     decay_matrices_only: weight decay only on leaves with ndim >= 2 (not norms, biases, scales).
     state_shard_axis: mesh axis the moments are further split over (None: like the params).
+    offload_state: keep the optimizer state in host memory (`memory_kind='pinned_host'`) between
+      updates; each update moves it to the device, applies, and moves it back. Frees the moments'
+      device memory (2x the params for AdamW) for activations and the KV cache, at the cost of
+      two host<->device copies per optimizer update (not per micro-step). Backends without a
+      pinned_host memory refuse it when the train step is built.
     """
 
     learning_rate: float = 1e-6
@@ -65,6 +70,7 @@ class OptimizerConfig:
     max_grad_norm: float | None = 1.0
     decay_matrices_only: bool = True
     state_shard_axis: str | None = "data"
+    offload_state: bool = False
 
     def __post_init__(self):
         own = "OptimizerConfig"
@@ -79,6 +85,7 @@ class OptimizerConfig:
         check_number(f"{own}.max_grad_norm", self.max_grad_norm, 0, lo_open=True, optional=True)
         check_bool(f"{own}.decay_matrices_only", self.decay_matrices_only)
         check_str(f"{own}.state_shard_axis", self.state_shard_axis, optional=True)
+        check_bool(f"{own}.offload_state", self.offload_state)
 
 
 def learning_rate_schedule(cfg: OptimizerConfig):
@@ -128,6 +135,22 @@ def learning_rate_in_state(inner):
     return None
 
 
+HOST_MEMORY = "pinned_host"
+
+
+def with_memory_kind(shardings, kind: str):
+    """The same shardings in memory `kind` ('device', 'pinned_host', ...); refuses a kind the
+    devices do not have, naming the switch that asked for it."""
+    leaves = jax.tree.leaves(shardings)
+    if leaves and kind != "device":
+        device = next(iter(leaves[0].mesh.devices.flat))
+        kinds = {m.kind for m in device.addressable_memories()}
+        if kind not in kinds:
+            raise ValueError(f"OptimizerConfig.offload_state: {device.platform} devices have no {kind!r} "
+                             f"memory (they have {sorted(kinds)}); set offload_state=False")
+    return jax.tree.map(lambda sh: sh.with_memory_kind(kind), shardings)
+
+
 def _with_extra_axis(sharding: NamedSharding, shape, axis: str | None) -> NamedSharding:
     """The param's sharding with `axis` added on the first unsharded dim it divides."""
     mesh = sharding.mesh
@@ -168,7 +191,8 @@ def opt_state_shardings(tx: optax.GradientTransformation, params, cfg: Optimizer
             param_sh,
             transform_non_params=lambda _: replicated,
         )
-        return OptState(step=replicated, inner=inner)
+        shardings = OptState(step=replicated, inner=inner)
+        return with_memory_kind(shardings, HOST_MEMORY) if cfg.offload_state else shardings
     try:
         inner = optax.tree_map_params(
             tx,

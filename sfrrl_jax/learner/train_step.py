@@ -55,8 +55,8 @@ from sfrrl_jax.learner.accumulator import (
 from sfrrl_jax.learner.deferred import DeferredBuffer, build_deferred_fns
 from sfrrl_jax.learner.objective import ROUTER_METRICS, ForwardFn, microbatch_objective
 from sfrrl_jax.learner.optimizer import (
-    OptimizerConfig, OptState, as_opt_state, as_transformation, learning_rate_in_state,
-    learning_rate_schedule, opt_state_shardings,
+    HOST_MEMORY, OptimizerConfig, OptState, as_opt_state, as_transformation, learning_rate_in_state,
+    learning_rate_schedule, opt_state_shardings, with_memory_kind,
 )
 
 
@@ -278,12 +278,24 @@ class TrainStep:
             grads = jax.lax.with_sharding_constraint(grads, param_sh)
             return accumulate(acc, grads, numerator, parts, router_sums)
 
+        # Offloaded optimizer state (OptimizerConfig.offload_state) lives in host memory between
+        # updates: moved to the device for the update and back, inside the same jitted function.
+        offloaded = any(sh.memory_kind == HOST_MEMORY for sh in jax.tree.leaves(opt_sh))
+        opt_on_device = with_memory_kind(opt_sh, "device") if offloaded else None
+
+        def update(p, opt_state, acc):
+            if offloaded:
+                opt_state = jax.device_put(opt_state, opt_on_device)
+            new_p, new_opt, metrics = _apply_update(self.tx, self.schedule, param_sh, p, opt_state, acc)
+            if offloaded:
+                new_opt = jax.device_put(new_opt, opt_sh)
+            return new_p, new_opt, metrics
+
         def apply(p, opt_state, acc):
-            return _apply_update(self.tx, self.schedule, param_sh, p, opt_state, acc)
+            return update(p, opt_state, acc)
 
         def step(p, opt_state, mb):
-            acc = micro(p, init_acc(p), mb)
-            return _apply_update(self.tx, self.schedule, param_sh, p, opt_state, acc)
+            return update(p, opt_state, micro(p, init_acc(p), mb))
 
         self._layouts[_key(params)] = {"acc": acc_sh, "params": param_sh, "init_acc": init_acc}
         return {
