@@ -4,7 +4,8 @@ cache rows and returns logits for those tokens, attending to everything the slot
 Prefill (an empty row), decode (one token per slot) and append-prefill (a tool observation
 added to a parked slot) are all `extend` with different shapes; they share the layer code of
 the training forward (`sfrrl_jax.models`), so the engine and the trainer compute the same
-function of the same params.
+function of the same params. `extend_paged` is the same run against a paged cache (a pool of
+fixed-size pages reached through a per-slot page table; see `engine.pages`, `engine.paged`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from sfrrl_jax.models import transformer as tfm
 from sfrrl_jax.models.layers import attend, attention_mask
 
 CACHE_AXES = ("layers", "slots", "cache_len", "kv_heads", "head_dim")
+# The page pool is shared by all slots, so it is not split over the slot axes: any slot may own
+# any page. (Per-data-shard pools with slot affinity are a follow-up for multi-host meshes.)
+PAGE_POOL_AXES = ("layers", None, None, "kv_heads", "head_dim")
 
 
 def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len):
@@ -26,27 +30,65 @@ def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len
     (starts + the true number of new tokens; padding beyond it is written but never read).
     Returns (logits [b, t, vocab] fp32, new cache_k, new cache_v).
     """
+    rows = jnp.arange(tokens.shape[0])[:, None]
+
+    def write(c, layer, positions, x):
+        return c.at[layer, rows, positions].set(x.astype(c.dtype), mode="drop")
+
+    return _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, cache_k.shape[2],
+                   write, lambda c, layer: c[layer])
+
+
+def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_table, valid_len,
+                 k_len: int):
+    """`extend` against a paged cache (see `engine.pages`).
+
+    pool_k, pool_v: [layers, num_pages + 1, page_size, kv_heads, head_dim], the last page the
+    scratch page; page_table [b, pages_per_slot] int32: the pages of the slots involved, in
+    position order. Each layer writes the new keys/values through the table (positions past the
+    table go to the scratch page, like `extend`'s dropped writes) and reads the slots' pages back
+    gathered into a contiguous [b, k_len] view (k_len = the dense cache's max_len, so attention
+    runs on the same shapes and values as the dense engine: bit-identical results).
+    Returns (logits [b, t, vocab] fp32, new pool_k, new pool_v).
+    """
+    page_size, scratch = pool_k.shape[2], pool_k.shape[1] - 1
+    n_pages = page_table.shape[1]
+
+    def write(c, layer, positions, x):
+        idx = positions // page_size
+        page = jnp.take_along_axis(page_table, jnp.minimum(idx, n_pages - 1), axis=1)
+        page = jnp.where(idx < n_pages, page, scratch)
+        return c.at[layer, page, positions % page_size].set(x.astype(c.dtype))
+
+    def read(c, layer):
+        g = c[layer, page_table]  # [b, pages_per_slot, page_size, kv_heads, head_dim]
+        return g.reshape((g.shape[0], n_pages * page_size) + g.shape[3:])[:, :k_len]
+
+    return _extend(cfg, params, tokens, starts, pool_k, pool_v, valid_len, k_len, write, read)
+
+
+def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write, read):
+    """The layers run against a cache reached through `write(cache, layer, positions [b, t],
+    x [b, t, kv_heads, head_dim]) -> cache` and `read(cache, layer) -> [b, k_len, kv_heads,
+    head_dim]` (key position j of row i is position j of slot i's sequence)."""
     model = tfm.bind(cfg, params)
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    max_len = cache_k.shape[2]
-    k_pos = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (b, max_len))
+    k_pos = jnp.broadcast_to(jnp.arange(k_len, dtype=jnp.int32), (b, k_len))
     k_valid = k_pos < valid_len[:, None]
     ones_q = jnp.ones((b, t), jnp.int32)
-    ones_k = jnp.ones((b, max_len), jnp.int32)
+    ones_k = jnp.ones((b, k_len), jnp.int32)
     x = constrain(model.embed(tokens), ("batch", "seq", "embed"))
-
-    rows = jnp.arange(b)[:, None]
 
     def body(block, carry, window, layer):
         # The whole cache rides in the scan carry and is updated in place layer by layer.
         x, ck_all, cv_all = carry
         h = block.attn_norm(x)
         q, k, v = block.attn.project_qkv(h, positions)
-        ck_all = ck_all.at[layer, rows, positions].set(k.astype(ck_all.dtype), mode="drop")
-        cv_all = cv_all.at[layer, rows, positions].set(v.astype(cv_all.dtype), mode="drop")
+        ck_all = write(ck_all, layer, positions, k)
+        cv_all = write(cv_all, layer, positions, v)
         mask = attention_mask(positions, k_pos, ones_q, ones_k, window, k_valid)
-        ck, cv = ck_all[layer].astype(q.dtype), cv_all[layer].astype(q.dtype)
+        ck, cv = read(ck_all, layer).astype(q.dtype), read(cv_all, layer).astype(q.dtype)
         x = x + block.attn.output(attend(q, ck, cv, mask, block.attn.sink_logits()))
         y, _ = block.moe(block.mlp_norm(x))
         return (constrain(x + y, ("batch", "seq", "embed")), ck_all, cv_all), None

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from sfrrl_jax.engine.types import EngineError
-from sfrrl_jax.engine.model_step import extend
 from sfrrl_jax.engine.steps import DecodeState, EngineSteps, SlotRequest
 
 
@@ -66,11 +65,8 @@ class SlotRestorer:
                              np.int32(generated), np.int32(log.draws), np.bool_(active), request)
 
     def _fill_impl(self, params, state: DecodeState, slot, tokens, true_length):
-        row = lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1)
-        _, ck, cv = extend(self.steps.cfg, params, tokens, jnp.zeros((1,), jnp.int32), row(state.cache_k),
-                           row(state.cache_v), jnp.reshape(true_length, (1,)))
-        state.cache_k = jax.lax.dynamic_update_slice_in_dim(state.cache_k, ck.astype(state.cache_k.dtype), slot, axis=1)
-        state.cache_v = jax.lax.dynamic_update_slice_in_dim(state.cache_v, cv.astype(state.cache_v.dtype), slot, axis=1)
+        # through the steps' cache access, so a paged cache refills the slot's own pages
+        _, state = self.steps._extend_slot(params, state, slot, tokens, jnp.int32(0), true_length, cast=True)
         return state
 
     @staticmethod

@@ -11,6 +11,10 @@
 `params` is whatever the train step holds: no step copies or reshards it. Token arrays are
 padded to a bucket length so each step compiles once per bucket. The cache is indexed by
 absolute position; sliding-window layers mask, they don't evict.
+
+The cache is dense ([layers, max_slots, max_len, ...]) here; `engine.paged.PagedEngineSteps`
+overrides the three cache accesses (`_extend_all`, `_extend_slot`, `_write_prefix`) and the
+state's layout for a paged cache, and every step above is shared.
 """
 from __future__ import annotations
 
@@ -64,7 +68,9 @@ class SlotRequest:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    """All slots' decoding state. cache_k/v [layers, slots, max_len, kv_heads, head_dim]."""
+    """All slots' decoding state. Dense cache: cache_k/v [layers, slots, max_len, kv_heads,
+    head_dim], page_table None. Paged: cache_k/v [layers, num_pages + 1, page_size, kv_heads,
+    head_dim] (the last page is scratch) and page_table [slots, pages_per_slot] int32."""
 
     cache_k: jax.Array
     cache_v: jax.Array
@@ -74,6 +80,7 @@ class DecodeState:
     draws: jax.Array       # [slots] random draws made by the request (its random stream index)
     active: jax.Array      # [slots] bool: decoding
     request: SlotRequest   # fields [slots, ...]
+    page_table: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -226,17 +233,40 @@ class EngineSteps:
         state.request = jax.tree.map(upd, state.request, request)
         return state
 
-    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, request, first):
+    # -- cache access (dense here; engine.paged overrides) ---------------------------------------
+    def _extend_all(self, params, state: DecodeState, tokens, starts, valid_len):
+        """`extend` over every slot: (logits, new cache_k, new cache_v)."""
+        return extend(self.cfg, params, tokens, starts, state.cache_k, state.cache_v, valid_len)
+
+    def _extend_slot(self, params, state: DecodeState, slot, tokens, start, valid_len, cast=False):
+        """`extend` of one slot's sequence, tokens [1, t] at start..: (logits, state). `cast`
+        converts the written rows to the cache dtype once more (the restorer's historical form;
+        a no-op for values `extend` already wrote in that dtype)."""
+        row = lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1)
+        logits, ck, cv = extend(self.cfg, params, tokens, jnp.reshape(start, (1,)), row(state.cache_k),
+                                row(state.cache_v), jnp.reshape(valid_len, (1,)))
+        if cast:
+            ck, cv = ck.astype(state.cache_k.dtype), cv.astype(state.cache_v.dtype)
+        state.cache_k = jax.lax.dynamic_update_slice_in_dim(state.cache_k, ck, slot, axis=1)
+        state.cache_v = jax.lax.dynamic_update_slice_in_dim(state.cache_v, cv, slot, axis=1)
+        return logits, state
+
+    def _write_prefix(self, state: DecodeState, slot, prefix: Prefix) -> DecodeState:
+        """The prefill's cache (positions 0..bucket-1) into `slot`."""
         start = (0, slot, 0, 0, 0)
         state.cache_k = jax.lax.dynamic_update_slice(state.cache_k, prefix.cache_k.astype(self.cache_dtype), start)
         state.cache_v = jax.lax.dynamic_update_slice(state.cache_v, prefix.cache_v.astype(self.cache_dtype), start)
+        return state
+
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, request, first):
+        state = self._write_prefix(state, slot, prefix)
         return self._set_slot(state, slot, prefix.true_length, first, request, jnp.int32(1))
 
     def _generate_impl(self, params, state: DecodeState, steps: int):
         def one(state, _):
             was_active = state.active
-            logits, ck, cv = extend(self.cfg, params, state.last_token[:, None], state.lengths,
-                                    state.cache_k, state.cache_v, state.lengths + 1)
+            logits, ck, cv = self._extend_all(params, state, state.last_token[:, None], state.lengths,
+                                              state.lengths + 1)
             tok, lp, raw = sample(logits[:, 0], state.request.sampling, state.draws)
             lengths = state.lengths + was_active
             generated = state.generated + was_active
@@ -245,6 +275,7 @@ class EngineSteps:
                 cache_k=ck, cache_v=cv, lengths=lengths,
                 last_token=jnp.where(was_active, tok, state.last_token), generated=generated,
                 draws=state.draws + was_active, active=was_active & ~done, request=state.request,
+                page_table=state.page_table,
             )
             return new, ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=was_active, done=done)
 
@@ -254,12 +285,8 @@ class EngineSteps:
         return state, results
 
     def _append_impl(self, params, state: DecodeState, slot, tokens, true_length, request):
-        row = lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1)
         start = state.lengths[slot]
-        logits, ck, cv = extend(self.cfg, params, tokens, jnp.reshape(start, (1,)), row(state.cache_k),
-                                row(state.cache_v), jnp.reshape(start + true_length, (1,)))
-        state.cache_k = jax.lax.dynamic_update_slice_in_dim(state.cache_k, ck, slot, axis=1)
-        state.cache_v = jax.lax.dynamic_update_slice_in_dim(state.cache_v, cv, slot, axis=1)
+        logits, state = self._extend_slot(params, state, slot, tokens, start, start + true_length)
         draws = state.draws[slot]
         tok, lp, raw = self._sample_last(logits, true_length, request, draws)
         length = start + true_length
@@ -276,10 +303,15 @@ class EngineSteps:
 
 @functools.lru_cache(maxsize=32)
 def engine_steps(cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buckets=None,
-                 cache_dtype: str | None = None) -> EngineSteps:
-    """A shared `EngineSteps` per configuration, so engines built alike reuse compilations."""
-    return EngineSteps(cfg, mesh, max_slots, max_len, None if buckets is None else tuple(buckets),
-                       cache_dtype)
+                 cache_dtype: str | None = None, paging: tuple[int, int] | None = None) -> EngineSteps:
+    """A shared `EngineSteps` per configuration, so engines built alike reuse compilations.
+    paging: None for the dense cache, or (page_size, num_pages) for `engine.paged`'s."""
+    buckets = None if buckets is None else tuple(buckets)
+    if paging is None:
+        return EngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype)
+    from sfrrl_jax.engine.paged import PagedEngineSteps  # it subclasses EngineSteps
+    return PagedEngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype,
+                            page_size=paging[0], num_pages=paging[1])
 
 
 def _default_buckets(max_len: int) -> tuple[int, ...]:
