@@ -8,6 +8,10 @@ same trajectory appends to it; `release(handle)` frees the slot. Device work run
 thread so tool coroutines keep running on the event loop meanwhile; consecutive decode chunks (and
 the decode after an admission) run there back to back until a slot finishes or something arrives
 for the driver, so the device does not wait on the event loop between them.
+
+With `page_size` set the KV cache is paged (`engine.paged`): admission and decode account in
+pages, and a request that cannot get its pages waits; `engine.page_policy` states the policy
+(eviction of parked slots, preemption by recompute of the youngest running request).
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import numpy as np
 
 from sfrrl_jax.engine.types import Completion, GenerationRequest
 from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.engine.page_policy import PagingMixin
+from sfrrl_jax.engine.pages import PageTable, check_paging
 from sfrrl_jax.engine.recovery import EngineFailure, SlotLog, restorer_for  # noqa: F401 (re-export)
 from sfrrl_jax.engine.steps import SlotRequest, engine_steps
 from sfrrl_jax.models.api import mesh_of
@@ -51,6 +57,11 @@ class _Job:
     logprobs: list = dataclasses.field(default_factory=list)
     raw_logprobs: list = dataclasses.field(default_factory=list)
     feed: list | None = None  # an append's tokens for the device: the slot's pending token + the new ones
+    # paged cache (engine.page_policy): a preempted request's log to restore and keep decoding,
+    # an evicted trajectory's log to restore before its append, and the serial either keeps
+    resume: SlotLog | None = None
+    restore: SlotLog | None = None
+    serial: int | None = None
 
 
 class _DeviceFault(Exception):
@@ -68,14 +79,22 @@ class EngineStats:
     device_seconds: float = 0.0      # wall time inside device steps (block-until-ready)
     faults: int = 0                  # device steps that raised; each rebuilt the state
     restored_slots: int = 0          # slots refilled from their token logs after a fault
+    evictions: int = 0               # paged: parked slots evicted to the host (restored on append)
+    preemptions: int = 0             # paged: running requests preempted (restored by recompute)
 
     @property
     def slot_occupancy(self) -> float:
         return self.slot_steps_active / max(self.slot_steps_total, 1)
 
 
-class Engine:
+class Engine(PagingMixin):
     """Rollout engine over the training params (`set_params` after each optimizer update).
+
+    KV cache: dense (`page_size=None`, the default: max_slots x max_len tokens reserved), or paged
+    (`page_size` tokens a page, `num_pages` pages shared by all slots; None = as many tokens as
+    the dense cache), where a trajectory holds only the pages of its tokens so far and max_slots
+    can exceed what the dense cache would fit. See `engine.page_policy` for admission, eviction
+    and preemption.
 
     Fault tolerance: a device step that raises does not fail the requests. The driver drops the
     state, builds a fresh one and refills every occupied slot from the host's token log
@@ -91,13 +110,18 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params, *, max_slots: int = 8, max_len: int = 256,
                  buckets=None, decode_steps: int = 1, cache_dtype: str | None = None,
                  max_consecutive_faults: int = 3, idle_work: IdleWork | None = None,
-                 underfull_slots: int = 0, trace=None):
+                 underfull_slots: int = 0, trace=None, page_size: int | None = None,
+                 num_pages: int | None = None):
         if max_consecutive_faults < 0:
             raise ValueError(f"max_consecutive_faults must be >= 0, got {max_consecutive_faults}")
+        paging = check_paging(page_size, num_pages, max_len, max_slots)
         self.cfg = cfg
         self.params = params
         self.steps = engine_steps(cfg, mesh_of(params), max_slots, max_len,
-                                  None if buckets is None else tuple(buckets), cache_dtype)
+                                  None if buckets is None else tuple(buckets), cache_dtype, paging)
+        self._pt = None if paging is None else PageTable(max_slots, max_len, *paging)
+        self._table_version = -1                    # the page table version the state holds
+        self._evicted: dict[int, SlotLog] = {}      # paged: serial -> an evicted trajectory's log
         self.decode_steps = decode_steps
         self.max_consecutive_faults = max_consecutive_faults
         self.state = None
@@ -167,6 +191,7 @@ class Engine:
         """Allocates the KV cache (also done lazily by the first request)."""
         if self.state is None:
             self.state = self.steps.init_decode_state()
+            self._table_version = -1
 
     def release_memory(self) -> None:
         """Deletes the KV cache so training gets the memory; every slot must be free."""
@@ -175,14 +200,18 @@ class Engine:
                 f"release_memory with {len(self._running)} running, {len(self._parked)} parked, "
                 f"{len(self._queue)} queued requests: finish and release them first")
         self._discard_state()
-        self._free.extend(self._to_free)  # a fresh state has no stale slots to reset
+        self._return_slots(self._to_free)  # a fresh state has no stale slots to reset
         self._to_free = []
         self._logs.clear()
 
     @property
     def occupancy(self) -> dict:
-        return {"running": len(self._running), "parked": len(self._parked),
-                "free": len(self._free), "queued": len(self._queue)}
+        """Slots by state; paged: also free pages and evicted trajectories."""
+        out = {"running": len(self._running), "parked": len(self._parked),
+               "free": len(self._free), "queued": len(self._queue)}
+        if self._pt is not None:
+            out.update(pages_free=self._pt.free_count, evicted=len(self._evicted))
+        return out
 
     # -- async face -------------------------------------------------------------------------
     async def complete(self, request: GenerationRequest) -> Completion:
@@ -193,11 +222,12 @@ class Engine:
         )
         self.steps.pad(request.tokens)  # validates ids and length now, in the caller
         h = request.slot_handle
-        if h is not None and self._parked.get(h.slot) != h.serial:
+        log = None if h is None else self._handle_log(h)
+        if h is not None and log is None:
             raise ValueError(f"slot handle {h} is not parked on this engine (released or stale)")
-        if h is not None and len(self._logs[h.slot].context) + len(request.tokens) > self.steps.max_len:
+        if h is not None and len(log.context) + len(request.tokens) > self.steps.max_len:
             raise ValueError(
-                f"appending {len(request.tokens)} tokens to a slot holding {len(self._logs[h.slot].context)} "
+                f"appending {len(request.tokens)} tokens to a slot holding {len(log.context)} "
                 f"exceeds the engine's max_len={self.steps.max_len}")
         job = _Job(request, asyncio.get_running_loop().create_future(), slot_req)
         self._queue.append(job)
@@ -237,7 +267,11 @@ class Engine:
         if slot_handle is not None and self._parked.get(slot_handle.slot) == slot_handle.serial:
             del self._parked[slot_handle.slot]
             self._logs.pop(slot_handle.slot, None)
-            self._free.append(slot_handle.slot)
+            # Its pages can go at once: a parked slot is inactive on the device, and the next
+            # step's table upload points its row at scratch before any new owner writes them.
+            self._return_slots([slot_handle.slot])
+            self._kick()
+        elif slot_handle is not None and self._evicted.pop(getattr(slot_handle, "serial", None), None):
             self._kick()
 
     def _cancel(self, job: _Job):
@@ -298,7 +332,7 @@ class Engine:
                 # The state is lost: the next driver run rebuilds the parked slots first (their
                 # trajectories may still append), from scratch rather than from a stale count.
                 self._discard_state()
-                self._free.extend(self._to_free)
+                self._return_slots(self._to_free)
                 self._to_free = []
                 self._faults_in_a_row = 0
                 self._needs_rebuild = True
@@ -314,16 +348,17 @@ class Engine:
             try:
                 await self._device(self._free_on_device, slots)
             except _DeviceFault:
-                self._free.extend(slots)  # the rebuilt state starts with them free
+                self._return_slots(slots)  # the rebuilt state starts with them free
                 raise
-            self._free.extend(slots)
+            self._return_slots(slots)
         admitted = self._take_admissible()
         if admitted:
             firsts, chunks = await self._device(self._admit_on_device, admitted)
             self._faults_in_a_row = 0
             for job, first in zip(admitted, firsts):
-                if self._running.get(job.slot) is not job:
-                    continue  # cancelled while its prefill ran: its slot is already in _to_free
+                job.resume = job.restore = None
+                if self._running.get(job.slot) is not job or first is None:
+                    continue  # cancelled while its prefill ran (its slot is in _to_free), or resumed
                 self._push(job, first["tokens"], first["logprobs"], first["raw_logprobs"], bool(first["done"]))
             self._distribute(chunks)
             return True
@@ -332,6 +367,7 @@ class Engine:
         if len(self._running) <= self.underfull_slots:
             await self._run_idle_job()
         if self._running:
+            self._make_room_for_decode()
             self._distribute(await self._device(self._decode_chain))
             self._faults_in_a_row = 0
         return True
@@ -346,7 +382,7 @@ class Engine:
                 f"{self._faults_in_a_row} device faults in a row (max_consecutive_faults="
                 f"{self.max_consecutive_faults}); last: {type(error).__name__}: {error}") from error
         self._discard_state()
-        self._free.extend(self._to_free)  # a fresh state has them free already
+        self._return_slots(self._to_free)  # a fresh state has them free already
         self._to_free = []
         try:
             await self._device(self._rebuild_on_device, self._rebuild_plan())
@@ -361,6 +397,7 @@ class Engine:
     def _rebuild_on_device(self, plan) -> None:
         self._discard_state()
         self.allocate()
+        self._sync_pages()  # each kept slot is refilled into the pages it owns
         restorer = restorer_for(self.steps)
         t0 = time.perf_counter()
         for slot, log, job in plan:
@@ -390,40 +427,87 @@ class Engine:
         return True
 
     def _take_admissible(self) -> list[_Job]:
+        """Jobs that get their slot (and, paged, their pages) now; the rest stay queued. New
+        requests and resumed ones are first come, first served; appends go independently."""
         out, keep = [], collections.deque()
+        fifo_blocked = False
         while self._queue:
             job = self._queue.popleft()
             h = job.request.slot_handle
-            if h is not None:
-                if self._parked.get(h.slot) == h.serial:
-                    del self._parked[h.slot]
-                    job.slot = h.slot
-                    log = self._logs[h.slot]
-                    # The slot's last sampled token is not cached yet: it leads the append.
-                    job.feed = [log.context[-1]] + list(job.request.tokens)
-                    log.context.extend(job.request.tokens)
+            if job.resume is None and h is not None:
+                if not self._take_append(job, h):
+                    keep.append(job)
+                elif not job.future.done():
                     out.append(job)
-                else:
-                    job.future.set_exception(ValueError(f"slot handle {h} was released"))
-            elif self._free:
-                job.slot = self._free.pop(0)
-                self._logs[job.slot] = SlotLog(list(job.request.tokens))
-                out.append(job)
-            else:
+                continue
+            log = job.resume or SlotLog(list(job.request.tokens))
+            cached = len(log.context) - (job.resume is not None)  # a resumed log's last is pending
+            # A resumed request may evict parked slots (it was running); a new one only waits.
+            slot = None if fifo_blocked else self._free_slot(evict=job.resume is not None)
+            if slot is None or not self._fits_or_evict(slot, cached, evict=job.resume is not None):
+                fifo_blocked = True
                 keep.append(job)
+                continue
+            self._free.remove(slot)
+            job.slot = slot
+            self._logs[slot] = log
+            out.append(job)
         self._queue = keep
         for job in out:
             self._running[job.slot] = job
-            if job.request.slot_handle is None:
+            if job.serial is not None:  # a resumed or restored trajectory keeps its serial
+                self._serials[job.slot] = job.serial
+            elif job.request.slot_handle is None:
                 self._serial += 1
                 self._serials[job.slot] = self._serial
         return out
 
+    def _take_append(self, job: _Job, h) -> bool:
+        """Admits an append into its parked slot, or (paged) restores an evicted trajectory into a
+        free slot first; False when it must wait for pages or a slot. A released handle fails
+        the job (and returns True: it leaves the queue)."""
+        if self._parked.get(h.slot) == h.serial:
+            log = self._logs[h.slot]
+            if not self._fits_or_evict(h.slot, len(log.context) + len(job.request.tokens), keep=h.slot):
+                return False
+            del self._parked[h.slot]
+            job.slot = h.slot
+        elif h.serial in self._evicted:
+            log = self._evicted[h.serial]
+            slot = self._free_slot(evict=True)
+            if slot is None or not self._fits_or_evict(slot, len(log.context) + len(job.request.tokens)):
+                return False
+            del self._evicted[h.serial]
+            self._free.remove(slot)
+            job.slot, job.serial = slot, h.serial
+            job.restore = SlotLog(list(log.context), log.draws)  # the slot before this append
+            self._logs[slot] = log
+        else:
+            job.future.set_exception(ValueError(f"slot handle {h} was released"))
+            return True
+        # The slot's last sampled token is not cached yet: it leads the append.
+        job.feed = [log.context[-1]] + list(job.request.tokens)
+        log.context.extend(job.request.tokens)
+        return True
+
     def _admit_on_device(self, jobs: list[_Job]):
         self.allocate()
+        self._sync_pages()
         t0 = time.perf_counter()
         firsts = []
         for job in jobs:
+            if job.resume is not None or job.restore is not None:
+                # paged: a preempted request (then it decodes on) or an evicted trajectory (then
+                # its append follows) comes back by recompute from its log
+                running = job.resume is not None
+                self.state = restorer_for(self.steps).restore(
+                    self.params, self.state, job.slot, job.resume or job.restore,
+                    len(job.tokens) if running else 0, running, job.slot_req if running else SlotRequest.make())
+                self.stats.restored_slots += 1
+                if running:
+                    jax.block_until_ready(self.state)
+                    firsts.append(None)
+                    continue
             if job.feed is None:
                 tokens = list(job.request.tokens)
                 padded = self.steps.pad(tokens)
@@ -441,11 +525,11 @@ class Engine:
             # host's wait for an admission.
             jax.block_until_ready(self.state)
             firsts.append(first)
-        firsts = jax.device_get([_fields(f) for f in firsts])
+        firsts = [None if f is None else jax.device_get(_fields(f)) for f in firsts]
         self._account("prefill", t0)
         # The loop would decode next (unless an underfull batch gives idle work a turn first):
         # start at once rather than after a round trip through the event loop.
-        decoding = len(self._running) - sum(bool(f["done"]) for f in firsts)
+        decoding = len(self._running) - sum(bool(f["done"]) for f in firsts if f is not None)
         return firsts, (self._decode_chain() if decoding > self.underfull_slots else [])
 
     def _decode_chain(self) -> list[dict]:
@@ -454,23 +538,30 @@ class Engine:
         release, cancel or idle work arrived) and the batch is not underfull (idle work's turn).
         Each round trip through the event loop costs host time in which the device idles, ms per
         chunk while tool coroutines run. The tokens are the same: sampling is keyed per slot.
-        Returns each chunk's results, in order."""
+        Returns each chunk's results, in order.
+        A paged cache reserves each chunk's pages before it starts; the chain ends at one it
+        cannot reserve (possibly the first: then the loop makes room, see `engine.page_policy`).
+        """
         kicks = self._kicks
-        chunks = [self._decode_on_device()]
-        while (not chunks[-1]["done"].any() and self._kicks == kicks
-               and len(self._running) > self.underfull_slots):
+        chunks = []
+        while (not chunks or (not chunks[-1]["done"].any() and self._kicks == kicks
+                              and len(self._running) > self.underfull_slots)):
+            if not self._reserve_chunk():
+                break
             chunks.append(self._decode_on_device())
         return chunks
 
     def _free_on_device(self, slots: list[int]) -> None:
         if self.state is None:
             return  # no state yet (or dropped): every slot of the next one starts free
+        self._sync_pages()
         for slot in slots:
             self.state = self.steps.free_resource(self.state, slot)
         jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
 
     def _decode_on_device(self):
         t0 = time.perf_counter()
+        self._sync_pages()
         self.state, results = self.steps.generate(self.params, self.state, self.decode_steps)
         results = jax.device_get(_fields(results))
         self._account("decode", t0)

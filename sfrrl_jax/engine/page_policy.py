@@ -1,0 +1,126 @@
+"""How the driver spends a paged KV cache's pages (`Engine(page_size=..., num_pages=...)`).
+
+Accounting is in pages, never in slots x max_len. A slot holds the pages for its cached tokens
+plus the next decode chunk, taken as it grows and returned when it ends:
+
+* Admission. A new request takes a free slot and the pages for its prompt + one decode chunk
+  (`decode_steps` tokens); an append (tool observation) grows its parked slot by the observation
+  + one chunk. What cannot get its pages waits in the queue: never an overflow, never another
+  slot's page. New requests are admitted first come, first served (one that waits holds back the
+  new ones behind it, so a long prompt is not starved by short ones); appends to parked slots are
+  looked at independently, as continuing trajectories.
+* Decode. Before each decode chunk the driver reserves, for every running slot, the pages that
+  chunk can write (cached tokens + decode_steps); a chain of chunks stops at the first chunk it
+  cannot reserve and goes back to the event loop. Decode never starts a chunk without its pages.
+* Making room (on the loop, only when a chunk's pages are short, or an append/resume cannot get
+  pages): first *evict* the least recently parked slot: its pages and slot return to the pool,
+  its token log stays on the host, and its next append restores it by recompute (the fault
+  restorer's prefill over the log) into whichever slot is free; the trajectory's handle keeps
+  working (its serial names it). Only with nothing parked left, *preempt* the youngest running
+  request by recompute: its slot is freed, it is requeued at the front and restored from its log
+  (same sampling keys: seed and draw index) when pages return. New requests never evict or
+  preempt anything: they wait.
+  Restores recompute the KV by one prefill over the log, so a restored sequence's later
+  logprobs may differ from an uninterrupted one's in float rounding (as after a fault).
+* Returns. A slot's pages go back when its trajectory is released, when a cancelled request's
+  slot is reset on the device, on eviction/preemption, and when fault recovery drops a slot;
+  a fault's refill puts each kept slot back into the pages it already owns.
+
+Liveness: one sequence of max_len tokens always fits (`check_paging`), running requests always
+progress (preemption), and every parked trajectory's append can evict the others.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from sfrrl_jax.engine.pages import PageTable
+from sfrrl_jax.engine.recovery import SlotLog
+
+
+class PagingMixin:
+    """The `Engine` driver's page bookkeeping (`self._pt` is None for the dense cache)."""
+
+    _pt: PageTable | None
+
+    def _sync_pages(self) -> None:
+        """Uploads the host page table into the state if it changed (on the worker thread,
+        before a device step: the loop only ever changes the table between steps' uses)."""
+        if self._pt is None or self.state is None:
+            return
+        version, table = self._pt.snapshot()
+        if version != self._table_version or self.state.page_table is None:
+            self.state.page_table = self.steps.upload_table(table)
+            self._table_version = version
+
+    def _return_slots(self, slots) -> None:
+        """Slots back to the free pool, with their pages."""
+        for slot in slots:
+            if self._pt is not None:
+                self._pt.release(slot)
+            self._free.append(slot)
+
+    def _fits(self, slot: int, tokens: int) -> bool:
+        """Gives `slot` the pages for `tokens` cached tokens + one decode chunk."""
+        return self._pt is None or self._pt.ensure(slot, tokens + self.decode_steps)
+
+    def _handle_log(self, h) -> SlotLog | None:
+        """The log of the trajectory a handle names: parked in its slot, or evicted (paged)."""
+        if self._parked.get(h.slot) == h.serial:
+            return self._logs[h.slot]
+        return self._evicted.get(h.serial)
+
+    def _free_slot(self, evict: bool) -> int | None:
+        if not self._free and evict and self._pt is not None:
+            self._evict_lru_parked()
+        return self._free[0] if self._free else None
+
+    def _fits_or_evict(self, slot: int, tokens: int, evict: bool = True, keep: int | None = None) -> bool:
+        """`_fits`, evicting least recently parked slots (not `keep`) while `evict` allows."""
+        while not self._fits(slot, tokens):
+            if not evict or not self._evict_lru_parked(keep=keep if keep is not None else slot):
+                return False
+        return True
+
+    def _evict_lru_parked(self, keep: int | None = None) -> bool:
+        """Evicts the least recently parked slot other than `keep`; False if there is none."""
+        for slot in self._parked:
+            if slot != keep:
+                serial = self._parked.pop(slot)
+                self._evicted[serial] = self._logs.pop(slot)
+                self._return_slots([slot])
+                self.stats.evictions += 1
+                return True
+        return False
+
+    def _reserve_chunk(self) -> bool:
+        """Pages for the next decode chunk of every running slot (worker thread, between chunks)."""
+        if self._pt is None:
+            return True
+        lengths = np.asarray(self.state.lengths)  # the device's truth mid-chain
+        return self._pt.ensure_many({s: int(lengths[s]) + self.decode_steps for s in list(self._running)})
+
+    def _make_room_for_decode(self) -> None:
+        """Evicts parked slots, then preempts the youngest running ones, until every running slot
+        has the pages for its next chunk (on the loop, no device step in flight)."""
+        if self._pt is None:
+            return
+        while True:
+            wants = {s: len(self._logs[s].context) - 1 + self.decode_steps for s in self._running}
+            if self._pt.ensure_many(wants):
+                return
+            if self._evict_lru_parked():
+                continue
+            if len(self._running) < 2:  # check_paging guarantees one sequence fits
+                raise AssertionError(f"one running slot cannot get its pages: {wants}")
+            slot, job = list(self._running.items())[-1]  # admitted last
+            del self._running[slot]
+            job.serial = self._serials.pop(slot)
+            job.resume = self._logs.pop(slot)
+            job.slot = None
+            # Its pages return now; the slot itself only after its device reset (it is still
+            # active there): the next upload points its row at scratch, so until that reset its
+            # discarded decoding writes only the scratch page.
+            self._pt.release(slot)
+            self._to_free.append(slot)
+            self._queue.appendleft(job)
+            self.stats.preemptions += 1
