@@ -121,7 +121,10 @@ def attention_mask(q_pos, k_pos, q_seg, k_seg, window, k_valid=None) -> jax.Arra
 
 
 def attend(q, k, v, mask, sinks=None) -> jax.Array:
-    """Grouped-query attention core.
+    """Grouped-query attention core, naive: builds the full [batch, kv_heads, group, q_len, k_len]
+    fp32 scores (kept for the backward). The reference for `models.attention.blockwise_attention`,
+    which the training forward uses unless cfg.attention_impl == 'naive'; the engine's KV-cache
+    steps call this one.
 
     q [batch, q_len, heads, head_dim]; k, v [batch, k_len, kv_heads, head_dim];
     mask [batch, q_len, k_len] bool; sinks [heads] learned logits that join the softmax
