@@ -29,7 +29,8 @@ from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.page_policy import PagingMixin
 from sfrrl_jax.engine.pages import PageTable, check_paging
 from sfrrl_jax.engine.recovery import EngineFailure, SlotLog, restorer_for  # noqa: F401 (re-export)
-from sfrrl_jax.engine.steps import SlotRequest, engine_steps
+from sfrrl_jax.engine.paged import engine_steps
+from sfrrl_jax.engine.steps import SlotRequest
 from sfrrl_jax.models.api import mesh_of
 
 

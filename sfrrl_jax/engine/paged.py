@@ -19,6 +19,8 @@ window are not returned early (per-layer-type pools are a follow-up).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,3 +101,15 @@ class PagedEngineSteps(EngineSteps):
         state = super()._free_impl(state, slot)
         state.page_table = state.page_table.at[slot].set(self.scratch_page)
         return state
+
+
+@functools.lru_cache(maxsize=32)
+def engine_steps(cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buckets=None,
+                 cache_dtype: str | None = None, paging: tuple[int, int] | None = None) -> EngineSteps:
+    """A shared `EngineSteps` per configuration, so engines built alike reuse compilations.
+    paging: None for the dense cache, or (page_size, num_pages) for `engine.paged`'s."""
+    buckets = None if buckets is None else tuple(buckets)
+    if paging is None:
+        return EngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype)
+    return PagedEngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype,
+                            page_size=paging[0], num_pages=paging[1])

@@ -12,7 +12,7 @@
 padded to a bucket length so each step compiles once per bucket. The cache is indexed by
 absolute position; sliding-window layers mask, they don't evict.
 
-The cache is dense ([layers, max_slots, max_len, ...]) here; `engine.paged.PagedEngineSteps`
+The cache is dense ([layers, max_slots, max_len, ...]) here; `engine.paged.PagedEngineSteps` (and the `engine_steps` factory)
 overrides the three cache accesses (`_extend_all`, `_extend_slot`, `_write_prefix`) and the
 state's layout for a paged cache, and every step above is shared.
 """
@@ -299,19 +299,6 @@ class EngineSteps:
         state.lengths = state.lengths.at[slot].set(0)
         state.generated = state.generated.at[slot].set(0)
         return state
-
-
-@functools.lru_cache(maxsize=32)
-def engine_steps(cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buckets=None,
-                 cache_dtype: str | None = None, paging: tuple[int, int] | None = None) -> EngineSteps:
-    """A shared `EngineSteps` per configuration, so engines built alike reuse compilations.
-    paging: None for the dense cache, or (page_size, num_pages) for `engine.paged`'s."""
-    buckets = None if buckets is None else tuple(buckets)
-    if paging is None:
-        return EngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype)
-    from sfrrl_jax.engine.paged import PagedEngineSteps  # it subclasses EngineSteps
-    return PagedEngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype,
-                            page_size=paging[0], num_pages=paging[1])
 
 
 def _default_buckets(max_len: int) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ import numpy as np
 import sfrrl_jax as S
 from sfrrl_jax.engine import SlotRequest
 from sfrrl_jax.engine.pages import PageTable
-from sfrrl_jax.engine.steps import engine_steps
+from sfrrl_jax.engine.paged import engine_steps
 
 from model_fixtures import TINY_GPT_OSS, host, randomize
 
