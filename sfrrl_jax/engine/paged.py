@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.model_step import PAGE_POOL_AXES, extend_paged

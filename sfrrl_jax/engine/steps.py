@@ -19,7 +19,6 @@ state's layout for a paged cache, and every step above is shared.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
