@@ -8,6 +8,9 @@ Mesh axes:
   data    -- replicas of the params; the batch is split over it.
   expert  -- experts are split over it (expert parallelism); outside the MoE layer it acts as a
              further batch axis, so no device holds idle replicas of the attention work.
+  context -- a training sequence is split over it (context parallelism, `models.context_parallel`):
+             activations [batch, seq, ...] shard their `seq` dim here; attention all-gathers the
+             keys/values along it. Outside attention it is one more token axis (MoE, engine slots).
   tensor  -- dense weights (heads, mlp hidden, vocab) may be split over it.
 """
 from __future__ import annotations
@@ -22,14 +25,18 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 # The mesh's axis names: spelt here once, used everywhere by these constants.
-DATA_AXIS, EXPERT_AXIS, TENSOR_AXIS = "data", "expert", "tensor"
-MESH_AXES = (DATA_AXIS, EXPERT_AXIS, TENSOR_AXIS)
-TOKEN_AXES = (DATA_AXIS, EXPERT_AXIS)  # the axes tokens (batch rows, engine slots) are split over
+DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, TENSOR_AXIS = "data", "expert", "context", "tensor"
+MESH_AXES = (DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, TENSOR_AXIS)
+BATCH_AXES = (DATA_AXIS, EXPERT_AXIS)  # the axes a batch's rows are split over
+# The axes tokens are split over: rows over BATCH_AXES, then each row's sequence over `context`.
+# A [batch, seq] array so sharded and flattened row-major is split over TOKEN_AXES in this order
+# (the MoE layer's token shards; engine slots use them all too).
+TOKEN_AXES = (DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS)
 
 # Logical name -> mesh axis (or tuple of mesh axes, or None = replicated). One table.
 LOGICAL_AXIS_RULES: Mapping[str, Any] = {
-    "batch": TOKEN_AXES,
-    "seq": None,
+    "batch": BATCH_AXES,
+    "seq": CONTEXT_AXIS,
     "layers": None,
     "embed": None,
     "vocab": TENSOR_AXIS,
@@ -49,13 +56,15 @@ def make_mesh(
     expert: int = 1,
     tensor: int = 1,
     devices: Sequence[jax.Device] | None = None,
+    *,
+    context: int = 1,
 ) -> Mesh:
-    """Builds the single mesh `(data, expert, tensor)` over all (or the given) devices.
+    """Builds the single mesh `(data, expert, context, tensor)` over all (or the given) devices.
 
     Axis types are `Auto`: XLA propagates shardings through the dense parts, and the MoE layer
     enters `shard_map` explicitly. The product of the sizes must equal the device count.
     """
-    sizes = {DATA_AXIS: data, EXPERT_AXIS: expert, TENSOR_AXIS: tensor}
+    sizes = {DATA_AXIS: data, EXPERT_AXIS: expert, CONTEXT_AXIS: context, TENSOR_AXIS: tensor}
     for name, size in sizes.items():
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"make_mesh: axis {name!r} must be a positive int, got {size!r}")
@@ -63,14 +72,14 @@ def make_mesh(
     product = math.prod(sizes.values())
     if product != len(devices):
         raise ValueError(
-            f"make_mesh: data={data} x expert={expert} x tensor={tensor} = {product} devices, "
+            f"make_mesh: data={data} x expert={expert} x context={context} x tensor={tensor} = {product} devices, "
             f"but {len(devices)} devices are available ({devices[0].platform}); "
             "the product of the axis sizes must equal the device count"
         )
     # Keep process-local devices contiguous on the leading axes (multi-host: `data` crosses hosts,
-    # `expert`/`tensor` stay within a host where possible).
+    # `expert`/`context`/`tensor` stay within a host where possible).
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-    arr = np.asarray(devices, dtype=object).reshape(data, expert, tensor)
+    arr = np.asarray(devices, dtype=object).reshape(data, expert, context, tensor)
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
@@ -100,7 +109,8 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Mapping[str, Any]
 
 
 def fit_spec_to_shape(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
-    """Drops mesh axes from dimensions they don't divide (e.g. 2 kv heads over tensor=4)."""
+    """Drops mesh axes from dimensions they don't divide (e.g. 2 kv heads over tensor=4), and
+    axes the mesh does not have (a mesh built by hand without `context`, say)."""
     fitted = []
     for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
         if entry is None:
@@ -109,6 +119,8 @@ def fit_spec_to_shape(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
         axes = (entry,) if isinstance(entry, str) else tuple(entry)
         keep = []
         for a in axes:
+            if a not in mesh.shape:
+                continue
             if dim % (math.prod(mesh.shape[k] for k in keep) * mesh.shape[a]) == 0:
                 keep.append(a)
         fitted.append(None if not keep else (keep[0] if len(keep) == 1 else tuple(keep)))

@@ -9,11 +9,13 @@ from sfrrl_jax.mesh import LOGICAL_AXIS_RULES, logical_to_spec, sharding_for
 
 def test_make_mesh_axes_and_sizes():
     mesh = S.make_mesh(data=2, expert=4)
-    assert mesh.axis_names == ("data", "expert", "tensor")
-    assert dict(mesh.shape) == {"data": 2, "expert": 4, "tensor": 1}
+    assert mesh.axis_names == ("data", "expert", "context", "tensor")
+    assert dict(mesh.shape) == {"data": 2, "expert": 4, "context": 1, "tensor": 1}
+    mesh = S.make_mesh(expert=2, context=4)
+    assert dict(mesh.shape) == {"data": 1, "expert": 2, "context": 4, "tensor": 1}
 
 
-@pytest.mark.parametrize("sizes", [dict(data=3), dict(data=2, expert=2), dict(expert=16)])
+@pytest.mark.parametrize("sizes", [dict(data=3), dict(data=2, expert=2), dict(expert=16), dict(context=3)])
 def test_make_mesh_wrong_product_names_sizes_and_device_count(sizes):
     with pytest.raises(ValueError) as e:
         S.make_mesh(**sizes)
@@ -30,9 +32,10 @@ def test_make_mesh_rejects_non_positive():
 
 def test_logical_rules_table_drives_specs():
     assert logical_to_spec(("experts", "embed", "mlp")) == P("expert", None, "tensor")
-    assert logical_to_spec(("batch", "seq", "embed")) == P(("data", "expert"), None, None)
+    # rows over (data, expert), each row's sequence over context
+    assert logical_to_spec(("batch", "seq", "embed")) == P(("data", "expert"), "context", None)
     # an axis already used earlier in the spec is not reused
-    assert logical_to_spec(("slots", "batch")) == P(("data", "expert"), None)
+    assert logical_to_spec(("slots", "batch")) == P(("data", "expert", "context"), None)
     with pytest.raises(KeyError, match="logical axis 'nope' has no rule"):
         logical_to_spec(("nope",))
 

@@ -94,8 +94,10 @@ class ExperimentConfig:
     model / model_overrides: a `ModelConfig.preset` name and fields to override. With `hf_path`
       the weights and config come from that HF directory; `model` then names the expected preset
       (its shapes must match the directory's config.json), or None to skip that check.
-    mesh_data / mesh_expert / mesh_tensor: the one mesh; the product must equal the device count
-      (`num_devices` states it up front, so a config is validated without the devices).
+    mesh_data / mesh_expert / mesh_context / mesh_tensor: the one mesh; the product must equal the
+      device count (`num_devices` states it up front, so a config is validated without the
+      devices). mesh_context > 1 splits each training sequence over that many devices (context
+      parallelism, `models.context_parallel`).
     rollout: 'workload' (the seeded long-tail workload, `workload` below) or a factory
       `fn(experiment_cfg, model_cfg) -> RolloutSource`.
     num_steps: total RL steps of the run (a resumed run continues up to it).
@@ -110,6 +112,7 @@ class ExperimentConfig:
     hf_dtype: str | None = None
     mesh_data: int = 1
     mesh_expert: int = 1
+    mesh_context: int = 1
     mesh_tensor: int = 1
     num_devices: int | None = None
     trainer: TrainerConfig = TrainerConfig()
@@ -143,7 +146,7 @@ class ExperimentConfig:
         if not isinstance(self.model_overrides, dict):
             raise ValueError(f"{own}.model_overrides must be a dict of ModelConfig fields, got "
                              f"{self.model_overrides!r}")
-        check_int_fields(self, ("mesh_data", "mesh_expert", "mesh_tensor", "num_steps", "keep_checkpoints",
+        check_int_fields(self, ("mesh_data", "mesh_expert", "mesh_context", "mesh_tensor", "num_steps", "keep_checkpoints",
                                 "log_every"), 1)
         check_int(f"{own}.checkpoint_every", self.checkpoint_every, 0)
         check_int(f"{own}.num_devices", self.num_devices, 1, optional=True)
@@ -151,7 +154,8 @@ class ExperimentConfig:
         check_bool_fields(self, ("async_checkpoint", "resume", "progress_bar", "tensorboard"))
         if self.num_devices is not None and self.num_devices != self.mesh_size:
             raise ValueError(f"{own}: mesh_data={self.mesh_data} x mesh_expert={self.mesh_expert} x "
-                             f"mesh_tensor={self.mesh_tensor} = {self.mesh_size}, but num_devices="
+                             f"mesh_context={self.mesh_context} x mesh_tensor={self.mesh_tensor} = "
+                             f"{self.mesh_size}, but num_devices="
                              f"{self.num_devices}")
         if not (self.rollout == "workload" or callable(self.rollout)):
             raise ValueError(f"{own}.rollout={self.rollout!r}; use 'workload' or a factory "
@@ -163,7 +167,7 @@ class ExperimentConfig:
 
     @property
     def mesh_size(self) -> int:
-        return self.mesh_data * self.mesh_expert * self.mesh_tensor
+        return self.mesh_data * self.mesh_expert * self.mesh_context * self.mesh_tensor
 
 
 # -- validation (no devices, no allocation) -----------------------------------------------------
@@ -212,7 +216,8 @@ def validate_experiment(cfg: ExperimentConfig, num_devices: int | None = None) -
     n = n if n is not None else jax.device_count()
     if cfg.mesh_size != n:
         raise ValueError(f"ExperimentConfig mesh data={cfg.mesh_data} x expert={cfg.mesh_expert} x "
-                         f"tensor={cfg.mesh_tensor} = {cfg.mesh_size} devices, but the run has {n}")
+                         f"context={cfg.mesh_context} x tensor={cfg.mesh_tensor} = {cfg.mesh_size} devices, "
+                         f"but the run has {n}")
     model_cfg, _ = resolve_model_config(cfg)
     if model_cfg.n_experts % cfg.mesh_expert:
         raise ValueError(f"ModelConfig.n_experts={model_cfg.n_experts} ({model_cfg.name}) is not divisible "
@@ -322,8 +327,11 @@ def _drop_metrics_after(path: Path, first_redone_step: int) -> int:
 
 def run_fingerprint(cfg: ExperimentConfig, model_cfg: ModelConfig) -> dict:
     """The configs that decide what the run computes (not how long, how often it logs, ...)."""
+    mesh = [cfg.mesh_data, cfg.mesh_expert, cfg.mesh_tensor]
+    if cfg.mesh_context > 1:   # appended only when used, so runs from before the axis still resume
+        mesh.append(["context", cfg.mesh_context])
     return config_fingerprint(model=model_cfg, trainer=cfg.trainer, loss=cfg.loss,
-                              optimizer=cfg.optimizer, seed=cfg.seed, mesh=[cfg.mesh_data, cfg.mesh_expert, cfg.mesh_tensor],
+                              optimizer=cfg.optimizer, seed=cfg.seed, mesh=mesh,
                               rollout=cfg.workload if cfg.rollout == "workload" else repr(cfg.rollout))
 
 
@@ -338,7 +346,8 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
     check_run_dir(cfg)   # before anything is written there
     run_dir.mkdir(parents=True, exist_ok=True)
     model_cfg = validate_experiment(cfg, jax.device_count())
-    mesh = make_mesh(data=cfg.mesh_data, expert=cfg.mesh_expert, tensor=cfg.mesh_tensor)
+    mesh = make_mesh(data=cfg.mesh_data, expert=cfg.mesh_expert, tensor=cfg.mesh_tensor,
+                     context=cfg.mesh_context)
     check_mesh_fits(model_cfg, mesh)
     source = build_rollout_source(cfg, model_cfg)
     fingerprint = run_fingerprint(cfg, model_cfg)

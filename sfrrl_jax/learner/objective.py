@@ -21,6 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from sfrrl_jax.models.context_parallel import per_context_shard
 from sfrrl_jax.rl.aggregation import SequenceLayout
 from sfrrl_jax.rl.logprobs import token_logprobs_and_entropy
 from sfrrl_jax.rl.loss_fn import BASE_FIELDS, LAYOUT_FIELDS, Loss, LossInputs
@@ -85,8 +86,12 @@ def microbatch_objective(
     """
     tokens = batch["tokens"]
     hidden, unembed, aux = forward_fn(params, tokens, batch.get("segment_ids"), batch.get("positions"))
-    logp, entropy = token_logprobs_and_entropy(
-        hidden, unembed.astype(hidden.dtype), shift_left(tokens), loss.vocab_chunk, loss.seq_chunk)
+    # Per token, so each context shard computes its own tokens' log-probs (no sequence gather).
+    def logprobs(h, targets, w):
+        return token_logprobs_and_entropy(h, w, targets, loss.vocab_chunk, loss.seq_chunk)
+
+    logp, entropy = per_context_shard(logprobs, (hidden, shift_left(tokens)),
+                                      (unembed.astype(hidden.dtype),), n_out=2)
     parts = objective_from_logprobs(loss, logp, entropy, batch)
     den = jax.lax.stop_gradient(parts.denominator)
     numerator = parts.numerator

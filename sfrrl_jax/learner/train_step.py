@@ -308,9 +308,10 @@ class TrainStep:
 
 
 def _batch_sharding(mesh, shape) -> NamedSharding:
-    """Batch dim over the token axes of the mesh where it divides, the rest replicated."""
+    """Rows over the batch axes of the mesh, a [batch, seq, ...] array's seq over `context`
+    (each where it divides), the rest replicated."""
     from sfrrl_jax.mesh import sharding_for  # the one rules table
-    axes = ("batch",) + (None,) * (len(shape) - 1)
+    axes = ("batch",) + (("seq",) if len(shape) > 1 else ()) + (None,) * (len(shape) - 2)
     return sharding_for(mesh, axes, shape)
 
 

@@ -6,6 +6,7 @@ turns those into shardings. Parameters are stored in `cfg.param_dtype` and cast 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -15,6 +16,7 @@ from flax import nnx
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import constrain
 from sfrrl_jax.models.attention import blockwise_attention
+from sfrrl_jax.models.context_parallel import context_parallel_attention, context_size
 
 
 def param(rngs: nnx.Rngs | None, init: str, shape, logical_axes, cfg: ModelConfig) -> nnx.Param:
@@ -200,15 +202,28 @@ class Attention(nnx.Module):
 
         window: int scalar, may be traced (0 = unlimited). cfg.attention_impl picks the core:
         'blockwise' never builds a [s, s] array (forward or backward); 'naive' is the reference.
+        Under a mesh with a `context` axis > 1 the sequence is split over it and the core runs
+        on each shard's queries against all-gathered keys (`models.context_parallel`).
         """
-        cfg = self.cfg
         q, k, v = self.project_qkv(x, positions)
-        if cfg.attention_impl == "blockwise":
-            out = blockwise_attention(q, k, v, positions, positions, segment_ids, segment_ids, window,
-                                      self.sink_logits(), block_q=cfg.attention_block_q,
-                                      block_k=cfg.attention_block_k)
-            out = constrain(out, ("batch", "seq", "heads", "head_dim"))  # its block layout is internal
+        core = attention_core(self.cfg)
+        if context_size() > 1:
+            out = context_parallel_attention(core, q, k, v, positions, segment_ids, window,
+                                             self.sink_logits())
         else:
-            mask = attention_mask(positions, positions, segment_ids, segment_ids, window)
-            out = attend(q, k, v, mask, self.sink_logits())
+            out = core(q, k, v, positions, positions, segment_ids, segment_ids, window, self.sink_logits())
+        # The cores' internal layouts (blocks, gathers) are their own; pin the result's.
+        out = constrain(out, ("batch", "seq", "heads", "head_dim"))
         return self.output(out)
+
+
+def attention_core(cfg: ModelConfig):
+    """The attention core cfg.attention_impl names, as
+    core(q, k, v, q_pos, k_pos, q_seg, k_seg, window, sinks) -> [b, q_len, heads, head_dim]."""
+    if cfg.attention_impl == "blockwise":
+        return functools.partial(blockwise_attention, block_q=cfg.attention_block_q,
+                                 block_k=cfg.attention_block_k)
+
+    def naive(q, k, v, q_pos, k_pos, q_seg, k_seg, window, sinks):
+        return attend(q, k, v, attention_mask(q_pos, k_pos, q_seg, k_seg, window), sinks)
+    return naive

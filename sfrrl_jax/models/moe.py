@@ -233,7 +233,7 @@ def moe_experts(cfg: ModelConfig, x, ids, weights, w: dict):
     """Expert outputs combined with routing weights. x [tokens, embed] -> [tokens, embed].
 
     Under a mesh with an `expert` axis this runs in `shard_map`; tokens are split over
-    (data, expert), padded to a multiple of that product (padding rows are dropped after).
+    (data, expert, context), padded to a multiple of that product (padding rows are dropped after).
     """
     # the concrete mesh when the model runs inside a user's jit on params closed over (mesh.py)
     mesh = concrete_mesh_in_trace() or jax.sharding.get_abstract_mesh()
@@ -242,14 +242,15 @@ def moe_experts(cfg: ModelConfig, x, ids, weights, w: dict):
     n_shards = mesh.shape[EXPERT_AXIS]
     if cfg.n_experts % n_shards:
         raise ValueError(f"n_experts={cfg.n_experts} is not divisible by the mesh's expert axis ({n_shards})")
-    token_shards = math.prod(mesh.shape[a] for a in TOKEN_AXES)
+    token_axes = tuple(a for a in TOKEN_AXES if a in mesh.shape)
+    token_shards = math.prod(mesh.shape[a] for a in token_axes)
     n = x.shape[0]
     pad = (-n) % token_shards
     if pad:
         x = jnp.pad(x, ((0, pad), (0, 0)))
         ids = jnp.pad(ids, ((0, pad), (0, 0)))
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
-    tok = P(TOKEN_AXES, None)
+    tok = P(token_axes, None)
     body = functools.partial(_dispatch_compute_combine, cfg, n_shards)
     y = jax.shard_map(
         body, mesh=mesh, in_specs=(tok, tok, tok, _weight_specs(cfg, w, mesh)), out_specs=tok,

@@ -19,6 +19,7 @@ from flax import nnx
 
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import constrain
+from sfrrl_jax.models.context_parallel import from_zigzag, pad_for_context, to_zigzag
 from sfrrl_jax.models.layers import Attention, Embed, RMSNorm, cdtype, param
 from sfrrl_jax.models.moe import MoE
 
@@ -154,6 +155,11 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, p
     """
     model = bind(cfg, params)
     segment_ids, positions = default_positions_and_segments(tokens, segment_ids, positions)
+    # Context parallelism (a no-op without a `context` mesh axis): pad to 2 x context chunks and
+    # run the layers in zig-zag order, which balances causal attention over the shards.
+    tokens, segment_ids, positions, seq_len = pad_for_context(tokens, segment_ids, positions)
+    tokens, segment_ids, positions = (to_zigzag(constrain(a, ("batch", "seq")))
+                                      for a in (tokens, segment_ids, positions))
     token_mask = segment_ids > 0
     x = constrain(model.embed(tokens), ("batch", "seq", "embed"))
 
@@ -162,7 +168,8 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, p
 
     x, metrics = run_layers(cfg, model.layers, x, body)
     aux = {k: jnp.mean(v) for k, v in metrics.items()}
-    return model.final_norm(x), aux
+    hidden = from_zigzag(model.final_norm(x))[:, :seq_len]
+    return constrain(hidden, ("batch", "seq", "embed")), aux
 
 
 def unembedding(cfg: ModelConfig, params: Params) -> jax.Array:

@@ -129,7 +129,7 @@ def test_nan_weights_in_a_checkpoint_are_named_at_resume(done_run, tiny_gin, tmp
     run_dir = _copy(done_run, tmp_path)
     cfg = gin_bindings.load_job([tiny_gin], [f"ExperimentConfig.run_dir = '{run_dir}'"]).experiment
     model_cfg = validate_experiment(cfg)
-    mesh = make_mesh(data=cfg.mesh_data, expert=cfg.mesh_expert, tensor=cfg.mesh_tensor)
+    mesh = make_mesh(data=cfg.mesh_data, expert=cfg.mesh_expert, tensor=cfg.mesh_tensor, context=cfg.mesh_context)
     abstract = dict(zip(("params", "opt_state"), abstract_params_and_opt_state(
         model_cfg, mesh, cfg.optimizer, shared_train_step(model_cfg, cfg.loss, cfg.optimizer))))
     ckpt = Checkpointer(run_dir / "checkpoints", save_every=1, async_save=False)
