@@ -15,7 +15,7 @@ RouterKind = Literal["softmax_topk", "topk_softmax"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 LayerType = Literal["full", "sliding"]
 Dispatch = Literal["padded", "ragged"]
-Remat = Literal["none", "full", "dots", "dots_no_batch"]
+Remat = Literal["none", "full", "dots", "dots_no_batch", "attention_out", "dots_attention_out"]
 RopeType = Literal["default", "yarn"]
 AttentionImpl = Literal["blockwise", "naive"]
 

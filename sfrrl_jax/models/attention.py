@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 _F32_MIN = float(jnp.finfo(jnp.float32).min)
 _INT_MAX = int(jnp.iinfo(jnp.int32).max)
@@ -201,6 +202,9 @@ def _blocked_attention(qb, kb, vb, sinks, q_pos, k_pos, q_seg, k_seg, window, li
 
 def _blocked_fwd(qb, kb, vb, sinks, q_pos, k_pos, q_seg, k_seg, window, live, use_sinks):
     out, lse = _forward(qb, kb, vb, sinks, q_pos, k_pos, q_seg, k_seg, window, live, use_sinks)
+    # Named for the 'attention_out' remat policies: saving these spares the backward a re-run of
+    # this forward (the inputs q, k, v are cheap projections to recompute).
+    out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
     # Residuals are O(seq): inputs, output, logsumexp. No [q_len, k_len] array survives.
     return out, (qb, kb, vb, sinks, q_pos, k_pos, q_seg, k_seg, window, live, out, lse)
 

@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import constrain
@@ -212,8 +213,9 @@ class Attention(nnx.Module):
                                              self.sink_logits())
         else:
             out = core(q, k, v, positions, positions, segment_ids, segment_ids, window, self.sink_logits())
-        # The cores' internal layouts (blocks, gathers) are their own; pin the result's.
-        out = constrain(out, ("batch", "seq", "heads", "head_dim"))
+        # The cores' internal layouts (blocks, gathers) are their own; pin the result's. The name
+        # lets the 'attention_out' remat policies keep it (the blockwise core names its own too).
+        out = checkpoint_name(constrain(out, ("batch", "seq", "heads", "head_dim")), "attention_out")
         return self.output(out)
 
 

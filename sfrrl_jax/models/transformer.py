@@ -109,10 +109,21 @@ def _init_pure(cfg: ModelConfig, key) -> Params:
 
 # -- forward ------------------------------------------------------------------------------------
 
+# Per-layer rematerialisation (cfg.remat): what the backward keeps of each layer's forward.
+#   full: only the layer input; everything is recomputed.
+#   dots / dots_no_batch: matmul results (all / those without batch dims) are kept.
+#   attention_out: the attention core's output and softmax log-sum-exp (names set in
+#     models.layers / models.attention) are kept, so the backward recomputes the cheap
+#     projections and the MoE but never re-runs the O(seq^2) attention forward.
+#   dots_attention_out: both of the above.
+_ATTENTION_NAMES = jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse")
 _REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "attention_out": _ATTENTION_NAMES,
+    "dots_attention_out": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots, _ATTENTION_NAMES),
 }
 
 
