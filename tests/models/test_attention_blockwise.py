@@ -112,7 +112,9 @@ def test_bf16_inputs_stay_close_and_keep_dtypes():
     np.testing.assert_allclose(host(got.astype(jnp.float32)), host(want), atol=3e-2)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gpt_oss"])
+# gpt_oss has every attention feature (sinks, windows, biases); qwen3's qk-norm sits before the
+# core, and the core's own cases are above (one model keeps the suite in its time budget).
+@pytest.mark.parametrize("name", ["gpt_oss"])
 def test_model_forward_blockwise_equals_naive(name):
     """Through the whole model (scanned layers, per-layer traced windows, sinks on gpt_oss),
     packed rows with padding: logits and param grads agree. Param grads of sum(logits * w) reach
