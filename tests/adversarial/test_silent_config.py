@@ -212,6 +212,9 @@ def test_wrong_type_or_range_fails_validate_only_naming_the_field(tiny_gin, bind
     (lambda: ExperimentConfig(run_dir="/x", num_devices=True), "ExperimentConfig.num_devices must be an int >= 1 "
                                                                "or None, got True (bool)"),
     (lambda: ModelConfig.preset("tiny-moe", rms_eps=math.nan), "ModelConfig.rms_eps must be > 0 and finite"),
+    (lambda: ExperimentConfig(run_dir="/x", mesh_context=0), "ExperimentConfig.mesh_context must be >= 1, got 0"),
+    (lambda: ExperimentConfig(run_dir="/x", mesh_data=2, mesh_context=4, num_devices=4),
+     "mesh_data=2 x mesh_expert=1 x mesh_context=4 x mesh_tensor=1 = 8, but num_devices=4"),
 ])
 def test_nan_negative_and_mistyped_config_values_are_named(make, named):
     with pytest.raises(ValueError) as e:
