@@ -17,6 +17,7 @@ import numpy as np
 
 from sfrrl_jax.agents.loop import AgentConfig, run_many
 from sfrrl_jax.agents.protocols import Environment, Task
+from sfrrl_jax.agents.reward_fns import reward_component_means
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine
 
@@ -27,7 +28,8 @@ def evaluate(model_cfg: ModelConfig, params, env: Environment, tokenizer, tasks:
              return_trajectories: bool = False) -> dict:
     """Scores `tasks` -> {'success_rate', 'mean_reward', 'num_tasks', 'num_trajectories',
     'mean_generated_tokens', 'mean_tool_calls', 'tool_error_rate', 'finish/<reason>' (shares),
-    'wall_s'} (+ 'trajectories' with `return_trajectories`)."""
+    'wall_s', 'reward/<name>' (each reward function's mean, as the trainer logs them)}
+    (+ 'trajectories' with `return_trajectories`)."""
     if not tasks:
         raise ValueError("evaluate: no tasks")
     if agent_cfg.max_total_tokens > max_len:
@@ -54,6 +56,7 @@ def evaluate(model_cfg: ModelConfig, params, env: Environment, tokenizer, tasks:
         "mean_tool_calls": calls / len(trajs),
         "tool_error_rate": sum(t.num_tool_errors for t in trajs) / calls if calls else 0.0,
         **{f"finish/{k}": v / len(trajs) for k, v in sorted(finish.items())},
+        **reward_component_means(trajs),
         "wall_s": wall,
     }
     if return_trajectories:

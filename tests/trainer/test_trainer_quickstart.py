@@ -125,6 +125,8 @@ def test_evaluate_scores_every_task_through_the_engine(tokenizer):
     trajs = r.pop("trajectories")
     assert r["num_tasks"] == r["num_trajectories"] == 6 and [t.task_id for t in trajs] == [t.task_id for t in tasks]
     assert r["success_rate"] == 0.0  # an untrained model does not produce <answer>N</answer>
+    # each reward function's mean, under the trainer's metric names
+    assert r["reward/answer_correct"] == np.mean([t.metadata["rewards"]["answer_correct"] for t in trajs])
     assert sum(v for k, v in r.items() if k.startswith("finish/")) == pytest.approx(1.0)
     assert r["mean_generated_tokens"] == np.mean([t.num_generated for t in trajs]) > 0
     again = evaluate(cfg, params, env, tokenizer, tasks, agent, max_slots=4, max_len=128, buckets=(16, 128),
