@@ -155,8 +155,13 @@ class RLStep:
                 await self.collect_groups()
             except BaseException:
                 await self.cancel_leftovers()
+                await self.free_cache_after_failure()
                 raise
-            await self.end_rollout()
+            try:
+                await self.end_rollout()
+            except BaseException:
+                await self.free_cache_after_failure()
+                raise
         finally:
             # Whatever ends the rollout (an error included: too few groups survived dynamic
             # sampling, an EngineError), the engine must not keep calling into this step.
@@ -203,6 +208,16 @@ class RLStep:
         still running, so their slots are released before the error leaves the step."""
         await self._stop_in_flight()
         self.engine.set_idle_work(None)
+
+    async def free_cache_after_failure(self) -> None:
+        """A failed step frees the KV cache as a finished rollout does, so whatever the caller does
+        next (evaluate, save, retry the step) has the memory. Only when no request is left: a
+        slot still held means the failure is the engine's own, and its recovery owns the state."""
+        self.engine.set_idle_work(None)
+        await self.engine.wait_idle()
+        occ = self.engine.occupancy
+        if not (occ["running"] or occ["parked"] or occ["queued"]):
+            self.engine.release_memory()
 
     async def end_rollout(self) -> None:
         cfg = self.cfg

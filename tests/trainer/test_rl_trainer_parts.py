@@ -201,6 +201,7 @@ def test_a_failed_step_leaves_the_engine_without_idle_work():
     assert seen and seen[0] is not None  # the step installed its hook ...
     assert engine.idle_work is None      # ... and removed it when it failed
     assert engine.occupancy["running"] == 0 and engine.occupancy["parked"] == 0
+    assert engine.state is None          # the KV cache was freed as after a finished rollout
 
 
 # -- a custom loss and an optax transformation ------------------------------------------------------------
