@@ -41,19 +41,11 @@ def sample(logits, sp: SamplingParams, token_index):
     raw_logp = jax.nn.log_softmax(logits, axis=-1)
     greedy = sp.temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, sp.temperature)[:, None]
-    # One descending sort serves both top-k and top-p.
-    sorted_logits = -jnp.sort(-scaled, axis=-1)
     vocab = logits.shape[-1]
-    rank = jnp.arange(vocab)[None, :]
-    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, vocab), vocab)
-    keep_sorted = rank < k[:, None]
-    probs_sorted = jax.nn.softmax(jnp.where(keep_sorted, sorted_logits, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted  # mass strictly above each token
-    keep_sorted &= (before < sp.top_p[:, None]) | (rank == 0)
-    # Threshold in value space: ties at the cut-off are kept together.
-    n_keep = jnp.sum(keep_sorted, axis=-1)
-    cutoff = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
-    filtered = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    # The vocabulary sort that top-k / top-p need runs only when some sampled row asks for one
+    # (a device-side cond): plain temperature sampling, the common RL setting, skips it.
+    filters = ~greedy & (((sp.top_k > 0) & (sp.top_k < vocab)) | (sp.top_p < 1.0))
+    filtered = jax.lax.cond(jnp.any(filters), _top_k_top_p, lambda x, *_: x, scaled, sp.top_k, sp.top_p)
     sample_logp = jax.nn.log_softmax(filtered, axis=-1)
 
     def draw(seed, idx, row):
@@ -65,3 +57,22 @@ def sample(logits, sp: SamplingParams, token_index):
     pick = lambda a: jnp.take_along_axis(a, tokens[:, None], axis=-1)[:, 0]
     logp = jnp.where(greedy, 0.0, pick(sample_logp))
     return tokens, logp, pick(raw_logp)
+
+
+def _top_k_top_p(scaled, top_k, top_p):
+    """scaled [b, vocab] with every token outside a row's top-k / top-p set to -inf (rows with
+    top_k 0 and top_p 1 unchanged)."""
+    # One descending sort serves both top-k and top-p.
+    sorted_logits = -jnp.sort(-scaled, axis=-1)
+    vocab = scaled.shape[-1]
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    keep_sorted = rank < k[:, None]
+    probs_sorted = jax.nn.softmax(jnp.where(keep_sorted, sorted_logits, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted  # mass strictly above each token
+    # top_p 1 keeps everything (the cumulative sum can round to 1 before the tail)
+    keep_sorted &= (before < top_p[:, None]) | (rank == 0) | (top_p[:, None] >= 1.0)
+    # Threshold in value space: ties at the cut-off are kept together.
+    n_keep = jnp.sum(keep_sorted, axis=-1)
+    cutoff = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
+    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)

@@ -136,6 +136,21 @@ def test_sampling_filters_and_logprobs_hand_computed():
     assert host(again[0])[::-1].tolist() == host(t0).tolist()
 
 
+def test_unfiltered_rows_sample_the_same_whether_or_not_a_neighbour_filters():
+    """The vocabulary sort runs only when some row uses top-k/top-p; rows that use neither get
+    the same tokens and log-probs on both paths (top_p 1 keeps the whole tail on the sort path)."""
+    logits = jax.random.normal(jax.random.key(0), (3, 512)) * 3.0
+    plain = SamplingParams(temperature=jnp.array([1.0, 0.7, 1.0]), top_k=jnp.zeros(3, jnp.int32),
+                           top_p=jnp.ones(3), seed=jnp.arange(3, dtype=jnp.uint32))
+    mixed = SamplingParams(plain.temperature, jnp.array([0, 0, 5], jnp.int32), jnp.array([1.0, 1.0, 0.9]), plain.seed)
+    for i in range(20):
+        a = sample(logits, plain, jnp.full((3,), i))
+        b = sample(logits, mixed, jnp.full((3,), i))
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(host(x)[:2], host(y)[:2])
+        assert int(b[0][2]) in set(np.argsort(-np.asarray(logits[2]))[:5].tolist())
+
+
 def test_slot_request_validation():
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         SlotRequest.make(temperature=-0.1)
