@@ -143,7 +143,8 @@ class RLStep:
         self.acc = None
         self.train_device_s = 0.0
         self.trained_during_rollout = 0.0
-        self.trained = {"tokens": 0, "on_policy_tokens": 0, "microsteps": 0, "early_microsteps": 0}
+        self.trained = {"tokens": 0, "on_policy_tokens": 0, "microsteps": 0, "early_microsteps": 0,
+                        "positions": 0, "padding_positions": 0}
         self.t_start = self.t_rollout = 0.0
         self.stats0 = None
 
@@ -405,6 +406,11 @@ class RLStep:
         tr.timeline.add(name, "train", t0, t1)
         self.train_device_s += t1 - t0
         self.trained["microsteps"] += 1
+        # Packing efficiency: positions the micro-step computed vs those holding padding (segment 0).
+        seg = unit.batch.get("segment_ids")
+        if isinstance(seg, np.ndarray):  # host batches (built by trainer.batching)
+            self.trained["positions"] += int(np.size(seg))
+            self.trained["padding_positions"] += int(np.sum(np.asarray(seg) == 0))
 
     def metrics(self, wall: float) -> dict:
         s, s0, counts, groups = self.engine.stats, self.stats0, self.counts, self.kept
@@ -444,6 +450,9 @@ class RLStep:
             "engine/restored_slots": s.restored_slots - s0.restored_slots,
             "train/trained_tokens": trained,
             "train/microsteps": self.trained["microsteps"],
+            # share of the micro-steps' [rows, width] positions that were padding (0 = perfect packing)
+            "train/padding_share": (self.trained["padding_positions"] / self.trained["positions"]
+                                    if self.trained["positions"] else 0.0),
             "train/early_microsteps": self.trained["early_microsteps"],
         }
 
