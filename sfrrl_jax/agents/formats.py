@@ -136,8 +136,29 @@ class CompactFormat:
         return _tagged_calls(text, "<|call|>", "<|/call|>", decode, ("<|end|>", "<|eos|>"))
 
 
+def split_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</think>") -> tuple[str, str]:
+    """(reasoning, the rest) of a turn that may start with a thinking block.
+
+    `<think>R</think>REST` -> (R, REST). A turn that holds only `R</think>REST` (the template put
+    `<think>` into the prompt, as Qwen3's does with thinking on) is split the same way. An
+    unterminated `<think>R` (the turn ran out of tokens while thinking) is all reasoning: nothing in
+    it is an answer or a call. Text without the tags is all rest. Whitespace around parts is
+    stripped."""
+    close = text.find(close_tag)
+    opened = text.find(open_tag)
+    if close >= 0 and (opened < 0 or opened < close):
+        start = opened + len(open_tag) if opened >= 0 else 0
+        before = text[:opened] if opened >= 0 else ""
+        return text[start:close].strip(), (before + text[close + len(close_tag):]).strip()
+    if opened >= 0:
+        return text[opened + len(open_tag):].strip(), text[:opened].strip()
+    return "", text
+
+
 class Qwen3Format:
-    """Qwen3 / Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks."""
+    """Qwen3 / Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, after an
+    optional `<think>...</think>` block that goes to `reasoning` and is never parsed for calls
+    (a thought may mention `<tool_call>` without making one)."""
 
     name = "qwen3"
 
@@ -148,7 +169,9 @@ class Qwen3Format:
                 return dataclasses.replace(obj, raw=raw)
             return _call(obj.get("name"), obj.get("arguments", obj.get("parameters")), index, raw)
 
-        return _tagged_calls(text, "<tool_call>", "</tool_call>", decode, ("<|im_end|>", "<|endoftext|>"))
+        reasoning, rest = split_reasoning(text)
+        turn = _tagged_calls(rest, "<tool_call>", "</tool_call>", decode, ("<|im_end|>", "<|endoftext|>"))
+        return dataclasses.replace(turn, reasoning=reasoning)
 
 
 _HARMONY_TERMINATORS = ("<|end|>", "<|call|>", "<|return|>")

@@ -115,6 +115,10 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                 gen_lo, gen_hi = builder.append_generated(completion.tokens, completion.logprobs)
                 parsed = fmt.parse(tokenizer.decode(completion.tokens))
                 assistant: dict = {"role": "assistant", "content": parsed.content}
+                if parsed.reasoning:
+                    # HF's key for it: templates that keep reasoning (Qwen3 within a tool loop)
+                    # render it from here; the trajectory's tokens are the generated ones anyway.
+                    assistant["reasoning_content"] = parsed.reasoning
                 if parsed.tool_calls:
                     assistant["tool_calls"] = [c.as_message_entry() for c in parsed.tool_calls]
                 messages.append(assistant)

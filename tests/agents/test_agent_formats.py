@@ -1,7 +1,7 @@
 """Tool-call parsing for each format (valid, malformed, nested, several per turn) and the schema check."""
 import pytest
 
-from sfrrl_jax.agents.formats import CompactFormat, HarmonyFormat, Qwen3Format, get_format
+from sfrrl_jax.agents.formats import CompactFormat, HarmonyFormat, ParsedTurn, Qwen3Format, get_format
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 from sfrrl_jax.agents.schema import validate
 
@@ -53,9 +53,26 @@ def test_qwen3_valid_nested_and_several():
             + json.dumps({"name": "search", "arguments": NESTED}) + "\n</tool_call>\n<tool_call>\n"
             '{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}\n</tool_call><|im_end|>')
     parsed = Qwen3Format().parse(text)
-    assert parsed.content == "<think>plan</think>Checking."
+    assert parsed.content == "Checking." and parsed.reasoning == "plan"
     assert [(c.name, c.arguments, c.call_id) for c in parsed.calls] == [
         ("search", NESTED, "call_0"), ("calculator", {"expression": "1+1"}, "call_1")]
+
+
+def test_qwen3_thinking_is_split_off_before_calls_are_parsed():
+    # the reported case: a thought that mentions <tool_call> is not a call, and the answer survives
+    parsed = Qwen3Format().parse('<think>\nI might use <tool_call> later\n</think>\n\nDone.')
+    assert parsed.calls == () and parsed.content == "Done."
+    assert parsed.reasoning == "I might use <tool_call> later"
+    # the template opened <think> in the prompt: the turn starts inside the thought
+    parsed = Qwen3Format().parse('step 1 <tool_call>{"name": "x"}</tool_call></think>'
+                                 '<tool_call>{"name": "calc", "arguments": {"a": 1}}</tool_call><|im_end|>')
+    assert [c.name for c in parsed.calls] == ["calc"] and parsed.content == ""
+    assert parsed.reasoning.startswith("step 1")
+    # out of tokens while thinking: all reasoning, no call, no answer
+    parsed = Qwen3Format().parse('<think>maybe <tool_call>{"name": "calc", "arguments": {}}</tool_call>')
+    assert parsed.calls == () and parsed.content == "" and parsed.reasoning.startswith("maybe")
+    # no thinking block: unchanged
+    assert Qwen3Format().parse("plain answer<|im_end|>") == ParsedTurn(content="plain answer")
 
 
 def test_qwen3_errors():
