@@ -14,7 +14,7 @@ Family = Literal["qwen3_moe", "gpt_oss", "mixtral"]
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 LayerType = Literal["full", "sliding"]
-Dispatch = Literal["padded", "ragged"]
+Dispatch = Literal["padded", "ragged", "llep"]
 Remat = Literal["none", "full", "dots", "dots_no_batch", "attention_out", "dots_attention_out"]
 RopeType = Literal["default", "yarn"]
 AttentionImpl = Literal["blockwise", "naive"]
@@ -164,6 +164,9 @@ class ModelConfig:
     compute_dtype: str = "float32"
     remat: Remat = "none"
     moe_dispatch: Dispatch = "padded"
+    # 'llep' (models/llep.py) spills tokens of overloaded experts only when the busiest device's
+    # native load is >= llep_threshold x the mean (the paper's lambda; its code's default 1.3).
+    llep_threshold: float = 1.3
     router_aux_coef: float = 0.0
     router_z_coef: float = 0.0
     # Training/prefill attention: 'blockwise' (flash-style online softmax over
@@ -186,6 +189,7 @@ class ModelConfig:
                             lo_open=True)
         check_number_fields(self, ("rope_beta_fast", "rope_beta_slow", "init_std", "router_aux_coef",
                                    "router_z_coef"), 0)
+        check_number("ModelConfig.llep_threshold", self.llep_threshold, 1)  # a max/mean ratio is >= 1
         for k in ("param_dtype", "compute_dtype"):
             check_str(f"ModelConfig.{k}", getattr(self, k))
         if self.n_heads % self.n_kv_heads:

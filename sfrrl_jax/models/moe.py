@@ -12,6 +12,8 @@ Two exchange paths compute the same function, chosen by `cfg.moe_dispatch`:
   'ragged' -- `ragged_all_to_all` of only the rows that move (GPU/TPU). On CPU, where XLA has
               no ragged_all_to_all, an all-gather emulation with the same semantics stands in,
               so the offset logic is tested on CPU.
+  'llep'   -- least-loaded EP (models/llep.py): overloaded experts' excess tokens and weights are
+              spilled to the least-loaded devices; the same exchange, fewer rows per device.
 Capacity is the worst case (every assignment to one shard), so no token is ever dropped.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import (EXPERT_AXIS, TENSOR_AXIS, TOKEN_AXES, concrete_mesh_in_trace, fit_spec_to_shape,
                             logical_to_spec)
+from sfrrl_jax.models import llep
 from sfrrl_jax.models.grouped_matmul import grouped_matmul
 from sfrrl_jax.models.layers import cdtype, param
 
@@ -165,6 +168,12 @@ def _ragged_exchange(x, output, input_offsets, send_sizes, output_offsets, recv_
 
 def _dispatch_compute_combine(cfg: ModelConfig, n_shards: int, x, ids, weights, w):
     """Per-device body. x [n, embed] local tokens; ids/weights [n, k]; w local expert weights."""
+    if n_shards > 1 and cfg.moe_dispatch == "llep":
+        # least-loaded EP (models/llep.py) with this module's expert compute and exchange
+        def ffn(rows, group_ids, groups, w_):
+            return _sum_mlp_shards(expert_ffn(cfg, rows, group_ids, groups, w_), w_, cfg)
+        return llep.dispatch_compute_combine(cfg, n_shards, x, ids, weights, w, ffn=ffn,
+                                             exchange=_ragged_exchange)
     n, k = ids.shape
     a = n * k
     n_local = cfg.n_experts // n_shards
