@@ -17,7 +17,7 @@ LayerType = Literal["full", "sliding"]
 Dispatch = Literal["padded", "ragged", "llep"]
 Remat = Literal["none", "full", "dots", "dots_no_batch", "attention_out", "dots_attention_out"]
 RopeType = Literal["default", "yarn"]
-AttentionImpl = Literal["blockwise", "naive"]
+AttentionImpl = Literal["blockwise", "pallas", "naive"]
 
 
 # -- field checks shared by the config dataclasses ----------------------------------------------
@@ -170,9 +170,11 @@ class ModelConfig:
     router_aux_coef: float = 0.0
     router_z_coef: float = 0.0
     # Training/prefill attention: 'blockwise' (flash-style online softmax over
-    # attention_block_q x attention_block_k tiles, memory linear in seq, models/attention.py) or
-    # 'naive' (the full [seq, seq] score tensor; the reference). The engine's KV-cache steps use
-    # the naive core either way.
+    # attention_block_q x attention_block_k tiles, memory linear in seq, models/attention.py),
+    # 'pallas' (the same function as Pallas/Triton GPU kernels, models/attention_pallas.py: ~3x
+    # blockwise's speed on an H200; interpreted, so slow, on other backends; its tiles are the
+    # block sizes rounded down to a power of two in [16, 128]) or 'naive' (the full [seq, seq]
+    # score tensor; the reference).
     attention_impl: AttentionImpl = "blockwise"
     attention_block_q: int = 512
     attention_block_k: int = 512
