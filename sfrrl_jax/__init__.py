@@ -25,13 +25,16 @@ from sfrrl_jax.agents import (AgentConfig, CalculatorTool, Environment, Function
                               generate_countdown_tasks, get_task_kind, load_tasks_jsonl, named, qa_environment,
                               register_task_kind, registered_task_kinds, reward_component_means, run_agent,
                               run_many, save_tasks_jsonl, tool_error_penalty, unregister_task_kind)
+from sfrrl_jax.agents import (BFCL_CATEGORIES, CodeTestsVerifier, FunctionCallingEnvironment, bfcl_tasks,
+                              code_tests_reward, function_call_match, humaneval_tasks, load_tasks, math_environment,
+                              math_equal, reasoning_gym_tasks, verify_math, verify_reasoning_gym)
 from sfrrl_jax.agents.rewards import extract_answer
 from sfrrl_jax.checkpoints import (Checkpointer, abstract_trainer_state, load_hf, load_trainer_state, save_hf,
                                    trainer_state)
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine, EngineProtocol, generate
 from sfrrl_jax.learner import OptimizerConfig, TrainStep, make_train_step
-from sfrrl_jax.mesh import (DATA_AXIS, EXPERT_AXIS, LOGICAL_AXIS_RULES, TENSOR_AXIS, make_mesh,
+from sfrrl_jax.mesh import (CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS, LOGICAL_AXIS_RULES, TENSOR_AXIS, make_mesh,
                             shard_by_logical)
 from sfrrl_jax.models import forward, init_params, param_logical_axes
 from sfrrl_jax.rl import (AdvantageConfig, Loss, LossConfig, LossInputs, ObjectiveParts, compute_advantages,
@@ -42,7 +45,7 @@ from sfrrl_jax.trainer import (AgentRollout, RLTrainer, RolloutFn, RunLogger, Ta
 
 __all__ = [
     # mesh and models
-    "DATA_AXIS", "EXPERT_AXIS", "LOGICAL_AXIS_RULES", "TENSOR_AXIS", "ModelConfig", "forward", "init_params",
+    "CONTEXT_AXIS", "DATA_AXIS", "EXPERT_AXIS", "LOGICAL_AXIS_RULES", "TENSOR_AXIS", "ModelConfig", "forward", "init_params",
     "make_mesh", "param_logical_axes", "shard_by_logical",
     # checkpoints: Hugging Face formats and resumable trainer state
     "Checkpointer", "abstract_trainer_state", "load_hf", "load_trainer_state", "save_hf", "trainer_state",
@@ -56,6 +59,10 @@ __all__ = [
     "get_task_kind", "load_tasks_jsonl", "named", "qa_environment", "register_task_kind", "registered_task_kinds",
     "reward_component_means", "run_agent", "run_many", "save_tasks_jsonl", "tool_error_penalty",
     "unregister_task_kind",
+    # task sets from files and packages (math, reasoning-gym, HumanEval code, BFCL function calling)
+    "BFCL_CATEGORIES", "CodeTestsVerifier", "FunctionCallingEnvironment", "bfcl_tasks", "code_tests_reward",
+    "function_call_match", "humaneval_tasks", "load_tasks", "math_environment", "math_equal",
+    "reasoning_gym_tasks", "verify_math", "verify_reasoning_gym",
     # losses, advantages, the train step
     "AdvantageConfig", "Loss", "LossConfig", "LossInputs", "ObjectiveParts", "OptimizerConfig", "TrainStep",
     "compute_advantages", "loss_from_config", "make_train_step", "policy_loss", "sft_loss",

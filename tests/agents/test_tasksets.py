@@ -16,10 +16,15 @@ from sfrrl_jax.agents.tasksets.function_calling import ground_truth_calls
 from sfrrl_jax.testing import ScriptedEngine
 from sfrrl_jax.tokenizer import load_tokenizer
 
-needs_bfcl = pytest.mark.skipif(
-    importlib.util.find_spec("bfcl_eval") is None,
-    reason="bfcl-eval is not installed: pip install --no-deps 'bfcl-eval==2026.3.23' (its numpy pin conflicts "
-           "with jax, so it cannot be in the [test] extra)")
+@pytest.fixture
+def _bfcl_installed():
+    """The README's test command installs bfcl-eval; without it these tests fail (never skip)."""
+    if importlib.util.find_spec("bfcl_eval") is None:
+        pytest.fail("bfcl-eval is not installed: python3 -m pip install --no-deps 'bfcl-eval==2026.3.23' "
+                    "(its numpy pin conflicts with jax, so it cannot be in the [test] extra)")
+
+
+needs_bfcl = pytest.mark.usefixtures("_bfcl_installed")
 
 
 def _traj(final_text="", messages=()):
