@@ -114,3 +114,29 @@ def test_bad_inputs_get_clear_errors():
         S.forward(cfg, params, ok, segment_ids=np.ones((2, 3), np.int32))
     with pytest.raises(ValueError, match="n_experts=6 is not divisible by the mesh's expert axis size 4"):
         S.init_params(TINY.replace(n_experts=6), S.make_mesh(data=2, expert=4))
+
+
+def test_top_k_by_argmax_is_lax_top_k_and_keeps_tokens_sharded():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from sfrrl_jax.models.moe import route, top_k_by_argmax
+
+    x = jax.random.normal(jax.random.key(0), (64, 16))
+    x = x.at[3, 5].set(x[3, 7])  # a tie: the lower expert id comes first, as in lax.top_k
+    for k in (1, 2, 4):
+        want_v, want_i = jax.lax.top_k(x, k)
+        got_v, got_i = top_k_by_argmax(x, k)
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+        g_want = jax.grad(lambda a: jnp.sum(jax.lax.top_k(a, k)[0] ** 2))(x)
+        g_got = jax.grad(lambda a: jnp.sum(top_k_by_argmax(a, k)[0] ** 2))(x)
+        np.testing.assert_array_equal(np.asarray(g_got), np.asarray(g_want))
+    # routing tokens split over 8 devices gathers no [tokens, experts] array (lax.top_k's did)
+    mesh = S.make_mesh(data=2, expert=4)
+    cfg = S.ModelConfig.preset("tiny-moe")
+    xs = jax.device_put(jax.random.normal(jax.random.key(1), (64, cfg.d_model)),
+                        NamedSharding(mesh, PartitionSpec(("data", "expert"))))
+    w = jax.random.normal(jax.random.key(2), (cfg.d_model, cfg.n_experts))
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(lambda a: route(cfg, a, w)[:2]).lower(xs).compile().as_text()
+    assert f",{cfg.n_experts}]" not in "".join(l for l in hlo.splitlines() if "all-gather" in l)
