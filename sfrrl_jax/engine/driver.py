@@ -115,7 +115,7 @@ class Engine(PagingMixin):
                  num_pages: int | None = None):
         if max_consecutive_faults < 0:
             raise ValueError(f"max_consecutive_faults must be >= 0, got {max_consecutive_faults}")
-        paging = check_paging(page_size, num_pages, max_len, max_slots)
+        paging = check_paging(page_size, num_pages, max_len, max_slots, cfg.layer_windows, decode_steps)
         self.cfg = cfg
         self.params = params
         self.steps = engine_steps(cfg, mesh_of(params), max_slots, max_len,
@@ -474,9 +474,9 @@ class Engine(PagingMixin):
             del self._parked[h.slot]
             job.slot = h.slot
         elif h.serial in self._evicted:
-            log = self._evicted[h.serial]
-            slot = self._free_slot(evict=True)
-            if slot is None or not self._fits_or_evict(slot, len(log.context) + len(job.request.tokens)):
+            log, slot = self._evicted[h.serial], self._free_slot(evict=True)
+            if slot is None or not self._fits_or_evict(slot, len(log.context) + len(job.request.tokens),
+                                                       start=len(log.context) - 1):  # restore, then append
                 return False
             del self._evicted[h.serial]
             self._free.remove(slot)

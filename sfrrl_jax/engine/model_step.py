@@ -7,7 +7,7 @@ the training forward (`sfrrl_jax.models`), so the engine and the trainer compute
 function of the same params. Attention over the cache never builds [t, k_len] scores for a
 prefill or append (the blockwise core, unless cfg.attention_impl == 'naive'; see
 `_cache_attention`). `extend_paged` is the same run against a paged cache (a pool of
-fixed-size pages reached through a per-slot page table; see `engine.pages`, `engine.paged`).
+fixed-size pages reached through per-slot page tables; see `engine.pages`, `engine.paged`).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from sfrrl_jax.models.attention import blockwise_attention
 from sfrrl_jax.models.layers import attend, attention_mask
 
 CACHE_AXES = ("layers", "slots", "cache_len", "kv_heads", "head_dim")
-# The page pool is shared by all slots, so it is not split over the slot axes: any slot may own
-# any page. (Per-data-shard pools with slot affinity are a follow-up for multi-host meshes.)
-PAGE_POOL_AXES = ("layers", None, None, "kv_heads", "head_dim")
+# The page pools are shared by all slots, so they are not split over the slot axes: any slot may
+# own any page. (Per-data-shard pools with slot affinity are a follow-up for multi-host meshes.)
+PAGE_POOL_AXES = (None, None, "kv_heads", "head_dim")
 
 
 def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len):
@@ -39,41 +39,56 @@ def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len
         return c.at[layer, rows, positions].set(x.astype(c.dtype), mode="drop")
 
     return _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, cache_k.shape[2],
-                   write, lambda c, layer: c[layer])
+                   write, lambda c, layer, positions, x: c[layer])
 
 
 def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_table, valid_len,
-                 k_len: int):
-    """`extend` against a paged cache (see `engine.pages`).
+                 k_len: int, layer_kind, layer_base, layer_scratch, overlay: bool):
+    """`extend` against a paged cache (see `engine.pages`, `engine.paged`).
 
-    pool_k, pool_v: [layers, num_pages + 1, page_size, kv_heads, head_dim], the last page the
-    scratch page; page_table [b, pages_per_slot] int32: the pages of the slots involved, in
-    position order. Each layer writes the new keys/values through the table (positions past the
-    table go to the scratch page, like `extend`'s dropped writes) and reads the slots' pages back
-    gathered into a contiguous [b, k_len] view (k_len = the dense cache's max_len, so attention
-    runs on the same shapes and values as the dense engine: bit-identical results).
+    pool_k, pool_v: [units, page_size, kv_heads, head_dim]: every layer's pages, layer l's page p
+    at unit layer_base[l] + p and its scratch page at layer_scratch[l] (static int arrays
+    [layers], `pages.pool_units`); page_table [b, kinds, pages_per_slot] int32: the kind-local
+    pages of the slots involved, in position order, layer l reading row kind layer_kind[l] (the
+    kind's scratch id where unassigned). Each layer writes the new keys/values through its table
+    row (positions past the table or on unassigned pages go to its scratch page, like `extend`'s
+    dropped writes) and reads the slots' pages back gathered into a contiguous [b, k_len] view
+    (k_len = the dense cache's max_len, so attention runs on the same shapes and values as the
+    dense engine: bit-identical results). `overlay` (static; set when a kind has a window): a slot
+    holds only the pages later steps read, so the view takes this step's new keys/values from the
+    step itself, and an append or a restore needs no page for a position no later query sees.
     Returns (logits [b, t, vocab] fp32, new pool_k, new pool_v).
     """
-    page_size, scratch = pool_k.shape[2], pool_k.shape[1] - 1
-    n_pages = page_table.shape[1]
+    page_size, n_pages = pool_k.shape[1], page_table.shape[2]
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    single = page_table.shape[1] == 1
+    kind = jnp.asarray(layer_kind, jnp.int32)
+    base, scratch = jnp.asarray(layer_base, jnp.int32), jnp.asarray(layer_scratch, jnp.int32)
+
+    def units(layer):  # [b, pages_per_slot]: the units of layer `layer`'s pages, per slot
+        return base[layer] + (page_table[:, 0] if single else page_table[:, kind[layer]])
 
     def write(c, layer, positions, x):
         idx = positions // page_size
-        page = jnp.take_along_axis(page_table, jnp.minimum(idx, n_pages - 1), axis=1)
-        page = jnp.where(idx < n_pages, page, scratch)
-        return c.at[layer, page, positions % page_size].set(x.astype(c.dtype))
+        unit = jnp.take_along_axis(units(layer), jnp.minimum(idx, n_pages - 1), axis=1)
+        unit = jnp.where(idx < n_pages, unit, scratch[layer])
+        return c.at[unit, positions % page_size].set(x.astype(c.dtype))
 
-    def read(c, layer):
-        g = c[layer, page_table]  # [b, pages_per_slot, page_size, kv_heads, head_dim]
-        return g.reshape((g.shape[0], n_pages * page_size) + g.shape[3:])[:, :k_len]
+    def read(c, layer, positions, x):
+        g = c[units(layer)]  # [b, pages_per_slot, page_size, kv_heads, head_dim]
+        g = g.reshape((g.shape[0], n_pages * page_size) + g.shape[3:])[:, :k_len]
+        if not overlay:  # full kinds only: every position written lies on a page the slot holds
+            return g
+        return g.at[rows, positions].set(x.astype(c.dtype), mode="drop")
 
     return _extend(cfg, params, tokens, starts, pool_k, pool_v, valid_len, k_len, write, read)
 
 
 def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write, read):
     """The layers run against a cache reached through `write(cache, layer, positions [b, t],
-    x [b, t, kv_heads, head_dim]) -> cache` and `read(cache, layer) -> [b, k_len, kv_heads,
-    head_dim]` (key position j of row i is position j of slot i's sequence)."""
+    x [b, t, kv_heads, head_dim]) -> cache` and `read(cache, layer, positions, x) -> [b, k_len,
+    kv_heads, head_dim]` (key position j of row i is position j of slot i's sequence; read runs
+    after write and gets the same positions and new keys or values)."""
     model = tfm.bind(cfg, params)
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -90,7 +105,8 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
         q, k, v = block.attn.project_qkv(h, positions)
         ck_all = write(ck_all, layer, positions, k)
         cv_all = write(cv_all, layer, positions, v)
-        ck, cv = read(ck_all, layer).astype(q.dtype), read(cv_all, layer).astype(q.dtype)
+        ck = read(ck_all, layer, positions, k).astype(q.dtype)
+        cv = read(cv_all, layer, positions, v).astype(q.dtype)
         x = x + block.attn.output(core(q, ck, cv, window, block.attn.sink_logits()))
         y, _ = block.moe(block.mlp_norm(x))
         return (constrain(x + y, ("batch", "seq", "embed")), ck_all, cv_all), None

@@ -1,7 +1,9 @@
 """How the driver spends a paged KV cache's pages (`Engine(page_size=..., num_pages=...)`).
 
 Accounting is in pages, never in slots x max_len. A slot holds the pages for its cached tokens
-plus the next decode chunk, taken as it grows and returned when it ends:
+plus the next decode chunk, taken as it grows and returned when it ends; of a sliding-window
+layer's pool it holds only the pages of the window the next step reads (`engine.pages`), and
+each decode chunk's reservation returns those the window has left behind:
 
 * Admission. A new request takes a free slot and the pages for its prompt + one decode chunk
   (`decode_steps` tokens); an append (tool observation) grows its parked slot by the observation
@@ -59,9 +61,16 @@ class PagingMixin:
                 self._pt.release(slot)
             self._free.append(slot)
 
-    def _fits(self, slot: int, tokens: int) -> bool:
-        """Gives `slot` the pages for `tokens` cached tokens + one decode chunk."""
-        return self._pt is None or self._pt.ensure(slot, tokens + self.decode_steps)
+    def _fits(self, slot: int, tokens: int, start: int | None = None) -> bool:
+        """Gives `slot` the pages for `tokens` cached tokens + one decode chunk. start: where the
+        admitted step's queries start (window layers keep the keys before it they read); default
+        the parked slot's cache length (an append), else `tokens` (a prefill or a restore reads
+        no key it does not write itself)."""
+        if self._pt is None:
+            return True
+        if start is None:
+            start = len(self._logs[slot].context) - 1 if slot in self._logs else tokens
+        return self._pt.ensure(slot, tokens + self.decode_steps, start=start, cached=tokens)
 
     def _handle_log(self, h) -> SlotLog | None:
         """The log of the trajectory a handle names: parked in its slot, or evicted (paged)."""
@@ -74,9 +83,10 @@ class PagingMixin:
             self._evict_lru_parked()
         return self._free[0] if self._free else None
 
-    def _fits_or_evict(self, slot: int, tokens: int, evict: bool = True, keep: int | None = None) -> bool:
+    def _fits_or_evict(self, slot: int, tokens: int, evict: bool = True, keep: int | None = None,
+                       start: int | None = None) -> bool:
         """`_fits`, evicting least recently parked slots (not `keep`) while `evict` allows."""
-        while not self._fits(slot, tokens):
+        while not self._fits(slot, tokens, start):
             if not evict or not self._evict_lru_parked(keep=keep if keep is not None else slot):
                 return False
         return True
@@ -97,7 +107,12 @@ class PagingMixin:
         if self._pt is None:
             return True
         lengths = np.asarray(self.state.lengths)  # the device's truth mid-chain
-        return self._pt.ensure_many({s: int(lengths[s]) + self.decode_steps for s in list(self._running)})
+        return self._pt.ensure_many({s: self._chunk_want(int(lengths[s])) for s in list(self._running)})
+
+    def _chunk_want(self, length: int) -> tuple[int, int, int]:
+        """A decode chunk's page needs from `length` cached tokens: (tokens, start, cached) as
+        `PageTable.ensure` takes them; window pages behind the chunk's first window go back."""
+        return length + self.decode_steps, length, length
 
     def _make_room_for_decode(self) -> None:
         """Evicts parked slots, then preempts the youngest running ones, until every running slot
@@ -105,7 +120,7 @@ class PagingMixin:
         if self._pt is None:
             return
         while True:
-            wants = {s: len(self._logs[s].context) - 1 + self.decode_steps for s in self._running}
+            wants = {s: self._chunk_want(len(self._logs[s].context) - 1) for s in self._running}
             if self._pt.ensure_many(wants):
                 return
             if self._evict_lru_parked():

@@ -1,21 +1,24 @@
 """The engine steps over a paged KV cache (issue #18): same API and results as `EngineSteps`.
 
 The dense cache reserves max_len tokens in every slot, so a long-tail agentic batch pays for its
-longest possible trajectory max_slots times. Here keys/values live in a pool of `num_pages` pages
-of `page_size` tokens ([layers, num_pages + 1, page_size, kv_heads, head_dim]; the extra last page
-is scratch, see `engine.pages`), and `DecodeState.page_table` [max_slots, pages_per_slot] int32
-says which pages hold a slot's positions. The host (the driver's `PageTable`) owns the table: it
-assigns pages as a sequence grows and uploads the table into the state before a step that needs
-them; the steps only read it (and `free_resource` points the freed slot's row at scratch).
+longest possible trajectory max_slots times. Here keys/values live in pools of pages of
+`page_size` tokens, one pool per layer kind (`engine.pages`): the full-attention layers' pool of
+`num_pages` pages, and for sliding-window layers a pool sized by the window, since a slot keeps
+only the window's pages there. All pools lie in one array [units, page_size, kv_heads, head_dim]
+(`pages.pool_units`: layer l's page p is unit base[l] + p, each layer with its own scratch page),
+and `DecodeState.page_table` [max_slots, kinds, pages_per_slot] int32 says which page of its
+kind's pool holds each of a slot's positions. The host (the driver's `PageTable`) owns the table:
+it assigns pages as a sequence grows, returns window pages that no later step reads as it moves
+on, and uploads the table into the state before a step that needs it; the steps only read it
+(and `free_resource` points the freed slot's row at the scratch pages).
 
 Every step is `EngineSteps`' own; only the cache access differs: writes scatter through the
 table, reads gather a slot's pages into a contiguous [max_len] view and attend to it with the
 same masks and shapes as the dense cache, so tokens and logprobs equal the dense engine's
-bit for bit (the gather moves values, it adds no arithmetic). A GPU paged-attention kernel that
-reads pages in place is a follow-up.
-
-Sliding-window layers share the pool and mask like the dense cache: their pages outside the
-window are not returned early (per-layer-type pools are a follow-up).
+bit for bit (the gather moves values, it adds no arithmetic; positions whose pages a window
+layer returned read the scratch page, and the window mask gives them weight exactly 0, as it
+does to the dense cache's stale entries). A GPU paged-attention kernel that reads pages in place,
+and so also reads only a window layer's window, is a follow-up.
 """
 from __future__ import annotations
 
@@ -28,37 +31,42 @@ from jax.sharding import Mesh
 
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.model_step import PAGE_POOL_AXES, extend_paged
-from sfrrl_jax.engine.pages import pages_for
+from sfrrl_jax.engine.pages import PageTable, Paging, check_paging, pages_for, pool_units
 from sfrrl_jax.engine.steps import DecodeState, EngineSteps, Prefix
 from sfrrl_jax.mesh import sharding_for
 
 
 class PagedEngineSteps(EngineSteps):
-    """`EngineSteps` over a page pool; `page_size`, `num_pages` as validated by
-    `engine.pages.check_paging`."""
+    """`EngineSteps` over page pools laid out as `paging` (a `Paging` from
+    `engine.pages.check_paging`) says."""
 
     def __init__(self, cfg: ModelConfig, mesh, max_slots: int, max_len: int, buckets=None,
-                 cache_dtype: str | None = None, *, page_size: int, num_pages: int):
-        self.page_size, self.num_pages = page_size, num_pages
-        self.pages_per_slot = pages_for(max_len, page_size)
+                 cache_dtype: str | None = None, *, paging: Paging):
+        self.paging, self.page_size = paging, paging.page_size
+        self.pages_per_slot = pages_for(max_len, paging.page_size)
+        self.layer_kind, self.layer_base, self.layer_scratch, units = pool_units(paging, cfg.n_layers)
+        self.kind_scratch = np.asarray(paging.pool_pages or (paging.num_pages,), np.int32)
+        self.overlay = any(w > 0 for w in paging.windows)
         super().__init__(cfg, mesh, max_slots, max_len, buckets, cache_dtype)
-        shape = (cfg.n_layers, num_pages + 1, page_size, cfg.n_kv_heads, cfg.head_dim)
+        shape = (units, paging.page_size, cfg.n_kv_heads, cfg.head_dim)
         self.cache_shape = shape
         self.cache_sharding = sharding_for(mesh, PAGE_POOL_AXES, shape)
-        self.table_sharding = sharding_for(mesh, ("slots", None), (max_slots, self.pages_per_slot))
+        self.table_shape = (max_slots, len(self.kind_scratch), self.pages_per_slot)
+        self.table_sharding = sharding_for(mesh, ("slots", None, None), self.table_shape)
         # rebuilt with the pool's shapes (the base class built it for the dense layout)
         self._init = jax.jit(self._init_impl, out_shardings=self._state_shardings())
 
-    @property
-    def scratch_page(self) -> int:
-        return self.num_pages
+    def new_page_table(self) -> PageTable:
+        """A host `PageTable` for this layout, every slot empty."""
+        return PageTable(self.max_slots, self.max_len, *self.paging)
 
     def bytes_per_token(self) -> int:
-        """KV-cache bytes one token of one sequence takes (keys and values, every layer)."""
+        """KV-cache bytes one token of one sequence takes in a full-attention layout (keys and
+        values, every layer); a window layer holds at most its window's pages of a sequence."""
         return 2 * self.cfg.n_layers * self.cfg.n_kv_heads * self.cfg.head_dim * self.cache_dtype.itemsize
 
     def upload_table(self, table: np.ndarray) -> jax.Array:
-        """The host page table as the state's `page_table` leaf."""
+        """The host page table [max_slots, kinds, pages_per_slot] as the state's `page_table`."""
         return jax.device_put(np.asarray(table, np.int32), self.table_sharding)
 
     # -- state ----------------------------------------------------------------------------------
@@ -70,47 +78,55 @@ class PagedEngineSteps(EngineSteps):
 
     def _init_impl(self):
         state = super()._init_impl()
-        state.page_table = jnp.full((self.max_slots, self.pages_per_slot), self.scratch_page, jnp.int32)
+        state.page_table = jnp.broadcast_to(jnp.asarray(self.kind_scratch)[None, :, None], self.table_shape)
         return state
 
     # -- cache access ---------------------------------------------------------------------------
+    def _extend(self, params, tokens, starts, cache_k, cache_v, table, valid_len):
+        return extend_paged(self.cfg, params, tokens, starts, cache_k, cache_v, table, valid_len,
+                            self.max_len, self.layer_kind, self.layer_base, self.layer_scratch, self.overlay)
+
     def _extend_all(self, params, state: DecodeState, tokens, starts, valid_len):
-        return extend_paged(self.cfg, params, tokens, starts, state.cache_k, state.cache_v,
-                            state.page_table, valid_len, self.max_len)
+        return self._extend(params, tokens, starts, state.cache_k, state.cache_v, state.page_table, valid_len)
 
     def _extend_slot(self, params, state: DecodeState, slot, tokens, start, valid_len, cast=False):
         table = jax.lax.dynamic_slice_in_dim(state.page_table, slot, 1, axis=0)
-        logits, state.cache_k, state.cache_v = extend_paged(
-            self.cfg, params, tokens, jnp.reshape(start, (1,)), state.cache_k, state.cache_v, table,
-            jnp.reshape(valid_len, (1,)), self.max_len)
+        logits, state.cache_k, state.cache_v = self._extend(
+            params, tokens, jnp.reshape(start, (1,)), state.cache_k, state.cache_v, table,
+            jnp.reshape(valid_len, (1,)))
         return logits, state
 
     def _write_prefix(self, state: DecodeState, slot, prefix: Prefix) -> DecodeState:
         bucket = prefix.cache_k.shape[2]
         pos = jnp.arange(bucket, dtype=jnp.int32)
         idx = pos // self.page_size
-        row = state.page_table[slot]
-        # positions past the slot's pages (bucket padding) go to the scratch page
-        page = jnp.where(idx < self.pages_per_slot, row[jnp.minimum(idx, self.pages_per_slot - 1)],
-                         self.scratch_page)
-        off = pos % self.page_size
-        state.cache_k = state.cache_k.at[:, page, off].set(prefix.cache_k[:, 0].astype(self.cache_dtype))
-        state.cache_v = state.cache_v.at[:, page, off].set(prefix.cache_v[:, 0].astype(self.cache_dtype))
+        rows = state.page_table[slot][self.layer_kind]  # [layers, pages_per_slot]
+        # positions past the slot's pages (bucket padding; a window layer's positions before its
+        # window) go to the layer's scratch page
+        page = rows[:, jnp.minimum(idx, self.pages_per_slot - 1)]
+        unit = jnp.where(idx < self.pages_per_slot, jnp.asarray(self.layer_base)[:, None] + page,
+                         jnp.asarray(self.layer_scratch)[:, None])  # [layers, bucket]
+        off = (pos % self.page_size)[None, :]
+        state.cache_k = state.cache_k.at[unit, off].set(prefix.cache_k[:, 0].astype(self.cache_dtype))
+        state.cache_v = state.cache_v.at[unit, off].set(prefix.cache_v[:, 0].astype(self.cache_dtype))
         return state
 
     def _free_impl(self, state: DecodeState, slot):
         state = super()._free_impl(state, slot)
-        state.page_table = state.page_table.at[slot].set(self.scratch_page)
+        state.page_table = state.page_table.at[slot].set(jnp.asarray(self.kind_scratch)[:, None])
         return state
 
 
 @functools.lru_cache(maxsize=32)
 def engine_steps(cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buckets=None,
-                 cache_dtype: str | None = None, paging: tuple[int, int] | None = None) -> EngineSteps:
+                 cache_dtype: str | None = None, paging: Paging | tuple[int, int] | None = None) -> EngineSteps:
     """A shared `EngineSteps` per configuration, so engines built alike reuse compilations.
-    paging: None for the dense cache, or (page_size, num_pages) for `engine.paged`'s."""
+    paging: None for the dense cache, or a `Paging` for `engine.paged`'s ((page_size, num_pages)
+    means `check_paging`'s layout for cfg's layers and one-token decode chunks)."""
     buckets = None if buckets is None else tuple(buckets)
     if paging is None:
         return EngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype)
-    return PagedEngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype,
-                            page_size=paging[0], num_pages=paging[1])
+    if not isinstance(paging, Paging):
+        return engine_steps(cfg, mesh, max_slots, max_len, buckets, cache_dtype,
+                            check_paging(*paging, max_len, max_slots, cfg.layer_windows))
+    return PagedEngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, paging=paging)

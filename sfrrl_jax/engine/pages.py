@@ -1,20 +1,33 @@
-"""Host-side bookkeeping of a paged KV cache: a free list of pages and the per-slot page table.
+"""Host-side bookkeeping of a paged KV cache: free lists of pages and the per-slot page tables.
 
-The paged cache (see `engine.paged`) holds keys/values in a pool of `num_pages` fixed-size pages
-of `page_size` tokens, plus one extra *scratch* page (index `num_pages`) that every unassigned
-page-table entry points at. Slot `s` keeps positions `i*page_size .. (i+1)*page_size - 1` of its
-sequence in page `table[s, i]`. Writes a step makes beyond a slot's pages (bucket padding, the
-pending-token write of a parked or freed slot) land in the scratch page, which no valid position
-ever reads, so they cannot touch another slot's pages.
+The paged cache (see `engine.paged`) holds keys/values in pools of fixed-size pages of
+`page_size` tokens. Layers are grouped into *kinds* by attention window: full-attention layers
+(window 0) share one pool, the sliding-window layers of one window size another. Each pool has
+its own page ids `0..pool_pages-1` plus one extra *scratch* page (id `pool_pages`) that every
+unassigned page-table entry of that kind points at. Slot `s` keeps positions
+`i*page_size .. (i+1)*page_size - 1` of its sequence, for the layers of kind `k`, in page
+`table[s, k, i]`. Writes a step makes beyond a slot's pages (bucket padding, the pending-token
+write of a parked or freed slot, positions a window layer no longer needs) land in the scratch
+page, which no valid, visible position ever reads, so they cannot touch another slot's pages.
 
-`PageAllocator` is the free list; `PageTable` is the host mirror of the device page table
-[max_slots, max_pages_per_slot] int32 plus which pages each slot owns. The driver is the only
+A full kind holds every position of a slot: its pages are a prefix of the row. A window kind
+(window w) holds only what later steps can read: before a step whose queries start at position
+`start`, extend the cache to `cached` tokens and then decode up to `tokens`, it holds the pages
+covering `[start - w + 1, start)` (the keys the step's first queries read from the cache) and
+`[cached - w + 1, tokens)` (the window of every later query, and the decode chunk's writes);
+pages wholly below the latter and outside the former go back to the allocator. The step's own
+new keys are read from the step itself, not through the table (`engine.model_step`), so an
+append or a restore need no pages for positions it writes but nothing later reads.
+
+`PageAllocator` is one pool's free list; `PageTable` is the host mirror of the device page table
+[max_slots, kinds, pages_per_slot] int32 plus which pages each slot owns. The driver is the only
 writer; it mutates the table on its event loop and reads it from the device worker thread (a
 decode chain reserves its next chunk's pages there), hence the lock.
 """
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,9 +41,35 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-int(tokens) // page_size)
 
 
-def check_paging(page_size, num_pages, max_len: int, max_slots: int) -> tuple[int, int] | None:
-    """Validates the Engine's `page_size` / `num_pages`; returns (page_size, num_pages) or None
-    (dense cache). `num_pages=None` with a page size means as many pages as the dense cache."""
+def span_pages(n: int, page_size: int) -> int:
+    """The most pages n consecutive positions can touch (when they start at a page's last slot)."""
+    return 0 if n <= 0 else (int(n) - 2) // page_size + 2
+
+
+class Paging(NamedTuple):
+    """A validated paged-cache layout (hashable: `engine.paged.engine_steps` keys its compilations
+    on it). page_size; num_pages: the Engine's argument, the full-attention pool; windows [kinds]:
+    each pool's attention window, ascending (0 = full attention); pool_pages [kinds]: pages of each
+    pool (scratch excluded); layer_kinds [layers]: the kind of each model layer (None: all kind 0)."""
+
+    page_size: int
+    num_pages: int
+    windows: tuple[int, ...] = (0,)
+    pool_pages: tuple[int, ...] | None = None
+    layer_kinds: tuple[int, ...] | None = None
+
+
+def check_paging(page_size, num_pages, max_len: int, max_slots: int, layer_windows=None,
+                 decode_steps: int = 1) -> Paging | None:
+    """Validates the Engine's `page_size` / `num_pages`; returns the `Paging` layout or None
+    (dense cache). `num_pages=None` with a page size means as many pages as the dense cache.
+
+    layer_windows [layers] (cfg.layer_windows; None = all full): layers with a window w < max_len
+    get a pool of their own, sized so that every slot can hold its window and next decode chunk
+    at once (max_slots x `span_pages(w - 1 + decode_steps)`, the most a decoding slot holds) and
+    one slot an append's two ranges, never more than `num_pages`: those layers then never make a
+    request wait for pages that the full-attention pool would not. `num_pages` sizes the
+    full-attention pool (with no full-attention layer, it caps the window pools)."""
     def is_int(x):
         return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -51,7 +90,37 @@ def check_paging(page_size, num_pages, max_len: int, max_slots: int) -> tuple[in
         raise ValueError(
             f"num_pages={num_pages} cannot hold one max_len={max_len} sequence: it needs "
             f"ceil(max_len / page_size={page_size}) = {per_slot} pages")
-    return int(page_size), int(num_pages)
+    page_size, num_pages = int(page_size), int(num_pages)
+    # a window that covers max_len is full attention as far as the cache is concerned
+    wins = [0 if not w or w >= max_len else int(w) for w in (layer_windows or (0,))]
+    windows = tuple(sorted(set(wins)))
+    pool_pages = []
+    for w in windows:
+        if w == 0:
+            pool_pages.append(num_pages)
+            continue
+        steady = min(per_slot, span_pages(w - 1 + decode_steps, page_size))
+        worst = min(per_slot, span_pages(w - 1, page_size) + steady)  # an append's two ranges
+        pool_pages.append(min(num_pages, max(worst, max_slots * steady)))
+    layer_kinds = None if layer_windows is None else tuple(windows.index(w) for w in wins)
+    return Paging(page_size, num_pages, windows, tuple(pool_pages), layer_kinds)
+
+
+def pool_units(paging: Paging, n_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """How `engine.paged` lays the pools out in one array of [units, page_size, ...] pages: each
+    layer owns a run of its kind's pool_pages + 1 units (its scratch page last), the runs of one
+    kind's layers in layer order, the kinds one after another. Returns per layer (kind [layers],
+    base unit [layers] = the unit of its page 0, scratch unit [layers]) and the unit count. One full
+    kind is the [layers, num_pages + 1] layout flattened."""
+    kinds = np.asarray(paging.layer_kinds or (0,) * n_layers, np.int32)
+    pages = np.asarray(paging.pool_pages or (paging.num_pages,) * len(paging.windows), np.int64)
+    base = np.zeros(n_layers, np.int64)
+    offset = 0
+    for k in range(len(pages)):
+        layers = np.nonzero(kinds == k)[0]
+        base[layers] = offset + np.arange(len(layers)) * (pages[k] + 1)
+        offset += len(layers) * (pages[k] + 1)
+    return kinds, base.astype(np.int32), (base + pages[kinds]).astype(np.int32), int(offset)
 
 
 class PageAllocator:
@@ -102,57 +171,111 @@ class PageAllocator:
 class PageTable:
     """Host mirror of the device page table and per-slot page ownership (thread-safe).
 
-    `table` [max_slots, pages_per_slot] int32: page ids, `scratch` (= num_pages) where unassigned.
-    A slot's pages are always a prefix of its row. `version` bumps on every change, so the driver
-    uploads the table to the device only when it changed.
+    `table` [max_slots, kinds, pages_per_slot] int32: kind-local page ids, `scratch[kind]` (= that
+    pool's size) where unassigned. The layout arguments are a `Paging`'s fields (one full kind by
+    default). `version` bumps on every change, so the driver uploads the table to the device only
+    when it changed.
+
+    A slot's needs are given as `tokens` (hold positions < tokens), optionally with `start` and
+    `cached` for the window kinds (see the module docstring; start None = 0: hold everything,
+    cached None = start). Full kinds ignore them.
     """
 
-    def __init__(self, max_slots: int, max_len: int, page_size: int, num_pages: int):
+    def __init__(self, max_slots: int, max_len: int, page_size: int, num_pages: int, windows=(0,),
+                 pool_pages=None, layer_kinds=None):
         self.page_size, self.max_len = page_size, max_len
         self.pages_per_slot = pages_for(max_len, page_size)
-        self.allocator = PageAllocator(num_pages)
-        self.scratch = num_pages
-        self.table = np.full((max_slots, self.pages_per_slot), self.scratch, np.int32)
-        self.owned = np.zeros(max_slots, np.int64)  # pages held per slot
+        self.windows = tuple(int(w) for w in windows)
+        pool_pages = tuple(pool_pages or (num_pages,) * len(self.windows))
+        self.allocators = [PageAllocator(n) for n in pool_pages]
+        self.scratch = np.asarray(pool_pages, np.int32)
+        self.table = np.empty((max_slots, len(self.windows), self.pages_per_slot), np.int32)
+        self.table[:] = self.scratch[None, :, None]
         self.version = 0
         self._lock = threading.Lock()
 
     @property
+    def allocator(self) -> PageAllocator:
+        """The first kind's free list (the full-attention pool when the model has one)."""
+        return self.allocators[0]
+
+    @property
     def free_count(self) -> int:
-        return self.allocator.free_count
+        """Free pages over all pools."""
+        return sum(a.free_count for a in self.allocators)
 
-    def needed(self, slot: int, tokens: int) -> int:
-        """More pages `slot` needs to hold positions 0..tokens-1 (tokens capped at max_len)."""
-        return max(0, pages_for(min(tokens, self.max_len), self.page_size) - int(self.owned[slot]))
+    @property
+    def free_counts(self) -> tuple[int, ...]:
+        """Free pages per kind."""
+        return tuple(a.free_count for a in self.allocators)
 
-    def ensure(self, slot: int, tokens: int) -> bool:
-        """Gives `slot` the pages for positions 0..tokens-1; False (and nothing allocated) when
-        not enough are free."""
-        return self.ensure_many({slot: tokens})
+    @property
+    def owned(self) -> np.ndarray:
+        """[max_slots, kinds] pages each slot holds of each pool."""
+        return (self.table != self.scratch[None, :, None]).sum(axis=2)
 
-    def ensure_many(self, wants: dict[int, int]) -> bool:
-        """All of `wants` (slot -> tokens) or none of it."""
+    def _plan(self, slot: int, want) -> list[tuple[list[int], list[int]]]:
+        """Per kind: (row indices to free, row indices to allocate) for `want`."""
+        tokens, start, cached = (tuple(want) + (None, None))[:3] if isinstance(want, tuple) else (want, None, None)
+        tokens = min(int(tokens), self.max_len)
+        start = 0 if start is None else min(int(start), tokens)
+        cached = start if cached is None else min(max(int(cached), start), tokens)
+        ps, hi = self.page_size, pages_for(tokens, self.page_size)
+        out = []
+        for k, w in enumerate(self.windows):
+            owned = self.table[slot, k] != self.scratch[k]
+            need = np.zeros(self.pages_per_slot, bool)
+            free = []
+            if w == 0:
+                need[:hi] = True
+            else:
+                lo1 = max(0, start - w + 1) // ps
+                need[lo1:pages_for(start, ps)] = True  # the keys the step's first queries read
+                lo2 = max(0, cached - w + 1) // ps
+                need[lo2:hi] = True                    # the window of every later query
+                free = np.nonzero(owned & ~need & (np.arange(self.pages_per_slot) < lo2))[0].tolist()
+            out.append((free, np.nonzero(need & ~owned)[0].tolist()))
+        return out
+
+    def needed(self, slot: int, tokens, start=None, cached=None) -> int:
+        """More pages (all pools) `slot` needs for `tokens` (capped at max_len), see the class."""
+        return sum(len(a) for _, a in self._plan(slot, (tokens, start, cached)))
+
+    def ensure(self, slot: int, tokens: int, start: int | None = None, cached: int | None = None) -> bool:
+        """Gives `slot` the pages for `tokens` (and returns its window pages no step reads any
+        more); False (and nothing allocated) when not enough are free."""
+        return self.ensure_many({slot: (tokens, start, cached)})
+
+    def ensure_many(self, wants: dict) -> bool:
+        """All of `wants` (slot -> tokens, or (tokens, start, cached)) or none of it. Window pages
+        that no later step reads are returned either way (they never will be read)."""
         with self._lock:
-            need = {s: self.needed(s, t) for s, t in wants.items()}
-            if sum(need.values()) > self.allocator.free_count:
-                return False
-            for s, n in need.items():
-                if n:
-                    have = int(self.owned[s])
-                    self.table[s, have:have + n] = self.allocator.alloc(n)
-                    self.owned[s] = have + n
-                    self.version += 1
+            plans = {s: self._plan(s, w) for s, w in wants.items()}
+            for s, plan in plans.items():
+                for k, (free, _) in enumerate(plan):
+                    if free:
+                        self.allocators[k].free(self.table[s, k, free])
+                        self.table[s, k, free] = self.scratch[k]
+                        self.version += 1
+            for k, a in enumerate(self.allocators):
+                if sum(len(plan[k][1]) for plan in plans.values()) > a.free_count:
+                    return False
+            for s, plan in plans.items():
+                for k, (_, alloc) in enumerate(plan):
+                    if alloc:
+                        self.table[s, k, alloc] = self.allocators[k].alloc(len(alloc))
+                        self.version += 1
             return True
 
     def release(self, slot: int) -> None:
-        """Returns every page of `slot` and points its row at the scratch page."""
+        """Returns every page of `slot` and points its row at the scratch pages."""
         with self._lock:
-            n = int(self.owned[slot])
-            if n:
-                self.allocator.free(self.table[slot, :n])
-                self.table[slot] = self.scratch
-                self.owned[slot] = 0
-                self.version += 1
+            for k, a in enumerate(self.allocators):
+                held = self.table[slot, k] != self.scratch[k]
+                if held.any():
+                    a.free(self.table[slot, k, held])
+                    self.table[slot, k] = self.scratch[k]
+                    self.version += 1
 
     def snapshot(self) -> tuple[int, np.ndarray]:
         """(version, a copy of the table) taken atomically."""

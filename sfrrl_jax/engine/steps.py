@@ -68,8 +68,9 @@ class SlotRequest:
 @dataclasses.dataclass
 class DecodeState:
     """All slots' decoding state. Dense cache: cache_k/v [layers, slots, max_len, kv_heads,
-    head_dim], page_table None. Paged: cache_k/v [layers, num_pages + 1, page_size, kv_heads,
-    head_dim] (the last page is scratch) and page_table [slots, pages_per_slot] int32."""
+    head_dim], page_table None. Paged (`engine.paged`): cache_k/v [units, page_size, kv_heads,
+    head_dim] (every layer's pages and scratch page) and page_table [slots, kinds,
+    pages_per_slot] int32."""
 
     cache_k: jax.Array
     cache_v: jax.Array

@@ -1,12 +1,14 @@
-"""The paged KV cache (issue #18): the steps over a page pool equal the dense steps bit for bit,
-and the driver admits, grows, returns and waits for pages without corrupting any slot."""
+"""The paged KV cache (issue #18): the steps over page pools equal the dense steps bit for bit,
+and the driver admits, grows, returns and waits for pages without corrupting any slot. The model
+alternates a sliding-window layer (window 4, one page) and a full one, so sequences of up to 32
+tokens run far past the window: the window layer's pool (12 pages) keeps only the window."""
 import functools
 
 import numpy as np
 
 import sfrrl_jax as S
 from sfrrl_jax.engine import SlotRequest
-from sfrrl_jax.engine.pages import PageTable
+from sfrrl_jax.engine.pages import PageTable, check_paging
 from sfrrl_jax.engine.paged import engine_steps
 
 from model_fixtures import TINY_GPT_OSS, host, randomize
@@ -24,11 +26,15 @@ def _setup():
 def test_paged_steps_equal_dense_steps_exactly_through_prefill_decode_append_free_and_reuse():
     cfg, mesh, params = _setup()
     dense = engine_steps(cfg, mesh, 4, 32, (8, 16))
-    paged = engine_steps(cfg, mesh, 4, 32, (8, 16), paging=(4, 24))
-    assert paged.cache_bytes() < dense.cache_bytes()
-    pt = PageTable(4, 32, 4, 24)
+    paging = check_paging(4, 24, 32, 4, cfg.layer_windows, decode_steps=3)  # as the driver's below
+    assert paging.windows == (0, 4) and paging.pool_pages == (24, 12)
+    paged = engine_steps(cfg, mesh, 4, 32, (8, 16), paging=paging)
+    # pages of one layer (4 tokens): 24 + 12 and a scratch each vs 4 slots x 8 pages x 2 layers
+    assert paged.cache_bytes() * 64 == dense.cache_bytes() * (25 + 13)
+    pt = PageTable(4, 32, *paging)
     # slot 3 grabs pages first so the others' pages are neither contiguous nor in slot order
     assert pt.ensure(3, 8)
+    window_held = []
     req = SlotRequest.make(temperature=0.0, max_new=30)
     states = {"dense": dense.init_decode_state(), "paged": paged.init_decode_state()}
     got = {"dense": [], "paged": []}
@@ -38,7 +44,7 @@ def test_paged_steps_equal_dense_steps_exactly_through_prefill_decode_append_fre
         return state
 
     def prefill(slot, prompt):
-        assert pt.ensure(slot, len(prompt) + 3)
+        assert pt.ensure(slot, len(prompt) + 3, start=len(prompt))
         for name, eng in (("dense", dense), ("paged", paged)):
             st = sync(states[name]) if name == "paged" else states[name]
             prefix, first = eng.prefill(params, eng.pad(prompt), len(prompt), req)
@@ -47,7 +53,8 @@ def test_paged_steps_equal_dense_steps_exactly_through_prefill_decode_append_fre
 
     def decode(steps=3):
         lengths, active = host(states["paged"].lengths), host(states["paged"].active)
-        assert pt.ensure_many({s: int(lengths[s]) + steps for s in np.nonzero(active)[0]})
+        assert pt.ensure_many({s: (int(lengths[s]) + steps, int(lengths[s])) for s in np.nonzero(active)[0]})
+        window_held.append(pt.owned[:, 1].tolist())
         for name, eng in (("dense", dense), ("paged", paged)):
             st = sync(states[name]) if name == "paged" else states[name]
             states[name], res = eng.generate(params, st, steps)
@@ -55,8 +62,8 @@ def test_paged_steps_equal_dense_steps_exactly_through_prefill_decode_append_fre
             got[name].append((host(res.tokens)[valid].tolist(), host(res.raw_logprobs)[valid].tolist()))
 
     def append(slot, tokens):
-        n = int(host(states["paged"].lengths)[slot]) + len(tokens)
-        assert pt.ensure(slot, n + 3)
+        start = int(host(states["paged"].lengths)[slot])
+        assert pt.ensure(slot, start + len(tokens) + 3, start=start, cached=start + len(tokens))
         for name, eng in (("dense", dense), ("paged", paged)):
             st = sync(states[name]) if name == "paged" else states[name]
             states[name], first = eng.append_prefill(params, st, slot, eng.pad(tokens), len(tokens), req)
@@ -68,9 +75,11 @@ def test_paged_steps_equal_dense_steps_exactly_through_prefill_decode_append_fre
     prefill(2, prompt(9))
     decode()
     decode()
-    # park slot 0 (as the driver does after a stop token) by appending a tool observation to it
+    decode()
+    # park slot 0 (as the driver does after a stop token) by appending a tool observation to it,
+    # longer than the window: the pages between its first queries' keys and its last window go
     last = got["dense"][-1][0]
-    append(0, [last[-2]] + prompt(4))
+    append(0, [last[-3]] + prompt(7))  # 8 tokens: the bucket of the shorter appends
     decode()
     for name, eng in (("dense", dense), ("paged", paged)):
         states[name] = eng.free_resource(states[name], 2)
@@ -78,9 +87,14 @@ def test_paged_steps_equal_dense_steps_exactly_through_prefill_decode_append_fre
     prefill(1, prompt(6))  # takes slot 2's freed pages: stale keys there must not leak in
     decode()
     decode()
+    decode()
     assert got["paged"] == got["dense"]  # tokens and raw logprobs, bit for bit
     assert sum(len(toks) for toks, _ in got["dense"][2:3]) == 6
-    assert host(states["paged"].page_table)[2].tolist() == [24] * 8  # freed: all scratch
+    assert host(states["paged"].page_table)[2].tolist() == [[24] * 8, [12] * 8]  # freed: all scratch
+    # slot 0 ran from 5 to 26 cached tokens, its window pages returned as it went: a decoding
+    # slot holds the pages of [L - 3, L + 3), at most 3; the full layer's pool holds every page
+    assert int(host(states["paged"].lengths)[0]) >= 26 and pt.owned[0].tolist() == [8, 2]
+    assert max(max(h) for h in window_held) <= 3 and pt.owned[:, 0].max() == 8
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -147,7 +161,7 @@ def test_paged_engine_equals_dense_engine_on_a_long_tail_agentic_batch():
     assert paged.stats.evictions == paged.stats.preemptions == 0  # a pool that holds the batch
     assert paged.stats.appends > 0 and paged.steps.cache_bytes() < dense.steps.cache_bytes()
     assert got == want  # tokens and raw logprobs, bit for bit
-    assert paged.occupancy == {"running": 0, "parked": 0, "free": 4, "queued": 0, "pages_free": 24,
+    assert paged.occupancy == {"running": 0, "parked": 0, "free": 4, "queued": 0, "pages_free": 24 + 12,
                                "evicted": 0}
     for e in (dense, paged):
         e.release_memory()
@@ -165,7 +179,7 @@ def test_a_request_that_cannot_get_pages_waits_and_the_others_are_untouched():
         late = asyncio.create_task(engine.complete(_req(prompts[3], 4)))
         if check_wait:
             await asyncio.sleep(0.3)
-            assert engine.occupancy["pages_free"] == 0 and engine.occupancy["queued"] == 1
+            assert engine._pt.free_counts[0] == 0 and engine.occupancy["queued"] == 1  # the full pool
             assert not late.done()
         await engine.release(firsts[0].slot_handle)
         fourth = await late
@@ -179,7 +193,7 @@ def test_a_request_that_cannot_get_pages_waits_and_the_others_are_untouched():
     want, got = asyncio.run(main(dense, False)), asyncio.run(main(paged, True))
     assert paged.stats.evictions == paged.stats.preemptions == 0
     assert got == want
-    assert paged.occupancy["pages_free"] == 24
+    assert paged.occupancy["pages_free"] == 24 + 12
     for e in (dense, paged):
         e.release_memory()
 
@@ -224,8 +238,8 @@ def test_no_page_leaks_after_1000_requests_with_cancellations_evictions_and_pree
     for serial in list(engine._evicted):
         asyncio.run(engine.release(S.engine.SlotHandle(-1, serial)))
     occ = engine.occupancy
-    assert occ == {"running": 0, "parked": 0, "free": 4, "queued": 0, "pages_free": 24, "evicted": 0}, occ
-    assert engine._pt.allocator.free_count == 24 and (engine._pt.table == 24).all()
+    assert occ == {"running": 0, "parked": 0, "free": 4, "queued": 0, "pages_free": 24 + 12, "evicted": 0}, occ
+    assert engine._pt.free_counts == (24, 12) and (engine._pt.table == engine._pt.scratch[None, :, None]).all()
     assert engine.stats.evictions > 0 and engine.stats.preemptions > 0, engine.stats
     engine.release_memory()
 
