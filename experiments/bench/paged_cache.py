@@ -5,11 +5,15 @@ trajectories fit (issue #18's goal: >= 4x with the paged cache).
         [--dense_slots 16] [--page_size 64] [--draws 20] [--out bench_out/paged_cache.json]
 
 The budget is the dense engine's cache: dense_slots x max_len tokens (bytes from the preset's
-layers, kv heads, head dim and dtype; the paged pool spends one page of it on the scratch page).
-The dense cache fits exactly dense_slots trajectories whatever their lengths. The paged cache
-fits as many as the engine's own page table (`engine.pages.PageTable`, the allocator the driver
-uses) can hold, each trajectory taking the pages for its tokens + one decode chunk, as the
-driver's admission does. Trajectory lengths come from the seeded long-tail workload of
+layers, kv heads, head dim and dtype; the paged pools spend one page per layer of it on scratch
+pages). The dense cache fits exactly dense_slots trajectories whatever their lengths. The paged
+cache fits as many as the engine's own page table (`engine.pages.PageTable`, the allocator the
+driver uses) can hold within the budget, each trajectory taking the pages for its tokens + one
+decode chunk, as the driver's admission does, counted two ways:
+  full      every layer keeps every page (the cache before sliding-window pools)
+  window    sliding-window layers keep only the pages of their window + the chunk (the
+            engine's per-kind pools; gpt-oss alternates 128-token windows with full layers),
+            with the budget split between the pools as the trajectories need it Trajectory lengths come from the seeded long-tail workload of
 `sfrrl_jax.testing.workload` (log-normal turns and per-turn response lengths, a tool observation
 between turns), scaled to --max_len and clipped to it. Two columns:
   at end    every trajectory at its final length (the worst case: all finish together)
@@ -25,7 +29,7 @@ import pathlib
 import numpy as np
 
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.engine.pages import PageTable, check_paging
+from sfrrl_jax.engine.pages import PageTable, check_paging, pages_for
 from sfrrl_jax.testing.workload import WorkloadConfig, sample_spec
 
 
@@ -38,11 +42,19 @@ def trajectory_lengths(wcfg: WorkloadConfig, n: int, max_len: int, prompt_len: i
     return np.asarray(out)
 
 
-def paged_fit(lengths, max_len: int, page_size: int, num_pages: int, slots: int, decode_steps: int) -> int:
-    """Trajectories admitted in order until one no longer gets its pages."""
-    pt = PageTable(slots, max_len, page_size, num_pages)
+def paged_fit(lengths, max_len: int, page_size: int, budget_pages: int, slots: int, decode_steps: int,
+              layer_windows=None) -> int:
+    """Trajectories admitted in order until the pages they hold exceed budget_pages pages of every
+    layer (scratch pages included). layer_windows None: every layer keeps every page (one pool)."""
+    layers = layer_windows or (0,)
+    paging = check_paging(page_size, None, max_len, 1, layers, decode_steps)
+    per_kind = np.bincount(paging.layer_kinds, minlength=len(paging.windows))  # layers per pool
+    big = slots * pages_for(max_len, page_size)  # pools never the limit: the budget is
+    pt = PageTable(slots, max_len, page_size, big, paging.windows, (big,) * len(paging.windows))
     for i, n in enumerate(lengths[:slots]):
-        if not pt.ensure(i, int(n) + decode_steps):
+        pt.ensure(i, int(n) + decode_steps, start=int(n), cached=int(n))  # as admission does
+        used = sum(c * (big - f) for c, f in zip(per_kind, pt.free_counts)) + len(layers)
+        if used > budget_pages * len(layers):
             return i
     return slots
 
@@ -70,33 +82,38 @@ def main():
     pool = trajectory_lengths(wcfg, 4096, args.max_len, args.prompt_len)
     rng = np.random.default_rng(0)
     rows = []
+    windows = cfg.layer_windows
     for ps in args.page_sizes:
         num_pages = budget_tokens // ps - 1  # one page of the budget is the scratch page
         check_paging(ps, num_pages, args.max_len, args.dense_slots)
         cap = num_pages  # slots are cheap in a paged engine: never the limit here
-        at_end, in_flight = [], []
+        fits = {k: [] for k in ("full_end", "full_flight", "window_end", "window_flight")}
         for _ in range(args.draws):
             order = rng.permutation(pool)
-            at_end.append(paged_fit(order, args.max_len, ps, num_pages, cap, args.decode_steps))
             progress = np.maximum(1, (order * rng.uniform(size=len(order))).astype(int))
-            in_flight.append(paged_fit(progress, args.max_len, ps, num_pages, cap, args.decode_steps))
-        rows.append({"page_size": ps, "num_pages": num_pages, "dense_fit": args.dense_slots,
-                     "paged_at_end_mean": float(np.mean(at_end)), "paged_at_end_min": int(np.min(at_end)),
-                     "paged_in_flight_mean": float(np.mean(in_flight)),
-                     "paged_in_flight_min": int(np.min(in_flight)),
-                     "ratio_at_end": float(np.mean(at_end)) / args.dense_slots,
-                     "ratio_in_flight": float(np.mean(in_flight)) / args.dense_slots})
+            for name, lw in (("full", None), ("window", windows)):
+                budget = num_pages + 1  # pages of every layer
+                fits[name + "_end"].append(paged_fit(order, args.max_len, ps, budget, cap, args.decode_steps, lw))
+                fits[name + "_flight"].append(
+                    paged_fit(progress, args.max_len, ps, budget, cap, args.decode_steps, lw))
+        row = {"page_size": ps, "num_pages": num_pages, "dense_fit": args.dense_slots}
+        for k, v in fits.items():
+            row[k + "_mean"], row[k + "_min"] = float(np.mean(v)), int(np.min(v))
+            row[k + "_ratio"] = float(np.mean(v)) / args.dense_slots
+        rows.append(row)
     q = np.percentile(pool, [50, 90, 99])
-    print(f"{args.preset}: {bytes_per_token / 2**10:.0f} KiB/token; budget {budget_tokens} tokens = "
+    n_win = sum(w > 0 for w in windows)
+    print(f"{args.preset}: {bytes_per_token / 2**10:.0f} KiB/token; {n_win} of {cfg.n_layers} layers with a "
+          f"{cfg.sliding_window}-token window; budget {budget_tokens} tokens = "
           f"{budget_tokens * bytes_per_token / 2**30:.2f} GiB (dense: {args.dense_slots} slots x {args.max_len})")
     print(f"trajectory tokens: median {q[0]:.0f}, p90 {q[1]:.0f}, p99 {q[2]:.0f}, max_len {args.max_len} "
           f"({np.mean(pool >= args.max_len):.1%} clipped)")
-    print(f"{'page':>5s} {'pages':>6s} {'dense':>6s} {'paged end':>10s} {'(min)':>6s} {'x':>6s} "
-          f"{'in flight':>10s} {'(min)':>6s} {'x':>6s}")
+    print(f"{'page':>5s} {'dense':>6s} | {'full: end':>10s} {'x':>5s} {'in flight':>10s} {'x':>5s} | "
+          f"{'window: end':>12s} {'x':>5s} {'in flight':>10s} {'x':>5s}")
     for r in rows:
-        print(f"{r['page_size']:5d} {r['num_pages']:6d} {r['dense_fit']:6d} {r['paged_at_end_mean']:10.1f} "
-              f"{r['paged_at_end_min']:6d} {r['ratio_at_end']:6.2f} {r['paged_in_flight_mean']:10.1f} "
-              f"{r['paged_in_flight_min']:6d} {r['ratio_in_flight']:6.2f}")
+        print(f"{r['page_size']:5d} {r['dense_fit']:6d} | {r['full_end_mean']:10.1f} {r['full_end_ratio']:5.2f} "
+              f"{r['full_flight_mean']:10.1f} {r['full_flight_ratio']:5.2f} | {r['window_end_mean']:12.1f} "
+              f"{r['window_end_ratio']:5.2f} {r['window_flight_mean']:10.1f} {r['window_flight_ratio']:5.2f}")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "bytes_per_token": bytes_per_token,
