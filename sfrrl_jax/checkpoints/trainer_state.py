@@ -67,11 +67,26 @@ def _unit_from_json(obj: dict, where: str) -> MicroStepUnit:
     return MicroStepUnit(groups, batch)
 
 
+_DEFAULTS = "__defaults__"
+
+
 def config_fingerprint(**configs) -> dict:
-    """JSON-exact description of frozen config dataclasses (and plain values), for resume checks."""
+    """JSON-exact description of frozen config dataclasses (and plain values), for resume checks.
+
+    Each dataclass also records its fields' defaults under `__defaults__`, so a checkpoint written
+    before a field existed still resumes while that field keeps its default (`diff_fingerprints`)."""
+    def default_of(f):
+        if f.default is not dataclasses.MISSING:
+            return plain(f.default)
+        if f.default_factory is not dataclasses.MISSING:
+            return plain(f.default_factory())
+        return None
+
     def plain(x):
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+            out = {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+            out[_DEFAULTS] = {f.name: default_of(f) for f in dataclasses.fields(x)}
+            return out
         if isinstance(x, (list, tuple)):
             return [plain(v) for v in x]
         if isinstance(x, dict):
@@ -83,9 +98,13 @@ def config_fingerprint(**configs) -> dict:
 
 
 def diff_fingerprints(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """Dotted names of the fields that differ between two fingerprints."""
+    """Dotted names of the fields that differ between two fingerprints. A field the saved one lacks
+    (added to the code after the checkpoint was written) counts only if it is not at its default."""
     out = []
-    for k in sorted(set(saved) | set(current)):
+    defaults = current.get(_DEFAULTS, {})
+    for k in sorted((set(saved) | set(current)) - {_DEFAULTS}):
+        if k not in saved and k in defaults and current[k] == defaults[k]:
+            continue
         a, b, name = saved.get(k, "<absent>"), current.get(k, "<absent>"), f"{prefix}{k}"
         if isinstance(a, dict) and isinstance(b, dict):
             out += diff_fingerprints(a, b, name + ".")
