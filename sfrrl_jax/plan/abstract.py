@@ -1,0 +1,125 @@
+"""Abstract (never allocated) inputs of the real step functions, and their per-device bytes.
+
+Every array here is a `jax.ShapeDtypeStruct` carrying the `NamedSharding` the run would give it,
+so `jax.jit(...).lower(...)` partitions the step exactly as the run does while no byte of the
+model exists: gpt-oss-120b's 117B params are shapes, not memory.
+
+    setup = TrainSetup.build(model_cfg, mesh, loss_cfg, optimizer_cfg)
+    setup.params      {..: SDS}  the shared param pytree (models.api.param_shardings)
+    setup.opt_state   OptState of SDS (OptimizerConfig: moments' extra `data` split, pinned_host)
+    setup.acc         Accumulator of SDS (float32 gradient sums, sharded like the params)
+    microbatch(setup, rows, length)                     {field: SDS [rows, length]}
+    engine_abstract(model_cfg, mesh, ...)               (EngineSteps, DecodeState of SDS)
+
+`device_bytes(tree)` / `host_bytes(tree)` sum the per-device shard bytes (`sharding.shard_shape`)
+of the leaves held in device memory / in a host memory kind: exact arithmetic on shapes, the
+same numbers the allocator would see for these buffers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.engine.pages import check_paging
+from sfrrl_jax.engine.paged import engine_steps
+from sfrrl_jax.engine.steps import EngineSteps, SlotRequest
+from sfrrl_jax.learner.deferred import DeferredBuffer, advantage_free_terms
+from sfrrl_jax.learner.optimizer import OptimizerConfig, OptState
+from sfrrl_jax.learner.train_step import TrainStep, make_train_step
+from sfrrl_jax.mesh import sharding_for
+from sfrrl_jax.models.api import param_shardings
+from sfrrl_jax.models.transformer import param_shapes
+from sfrrl_jax.rl.config import LossConfig
+from sfrrl_jax.rl.loss_fn import LAYOUT_FIELDS
+from sfrrl_jax.trainer.batching import TRAJECTORY_FIELDS, batch_fields
+
+HOST_KINDS = ("pinned_host", "unpinned_host")
+GB = 1e9   # report unit: the decimal GB of a device's datasheet (H200: 141 GB)
+
+
+def _sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def shard_bytes(leaf) -> int:
+    """Bytes of one device's shard of `leaf` (a ShapeDtypeStruct or array with a sharding)."""
+    sharding = getattr(leaf, "sharding", None)
+    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+    return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+
+
+def _memory_kind(leaf) -> str:
+    return getattr(getattr(leaf, "sharding", None), "memory_kind", None) or "device"
+
+
+def device_bytes(tree) -> int:
+    """Per-device bytes of the leaves of `tree` that live in device memory."""
+    return sum(shard_bytes(x) for x in jax.tree.leaves(tree) if _memory_kind(x) not in HOST_KINDS)
+
+
+def host_bytes(tree) -> int:
+    """Per-device bytes of the leaves of `tree` placed in a host memory kind (pinned_host)."""
+    return sum(shard_bytes(x) for x in jax.tree.leaves(tree) if _memory_kind(x) in HOST_KINDS)
+
+
+@dataclasses.dataclass
+class TrainSetup:
+    """The train step of a run and abstract params / optimizer state / accumulator for it."""
+
+    train_step: TrainStep
+    params: Any
+    opt_state: OptState
+    acc: Any
+
+    @staticmethod
+    def build(model_cfg: ModelConfig, mesh, loss_cfg: LossConfig, optimizer_cfg: OptimizerConfig) -> "TrainSetup":
+        # A fresh TrainStep (not trainer.rl_trainer.shared_train_step's cached one): the planner
+        # builds many configurations in one process and must not pin their executables.
+        ts = make_train_step(model_cfg, loss_cfg, optimizer_cfg)
+        shardings = param_shardings(model_cfg, mesh)
+        params = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), param_shapes(model_cfg), shardings)
+        opt_state = ts.abstract_opt_state(params)
+        # eval_shape of the jitted init carries its out_shardings: the accumulator's real layout
+        acc = jax.eval_shape(ts._fns(params)["init_acc"], params)
+        return TrainSetup(ts, params, opt_state, acc)
+
+    def deferred_buffer(self) -> DeferredBuffer:
+        """Abstract advantage-deferred group buffer (h1, hc, and k if the loss has such terms)."""
+        return jax.eval_shape(self.train_step._deferred(self.params)["init"], self.params)
+
+    def deferred_param_copies(self) -> int:
+        return 3 if advantage_free_terms(self.train_step) else 2
+
+
+def microbatch_fields(train_step: TrainStep) -> tuple[str, ...]:
+    """The fields a trajectory micro-batch carries into the jitted step (what `_prepare` keeps)."""
+    reads = set(train_step.loss.fields) | set(LAYOUT_FIELDS)
+    return tuple(k for k in batch_fields(train_step.loss) if k in reads)
+
+
+def microbatch(setup: TrainSetup, rows: int, length: int) -> dict:
+    """Abstract [rows, length] micro-batch, batch-sharded like `TrainStep._prepare` places it."""
+    mesh = jax.tree.leaves(setup.params)[0].sharding.mesh
+    sh = sharding_for(mesh, ("batch", "seq"), (rows, length))
+    return {k: _sds((rows, length), TRAJECTORY_FIELDS[k], sh) for k in microbatch_fields(setup.train_step)}
+
+
+def engine_abstract(model_cfg: ModelConfig, mesh, max_slots: int, max_len: int, buckets,
+                    page_size: int | None = None, num_pages: int | None = None,
+                    decode_steps: int = 1) -> tuple[EngineSteps, Any]:
+    """The engine's jitted steps (as `engine.Engine` builds them) and an abstract DecodeState."""
+    paging = check_paging(page_size, num_pages, max_len, max_slots)
+    steps = engine_steps(model_cfg, mesh, max_slots, max_len, None if buckets is None else tuple(buckets),
+                         None, paging)
+    state = jax.eval_shape(steps._init)
+    return steps, state
+
+
+def request_abstract() -> SlotRequest:
+    """One request's settings as abstract scalars (their values do not change memory)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), SlotRequest.make())
