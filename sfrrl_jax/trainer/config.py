@@ -20,6 +20,9 @@ class TrainerConfig:
       during step k's rollout: off-policy by one update; use TIS in the loss).
     max_slots / max_len / decode_steps / buckets: the engine (slots decode together; max_len
       bounds prompt + all turns; decode_steps tokens per device call).
+    page_size / num_pages: page the engine's KV cache (`Engine(page_size=, num_pages=)`): None
+      (the default) reserves max_slots x max_len tokens; a page size makes slots take pages as
+      they grow, from `num_pages` shared pages (None: as many tokens as the dense cache).
     underfull_slots: in pipelined mode, a gradient micro-step runs before a decode chunk when at
       most this many slots are decoding (0 = only when none is); decode keeps priority above it.
     longest_first: start groups longest expected first: a prompt's expected duration is its
@@ -47,6 +50,8 @@ class TrainerConfig:
     max_len: int = 256
     decode_steps: int = 1
     buckets: tuple[int, ...] | None = None
+    page_size: int | None = None
+    num_pages: int | None = None
     underfull_slots: int = 0
     longest_first: bool = True
     overprovision_groups: int = 0
@@ -68,6 +73,8 @@ class TrainerConfig:
         check_int_fields(self, ("underfull_slots", "overprovision_groups", "max_refill_groups",
                                 "microbatch_rows", "early_groups"), 0)
         check_bool_fields(self, ("longest_first", "dynamic_sampling"))
+        for k in ("page_size", "num_pages"):
+            check_int(f"{own}.{k}", getattr(self, k), 1, optional=True)
         check_seed(f"{own}.seed", self.seed)
         if self.buckets is not None:
             if not isinstance(self.buckets, (tuple, list)) or not self.buckets:

@@ -150,7 +150,8 @@ class RLTrainer:
         self.rollout_fn, self.tasks = rollout_fn, tasks
         self.engine = engine if engine is not None else Engine(
             model_cfg, params, max_slots=trainer_cfg.max_slots, max_len=trainer_cfg.max_len,
-            buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps)
+            buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps,
+            page_size=trainer_cfg.page_size, num_pages=trainer_cfg.num_pages)
         self.train_step = (train_step if train_step is not None
                            else shared_train_step(model_cfg, loss_cfg, optimizer_cfg))
         self.loss = self.train_step.loss
