@@ -19,8 +19,8 @@ buffers). Peak during a call = arguments (in device memory) + temps + outputs no
 what stays alive on the device between calls without being an argument of this one (`resident`):
 
   optimizer state   always (device part; an offloaded one lives in pinned_host, reported apart)
-  accumulator       during the rollout (gradient sums of groups trained so far, counted in every
-                    mode: an upper bound for 'sync', where training starts after the rollout)
+  accumulator       during the rollout: the trainer allocates it when a step begins, in every mode
+                    (trainer.step_schedule `begin`)
   KV cache          during micro-steps in 'pipelined' / 'one_step_off' (they run while the engine
                     holds its cache); freed before the optimizer update
   deferred buffers  early_groups x 2-3 param-sized float32 group buffers, rollout and micro-steps
@@ -60,8 +60,8 @@ class PlanConfig:
     microbatch_rows / microbatch_len: the micro-batch trained (default: TrainerConfig.microbatch_rows,
       else groups_per_microbatch x group_size rows, of TrainerConfig.max_len tokens: the longest a
       micro-batch can be).
-    prefill_len: prompt bucket planned for prefill/append (default: the largest bucket the engine
-      would use, TrainerConfig.buckets' last or max_len).
+    prefill_len: prompt bucket planned for prefill/append (default: TrainerConfig.buckets' last,
+      else max_len).
     page_size / num_pages: plan a paged KV cache (engine.paged); None = the dense cache the
       trainer builds today.
     phases: which phases to compile (subset of ALL_PHASES; 'deferred' only runs with early_groups).
@@ -230,7 +230,9 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
     if engine_phases:
         steps, state = engine_abstract(model_cfg, mesh, tc.max_slots, tc.max_len, tc.buckets,
                                        cfg.page_size, cfg.num_pages, tc.decode_steps)
-    prefill_len = cfg.prefill_len or (steps.buckets[-1] if steps is not None else tc.max_len)
+    # The engine always adds max_len as a last bucket, but only a prompt that long would use it:
+    # plan the largest bucket the config names (a longer prompt is the caller's choice to plan).
+    prefill_len = cfg.prefill_len or (tc.buckets[-1] if tc.buckets else tc.max_len)
     deferred = None
     if tc.early_groups and "deferred" in want:
         deferred = setup.deferred_buffer()
