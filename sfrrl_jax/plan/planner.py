@@ -62,8 +62,8 @@ class PlanConfig:
       micro-batch can be).
     prefill_len: prompt bucket planned for prefill/append (default: TrainerConfig.buckets' last,
       else max_len).
-    page_size / num_pages: plan a paged KV cache (engine.paged); None = the dense cache the
-      trainer builds today.
+    page_size / num_pages: plan a paged KV cache (engine.paged); None = what the trainer builds
+      (TrainerConfig.page_size / num_pages: dense unless set).
     phases: which phases to compile (subset of ALL_PHASES; 'deferred' only runs with early_groups).
     """
 
@@ -206,6 +206,13 @@ def _phase(name, what, compiled, compile_s, args: dict, resident: dict) -> Phase
                  compile_s, _flops(compiled), compiled)
 
 
+def _paging(tc: TrainerConfig, cfg: PlanConfig) -> tuple:
+    """(page_size, num_pages): PlanConfig's if set, else the trainer's own (TrainerConfig.page_size)."""
+    if cfg.page_size is not None:
+        return cfg.page_size, cfg.num_pages
+    return getattr(tc, "page_size", None), getattr(tc, "num_pages", None)
+
+
 def microbatch_shape(trainer: TrainerConfig, cfg: PlanConfig) -> tuple[int, int]:
     rows = cfg.microbatch_rows or trainer.microbatch_rows or trainer.groups_per_microbatch * trainer.group_size
     length = cfg.microbatch_len or -(-trainer.max_len // trainer.seq_bucket) * trainer.seq_bucket
@@ -229,7 +236,7 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
     steps = state = None
     if engine_phases:
         steps, state = engine_abstract(model_cfg, mesh, tc.max_slots, tc.max_len, tc.buckets,
-                                       cfg.page_size, cfg.num_pages, tc.decode_steps)
+                                       *_paging(tc, cfg), tc.decode_steps)
     # The engine always adds max_len as a last bucket, but only a prompt that long would use it:
     # plan the largest bucket the config names (a longer prompt is the caller's choice to plan).
     prefill_len = cfg.prefill_len or (tc.buckets[-1] if tc.buckets else tc.max_len)
@@ -248,9 +255,10 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
     opt_dev, cache, dfr, acc_b = (static["optimizer state (device)"], static["KV cache"],
                                   static["deferred buffers"], static["accumulator (f32 grads)"])
     overlap = tc.mode in ("pipelined", "one_step_off")
+    page_size, num_pages = _paging(tc, cfg)
     shapes = {"microbatch": [rows, length], "mode": tc.mode, "max_slots": tc.max_slots, "max_len": tc.max_len,
               "prefill_len": prefill_len, "decode_steps": tc.decode_steps,
-              "paging": None if cfg.page_size is None else [cfg.page_size, cfg.num_pages],
+              "paging": None if page_size is None else [page_size, num_pages],
               "mesh": dict(mesh.shape), "early_groups": tc.early_groups}
     setup_s = time.perf_counter() - t0
     phases = []
