@@ -63,9 +63,12 @@ def _assert_all_free(engine):
 @pytest.mark.parametrize("first_token_ends_it", [False, True], ids=["long", "max_new_1"])
 def test_cancel_during_admission_neither_strands_the_queue_nor_kills_the_driver(first_token_ends_it):
     engine = _engine(max_slots=1)
-    inside, go = _gate_admission(engine)
 
     async def main():
+        # Compile the steps first, so the 20 s below time the wake-up, not XLA on a busy machine.
+        warm = await engine.complete(_req([4, 5], 3))
+        await engine.release(warm.slot_handle)
+        inside, go = _gate_admission(engine)
         a = asyncio.create_task(engine.complete(_req([1, 2, 3], 1 if first_token_ends_it else 40)))
         await _wait_thread_event(inside)
         b = asyncio.create_task(engine.complete(_req([4, 5], 3)))  # queued behind a's only slot
