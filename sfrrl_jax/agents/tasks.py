@@ -12,12 +12,13 @@ The kinds are looked up in the registry (`task_kinds.py`); the built-in ones are
 from __future__ import annotations
 
 import ast
+import gzip
 import json
 import os
 import random
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.agents.rewards import verify_arithmetic, verify_countdown, verify_qa
@@ -203,26 +204,44 @@ def _task_from_record(record: dict, where: str, default_id: str, default_kind: s
     return task
 
 
+def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
+    """`('<path>:<line>', record)` for each non-blank line; bad JSON or a non-object raises
+    DatasetError naming the line (and the column of a JSON error)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        f = opener(path, "rt", encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"task file {path} does not exist") from None
+    with f:
+        try:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from None
+                if not isinstance(record, dict):
+                    raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
+                yield where, record
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a line)") from None
+
+
+
 def load_tasks_jsonl(path: str | os.PathLike, default_kind: str = "qa") -> list[Task]:
     """Tasks from a JSONL file; any bad line raises DatasetError naming the line and the field."""
     path = Path(path)
     tasks, seen = [], {}
-    with path.open() as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from None
-            if not isinstance(record, dict):
-                raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            task = _task_from_record(record, where, f"{path.stem}-{lineno}", default_kind)
-            if task.task_id in seen:
-                raise DatasetError(f"{where}: duplicate id {task.task_id!r} (first on line {seen[task.task_id]})")
-            seen[task.task_id] = lineno
-            tasks.append(task)
+    for where, record in read_records(path):
+        lineno = int(where.rsplit(":", 1)[1])
+        task = _task_from_record(record, where, f"{path.stem}-{lineno}", default_kind)
+        if task.task_id in seen:
+            raise DatasetError(f"{where}: duplicate id {task.task_id!r} (first on line {seen[task.task_id]})")
+        seen[task.task_id] = lineno
+        tasks.append(task)
     return tasks
 
 

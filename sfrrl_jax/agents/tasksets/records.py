@@ -14,41 +14,13 @@ Duplicate ids are an error too (they would merge two groups' statistics in train
 """
 from __future__ import annotations
 
-import gzip
-import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.agents.task_kinds import get_task_kind, registered_task_kinds
-from sfrrl_jax.agents.tasks import DatasetError
-
-
-def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
-    """`('<path>:<line>', record)` for each non-blank line; bad JSON or a non-object raises
-    DatasetError naming the line (and the column of a JSON error)."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        f = opener(path, "rt", encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"task file {path} does not exist") from None
-    with f:
-        try:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from None
-                if not isinstance(record, dict):
-                    raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
-                yield where, record
-        except UnicodeDecodeError as e:
-            raise DatasetError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a line)") from None
+from sfrrl_jax.agents.tasks import DatasetError, read_records  # noqa: F401  (read_records: re-exported)
 
 
 def task_from_record(record: dict, where: str, default_id: str, default_kind: str | None) -> Task:
