@@ -26,3 +26,37 @@ def tok_dir(tmp_path_factory):
     """The tiny tokenizer's HF directory (read-only for tests), built once per test process."""
     from sfrrl_jax.tokenizer import build_tiny_tokenizer
     return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tok"))
+
+
+# Each XLA:CPU executable maps its JIT code in ~7 memory regions, and jit caches keep every
+# executable a test process ever compiled. A worker that runs several hundred tests reaches the
+# kernel's vm.max_map_count (65,530 by default); the next mmap fails inside LLVM and the process
+# dies with SIGSEGV in whatever compiles next (seen: the quickstart test at 99 % of the suite,
+# in the optimizer's compile or the engine's decode compile, never alone). Past a threshold the
+# caches are dropped between tests: tests that follow recompile what they use, nothing else.
+def _map_count_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) // 2
+    except (OSError, ValueError):
+        return 30_000
+
+
+_MAP_COUNT_LIMIT = _map_count_limit()
+
+
+def _mapped_regions() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to guard
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_executable_caches():
+    yield
+    if _mapped_regions() > _MAP_COUNT_LIMIT:
+        import gc
+        jax.clear_caches()
+        gc.collect()

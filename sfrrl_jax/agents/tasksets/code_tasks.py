@@ -34,6 +34,7 @@ import asyncio
 import importlib.util
 import re
 import threading
+import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -87,10 +88,20 @@ class _LoopThread:
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="code-reward-sandbox", daemon=True).start()
+        threading.Thread(target=self._serve, name="code-reward-sandbox", daemon=True).start()
+
+    def _serve(self):
+        self.loop.run_forever()
+        self.loop.close()
 
     def run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        """Ends the loop and its thread (an idempotent finaliser: the verifier's lifetime is the
+        loop's, so a dropped verifier leaves no thread behind)."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 class CodeTestsVerifier:
@@ -112,6 +123,7 @@ class CodeTestsVerifier:
             if self._sandbox is None:
                 self._sandbox = PythonSandbox(self.sandbox_config)  # raises if the jail cannot be built
                 self._loop = _LoopThread()
+                weakref.finalize(self, self._loop.stop)
         return self._loop.run(self._sandbox.run(program))
 
     def __call__(self, task: Task, final_text: str) -> float:
