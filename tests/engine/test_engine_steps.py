@@ -13,6 +13,9 @@ from sfrrl_jax.engine.sampling import SamplingParams, sample
 from model_fixtures import TINY, TINY_GPT_OSS, host, randomize
 
 MESH = None
+# jitted as in the engine's steps: one compile serves every call (eagerly, each call re-traces
+# and recompiles its lax.cond, ~0.1 s a call)
+_sample = jax.jit(sample)
 
 
 def _mesh():
@@ -117,7 +120,7 @@ def test_sampling_filters_and_logprobs_hand_computed():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4, jnp.float32))
     sp = SamplingParams(temperature=jnp.array([0.0, 1.0, 1.0, 0.5]), top_k=jnp.array([0, 2, 0, 0]),
                         top_p=jnp.array([1.0, 1.0, 0.7, 1.0]), seed=jnp.arange(4, dtype=jnp.uint32))
-    draws = [sample(logits, sp, jnp.full((4,), i)) for i in range(300)]
+    draws = [_sample(logits, sp, jnp.full((4,), i)) for i in range(300)]
     toks = np.stack([host(d[0]) for d in draws])
     assert set(toks[:, 0]) == {0}                       # greedy
     assert set(toks[:, 1]) <= {0, 1} and set(toks[:, 2]) <= {0, 1}  # top-k 2; top-p 0.7 keeps 0.5+0.3
@@ -131,7 +134,7 @@ def test_sampling_filters_and_logprobs_hand_computed():
     # temperature 0.5 sharpens: token 0 dominates in frequency (p0 = .25/.3525 = 0.709)
     assert 0.6 < np.mean(toks[:, 3] == 0) < 0.82
     # same seed and index -> same token, whatever the row
-    again = sample(logits[::-1], SamplingParams(*(getattr(sp, f)[::-1] for f in ("temperature", "top_k", "top_p", "seed"))),
+    again = _sample(logits[::-1], SamplingParams(*(getattr(sp, f)[::-1] for f in ("temperature", "top_k", "top_p", "seed"))),
                    jnp.zeros((4,), jnp.int32))
     assert host(again[0])[::-1].tolist() == host(t0).tolist()
 
@@ -144,8 +147,8 @@ def test_unfiltered_rows_sample_the_same_whether_or_not_a_neighbour_filters():
                            top_p=jnp.ones(3), seed=jnp.arange(3, dtype=jnp.uint32))
     mixed = SamplingParams(plain.temperature, jnp.array([0, 0, 5], jnp.int32), jnp.array([1.0, 1.0, 0.9]), plain.seed)
     for i in range(20):
-        a = sample(logits, plain, jnp.full((3,), i))
-        b = sample(logits, mixed, jnp.full((3,), i))
+        a = _sample(logits, plain, jnp.full((3,), i))
+        b = _sample(logits, mixed, jnp.full((3,), i))
         for x, y in zip(a, b):
             np.testing.assert_array_equal(host(x)[:2], host(y)[:2])
         assert int(b[0][2]) in set(np.argsort(-np.asarray(logits[2]))[:5].tolist())
