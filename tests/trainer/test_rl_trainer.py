@@ -3,6 +3,7 @@ import asyncio
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -27,11 +28,26 @@ def _mesh():
     return S.make_mesh(data=2, expert=4)
 
 
+@functools.lru_cache(maxsize=None)
+def _init_params():
+    """The seed-0 params, initialised once (each S.init_params call compiles its init anew)."""
+    return S.init_params(CFG, _mesh(), seed=0)
+
+
+def _params():
+    return jax.tree.map(jnp.copy, _init_params())  # a fresh copy: a trainer donates its params
+
+
+# max_len 64: WL's longest trajectory is 60 tokens, so nothing of WL is cut, and the train widths
+# are 32 and 64 (each width is one compile per micro-step shape)
+MAX_LEN = 64
+
+
 def _trainer(mode, agent=None, **kw):
-    tc = TrainerConfig(mode=mode, groups_per_step=2, group_size=4, max_slots=8, max_len=96,
-                       buckets=(16, 32), seq_bucket=32, **kw)
-    params = S.init_params(CFG, _mesh(), seed=0)
-    return RLTrainer(CFG, params, tc, LOSS, OPT, agent or WorkloadAgent(WL), TaskStream(make_tasks(WL), seed=1))
+    kw = {"seq_bucket": 32, **kw}
+    tc = TrainerConfig(mode=mode, groups_per_step=2, group_size=4, max_slots=8, max_len=MAX_LEN,
+                       buckets=(16, 32), **kw)
+    return RLTrainer(CFG, _params(), tc, LOSS, OPT, agent or WorkloadAgent(WL), TaskStream(make_tasks(WL), seed=1))
 
 
 def test_pipelined_equals_sync_after_a_step_and_both_are_on_policy(tmp_path):
@@ -42,7 +58,7 @@ def test_pipelined_equals_sync_after_a_step_and_both_are_on_policy(tmp_path):
     flat_s = jax.tree_util.tree_flatten_with_path(jax.device_get(sync.params))[0]
     flat_p = dict(jax.tree_util.tree_flatten_with_path(jax.device_get(pipe.params))[0])
     moved = 0.0
-    init = dict(jax.tree_util.tree_flatten_with_path(jax.device_get(S.init_params(CFG, _mesh(), 0)))[0])
+    init = dict(jax.tree_util.tree_flatten_with_path(jax.device_get(_init_params()))[0])
     for path, a in flat_s:
         np.testing.assert_allclose(a, flat_p[path], atol=2e-6, rtol=1e-5, err_msg=str(path))
         moved = max(moved, float(np.abs(a - init[path]).max()))
@@ -68,7 +84,9 @@ def test_pipelined_equals_sync_after_a_step_and_both_are_on_policy(tmp_path):
 
 
 def test_row_split_micro_steps_give_the_same_update():
-    whole, split = _trainer("pipelined"), _trainer("pipelined", microbatch_rows=2)  # 4-row groups
+    # one width (seq_bucket 64): a compile per row count, not per row count and width
+    whole = _trainer("pipelined", seq_bucket=64)
+    split = _trainer("pipelined", seq_bucket=64, microbatch_rows=2)  # 4-row groups
     m_whole, m_split = whole.step(), split.step()
     assert m_split["train/microsteps"] == 4 and m_whole["train/microsteps"] == 2
     assert m_split["train/trained_tokens"] == m_whole["train/trained_tokens"]
@@ -133,7 +151,7 @@ def test_bad_config_fails_before_compiling():
         TrainerConfig(mode="pipelined", advantage=S.rl.config.AdvantageConfig(estimator="reinforce_pp"))
     with pytest.raises(ValueError, match="mode='async'"):
         TrainerConfig(mode="async")
-    params = S.init_params(CFG, _mesh(), seed=0)
+    params = _params()
     with pytest.raises(ValueError, match="lower TrainerConfig.max_slots or max_len"):
         RLTrainer(CFG.replace(max_seq_len=1 << 22), params,
                   TrainerConfig(max_slots=1 << 16, max_len=1 << 22), LOSS, OPT, WorkloadAgent(WL),
@@ -144,13 +162,13 @@ def test_bad_config_fails_before_compiling():
 
 def test_drawn_work_longer_than_the_context_is_cut_not_crashed():
     long = WorkloadConfig(**{**WL.__dict__, "response_median": 40, "response_sigma": 0.5, "max_response": 80})
-    tr = _trainer("sync", agent=WorkloadAgent(long))  # engine max_len 96, prompts of 12 tokens
+    tr = _trainer("sync", agent=WorkloadAgent(long))  # engine max_len 64, prompts of 12 tokens
     captured = []
     orig = tr._make_units
     tr._make_units = lambda groups: (captured.extend(groups), orig(groups))[1]
     m = tr.step()
     trajs = [t for g in captured for t in g.trajectories]
     assert len(trajs) == 8 and m["train/trained_tokens"] == m["rollout/generated_tokens"] > 0
-    assert all(len(t.tokens) < 96 for t in trajs)
+    assert all(len(t.tokens) < MAX_LEN for t in trajs)
     assert any(t.finish_reason == "max_tokens" for t in trajs)
     assert all(t.finish_reason in ("answer", "max_tokens") for t in trajs)
