@@ -23,7 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.config import ModelConfig, check_int, check_number, check_seed
 from sfrrl_jax.engine.model_step import CACHE_AXES, extend
@@ -221,7 +221,12 @@ class EngineSteps:
         tok, lp, raw = self._sample_last(logits, true_length, request, jnp.int32(0))
         done = _finish(request, tok, 1, true_length, self.max_len)
         first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.bool_(True), done=done)
-        return Prefix(cache_k=ck, cache_v=cv, true_length=true_length), first
+        return Prefix(cache_k=ck, cache_v=cv, true_length=true_length), self._on_every_host(first)
+
+    def _on_every_host(self, results: ResultTokens) -> ResultTokens:
+        """Results replicated over the mesh: every process (multi-host) reads the tokens from its
+        own devices, and one process's host never needs another's shards (a few bytes a slot)."""
+        return jax.lax.with_sharding_constraint(results, NamedSharding(self.mesh, P()))
 
     def _set_slot(self, state: DecodeState, slot, length, first: ResultTokens, request, draws):
         upd = lambda arr, v: arr.at[slot].set(v)
@@ -282,7 +287,7 @@ class EngineSteps:
         # Inactive slots compute too (fixed shapes) but their cache rows, lengths and tokens
         # are left as they were: a parked slot's KV stays intact.
         state, results = jax.lax.scan(one, state, None, length=steps)
-        return state, results
+        return state, self._on_every_host(results)
 
     def _append_impl(self, params, state: DecodeState, slot, tokens, true_length, request):
         start = state.lengths[slot]
@@ -292,7 +297,7 @@ class EngineSteps:
         length = start + true_length
         done = _finish(request, tok, 1, length, self.max_len)
         first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.bool_(True), done=done)
-        return self._set_slot(state, slot, length, first, request, draws + 1), first
+        return self._set_slot(state, slot, length, first, request, draws + 1), self._on_every_host(first)
 
     def _free_impl(self, state: DecodeState, slot):
         state.active = state.active.at[slot].set(False)

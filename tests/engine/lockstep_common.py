@@ -1,0 +1,44 @@
+"""The model, engine and agentic trajectories shared by test_lockstep.py and its worker processes."""
+import jax
+import numpy as np
+
+import sfrrl_jax as S
+from sfrrl_jax.agents.protocols import GenerationRequest
+
+from model_fixtures import TINY, randomize
+
+
+def make_engine(engine_cls, **kw):
+    """A tiny MoE on a (data=2, expert=4) mesh of the 8 global devices; fewer slots than
+    trajectories, so requests queue and slots are reused."""
+    cfg = TINY.replace(max_seq_len=128)
+    params = randomize(S.init_params(cfg, S.make_mesh(data=2, expert=4, devices=jax.devices()), seed=0),
+                       seed=3, scale=0.3)
+    return engine_cls(cfg, params, max_slots=3, max_len=96, buckets=(16, 32), decode_steps=2, **kw)
+
+
+def trajectories():
+    """Per trajectory: its prompt, then per turn (max_new, temperature, seed), then observations."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(7):
+        prompt = [int(t) for t in rng.integers(1, 500, size=3 + 2 * i)]
+        turns = [(int(rng.integers(2, 9)), [0.0, 1.0][i % 2], 100 + 10 * i + k) for k in range(3)]
+        observations = [[int(t) for t in rng.integers(1, 500, size=1 + (i + k) % 4)] for k in range(2)]
+        out.append((prompt, turns, observations))
+    return out
+
+
+async def run_trajectory(engine, i):
+    """Three turns in one slot (appends), then release; returns [(tokens, logprobs)] per turn."""
+    prompt, turns, observations = trajectories()[i]
+    handle, out, tokens = None, [], prompt
+    for k, (max_new, temperature, seed) in enumerate(turns):
+        c = await engine.complete(GenerationRequest(tokens=tokens, max_new_tokens=max_new, temperature=temperature,
+                                                    seed=seed, slot_handle=handle))
+        out.append((list(c.tokens), list(c.logprobs)))
+        handle = c.slot_handle
+        if k < len(observations):
+            tokens = observations[k]
+    await engine.release(handle)
+    return out

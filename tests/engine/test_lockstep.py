@@ -1,0 +1,89 @@
+"""The engine across processes (engine.lockstep): 2 processes x 4 devices generate exactly what
+one process x 8 devices does, and a process that dies fails its peers fast, naming it."""
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sfrrl_jax.engine import Engine
+from sfrrl_jax.engine.lockstep import LockstepEngine, LocalExchange
+
+from lockstep_common import make_engine, run_trajectory, trajectories
+
+WORKER = Path(__file__).with_name("lockstep_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, nproc, *extra):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(p), str(nproc), str(port),
+                               str(tmp_path / f"out{p}.json"), *extra],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for p in range(nproc)]
+    return procs
+
+
+def _reference():
+    """The same trajectories on one process's 8 devices through the plain engine."""
+    engine = make_engine(Engine)
+
+    async def main():
+        return await asyncio.gather(*(run_trajectory(engine, i) for i in range(len(trajectories()))))
+    return asyncio.run(main())
+
+
+def _assert_same(got, want):
+    for (toks, lps), (ref_toks, ref_lps) in zip(got, want):
+        assert toks == ref_toks
+        np.testing.assert_allclose(lps, ref_lps, rtol=0, atol=1e-5)
+
+
+def test_two_processes_generate_what_one_process_does(tmp_path):
+    procs = _launch(tmp_path, 2)
+    reference = _reference()   # meanwhile, here
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    runs = [json.loads((tmp_path / f"out{p}.json").read_text()) for p in range(2)]
+    seen = {}
+    for run in runs:
+        seen.update({int(i): r for i, r in run["results"].items()})
+        assert run["occupancy"] == {"running": 0, "parked": 0, "free": 3, "queued": 0}
+    assert sorted(seen) == list(range(len(trajectories())))   # each process ran its own share
+    for i, got in seen.items():
+        _assert_same(got, reference[i])
+    assert runs[0]["ticks"] == runs[1]["ticks"] > 0               # one exchange per tick, in lockstep
+    # one process: the lockstep engine over the identity exchange is the plain engine
+    engine = make_engine(LockstepEngine, exchange=LocalExchange())
+
+    async def local():
+        async with engine.session():
+            return await asyncio.gather(*(run_trajectory(engine, i) for i in range(len(trajectories()))))
+    for got, want in zip(asyncio.run(local()), reference):
+        _assert_same(got, want)
+
+
+def test_a_process_that_dies_fails_its_peer_fast_naming_it(tmp_path):
+    procs = _launch(tmp_path, 2, "die")
+    t0 = time.monotonic()
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert procs[1].returncode == 17
+    assert procs[0].returncode != 0, outs[0][-3000:]
+    assert time.monotonic() - t0 < 200
+    # named by our tick timeout, or by the coordination service's heartbeat check, whichever is first
+    assert (re.search(r"process 1 of 2 sent nothing", outs[0])
+            or re.search(r"tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", outs[0])), outs[0][-3000:]
