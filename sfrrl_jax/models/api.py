@@ -82,10 +82,14 @@ def init_params(cfg: ModelConfig, mesh: Mesh, seed: int = 0) -> dict:
     dense weights over `tensor` where their dims divide, replicated over `data`.
     """
     check_mesh_fits(cfg, mesh)
-    shardings = param_shardings(cfg, mesh)
-    init = jax.jit(functools.partial(tfm._init_pure, cfg), out_shardings=shardings)
     with jax.set_mesh(mesh):
-        return init(jax.random.key(seed))
+        return _jitted_init(cfg, mesh)(jax.random.key(seed))
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_init(cfg: ModelConfig, mesh: Mesh):
+    # One jitted init per (config, mesh): a fresh jax.jit per call would recompile every time.
+    return jax.jit(functools.partial(tfm._init_pure, cfg), out_shardings=param_shardings(cfg, mesh))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
