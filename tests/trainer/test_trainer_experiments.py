@@ -1,4 +1,5 @@
 """Experiments: gin configs parse and validate, bad bindings are named, kill -9 + --resume is exact."""
+import fcntl
 import json
 import re
 import os
@@ -148,14 +149,29 @@ def _assert_rows_equal(got_rows, want_rows, steps):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("experiments")
+    # pytest-xdist may give this module's tests to several workers, each with its own module
+    # fixture: the uninterrupted run (and the compile cache) lives in the session's shared temp
+    # dir, the first worker here runs it, the others wait on the lock and read its outputs
+    # (one run per session, not one per worker; every test writes only to its own run dir)
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "experiments"
+    root.mkdir(exist_ok=True)
     gin_file = root / "tiny.gin"
-    gin_file.write_text(TINY_GIN)
     env = _env(root / "jax_cache")
-    t0 = time.perf_counter()
-    full, _ = _run(_cmd(gin_file, root / "full"), env)
-    return {"root": root, "gin": gin_file, "env": env, "full": full, "full_dir": root / "full",
-            "full_s": time.perf_counter() - t0}
+    with open(root / "full.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            done = root / "full.json"
+            if not done.exists():
+                gin_file.write_text(TINY_GIN)
+                t0 = time.perf_counter()
+                full, _ = _run(_cmd(gin_file, root / "full"), env)
+                done.write_text(json.dumps({"full": full, "full_s": time.perf_counter() - t0}))
+            record = json.loads(done.read_text())
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return {"root": root, "gin": gin_file, "env": env, "full": record["full"], "full_dir": root / "full",
+            "full_s": record["full_s"]}
 
 
 def test_uninterrupted_run_writes_metrics_checkpoints_and_operative_config(runs):
