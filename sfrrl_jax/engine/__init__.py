@@ -1,9 +1,10 @@
 """Rollout engine: KV cache, sampling, JetStream-shaped jitted steps, continuous batching."""
 from sfrrl_jax.engine.driver import Engine, EngineStats, SlotHandle
 from sfrrl_jax.engine.generate import generate
+from sfrrl_jax.engine.lockstep import KeyValueExchange, LocalExchange, LockstepEngine, LockstepError
 from sfrrl_jax.engine.steps import DecodeState, EngineSteps, Prefix, ResultTokens, SlotRequest
 from sfrrl_jax.engine.types import Completion, EngineError, EngineProtocol, GenerationRequest
 
 __all__ = ["Engine", "EngineStats", "SlotHandle", "generate", "DecodeState", "EngineSteps",
            "Prefix", "ResultTokens", "SlotRequest", "Completion", "EngineError", "EngineProtocol",
-           "GenerationRequest"]
+           "GenerationRequest", "LockstepEngine", "LockstepError", "KeyValueExchange", "LocalExchange"]

@@ -87,3 +87,38 @@ def test_a_process_that_dies_fails_its_peer_fast_naming_it(tmp_path):
     # named by our tick timeout, or by the coordination service's heartbeat check, whichever is first
     assert (re.search(r"process 1 of 2 sent nothing", outs[0])
             or re.search(r"tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", outs[0])), outs[0][-3000:]
+
+
+def test_distributed_config_reads_flags_over_the_environment_and_names_bad_values(monkeypatch):
+    from sfrrl_jax.launch.distributed import DistributedConfig, initialize
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host0:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    assert DistributedConfig.from_env() == DistributedConfig("host0:1234", 4, 3)
+    assert DistributedConfig.from_env(process_id=1, coordinator="h:9") == DistributedConfig("h:9", 4, 1)
+    monkeypatch.setenv("JAX_PROCESS_ID", "three")
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID='three' is not an integer"):
+        DistributedConfig.from_env()
+    with pytest.raises(ValueError, match=r"process_id must lie in \[0, 2\), got 2"):
+        DistributedConfig("h:1", 2, 2)
+    with pytest.raises(ValueError, match="coordinator .* is required with num_processes=2"):
+        DistributedConfig(None, 2, 0)
+    with pytest.raises(ValueError, match="'host:port', got 'nohost'"):
+        DistributedConfig("nohost", 2, 0)
+    assert initialize(DistributedConfig()) is False          # one process: nothing to join
+    import jax
+    jax.devices()                                              # this test process's backends run now
+    with pytest.raises(RuntimeError, match="before JAX starts its backends"):
+        initialize(DistributedConfig("h:1", 2, 0))
+
+
+def test_lockstep_engine_refuses_idle_work_and_sessionless_multi_process_requests():
+    class TwoProcesses(LocalExchange):
+        process_count = 2
+
+    engine = make_engine(LockstepEngine, exchange=TwoProcesses())
+    with pytest.raises(NotImplementedError, match="idle work"):
+        engine.set_idle_work(lambda: None)
+    from sfrrl_jax.agents.protocols import GenerationRequest
+    with pytest.raises(RuntimeError, match=r"outside engine.session\(\)"):
+        asyncio.run(engine.complete(GenerationRequest(tokens=[1, 2], max_new_tokens=2)))
