@@ -25,10 +25,12 @@ def _setup():
 
 def test_paged_steps_equal_dense_steps_exactly_through_prefill_decode_append_free_and_reuse():
     cfg, mesh, params = _setup()
-    dense = engine_steps(cfg, mesh, 4, 32, (8, 16))
-    paging = check_paging(4, 24, 32, 4, cfg.layer_windows, decode_steps=3)  # as the driver's below
+    # the arguments exactly as the driver passes them (engine_steps is an lru_cache, keyed on the
+    # call's form), so the engines of the tests below get these steps and their compilations
+    dense = engine_steps(cfg, mesh, 4, 32, (8, 16), None, None)
+    paging = check_paging(4, 24, 32, 4, cfg.layer_windows, 3)  # as the driver's below
     assert paging.windows == (0, 4) and paging.pool_pages == (24, 12)
-    paged = engine_steps(cfg, mesh, 4, 32, (8, 16), paging=paging)
+    paged = engine_steps(cfg, mesh, 4, 32, (8, 16), None, paging)
     # pages of one layer (4 tokens): 24 + 12 and a scratch each vs 4 slots x 8 pages x 2 layers
     assert paged.cache_bytes() * 64 == dense.cache_bytes() * (25 + 13)
     pt = PageTable(4, 32, *paging)
