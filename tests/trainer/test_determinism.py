@@ -13,7 +13,6 @@
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import sfrrl_jax as S
@@ -34,17 +33,10 @@ def _mesh():  # one device: the cheapest mesh; test_rl_trainer compares the mode
     return S.make_mesh(devices=jax.devices()[:1])
 
 
-@functools.lru_cache(maxsize=None)
-def _init_params():
-    """The seed-0 params, initialised once (each S.init_params call compiles its init anew)."""
-    return S.init_params(CFG, _mesh(), seed=0)
-
-
 def _run(mode: str, steps: int):
     tc = TrainerConfig(mode=mode, groups_per_step=2, group_size=4, max_slots=8, max_len=96,
                        buckets=(16, 32), seq_bucket=32)
-    params = jax.tree.map(jnp.copy, _init_params())  # a fresh copy: the trainer donates its params
-    trainer = RLTrainer(CFG, params, tc, LossConfig(),
+    trainer = RLTrainer(CFG, S.init_params(CFG, _mesh(), seed=0), tc, LossConfig(),
                         OptimizerConfig(learning_rate=1e-3), WorkloadAgent(WL), TaskStream(make_tasks(WL), seed=1))
     metrics = [trainer.step() for _ in range(steps)]
     return metrics, jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.params))[0]
@@ -62,7 +54,7 @@ def test_sync_is_bitwise_repeatable_and_pipelined_equals_it_to_rounding():
     # step 0 samples with the same initial weights: identical trajectories
     assert {k: pipe[0][k] for k in KEYS} == {k: sync_a[0][k] for k in KEYS}
     assert all(m["policy/on_policy_fraction"] == 1.0 for m in pipe + sync_a)
-    init = jax.tree.leaves(jax.device_get(_init_params()))
+    init = jax.tree.leaves(jax.device_get(S.init_params(CFG, _mesh(), seed=0)))
     moved = 0.0
     for (path, a), (_, p), a0 in zip(params_a, params_p, init):
         np.testing.assert_allclose(p, a, rtol=1e-4, atol=1e-5, err_msg=str(path))

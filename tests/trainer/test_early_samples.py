@@ -1,7 +1,6 @@
 """Early samples: the bookkeeping of which finished samples train before their group does, and
 the trainer giving sync's update with them on."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -57,25 +56,22 @@ WL = WorkloadConfig(num_prompts=6, response_median=5, response_sigma=0.8, max_re
                     tool_latency_median_s=0.02, tool_latency_sigma=1.0, max_turns=3)
 
 
-def _trainer(mode, loss=LossConfig(), params=None, **kw):
+def _trainer(mode, loss=LossConfig(), **kw):
     # max_len 64: the workload's longest trajectory here is 60 tokens, so nothing is cut, and the
     # train widths are 32 and 64 (each width is one compile per micro-step function)
     tc = TrainerConfig(mode=mode, groups_per_step=2, group_size=4, max_slots=8, max_len=64,
                        buckets=(16, 32), seq_bucket=32, **kw)
-    if params is None:
-        params = S.init_params(CFG, S.make_mesh(data=2, expert=4), seed=0)
+    params = S.init_params(CFG, S.make_mesh(data=2, expert=4), seed=0)
     return RLTrainer(CFG, params, tc, loss, OptimizerConfig(learning_rate=1e-4), WorkloadAgent(WL),
                      TaskStream(make_tasks(WL), seed=1))
 
 
 def test_pipelined_with_early_samples_equals_sync():
-    params = S.init_params(CFG, S.make_mesh(data=2, expert=4), seed=0)
-    # both start from the same params (copies: a trainer donates its params to the update);
     # sync trains one row per micro-step too, so both use the micro-steps compiled below
-    sync = _trainer("sync", params=jax.tree.map(jnp.copy, params), microbatch_rows=1)
+    sync = _trainer("sync", microbatch_rows=1)
     # underfull_slots=8: idle work runs before every decode chunk, so finished samples are
     # popped while their group is still decoding
-    early = _trainer("pipelined", params=params, early_groups=2, underfull_slots=8, microbatch_rows=1)
+    early = _trainer("pipelined", early_groups=2, underfull_slots=8, microbatch_rows=1)
     assert early.compile_train_shapes() == 2  # widths 32, 64 x one row
     m_sync = sync.step()  # the same TrainStep (shared per config): compiles `apply` too
     compiled = early.train_step.compile_count()

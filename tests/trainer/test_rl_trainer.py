@@ -3,7 +3,6 @@ import asyncio
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -28,16 +27,6 @@ def _mesh():
     return S.make_mesh(data=2, expert=4)
 
 
-@functools.lru_cache(maxsize=None)
-def _init_params():
-    """The seed-0 params, initialised once (each S.init_params call compiles its init anew)."""
-    return S.init_params(CFG, _mesh(), seed=0)
-
-
-def _params():
-    return jax.tree.map(jnp.copy, _init_params())  # a fresh copy: a trainer donates its params
-
-
 # max_len 64: WL's longest trajectory is 60 tokens, so nothing of WL is cut, and the train widths
 # are 32 and 64 (each width is one compile per micro-step shape)
 MAX_LEN = 64
@@ -47,7 +36,8 @@ def _trainer(mode, agent=None, **kw):
     kw = {"seq_bucket": 32, **kw}
     tc = TrainerConfig(mode=mode, groups_per_step=2, group_size=4, max_slots=8, max_len=MAX_LEN,
                        buckets=(16, 32), **kw)
-    return RLTrainer(CFG, _params(), tc, LOSS, OPT, agent or WorkloadAgent(WL), TaskStream(make_tasks(WL), seed=1))
+    params = S.init_params(CFG, _mesh(), seed=0)
+    return RLTrainer(CFG, params, tc, LOSS, OPT, agent or WorkloadAgent(WL), TaskStream(make_tasks(WL), seed=1))
 
 
 def test_pipelined_equals_sync_after_a_step_and_both_are_on_policy(tmp_path):
@@ -58,7 +48,7 @@ def test_pipelined_equals_sync_after_a_step_and_both_are_on_policy(tmp_path):
     flat_s = jax.tree_util.tree_flatten_with_path(jax.device_get(sync.params))[0]
     flat_p = dict(jax.tree_util.tree_flatten_with_path(jax.device_get(pipe.params))[0])
     moved = 0.0
-    init = dict(jax.tree_util.tree_flatten_with_path(jax.device_get(_init_params()))[0])
+    init = dict(jax.tree_util.tree_flatten_with_path(jax.device_get(S.init_params(CFG, _mesh(), 0)))[0])
     for path, a in flat_s:
         np.testing.assert_allclose(a, flat_p[path], atol=2e-6, rtol=1e-5, err_msg=str(path))
         moved = max(moved, float(np.abs(a - init[path]).max()))
@@ -151,7 +141,7 @@ def test_bad_config_fails_before_compiling():
         TrainerConfig(mode="pipelined", advantage=S.rl.config.AdvantageConfig(estimator="reinforce_pp"))
     with pytest.raises(ValueError, match="mode='async'"):
         TrainerConfig(mode="async")
-    params = _params()
+    params = S.init_params(CFG, _mesh(), seed=0)
     with pytest.raises(ValueError, match="lower TrainerConfig.max_slots or max_len"):
         RLTrainer(CFG.replace(max_seq_len=1 << 22), params,
                   TrainerConfig(max_slots=1 << 16, max_len=1 << 22), LOSS, OPT, WorkloadAgent(WL),
