@@ -1,4 +1,5 @@
 """Shared fixtures for model tests: meshes, randomised params, tiny config variants."""
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,12 +29,17 @@ def single_device_mesh():
 def randomize(params, seed=0, scale=0.2):
     """Every leaf replaced by N(0, scale^2) noise in its own sharding (biases and sinks too)."""
     leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    new = [
-        jax.device_put(scale * jax.random.normal(k, x.shape, x.dtype), x.sharding)
-        for k, x in zip(keys, leaves)
-    ]
-    return jax.tree.unflatten(treedef, new)
+    spec = tuple((x.shape, x.dtype, x.sharding) for x in leaves)
+    return jax.tree.unflatten(treedef, _randomizer(spec, float(scale))(jax.random.key(seed)))
+
+
+@functools.lru_cache(maxsize=None)
+def _randomizer(spec, scale):
+    # One compile per param layout (drawing leaf by leaf compiled once per distinct shape).
+    def draw(key):
+        keys = jax.random.split(key, len(spec))
+        return [scale * jax.random.normal(k, shape, dtype) for k, (shape, dtype, _) in zip(keys, spec)]
+    return jax.jit(draw, out_shardings=[sharding for _, _, sharding in spec])
 
 
 def replicate_on(params, mesh):

@@ -117,16 +117,20 @@ class PagedEngineSteps(EngineSteps):
         return state
 
 
-@functools.lru_cache(maxsize=32)
 def engine_steps(cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buckets=None,
                  cache_dtype: str | None = None, paging: Paging | tuple[int, int] | None = None) -> EngineSteps:
     """A shared `EngineSteps` per configuration, so engines built alike reuse compilations.
     paging: None for the dense cache, or a `Paging` for `engine.paged`'s ((page_size, num_pages)
     means `check_paging`'s layout for cfg's layers and one-token decode chunks)."""
     buckets = None if buckets is None else tuple(buckets)
+    if paging is not None and not isinstance(paging, Paging):
+        paging = check_paging(*paging, max_len, max_slots, cfg.layer_windows)
+    # One cache key per configuration, however the call spelled it (keywords, defaults left out).
+    return _shared_steps(cfg, mesh, int(max_slots), int(max_len), buckets, cache_dtype, paging)
+
+
+@functools.lru_cache(maxsize=32)
+def _shared_steps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, paging) -> EngineSteps:
     if paging is None:
         return EngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype)
-    if not isinstance(paging, Paging):
-        return engine_steps(cfg, mesh, max_slots, max_len, buckets, cache_dtype,
-                            check_paging(*paging, max_len, max_slots, cfg.layer_windows))
     return PagedEngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, paging=paging)
