@@ -13,6 +13,11 @@ from the newest checkpoint in the run dir (with no checkpoint there, it starts a
 says so). Without --resume, a run dir that holds an earlier run's metrics or checkpoints is
 refused. --cpu_devices=N gives a CPU run N (fake) devices; it must be set before JAX starts its
 backends, so it is applied here first.
+--num_processes/--process_id/--coordinator (or JAX_NUM_PROCESSES, JAX_PROCESS_ID,
+JAX_COORDINATOR_ADDRESS) join an N-process run under jax.distributed (`launch.distributed`;
+experiments/launch_local.py starts N on one machine). Today an N-process run validates its config
+(--validate_only); training across processes is refused until the trainer runs in lockstep
+(docs/multihost.md).
 Exit status: 0 done; 2 bad config (a binding the job never uses included); 3 the run dir cannot
 be used as asked (an earlier run there and no --resume; --resume with no restorable checkpoint;
 nan/inf in the restored or loaded weights); 128+signal when SIGTERM/SIGINT stopped the run
@@ -62,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run_dir", default=None, help="overrides ExperimentConfig.run_dir / Job.run_dir")
     p.add_argument("--cpu_devices", type=int, default=None, help="fake CPU device count (set before JAX starts)")
     p.add_argument("--validate_only", action="store_true", help="parse and validate, allocate nothing")
+    p.add_argument("--num_processes", type=int, default=None, help="processes in the run (env JAX_NUM_PROCESSES)")
+    p.add_argument("--process_id", type=int, default=None, help="this process's index (env JAX_PROCESS_ID)")
+    p.add_argument("--coordinator", default=None, help="host:port of process 0 (env JAX_COORDINATOR_ADDRESS)")
     return p
 
 
@@ -79,6 +87,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+    from sfrrl_jax.launch.distributed import DistributedConfig, initialize
+    try:
+        dist = DistributedConfig.from_env(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+        print(f"sfrrl-train: {e}", file=sys.stderr)
+        return 2
+    if dist.num_processes > 1 and not args.validate_only:
+        print(f"sfrrl-train: training as {dist.num_processes} processes is not built yet: the engine runs in "
+              "lockstep across processes (sfrrl_jax.engine.LockstepEngine), the trainer does not yet; run one "
+              "process per machine for now, or --validate_only (see docs/multihost.md)", file=sys.stderr)
+        return 2
+    initialize(dist)                          # before anything starts a JAX backend
     have_recipes = import_shipped_recipes()   # after --cpu_devices: a recipe may import jax
     from sfrrl_jax.launch import gin_bindings
     # Bound through gin, so the operative config records them; optional because each job kind
@@ -104,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KeyError, FileNotFoundError) as e:   # the configs do not fit together
             print(f"sfrrl-train: config invalid: {e}", file=sys.stderr)
             return 2
-        print(f"sfrrl-train: config valid ({job.kind}" + (f", model {model_cfg.name}" if model_cfg else "") + ")")
+        import jax
+        where = f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""
+        print(f"sfrrl-train: config valid ({job.kind}" + (f", model {model_cfg.name}" if model_cfg else "") + where + ")")
         return 0
     from sfrrl_jax.checkpoints.orbax_store import NoRestorableCheckpointError, NonFiniteStateError
     from sfrrl_jax.launch.runner import RunDirError
