@@ -1,0 +1,76 @@
+"""Tool calls served by worker processes over the pool's queues (agents.tool_pool), through the
+ordinary ToolRunner: results, load spread, errors as observations, a dead worker as a timeout."""
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sfrrl_jax.agents.protocols import ToolCall
+from sfrrl_jax.agents.tool_pool import ToolPoolServer
+from sfrrl_jax.agents.tools import ToolRunner, ToolRunnerConfig
+
+import remote_tools_fixture
+
+HERE = Path(__file__).resolve().parent
+
+
+def _worker(address, key, concurrency=4):
+    env = dict(os.environ, SFRRL_TOOL_AUTHKEY=key.decode(),
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-m", "sfrrl_jax.agents.tool_pool", f"{address[0]}:{address[1]}",
+                             "remote_tools_fixture:tools", "--concurrency", str(concurrency)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_remote_workers_run_the_calls_and_failures_stay_observations():
+    key = os.urandom(16).hex().encode()
+    with ToolPoolServer(("127.0.0.1", 0), authkey=key) as pool:
+        workers = [_worker(pool.address, key) for _ in range(2)]
+        try:
+            for w in workers:   # both connected before any call is queued
+                assert "serving ['slow_add', 'fail']" in w.stdout.readline()
+            runner = ToolRunner(pool.remote_tools(remote_tools_fixture.tools()), ToolRunnerConfig(timeout_s=20.0))
+            assert [s["function"]["name"] for s in runner.schemas()] == ["slow_add", "fail"]  # same schemas
+
+            async def main():
+                calls = [ToolCall("slow_add", {"a": i, "b": 1000, "sleep_s": 0.2}, call_id=str(i)) for i in range(24)]
+                return await runner.run(calls)
+            results = asyncio.run(main())
+            assert [r.content.split(" by ")[0] for r in results] == [str(i + 1000) for i in range(24)]
+            assert not any(r.is_error for r in results)
+            pids = {r.content.split(" by ")[1].split(" with ")[0] for r in results}
+            assert len(pids) == 2                                              # both workers took calls
+            assert max(int(r.content.split(" with ")[1]) for r in results) > 1  # several at once in one
+
+            async def failures():
+                return await runner.run([ToolCall("fail", {"kind": "tool_error"}), ToolCall("fail", {"kind": "crash"}),
+                                         ToolCall("fail", {"kind": "ok"})])
+            tool_error, crash, ok = asyncio.run(failures())
+            assert tool_error.is_error and tool_error.content == "error: the tool refuses: kind=tool_error"
+            assert crash.is_error and "ZeroDivisionError" in crash.content and "division by zero" in crash.content
+            assert not ok.is_error and ok.content == "fine"
+
+            # a worker that dies mid-call: that call times out as an observation, the pool goes on
+            runner = ToolRunner(pool.remote_tools(remote_tools_fixture.tools()), ToolRunnerConfig(timeout_s=3.0))
+
+            async def death():
+                return await runner.run([ToolCall("fail", {"kind": "die"})])
+            (dead,) = asyncio.run(death())
+            assert dead.is_error and "timed out after 3.0 s" in dead.content
+            assert sum(w.poll() is not None for w in workers) == 1
+
+            async def after():
+                return await runner.run([ToolCall("slow_add", {"a": 1, "b": 2}) for _ in range(4)])
+            assert all(r.content.startswith("3 by ") for r in asyncio.run(after()))
+        finally:
+            for w in workers:
+                w.kill()
+                w.wait()
+
+
+def test_a_worker_without_the_authkey_is_refused_by_name():
+    env = {k: v for k, v in os.environ.items() if k != "SFRRL_TOOL_AUTHKEY"}
+    out = subprocess.run([sys.executable, "-m", "sfrrl_jax.agents.tool_pool", "127.0.0.1:1", "x:y"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "SFRRL_TOOL_AUTHKEY" in out.stderr
