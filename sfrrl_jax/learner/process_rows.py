@@ -1,0 +1,65 @@
+"""A micro-batch whose rows come from every process (multi-host: each trains its own trajectories).
+
+    batch = global_microbatch(local_rows, mesh)   # on every process, at the same point
+    acc = ts.grad_microstep(params, acc, batch)
+
+Each process passes the host arrays of its own rows (`[rows_p, width_p]`; per-row `advantages`
+may be `[rows_p]`), with the same keys and dtypes everywhere. One small all-gather agrees on the
+shape: rows are padded to the largest count (rounded so the global rows split evenly over the
+mesh's batch shards) with all-zero rows, which hold no loss token and so add nothing to the
+gradient sums or the loss normaliser; columns are padded to the widest with zeros after the
+sequence. The result is a dict of global `jax.Array`s `[P * rows, width]`, rows sharded over the
+batch axes like the train step's own host batches, process p's rows at `[p * rows, (p+1) * rows)`
+(`jax.make_array_from_process_local_data`). With one process it is the host batch, padded.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from sfrrl_jax.mesh import BATCH_AXES
+
+
+def _agree(values: np.ndarray) -> np.ndarray:
+    """[processes, len(values)]: every process's `values` (one all-gather; one process: itself)."""
+    if jax.process_count() == 1:
+        return values[None]
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(values))
+
+
+def global_microbatch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Global micro-batch from this process's rows (module doc). Call it on every process."""
+    if not local or "tokens" not in local:
+        raise KeyError(f"global_microbatch: the rows need 'tokens'; got {sorted(local)}")
+    local = {k: np.asarray(v) for k, v in local.items()}
+    rows, width = local["tokens"].shape
+    for k, v in local.items():
+        if v.shape[:1] != (rows,) or (v.ndim == 2 and v.shape[1] != width) or v.ndim not in (1, 2):
+            raise ValueError(f"global_microbatch: '{k}' has shape {v.shape}; rows are [{rows}, {width}] "
+                             f"(or [{rows}] for per-row advantages)")
+    keys = sorted(local)
+    # str hashes are salted per process: a checksum of the text is the same everywhere
+    signature = zlib.crc32(repr([(k, local[k].dtype.str, local[k].ndim) for k in keys]).encode())
+    shapes = _agree(np.array([rows, width, signature], np.int64))
+    if len(set(shapes[:, 2])) != 1:
+        raise ValueError(f"global_microbatch: processes pass different keys or dtypes (this one: "
+                         f"{[(k, local[k].dtype.str) for k in keys]})")
+    processes = shapes.shape[0]
+    shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.shape]))
+    step = shards // math.gcd(shards, processes)   # processes * rows_max must split over the shards
+    rows_max = -(-int(shapes[:, 0].max()) // step) * step
+    width_max = int(shapes[:, 1].max())
+    from sfrrl_jax.learner.train_step import _batch_sharding  # the train step's own batch layout
+    out = {}
+    for k in keys:
+        v = local[k]
+        padded = np.zeros((rows_max,) + ((width_max,) if v.ndim == 2 else ()), v.dtype)
+        padded[tuple(slice(0, n) for n in v.shape)] = v
+        global_shape = (processes * rows_max,) + padded.shape[1:]
+        out[k] = jax.make_array_from_process_local_data(_batch_sharding(mesh, global_shape), padded, global_shape)
+    return out
