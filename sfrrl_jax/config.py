@@ -10,7 +10,7 @@ import math
 import numbers
 from typing import Iterable, Literal, Sequence
 
-Family = Literal["qwen3_moe", "gpt_oss", "mixtral"]
+Family = Literal["qwen3_moe", "gpt_oss", "mixtral", "llama", "qwen2", "qwen3"]
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 LayerType = Literal["full", "sliding"]
@@ -117,9 +117,10 @@ def check_seed(where: str, value) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and variants of a decoder-only MoE transformer.
+    """Shapes and variants of a decoder-only transformer, MoE or dense.
 
-    Every layer is attention + MoE. Per-layer attention kind comes from `layer_types`
+    Every layer is attention + MoE, or attention + a dense SwiGLU MLP of width `d_ff` when
+    `n_experts == 0` (the dense families: llama, qwen2, qwen3). Per-layer attention kind comes from `layer_types`
     ('sliding' layers attend to the last `sliding_window` positions; 'full' to all).
     """
 
@@ -132,7 +133,8 @@ class ModelConfig:
     n_kv_heads: int = 2
     head_dim: int = 16
     d_ff_expert: int = 64
-    n_experts: int = 8
+    n_experts: int = 8                 # 0: a dense MLP of width d_ff in every layer
+    d_ff: int = 0                      # the dense MLP's width (n_experts == 0 only)
     top_k: int = 2
     # Routing: 'softmax_topk' = softmax over all experts then top-k (Qwen3-MoE), optionally
     # renormalised; 'topk_softmax' = top-k logits then softmax over those k (Mixtral, GPT-OSS).
@@ -144,7 +146,8 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     qk_norm: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False       # q/k/v biases (and the output's, unless attention_out_bias says)
+    attention_out_bias: bool | None = None  # None: as attention_bias (GPT-OSS both; Qwen2 q/k/v only)
     attn_sinks: bool = False
     sliding_window: int | None = None
     layer_types: tuple[LayerType, ...] | None = None  # None: all 'full'
@@ -182,8 +185,13 @@ class ModelConfig:
     def __post_init__(self):
         check_str("ModelConfig.name", self.name)
         check_int_fields(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                                "d_ff_expert", "n_experts", "top_k", "max_seq_len", "rope_original_max_len",
+                                "d_ff_expert", "top_k", "max_seq_len", "rope_original_max_len",
                                 "attention_block_q", "attention_block_k"), 1)
+        check_int_fields(self, ("n_experts", "d_ff"), 0)
+        if self.n_experts == 0 and self.d_ff < 1:
+            raise ValueError("ModelConfig.n_experts=0 (a dense MLP) needs d_ff >= 1, the MLP's width")
+        if self.attention_out_bias is not None:
+            check_bool("ModelConfig.attention_out_bias", self.attention_out_bias)
         check_int("ModelConfig.sliding_window", self.sliding_window, 0, optional=True)  # 0: no window
         check_bool_fields(self, ("norm_topk_prob", "router_bias", "expert_bias", "qk_norm", "attention_bias",
                                  "attn_sinks", "rope_truncate", "tie_embeddings"))
@@ -198,7 +206,7 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
             )
-        if self.top_k > self.n_experts:
+        if self.n_experts and self.top_k > self.n_experts:
             raise ValueError(f"ModelConfig.top_k={self.top_k} > n_experts={self.n_experts}")
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -218,6 +226,15 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{k}={getattr(self, k)!r}; valid: {list(allowed.__args__)}")
 
     # -- derived -----------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def out_bias(self) -> bool:
+        """Whether the attention output projection has a bias."""
+        return self.attention_bias if self.attention_out_bias is None else self.attention_out_bias
+
     @property
     def layer_windows(self) -> tuple[int, ...]:
         """Per-layer attention window (0 = unlimited)."""
@@ -240,11 +257,13 @@ class ModelConfig:
                              self.n_experts, self.d_ff_expert)
         attn = d * hd * (h + 2 * k) + h * hd * d
         if self.attention_bias:
-            attn += hd * (h + 2 * k) + d
-        attn += 2 * hd * self.qk_norm + h * self.attn_sinks
+            attn += hd * (h + 2 * k)
+        attn += d * self.out_bias + 2 * hd * self.qk_norm + h * self.attn_sinks
         moe = d * e + e * 3 * d * f + (e if self.router_bias else 0)
         if self.expert_bias:
             moe += e * (2 * f + d)
+        if not self.is_moe:
+            moe = 3 * d * self.d_ff
         layer = attn + moe + 2 * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.n_layers * layer + d + head

@@ -21,6 +21,13 @@ TINY_MIXTRAL = S.ModelConfig.preset(
     tie_embeddings=True,
 )
 
+# Dense (Qwen2-like): no experts, a SwiGLU MLP of odd width, q/k/v biases without an output
+# bias, a window on the second layer.
+TINY_DENSE = S.ModelConfig.preset(
+    "tiny-moe", family="qwen2", n_experts=0, d_ff=40, qk_norm=False, attention_bias=True,
+    attention_out_bias=False, sliding_window=4, layer_types=("full", "sliding"),
+)
+
 
 def single_device_mesh():
     return S.make_mesh(devices=jax.devices()[:1])

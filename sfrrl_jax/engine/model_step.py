@@ -108,7 +108,7 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
         ck = read(ck_all, layer, positions, k).astype(q.dtype)
         cv = read(cv_all, layer, positions, v).astype(q.dtype)
         x = x + block.attn.output(core(q, ck, cv, window, block.attn.sink_logits()))
-        y, _ = block.moe(block.mlp_norm(x))
+        y, _ = block.ffn(block.mlp_norm(x))
         return (constrain(x + y, ("batch", "seq", "embed")), ck_all, cv_all), None
 
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)

@@ -166,6 +166,7 @@ class Attention(nnx.Module):
             self.q_bias = param(rngs, "zeros", (h, hd), ("heads", "head_dim"), cfg)
             self.k_bias = param(rngs, "zeros", (kvh, hd), ("kv_heads", "head_dim"), cfg)
             self.v_bias = param(rngs, "zeros", (kvh, hd), ("kv_heads", "head_dim"), cfg)
+        if cfg.out_bias:
             self.o_bias = param(rngs, "zeros", (d,), ("embed",), cfg)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg, logical_axis="head_dim")
@@ -193,7 +194,7 @@ class Attention(nnx.Module):
         """[b, s, heads, hd] -> [b, s, embed]."""
         dt = cdtype(self.cfg)
         y = jnp.einsum("bshk,hkd->bsd", attn_out, self.o_proj[...].astype(dt))
-        if self.cfg.attention_bias:
+        if self.cfg.out_bias:
             y = y + self.o_bias[...].astype(dt)
         return y
 
@@ -274,3 +275,23 @@ def per_device(core):
                              in_specs=specs, out_specs=qkv, axis_names=frozenset(free),
                              check_vma=False)(*args)
     return run
+
+
+class DenseMLP(nnx.Module):
+    """SwiGLU MLP of the dense families: down(silu(x @ gate) * (x @ up)). gate/up [embed, mlp],
+    down [mlp, embed]; `mlp` is split over the `tensor` axis (the rules table)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        self.cfg = cfg
+        self.w_gate = param(rngs, "normal", (d, f), ("embed", "mlp"), cfg)
+        self.w_up = param(rngs, "normal", (d, f), ("embed", "mlp"), cfg)
+        self.w_down = param(rngs, "normal", (f, d), ("mlp", "embed"), cfg)
+
+    def __call__(self, x, token_mask=None):
+        """x [batch, seq, embed] -> (y [batch, seq, embed], {}): no router, so no router metrics."""
+        dt = cdtype(self.cfg)
+        gate = jnp.einsum("bsd,df->bsf", x, self.w_gate[...].astype(dt))
+        up = jnp.einsum("bsd,df->bsf", x, self.w_up[...].astype(dt))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        return jnp.einsum("bsf,fd->bsd", hidden, self.w_down[...].astype(dt)), {}

@@ -1,4 +1,4 @@
-"""The decoder: embedding -> n_layers x (attention + MoE) -> final norm -> LM head.
+"""The decoder: embedding -> n_layers x (attention + MoE or dense MLP) -> final norm -> LM head.
 
 Layers are stacked (every layer param has a leading `layers` dim) and run with `lax.scan`, so
 compile time does not grow with depth. Params are a plain nested dict of `jax.Array`s; the NNX
@@ -20,25 +20,33 @@ from flax import nnx
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import constrain
 from sfrrl_jax.models.context_parallel import from_zigzag, pad_for_context, to_zigzag
-from sfrrl_jax.models.layers import Attention, Embed, RMSNorm, cdtype, param
+from sfrrl_jax.models.layers import Attention, DenseMLP, Embed, RMSNorm, cdtype, param
 from sfrrl_jax.models.moe import MoE
 
 Params = dict  # nested dict of jax.Array; see `param_logical_axes` for its layout
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)); x + moe(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)); x + ffn(norm(x)), the ffn a MoE (params under
+    'moe') or, for dense families (n_experts == 0), a SwiGLU MLP (params under 'mlp')."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg)
-        self.moe = MoE(cfg, rngs)
+        if cfg.is_moe:
+            self.moe = MoE(cfg, rngs)
+        else:
+            self.mlp = DenseMLP(cfg, rngs)
+
+    def ffn(self, h, token_mask=None):
+        """h [batch, seq, embed] (normed) -> (y, metrics: the router's for a MoE, {} for dense)."""
+        return (self.moe if hasattr(self, "moe") else self.mlp)(h, token_mask)
 
     def __call__(self, x, positions, segment_ids, window, token_mask):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids, window)
         x = constrain(x, ("batch", "seq", "embed"))
-        y, metrics = self.moe(self.mlp_norm(x), token_mask)
+        y, metrics = self.ffn(self.mlp_norm(x), token_mask)
         return constrain(x + y, ("batch", "seq", "embed")), metrics
 
 

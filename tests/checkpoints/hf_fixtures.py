@@ -17,6 +17,9 @@ FAMILY_CLASSES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -56,6 +59,23 @@ CONFIGS = {
         vocab_size=67, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
         head_dim=10, num_local_experts=8, num_experts_per_tok=2, intermediate_size=18, sliding_window=3,
         tie_word_embeddings=True)),
+    # Dense families (n_experts=0). SmolLM2-like: GQA 2:1, tied embeddings, rope theta 1e5.
+    "llama_gqa_tied": ("llama", dict(
+        vocab_size=83, hidden_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=36, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
+    # Llama with q/k/v/o biases, MHA, explicit head_dim.
+    "llama_bias_mha": ("llama", dict(
+        vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=12, intermediate_size=20, attention_bias=True)),
+    # Qwen2: q/k/v biases (none on the output), a window on the layers after the first.
+    "qwen2_bias_window": ("qwen2", dict(
+        vocab_size=75, hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        intermediate_size=44, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    # Qwen3 dense: q/k norms, GQA 3:1, head_dim != hidden/heads.
+    "qwen3_dense": ("qwen3", dict(
+        vocab_size=70, hidden_size=36, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=10, intermediate_size=30, rope_parameters={"rope_type": "default", "rope_theta": 7000.0})),
 }
 
 

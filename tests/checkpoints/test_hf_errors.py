@@ -48,11 +48,15 @@ def _edit_config(directory, **changes):
 
 
 def test_unsupported_family_names_model_type_and_supported_ones(ckpt, mesh):
-    _edit_config(ckpt, model_type="llama")
+    _edit_config(ckpt, model_type="falcon")
     with pytest.raises(HFConfigError) as e:
         load_hf(ckpt, mesh)
     msg = str(e.value)
-    assert "'llama'" in msg and all(f in msg for f in ("qwen3_moe", "gpt_oss", "mixtral"))
+    assert "'falcon'" in msg and all(f in msg for f in ("qwen3_moe", "gpt_oss", "mixtral", "llama", "qwen2", "qwen3"))
+    # a MoE checkpoint that says it is a dense family: the MLP tensors it lacks are named
+    _edit_config(ckpt, model_type="llama", intermediate_size=48)
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.0.mlp.down_proj.weight'"):
+        load_hf(ckpt, mesh)
 
 
 def test_missing_tensor_is_named_with_its_expected_shape(ckpt, mesh):

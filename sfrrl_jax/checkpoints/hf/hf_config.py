@@ -14,9 +14,11 @@ from typing import Any, Mapping
 
 from sfrrl_jax.config import ModelConfig
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "gpt_oss", "mixtral")
+SUPPORTED_FAMILIES = ("qwen3_moe", "gpt_oss", "mixtral", "llama", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                 "mixtral": "MixtralForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 _HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 _YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow",
               "original_max_position_embeddings", "truncate"}
@@ -92,7 +94,7 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         n_layers=int(_get(hf, "num_hidden_layers", where)), n_heads=n_heads,
         n_kv_heads=int(_get(hf, "num_key_value_heads", where, n_heads)),
         head_dim=int(_get(hf, "head_dim", where, d_model // n_heads)),
-        top_k=int(_get(hf, "num_experts_per_tok", where)),
+        top_k=int(_get(hf, "num_experts_per_tok", where, 1 if family in DENSE_FAMILIES else ...)),
         rms_eps=float(_get(hf, "rms_norm_eps", where)),
         max_seq_len=int(_get(hf, "max_position_embeddings", where)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -100,6 +102,8 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         router_aux_coef=float(hf.get("router_aux_loss_coef", 0.0)),
         param_dtype=str(dtype), compute_dtype=str(dtype),
     )
+    if family in DENSE_FAMILIES:
+        return _dense_config(hf, family, common, where)
     if family == "qwen3_moe":
         _require(hf, "hidden_act", ("silu",), where)
         _require(hf, "decoder_sparse_step", (1,), where)
@@ -140,6 +144,40 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
     )
 
 
+def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) -> ModelConfig:
+    """Llama / Qwen2 / Qwen3: a SwiGLU MLP in every layer. Llama's optional q/k/v/o bias is one
+    switch (attention_bias); Qwen2 has q/k/v biases and none on the output; Qwen3 has q/k norms."""
+    _require(hf, "hidden_act", ("silu",), where)
+    if hf.get("mlp_bias"):
+        raise HFConfigError(f"{where}: mlp_bias=True is not supported (the MLP has no biases)")
+    n_layers = common["n_layers"]
+    window, layer_types = None, None
+    if family in ("qwen2", "qwen3"):
+        # transformers 5 writes layer_types; older files say use_sliding_window + max_window_layers
+        # (layers from max_window_layers on use the window)
+        hf_types = hf.get("layer_types")
+        if hf_types is None and hf.get("use_sliding_window") and hf.get("sliding_window"):
+            first = int(hf.get("max_window_layers", n_layers))
+            hf_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+        if hf_types is not None:
+            bad = sorted(set(hf_types) - set(_HF_LAYER_TYPES))
+            if bad or len(hf_types) != n_layers:
+                raise HFConfigError(f"{where}: layer_types {hf_types} (supported kinds: {sorted(_HF_LAYER_TYPES)}, "
+                                    f"one per layer)")
+            if "sliding_attention" in hf_types:
+                window = int(_get(hf, "sliding_window", where))
+                layer_types = tuple(_HF_LAYER_TYPES[t] for t in hf_types)
+    extra: dict = {}
+    if family == "qwen2":
+        extra = dict(attention_bias=True, attention_out_bias=False)
+    elif family == "qwen3":
+        extra = dict(qk_norm=True)
+    return ModelConfig(
+        **{**common, **extra}, **_rope(hf, where, 10000.0), n_experts=0,
+        d_ff=int(_get(hf, "intermediate_size", where)), sliding_window=window, layer_types=layer_types,
+    )
+
+
 def _rope_to_hf(cfg: ModelConfig) -> dict:
     if cfg.rope_type == "default":
         return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
@@ -150,7 +188,11 @@ def _rope_to_hf(cfg: ModelConfig) -> dict:
 
 def check_exportable(cfg: ModelConfig) -> None:
     """Raises if `cfg` uses a variant the HF class of its family cannot express."""
+    dense = dict(n_experts=0, attn_sinks=False, router_bias=False, expert_bias=False)
     want = {
+        "llama": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
+        "qwen2": dict(dense, qk_norm=False, attention_bias=True, out_bias=False),
+        "qwen3": dict(dense, qk_norm=True, out_bias=cfg.attention_bias),
         "qwen3_moe": dict(router="softmax_topk", qk_norm=True, attn_sinks=False, router_bias=False,
                           expert_bias=False, expert_act="swiglu"),
         "mixtral": dict(router="topk_softmax", qk_norm=False, attn_sinks=False, router_bias=False,
@@ -158,12 +200,18 @@ def check_exportable(cfg: ModelConfig) -> None:
         "gpt_oss": dict(router="topk_softmax", qk_norm=False, attn_sinks=True, router_bias=True,
                         expert_bias=True, expert_act="gptoss_swiglu", attention_bias=True),
     }[cfg.family]
+    if cfg.family not in DENSE_FAMILIES and not cfg.is_moe:
+        raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has n_experts=0 (dense); HF "
+                            f"{ARCHITECTURES[cfg.family]} needs experts: use a dense family {list(DENSE_FAMILIES)}")
     wrong = {k: getattr(cfg, k) for k, v in want.items() if getattr(cfg, k) != v}
     if wrong:
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has {wrong}; HF {ARCHITECTURES[cfg.family]} "
                             f"requires {({k: want[k] for k in wrong})}")
     types = set(cfg.layer_types or ())
-    if cfg.family in ("qwen3_moe", "mixtral") and types and types != {"sliding"}:
+    if cfg.family == "llama" and "sliding" in types:
+        raise HFConfigError(f"ModelConfig(family='llama') has sliding layers (layer_types={cfg.layer_types}); "
+                            "HF Llama has no sliding window")
+    if cfg.is_moe and cfg.family in ("qwen3_moe", "mixtral") and types and types != {"sliding"}:
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}): HF applies sliding_window to every layer; "
                             f"layer_types={cfg.layer_types} mixes kinds")
 
@@ -181,7 +229,16 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "hidden_act": "silu", "dtype": cfg.param_dtype,
     }
     window = cfg.sliding_window if "sliding" in (cfg.layer_types or ()) else None
-    if cfg.family == "qwen3_moe":
+    if cfg.family in DENSE_FAMILIES:
+        del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
+        hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, mlp_bias=False)
+        if cfg.family != "llama":
+            types = cfg.layer_types or ("full",) * cfg.n_layers
+            hf.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=cfg.n_layers,
+                      layer_types=[{"sliding": "sliding_attention", "full": "full_attention"}[t] for t in types])
+            if cfg.family == "qwen2":
+                del hf["attention_bias"]   # Qwen2's q/k/v biases are not optional
+    elif cfg.family == "qwen3_moe":
         hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff_expert,
                   norm_topk_prob=cfg.norm_topk_prob, attention_bias=cfg.attention_bias,
                   decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=window is not None,

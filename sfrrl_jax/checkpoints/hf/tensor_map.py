@@ -109,6 +109,7 @@ def _attention(cfg: ModelConfig, p: str) -> list[TensorGroup]:
         for proj, n in (("q", h), ("k", k), ("v", k)):
             groups.append(_single(a + f"{proj}_proj.bias", ("attn", f"{proj}_bias"), (n * hd,),
                                   lambda b, n=n: b.reshape(n, hd), lambda b: b.reshape(-1)))
+    if cfg.out_bias:
         groups.append(_single(a + "o_proj.bias", ("attn", "o_bias"), (d,)))
     if cfg.qk_norm:
         groups += [_single(a + "q_norm.weight", ("attn", "q_norm", "scale"), (hd,)),
@@ -122,8 +123,20 @@ def _transpose(w):
     return np.ascontiguousarray(w.T)
 
 
+def _dense_mlp(cfg: ModelConfig, p: str) -> list[TensorGroup]:
+    """Llama/Qwen2/Qwen3 `mlp.{gate,up,down}_proj` ([out, in] linears) <-> ours [in, out]."""
+    d, f, m = cfg.d_model, cfg.d_ff, p + "mlp."
+    return [_single(m + "gate_proj.weight", ("mlp", "w_gate"), (f, d), _transpose, _transpose),
+            _single(m + "up_proj.weight", ("mlp", "w_up"), (f, d), _transpose, _transpose),
+            _single(m + "down_proj.weight", ("mlp", "w_down"), (d, f), _transpose, _transpose)]
+
+
 def _experts(cfg: ModelConfig, p: str, quantized: bool) -> list[TensorGroup]:
     d, e, f = cfg.d_model, cfg.n_experts, cfg.d_ff_expert
+    if not cfg.is_moe:
+        if quantized:
+            raise ValueError(f"MXFP4 weights are only defined for gpt_oss's experts, not a dense {cfg.family}")
+        return _dense_mlp(cfg, p)
     if cfg.family in ("qwen3_moe", "mixtral"):
         if quantized:
             raise ValueError(f"MXFP4 expert weights are only defined for gpt_oss, not {cfg.family}")

@@ -1,0 +1,47 @@
+"""Dense families (n_experts=0: llama, qwen2, qwen3): the same transformer with a SwiGLU MLP in
+every layer, sharded over `tensor`, trained by the same train step as the MoE families."""
+import jax
+import numpy as np
+import pytest
+
+import sfrrl_jax as S
+from sfrrl_jax.learner import make_train_step
+from sfrrl_jax.learner.optimizer import OptimizerConfig
+from sfrrl_jax.rl.config import LossConfig
+
+from model_fixtures import TINY_DENSE, host, randomize, replicate_on, single_device_mesh
+
+
+def test_dense_forward_and_train_step_on_a_mesh_equal_one_device():
+    cfg = TINY_DENSE
+    mesh = S.make_mesh(data=2, expert=2, tensor=2)
+    params = randomize(S.init_params(cfg, mesh, seed=3), seed=4)
+    mlp = params["layers"]["mlp"]
+    assert "moe" not in params["layers"] and set(mlp) == {"w_gate", "w_up", "w_down"}
+    assert mlp["w_gate"].shape == (2, 64, 40) and mlp["w_gate"].sharding.spec[2] == "tensor"
+    assert mlp["w_down"].sharding.spec[1] == "tensor"
+    assert "o_bias" not in params["layers"]["attn"] and "q_bias" in params["layers"]["attn"]
+    assert S.models.transformer.count_params(params) == cfg.param_count()
+    rng = np.random.RandomState(1)
+    tokens = rng.randint(1, cfg.vocab_size, (4, 12)).astype(np.int32)
+    got = S.forward(cfg, params, tokens)
+    one = replicate_on(jax.tree.map(host, params), single_device_mesh())   # no buffer shared with params (donated below)
+    np.testing.assert_allclose(host(got), host(S.forward(cfg, one, tokens)), atol=1e-5, rtol=0)
+    batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens, np.float32),
+             "advantages": rng.normal(size=4).astype(np.float32),
+             "rollout_logprobs": np.full(tokens.shape, -2.0, np.float32)}
+    before = host(mlp["w_down"])
+    ts = make_train_step(cfg, LossConfig(), OptimizerConfig(learning_rate=1e-3))
+    new, _, metrics = ts.step(params, ts.init_opt_state(params), batch)     # params donated
+    new_one, _, metrics_one = ts.step(one, ts.init_opt_state(one), batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(metrics_one["loss"]), rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(new_one)):
+        np.testing.assert_allclose(host(a), host(b), atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
+    assert np.abs(host(new["layers"]["mlp"]["w_down"]) - before).max() > 1e-5   # the MLP trains
+
+
+def test_dense_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="n_experts=0 .* needs d_ff >= 1"):
+        S.ModelConfig.preset("tiny-moe", n_experts=0)
+    with pytest.raises(ValueError, match="attention_out_bias"):
+        S.ModelConfig.preset("tiny-moe", attention_out_bias="yes")
