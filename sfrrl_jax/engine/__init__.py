@@ -1,5 +1,6 @@
 """Rollout engine: KV cache, sampling, JetStream-shaped jitted steps, continuous batching."""
-from sfrrl_jax.engine.driver import Engine, EngineStats, SlotHandle
+from sfrrl_jax.engine.driver import Engine
+from sfrrl_jax.engine.jobs import EngineStats, SlotHandle
 from sfrrl_jax.engine.generate import generate
 from sfrrl_jax.engine.lockstep import KeyValueExchange, LocalExchange, LockstepEngine, LockstepError
 from sfrrl_jax.engine.steps import DecodeState, EngineSteps, Prefix, ResultTokens, SlotRequest

@@ -30,6 +30,7 @@ from sfrrl_jax.engine.page_policy import PagingMixin
 from sfrrl_jax.engine.pages import PageTable, check_paging
 from sfrrl_jax.engine.recovery import EngineFailure, SlotLog, restorer_for  # noqa: F401 (re-export)
 from sfrrl_jax.engine.paged import engine_steps
+from sfrrl_jax.engine.jobs import EngineStats, Job, SlotHandle, slot_request_of  # noqa: F401 (re-export)
 from sfrrl_jax.engine.steps import SlotRequest
 from sfrrl_jax.models.api import mesh_of
 
@@ -42,50 +43,8 @@ def _fields(x) -> dict:
 IdleWork = Callable[[], Callable[[], None] | None]  # () -> a blocking device job, or None
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotHandle:
-    slot: int
-    serial: int  # tells a stale handle from the slot's next occupant
-
-
-@dataclasses.dataclass
-class _Job:
-    request: GenerationRequest
-    future: asyncio.Future
-    slot_req: SlotRequest
-    slot: int | None = None
-    tokens: list = dataclasses.field(default_factory=list)
-    logprobs: list = dataclasses.field(default_factory=list)
-    raw_logprobs: list = dataclasses.field(default_factory=list)
-    feed: list | None = None  # an append's tokens for the device: the slot's pending token + the new ones
-    # paged cache (engine.page_policy): a preempted request's log to restore and keep decoding,
-    # an evicted trajectory's log to restore before its append, and the serial either keeps
-    resume: SlotLog | None = None
-    restore: SlotLog | None = None
-    serial: int | None = None
-
-
 class _DeviceFault(Exception):
     """A device step raised (its `__cause__`); the driver rebuilds the state and goes on."""
-
-
-@dataclasses.dataclass
-class EngineStats:
-    decode_steps: int = 0
-    slot_steps_active: int = 0       # sum over decode steps of running slots
-    slot_steps_total: int = 0        # sum over decode steps of max_slots
-    generated_tokens: int = 0
-    prefills: int = 0
-    appends: int = 0
-    device_seconds: float = 0.0      # wall time inside device steps (block-until-ready)
-    faults: int = 0                  # device steps that raised; each rebuilt the state
-    restored_slots: int = 0          # slots refilled from their token logs after a fault
-    evictions: int = 0               # paged: parked slots evicted to the host (restored on append)
-    preemptions: int = 0             # paged: running requests preempted (restored by recompute)
-
-    @property
-    def slot_occupancy(self) -> float:
-        return self.slot_steps_active / max(self.slot_steps_total, 1)
 
 
 class Engine(PagingMixin):
@@ -128,8 +87,8 @@ class Engine(PagingMixin):
         self.state = None
         self.stats = EngineStats()
         self.fault_messages: collections.deque[str] = collections.deque(maxlen=32)
-        self._queue: collections.deque[_Job] = collections.deque()
-        self._running: dict[int, _Job] = {}
+        self._queue: collections.deque[Job] = collections.deque()
+        self._running: dict[int, Job] = {}
         self._parked: dict[int, int] = {}          # slot -> serial
         self._free = list(range(max_slots))
         self._serial = 0
@@ -216,21 +175,8 @@ class Engine(PagingMixin):
 
     # -- async face -------------------------------------------------------------------------
     async def complete(self, request: GenerationRequest) -> Completion:
-        slot_req = SlotRequest.make(
-            temperature=request.temperature, top_k=request.top_k or 0,
-            top_p=1.0 if request.top_p is None else request.top_p, seed=request.seed,
-            max_new=request.max_new_tokens, stop_ids=tuple(request.stop_token_ids),
-        )
-        self.steps.pad(request.tokens)  # validates ids and length now, in the caller
-        h = request.slot_handle
-        log = None if h is None else self._handle_log(h)
-        if h is not None and log is None:
-            raise ValueError(f"slot handle {h} is not parked on this engine (released or stale)")
-        if h is not None and len(log.context) + len(request.tokens) > self.steps.max_len:
-            raise ValueError(
-                f"appending {len(request.tokens)} tokens to a slot holding {len(log.context)} "
-                f"exceeds the engine's max_len={self.steps.max_len}")
-        job = _Job(request, asyncio.get_running_loop().create_future(), slot_req)
+        slot_req = self._admissible(request)
+        job = Job(request, asyncio.get_running_loop().create_future(), slot_req)
         self._queue.append(job)
         self._kick()
         try:
@@ -238,6 +184,21 @@ class Engine(PagingMixin):
         except asyncio.CancelledError:
             self._cancel(job)
             raise
+
+    def _admissible(self, request: GenerationRequest) -> SlotRequest:
+        """The request's device-side settings, after the checks that can fail in the caller:
+        sampling settings, token ids and length, and an append's handle and room."""
+        slot_req = slot_request_of(request)
+        self.steps.pad(request.tokens)
+        h = request.slot_handle
+        if h is not None:
+            log = self._handle_log(h)
+            if log is None:
+                raise ValueError(f"slot handle {h} is not parked on this engine (released or stale)")
+            if len(log.context) + len(request.tokens) > self.steps.max_len:
+                raise ValueError(f"appending {len(request.tokens)} tokens to a slot holding {len(log.context)} "
+                                 f"exceeds the engine's max_len={self.steps.max_len}")
+        return slot_req
 
     async def release(self, slot_handle: Any) -> None:
         self._release_parked(slot_handle)
@@ -275,7 +236,7 @@ class Engine(PagingMixin):
         elif slot_handle is not None and self._evicted.pop(getattr(slot_handle, "serial", None), None):
             self._kick()
 
-    def _cancel(self, job: _Job):
+    def _cancel(self, job: Job):
         if job.future.done():
             # The result was set, but the caller was cancelled before it resumed: nobody will
             # ever release the parked slot it names, so release it here.
@@ -427,7 +388,7 @@ class Engine(PagingMixin):
         self.idle_seconds += time.perf_counter() - t0
         return True
 
-    def _take_admissible(self) -> list[_Job]:
+    def _take_admissible(self) -> list[Job]:
         """Jobs that get their slot (and, paged, their pages) now; the rest stay queued. New
         requests and resumed ones are first come, first served; appends go independently."""
         out, keep = [], collections.deque()
@@ -463,7 +424,7 @@ class Engine(PagingMixin):
                 self._serials[job.slot] = self._serial
         return out
 
-    def _take_append(self, job: _Job, h) -> bool:
+    def _take_append(self, job: Job, h) -> bool:
         """Admits an append into its parked slot, or (paged) restores an evicted trajectory into a
         free slot first; False when it must wait for pages or a slot. A released handle fails
         the job (and returns True: it leaves the queue)."""
@@ -491,7 +452,7 @@ class Engine(PagingMixin):
         log.context.extend(job.request.tokens)
         return True
 
-    def _admit_on_device(self, jobs: list[_Job]):
+    def _admit_on_device(self, jobs: list[Job]):
         self.allocate()
         self._sync_pages()
         t0 = time.perf_counter()
@@ -591,7 +552,7 @@ class Engine(PagingMixin):
                 self._push(job, results["tokens"][step][slot], results["logprobs"][step][slot],
                            results["raw_logprobs"][step][slot], bool(results["done"][step][slot]))
 
-    def _push(self, job: _Job, token, logprob, raw, done):
+    def _push(self, job: Job, token, logprob, raw, done):
         job.tokens.append(int(token))
         job.logprobs.append(float(logprob))
         job.raw_logprobs.append(float(raw))

@@ -38,9 +38,9 @@ import json
 import time
 from typing import Protocol, Sequence
 
-from sfrrl_jax.engine.driver import Engine, _DeviceFault, _Job
+from sfrrl_jax.engine.driver import Engine, _DeviceFault
+from sfrrl_jax.engine.jobs import Job, SlotHandle, slot_request_of
 from sfrrl_jax.engine.recovery import EngineFailure
-from sfrrl_jax.engine.steps import SlotRequest
 from sfrrl_jax.engine.types import Completion, GenerationRequest
 
 
@@ -116,17 +116,10 @@ def _request_to_json(r: GenerationRequest) -> dict:
 
 
 def _request_from_json(d: dict) -> GenerationRequest:
-    from sfrrl_jax.engine.driver import SlotHandle
     h = d["handle"]
     return GenerationRequest(tokens=d["tokens"], max_new_tokens=d["max_new"], temperature=d["temperature"],
                              top_k=d["top_k"], top_p=d["top_p"], seed=d["seed"], stop_token_ids=tuple(d["stop"]),
                              slot_handle=None if h is None else SlotHandle(*h))
-
-
-def _slot_request(r: GenerationRequest) -> SlotRequest:
-    return SlotRequest.make(temperature=r.temperature, top_k=r.top_k or 0,
-                            top_p=1.0 if r.top_p is None else r.top_p, seed=r.seed,
-                            max_new=r.max_new_tokens, stop_ids=tuple(r.stop_token_ids))
 
 
 class LockstepEngine(Engine):
@@ -138,9 +131,6 @@ class LockstepEngine(Engine):
     """
 
     def __init__(self, *args, exchange: Exchange | None = None, idle_poll_s: float = 0.002, **kw):
-        if kw.get("idle_work") is not None:
-            raise NotImplementedError("LockstepEngine does not run idle work yet (multi-process pipelined "
-                                      "training); use TrainerConfig.mode='sync'")
         kw["max_consecutive_faults"] = 0  # a local repair would diverge from the peers
         super().__init__(*args, **kw)
         if exchange is None:
@@ -152,7 +142,7 @@ class LockstepEngine(Engine):
         self.exchange_seconds = 0.0                 # wall time inside exchanges (the agreement's cost)
         self._outbox: list[dict] = []
         self._own: dict[int, asyncio.Future] = {}   # key -> the future of a request this process owns
-        self._jobs: dict[tuple[int, int], _Job] = {}  # (owner, key) -> queued or running job
+        self._jobs: dict[tuple[int, int], Job] = {}  # (owner, key) -> queued or running job
         self._next_key = 0
         self._sessions = 0
 
@@ -193,16 +183,7 @@ class LockstepEngine(Engine):
             raise RuntimeError("LockstepEngine.complete outside engine.session() on a multi-process run: open "
                                "`async with engine.session():` on every process around the rollout, so no "
                                "process's driver stops while another's still needs it")
-        self.steps.pad(request.tokens)  # validates ids and length now, in the caller
-        _slot_request(request)           # validates the sampling settings now, too
-        h = request.slot_handle
-        if h is not None:
-            log = self._handle_log(h)
-            if log is None:
-                raise ValueError(f"slot handle {h} is not parked on this engine (released or stale)")
-            if len(log.context) + len(request.tokens) > self.steps.max_len:
-                raise ValueError(f"appending {len(request.tokens)} tokens to a slot holding {len(log.context)} "
-                                 f"exceeds the engine's max_len={self.steps.max_len}")
+        self._admissible(request)  # what can fail, fails now, in the caller
         key, self._next_key = self._next_key, self._next_key + 1
         future = asyncio.get_running_loop().create_future()
         self._own[key] = future
@@ -239,7 +220,6 @@ class LockstepEngine(Engine):
 
     def _apply(self, messages: Sequence[bytes]) -> bool:
         """Applies every process's events in process order; True if any process has work."""
-        from sfrrl_jax.engine.driver import SlotHandle
         busy = False
         loop = asyncio.get_running_loop()
         for owner, raw in enumerate(messages):
@@ -253,7 +233,7 @@ class LockstepEngine(Engine):
                     if future is None or future.done():
                         future = loop.create_future()  # a peer's request: its tokens are only logged
                         future.add_done_callback(_consume)
-                    job = _Job(request, future, _slot_request(request))
+                    job = Job(request, future, slot_request_of(request))
                     self._jobs[(owner, ev["key"])] = job
                     future.add_done_callback(lambda _f, k=(owner, ev["key"]): self._jobs.pop(k, None))
                     self._queue.append(job)
@@ -264,15 +244,6 @@ class LockstepEngine(Engine):
                     if job is not None:
                         self._cancel(job)
         return busy
-
-    def _kick(self):
-        self._kicks += 1
-        loop = asyncio.get_running_loop()
-        if self._wake is None or self._wake_loop is not loop:
-            self._wake, self._wake_loop = asyncio.Event(), loop
-        self._wake.set()
-        if self._task is None or self._task.done():
-            self._task = loop.create_task(self._run())
 
     async def _run(self):
         try:

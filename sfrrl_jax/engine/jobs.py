@@ -1,0 +1,61 @@
+"""What the engine's driver keeps per request and per engine: the request's device settings, its
+job (tokens so far, slot, paging state), the handle of a parked slot, and the engine's counters."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from sfrrl_jax.engine.recovery import SlotLog
+from sfrrl_jax.engine.steps import SlotRequest
+from sfrrl_jax.engine.types import GenerationRequest
+
+
+def slot_request_of(request: GenerationRequest) -> SlotRequest:
+    """A request's per-slot device settings (raises naming a bad sampling setting)."""
+    return SlotRequest.make(temperature=request.temperature, top_k=request.top_k or 0,
+                            top_p=1.0 if request.top_p is None else request.top_p, seed=request.seed,
+                            max_new=request.max_new_tokens, stop_ids=tuple(request.stop_token_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotHandle:
+    slot: int
+    serial: int  # tells a stale handle from the slot's next occupant
+
+
+@dataclasses.dataclass
+class Job:
+    """One request in the driver: queued, running in `slot`, or resolved through `future`."""
+
+    request: GenerationRequest
+    future: asyncio.Future
+    slot_req: SlotRequest
+    slot: int | None = None
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    raw_logprobs: list = dataclasses.field(default_factory=list)
+    feed: list | None = None  # an append's tokens for the device: the slot's pending token + the new ones
+    # paged cache (engine.page_policy): a preempted request's log to restore and keep decoding,
+    # an evicted trajectory's log to restore before its append, and the serial either keeps
+    resume: SlotLog | None = None
+    restore: SlotLog | None = None
+    serial: int | None = None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    decode_steps: int = 0
+    slot_steps_active: int = 0       # sum over decode steps of running slots
+    slot_steps_total: int = 0        # sum over decode steps of max_slots
+    generated_tokens: int = 0
+    prefills: int = 0
+    appends: int = 0
+    device_seconds: float = 0.0      # wall time inside device steps (block-until-ready)
+    faults: int = 0                  # device steps that raised; each rebuilt the state
+    restored_slots: int = 0          # slots refilled from their token logs after a fault
+    evictions: int = 0               # paged: parked slots evicted to the host (restored on append)
+    preemptions: int = 0             # paged: running requests preempted (restored by recompute)
+
+    @property
+    def slot_occupancy(self) -> float:
+        return self.slot_steps_active / max(self.slot_steps_total, 1)
