@@ -20,6 +20,7 @@ ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausal
                  "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
 _HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+_TO_HF_LAYER_TYPES = {ours: theirs for theirs, ours in _HF_LAYER_TYPES.items()}
 _YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow",
               "original_max_position_embeddings", "truncate"}
 
@@ -130,10 +131,7 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
     n_layers = common["n_layers"]
     hf_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                          for i in range(n_layers)]
-    bad = sorted(set(hf_types) - set(_HF_LAYER_TYPES))
-    if bad:
-        raise HFConfigError(f"{where}: layer_types contains {bad}; supported: {sorted(_HF_LAYER_TYPES)}")
-    layer_types = tuple(_HF_LAYER_TYPES[t] for t in hf_types)
+    layer_types = _layer_types(hf_types, n_layers, where)
     return ModelConfig(
         **common, **_rope(hf, where, 150000.0), n_experts=int(_get(hf, "num_local_experts", where)),
         d_ff_expert=int(_get(hf, "intermediate_size", where)), router="topk_softmax",
@@ -142,6 +140,16 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         attn_sinks=True, sliding_window=hf.get("sliding_window") if "sliding" in layer_types else None,
         layer_types=layer_types,
     )
+
+
+def _layer_types(hf_types, n_layers: int, where: str) -> tuple[str, ...]:
+    """HF `layer_types` -> ours ('sliding' / 'full'), one per layer; other kinds are refused."""
+    bad = sorted(set(hf_types) - set(_HF_LAYER_TYPES))
+    if bad:
+        raise HFConfigError(f"{where}: layer_types contains {bad}; supported: {sorted(_HF_LAYER_TYPES)}")
+    if len(hf_types) != n_layers:
+        raise HFConfigError(f"{where}: layer_types has {len(hf_types)} entries for {n_layers} layers")
+    return tuple(_HF_LAYER_TYPES[t] for t in hf_types)
 
 
 def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) -> ModelConfig:
@@ -159,14 +167,9 @@ def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) 
         if hf_types is None and hf.get("use_sliding_window") and hf.get("sliding_window"):
             first = int(hf.get("max_window_layers", n_layers))
             hf_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-        if hf_types is not None:
-            bad = sorted(set(hf_types) - set(_HF_LAYER_TYPES))
-            if bad or len(hf_types) != n_layers:
-                raise HFConfigError(f"{where}: layer_types {hf_types} (supported kinds: {sorted(_HF_LAYER_TYPES)}, "
-                                    f"one per layer)")
-            if "sliding_attention" in hf_types:
-                window = int(_get(hf, "sliding_window", where))
-                layer_types = tuple(_HF_LAYER_TYPES[t] for t in hf_types)
+        kinds = () if hf_types is None else _layer_types(hf_types, n_layers, where)
+        if "sliding" in kinds:
+            window, layer_types = int(_get(hf, "sliding_window", where)), kinds
     extra: dict = {}
     if family == "qwen2":
         extra = dict(attention_bias=True, attention_out_bias=False)
@@ -235,7 +238,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         if cfg.family != "llama":
             types = cfg.layer_types or ("full",) * cfg.n_layers
             hf.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=cfg.n_layers,
-                      layer_types=[{"sliding": "sliding_attention", "full": "full_attention"}[t] for t in types])
+                      layer_types=[_TO_HF_LAYER_TYPES[t] for t in types])
             if cfg.family == "qwen2":
                 del hf["attention_bias"]   # Qwen2's q/k/v biases are not optional
     elif cfg.family == "qwen3_moe":
@@ -250,5 +253,5 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert,
                   attention_bias=True, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
                   sliding_window=cfg.sliding_window,
-                  layer_types=[{"sliding": "sliding_attention", "full": "full_attention"}[t] for t in types])
+                  layer_types=[_TO_HF_LAYER_TYPES[t] for t in types])
     return hf
