@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from sfrrl_jax.config import check_int
+
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
@@ -24,11 +26,8 @@ class DistributedConfig:
     initialization_timeout_s: int = 120
 
     def __post_init__(self):
-        if isinstance(self.num_processes, bool) or not isinstance(self.num_processes, int) or self.num_processes < 1:
-            raise ValueError(f"DistributedConfig.num_processes must be an int >= 1, got {self.num_processes!r}")
-        if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:
-            raise ValueError(f"DistributedConfig.process_id must lie in [0, {self.num_processes}), "
-                             f"got {self.process_id!r}")
+        check_int("DistributedConfig.num_processes", self.num_processes, 1)
+        check_int("DistributedConfig.process_id", self.process_id, 0, self.num_processes, hi_open=True)
         if self.num_processes > 1 and not self.coordinator:
             raise ValueError("DistributedConfig.coordinator ('host:port' of process 0) is required with "
                              f"num_processes={self.num_processes} (or set JAX_COORDINATOR_ADDRESS)")

@@ -2,11 +2,7 @@
 one process x 8 devices does, and a process that dies fails its peers fast, naming it."""
 import asyncio
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,24 +13,9 @@ from sfrrl_jax.engine import Engine
 from sfrrl_jax.engine.lockstep import LockstepEngine, LocalExchange
 
 from lockstep_common import make_engine, run_trajectory, trajectories
+from process_run import finish, launch, outputs
 
 WORKER = Path(__file__).with_name("lockstep_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _launch(tmp_path, nproc, *extra):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(p), str(nproc), str(port),
-                               str(tmp_path / f"out{p}.json"), *extra],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for p in range(nproc)]
-    return procs
 
 
 def _reference():
@@ -53,11 +34,9 @@ def _assert_same(got, want):
 
 
 def test_two_processes_generate_what_one_process_does(tmp_path):
-    procs = _launch(tmp_path, 2)
+    procs = launch(WORKER, 2, str(tmp_path / "out{process}.json"))
     reference = _reference()   # meanwhile, here
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    finish(procs)
     runs = [json.loads((tmp_path / f"out{p}.json").read_text()) for p in range(2)]
     seen = {}
     for run in runs:
@@ -78,9 +57,9 @@ def test_two_processes_generate_what_one_process_does(tmp_path):
 
 
 def test_a_process_that_dies_fails_its_peer_fast_naming_it(tmp_path):
-    procs = _launch(tmp_path, 2, "die")
+    procs = launch(WORKER, 2, str(tmp_path / "out{process}.json"), "die")
     t0 = time.monotonic()
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+    outs = outputs(procs, timeout=240)
     assert procs[1].returncode == 17
     assert procs[0].returncode != 0, outs[0][-3000:]
     assert time.monotonic() - t0 < 200
@@ -99,7 +78,7 @@ def test_distributed_config_reads_flags_over_the_environment_and_names_bad_value
     monkeypatch.setenv("JAX_PROCESS_ID", "three")
     with pytest.raises(ValueError, match="JAX_PROCESS_ID='three' is not an integer"):
         DistributedConfig.from_env()
-    with pytest.raises(ValueError, match=r"process_id must lie in \[0, 2\), got 2"):
+    with pytest.raises(ValueError, match=r"process_id must be in \[0, 2\), got 2"):
         DistributedConfig("h:1", 2, 2)
     with pytest.raises(ValueError, match="coordinator .* is required with num_processes=2"):
         DistributedConfig(None, 2, 0)
