@@ -10,19 +10,11 @@ import json
 import os
 import sys
 
-pid, nproc, port, out_path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-die_after_first = len(sys.argv) > 5
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nproc}"
-os.environ["JAX_PLATFORMS"] = "cpu"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # model_fixtures
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from process_run import join_run  # noqa: E402
 
-from sfrrl_jax.launch.distributed import DistributedConfig, initialize  # noqa: E402
-
-initialize(DistributedConfig(coordinator=f"localhost:{port}", num_processes=nproc, process_id=pid,
-                             heartbeat_timeout_s=10))
-import jax  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
+pid, nproc, (out_path, *flags) = join_run()
+die_after_first = bool(flags)
 from lockstep_common import make_engine, trajectories, run_trajectory  # noqa: E402
 from sfrrl_jax.engine.lockstep import KeyValueExchange, LockstepEngine  # noqa: E402
 

@@ -8,19 +8,11 @@ and width) through `global_microbatch`. Process 0 writes each step's loss and th
 import os
 import sys
 
-pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nproc}"
-os.environ["JAX_PLATFORMS"] = "cpu"
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from process_run import join_run  # noqa: E402
 
-from sfrrl_jax.launch.distributed import DistributedConfig, initialize  # noqa: E402
-
-initialize(DistributedConfig(coordinator=f"localhost:{port}", num_processes=nproc, process_id=pid,
-                             heartbeat_timeout_s=10))
+pid, nproc, (out,) = join_run()
 import jax  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 

@@ -1,9 +1,5 @@
 """Training from every process's own rows (learner.process_rows, issue #20): 2 processes x 4
 devices, each passing its rows, train exactly what 1 process x 8 devices trains on all rows."""
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -13,6 +9,7 @@ import pytest
 from sfrrl_jax.learner.process_rows import global_microbatch
 
 from process_rows_common import STEPS, rows_for, setup
+from process_run import finish, launch
 
 WORKER = Path(__file__).with_name("process_rows_worker.py")
 
@@ -27,12 +24,7 @@ def _padded(rows, n, width):
 
 
 def test_two_processes_train_what_one_process_trains_on_all_rows(tmp_path):
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(p), "2", str(port), str(tmp_path / "out.npz")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in range(2)]
+    procs = launch(WORKER, 2, str(tmp_path / "out.npz"))
     # one process: the same rows, laid out as the two processes' blocks (each padded alike)
     ts, params, opt_state, mesh = setup()
     losses = []
@@ -44,9 +36,7 @@ def test_two_processes_train_what_one_process_trains_on_all_rows(tmp_path):
         host = {k: np.concatenate([_padded(p, n, width)[k] for p in parts]) for k in parts[0]}
         params, opt_state, metrics = ts.step(params, opt_state, host)
         losses.append(float(metrics["loss"]))
-    for p in procs:
-        out = p.communicate(timeout=300)[0]
-        assert p.returncode == 0, out[-3000:]
+    finish(procs)
     got = np.load(tmp_path / "out.npz")
     np.testing.assert_allclose(got["__losses"], losses, rtol=1e-6, atol=1e-7)
     flat = {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}

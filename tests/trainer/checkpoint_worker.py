@@ -9,17 +9,10 @@ import json
 import os
 import sys
 
-pid, nproc, port, ckpt_dir, mode, out = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
-                                        sys.argv[5], sys.argv[6])
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nproc}"
-os.environ["JAX_PLATFORMS"] = "cpu"
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from process_run import join_run  # noqa: E402
 
-from sfrrl_jax.launch.distributed import DistributedConfig, initialize  # noqa: E402
-
-initialize(DistributedConfig(coordinator=f"localhost:{port}", num_processes=nproc, process_id=pid,
-                             heartbeat_timeout_s=10))
+pid, nproc, (ckpt_dir, mode, out) = join_run()
 import numpy as np  # noqa: E402
 
 import checkpoint_common  # noqa: E402

@@ -1,30 +1,18 @@
 """A checkpoint written by 2 processes restores in 1 process, and one written by 1 restores in 2
 (issue #20): every leaf of params, Adam state and PRNG key bit-exact, host state once."""
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
 import checkpoint_common
+from process_run import finish, launch
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 
 
 def _run(nproc, ckpt_dir, mode, out):
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(p), str(nproc), str(port), str(ckpt_dir), mode,
-                               str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for p in range(nproc)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, text in zip(procs, outs):
-        assert p.returncode == 0, text[-3000:]
+    finish(launch(WORKER, nproc, str(ckpt_dir), mode, str(out)))
 
 
 def _load(path):
