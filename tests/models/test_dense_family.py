@@ -36,7 +36,9 @@ def test_dense_forward_and_train_step_on_a_mesh_equal_one_device():
     new_one, _, metrics_one = ts.step(one, ts.init_opt_state(one), batch)
     np.testing.assert_allclose(float(metrics["loss"]), float(metrics_one["loss"]), rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(new_one)):
-        np.testing.assert_allclose(host(a), host(b), atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
+        # one Adam step (lr 1e-3) turns the mesh's other summation order into up to 1.8e-6 here;
+        # 5e-5 (5 % of a step) leaves room for another CPU's rounding
+        np.testing.assert_allclose(host(a), host(b), atol=5e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
     assert np.abs(host(new["layers"]["mlp"]["w_down"]) - before).max() > 1e-5   # the MLP trains
 
 
