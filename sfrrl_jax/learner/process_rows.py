@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from sfrrl_jax.learner.train_step import batch_sharding  # the train step's own batch layout
 from sfrrl_jax.mesh import BATCH_AXES
 
 
@@ -54,12 +55,11 @@ def global_microbatch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax
     step = shards // math.gcd(shards, processes)   # processes * rows_max must split over the shards
     rows_max = -(-int(shapes[:, 0].max()) // step) * step
     width_max = int(shapes[:, 1].max())
-    from sfrrl_jax.learner.train_step import _batch_sharding  # the train step's own batch layout
     out = {}
     for k in keys:
         v = local[k]
         padded = np.zeros((rows_max,) + ((width_max,) if v.ndim == 2 else ()), v.dtype)
         padded[tuple(slice(0, n) for n in v.shape)] = v
         global_shape = (processes * rows_max,) + padded.shape[1:]
-        out[k] = jax.make_array_from_process_local_data(_batch_sharding(mesh, global_shape), padded, global_shape)
+        out[k] = jax.make_array_from_process_local_data(batch_sharding(mesh, global_shape), padded, global_shape)
     return out

@@ -243,7 +243,7 @@ class TrainStep:
             if isinstance(v, jax.Array) and isinstance(v.sharding, NamedSharding) and v.sharding.mesh == mesh:
                 out[k] = v
             else:
-                out[k] = jax.device_put(np.asarray(v), _batch_sharding(mesh, np.shape(v)))
+                out[k] = jax.device_put(np.asarray(v), batch_sharding(mesh, np.shape(v)))
         return out
 
     def _fns(self, params) -> dict:
@@ -307,7 +307,7 @@ class TrainStep:
         }
 
 
-def _batch_sharding(mesh, shape) -> NamedSharding:
+def batch_sharding(mesh, shape) -> NamedSharding:
     """Rows over the batch axes of the mesh, a [batch, seq, ...] array's seq over `context`
     (each where it divides), the rest replicated."""
     from sfrrl_jax.mesh import sharding_for  # the one rules table
