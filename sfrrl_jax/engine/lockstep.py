@@ -17,6 +17,11 @@ differ between hosts: each process runs the agent loops and tools of its own tra
    process reads every slot's tokens from its own devices and resolves the requests it owns;
    it keeps the others' token logs too (its scheduler copy needs their lengths).
 
+Idle work (the pipelined schedule's gradient micro-steps) is a tick event too: each process
+says whether it has a micro-step ready; when any has one and the replicated scheduler says the
+engine would idle, every process runs one (its own, or `filler`: its share of the micro-step
+without rows of its own), so the same programs run everywhere (`set_idle_work`).
+
 The drivers stop together at the first tick where no process has work in flight and nothing is
 queued or running; a process whose own trajectories finished keeps ticking while others decode.
 A rollout phase that must run on every process although one may have nothing to generate opens
@@ -57,6 +62,10 @@ class Exchange(Protocol):
 
     def allgather(self, tick: int, payload: bytes) -> list[bytes]: ...
 
+    def with_prefix(self, prefix: str) -> "Exchange":
+        """An exchange between the same processes whose ticks are numbered apart from this one's."""
+        ...
+
 
 class LocalExchange:
     """One process: the tick's only message is its own."""
@@ -66,14 +75,21 @@ class LocalExchange:
     def allgather(self, tick: int, payload: bytes) -> list[bytes]:
         return [payload]
 
+    def with_prefix(self, prefix: str) -> "LocalExchange":
+        return LocalExchange()
+
 
 class KeyValueExchange:
     """Ticks through the coordination service's key-value store (`jax.distributed`).
+
+    Keys live under `<prefix>/<n>`, n counting the exchanges this process made with that prefix.
 
     Each process writes `<prefix>/<tick>/<process>` and reads every other process's key with a
     blocking get; a key is deleted two ticks later by its writer (every reader has passed it by
     then: nobody can be at tick t+2 before all have read tick t+1's keys, which needs t's read).
     """
+
+    _made: dict[str, int] = {}
 
     def __init__(self, prefix: str = "sfrrl/engine", timeout_s: float = 300.0, client=None,
                  process_index: int | None = None, process_count: int | None = None):
@@ -85,7 +101,15 @@ class KeyValueExchange:
                                "(sfrrl_jax.launch.distributed.initialize)")
         self.process_index = jax.process_index() if process_index is None else process_index
         self.process_count = jax.process_count() if process_count is None else process_count
-        self.prefix, self.timeout_s = prefix, timeout_s
+        # Each exchange gets its own keys: the n-th exchange a process makes under a prefix is
+        # the n-th on every process (they build engines and trainers in the same order), and
+        # the last ticks' keys of an earlier one (never deleted) cannot collide with a new one's.
+        n = KeyValueExchange._made[prefix] = KeyValueExchange._made.get(prefix, 0) + 1
+        self.prefix, self.timeout_s = f"{prefix}/{n}", timeout_s
+
+    def with_prefix(self, prefix: str) -> "KeyValueExchange":
+        """Another exchange over the same service, under its own keys (its own tick numbers)."""
+        return KeyValueExchange(prefix, self.timeout_s, self.client, self.process_index, self.process_count)
 
     def allgather(self, tick: int, payload: bytes) -> list[bytes]:
         me = self.process_index
@@ -127,7 +151,7 @@ class LockstepEngine(Engine):
     (module doc). Same constructor as `Engine`, plus `exchange` (default: `KeyValueExchange()`
     when `jax.process_count() > 1`, else `LocalExchange()`) and `idle_poll_s` (how long a tick
     with nothing to do waits for a local event before exchanging again).
-    Idle work (the pipelined schedule's micro-steps) is not run by this engine yet.
+    Idle work: `set_idle_work(idle_work, has_work=..., filler=...)` (module doc).
     """
 
     def __init__(self, *args, exchange: Exchange | None = None, idle_poll_s: float = 0.002, **kw):
@@ -145,12 +169,21 @@ class LockstepEngine(Engine):
         self._jobs: dict[tuple[int, int], Job] = {}  # (owner, key) -> queued or running job
         self._next_key = 0
         self._sessions = 0
+        self._has_idle_work = None
+        self._idle_filler = None
+        self._tick_idle = False                     # this tick, some process has a micro-step ready
 
-    def set_idle_work(self, idle_work, *, underfull_slots=None) -> None:
-        if idle_work is not None:
-            raise NotImplementedError("LockstepEngine does not run idle work yet (multi-process pipelined "
-                                      "training); use TrainerConfig.mode='sync'")
-        super().set_idle_work(None, underfull_slots=underfull_slots)
+    def set_idle_work(self, idle_work, *, underfull_slots=None, has_work=None, filler=None) -> None:
+        """As `Engine.set_idle_work`, agreed across processes: `has_work()` says (without taking
+        it) whether `idle_work()` has a job; `filler()` returns the job this process runs when a
+        peer runs idle work and it has none (a micro-step with no rows of its own). All three, or
+        only `idle_work=None`. One idle job runs per tick at most, on every process at once."""
+        if idle_work is not None and not (callable(has_work) and callable(filler)):
+            raise TypeError("LockstepEngine.set_idle_work needs has_work= and filler= callables with idle_work: "
+                            "every process must run a job in a tick where any process runs one")
+        super().set_idle_work(idle_work, underfull_slots=underfull_slots)
+        self._has_idle_work = has_work if idle_work is not None else None
+        self._idle_filler = filler if idle_work is not None else None
 
     # -- async face: events go out at the next tick -------------------------------------------------
     @contextlib.asynccontextmanager
@@ -209,7 +242,26 @@ class LockstepEngine(Engine):
 
     # -- the tick ---------------------------------------------------------------------------------
     def _local_work(self) -> bool:
-        return bool(self._sessions or self._own or self._outbox)
+        return bool(self._sessions or self._own or self._outbox or self._idle_ready())
+
+    def _idle_ready(self) -> bool:
+        return self._has_idle_work is not None and bool(self._has_idle_work())
+
+    async def _run_idle_job(self) -> bool:
+        """Runs one idle job if this tick agreed on one: this process's own, else its filler."""
+        if not self._tick_idle:
+            return False
+        self._tick_idle = False
+        job = self._idle_work() if self._idle_work is not None else None
+        if job is None:
+            if self._idle_filler is None:
+                raise LockstepError(f"process {self.exchange.process_index}: a peer runs idle work this tick and "
+                                    "this process has no idle-work hook (set_idle_work) to join it")
+            job = self._idle_filler()
+        t0 = time.perf_counter()
+        await asyncio.to_thread(job)
+        self.idle_seconds += time.perf_counter() - t0
+        return True
 
     def _exchange_tick(self, payload: bytes) -> list[bytes]:
         t0 = time.perf_counter()
@@ -221,10 +273,12 @@ class LockstepEngine(Engine):
     def _apply(self, messages: Sequence[bytes]) -> bool:
         """Applies every process's events in process order; True if any process has work."""
         busy = False
+        self._tick_idle = False
         loop = asyncio.get_running_loop()
         for owner, raw in enumerate(messages):
             msg = json.loads(raw)
             busy |= msg["busy"]
+            self._tick_idle |= msg.get("idle", False)
             for ev in msg["events"]:
                 if ev["kind"] == "submit":
                     request = _request_from_json(ev["request"])
@@ -250,7 +304,8 @@ class LockstepEngine(Engine):
             while True:
                 self._wake.clear()
                 events, self._outbox = self._outbox, []
-                payload = json.dumps({"busy": self._local_work(), "events": events}).encode()
+                payload = json.dumps({"busy": self._local_work(), "idle": self._idle_ready(),
+                                      "events": events}).encode()
                 messages = await asyncio.to_thread(self._exchange_tick, payload)
                 busy = self._apply(messages)
                 try:
@@ -259,6 +314,8 @@ class LockstepEngine(Engine):
                     e = fault.__cause__
                     raise LockstepError(f"device step failed on process {self.exchange.process_index}: "
                                         f"{type(e).__name__}: {e}") from e
+                if not worked:
+                    worked = await self._run_idle_job()  # nothing decodes: the agreed micro-step
                 if worked or self._queue or self._to_free:
                     continue
                 if not busy:

@@ -160,6 +160,11 @@ class WorkloadAgent:
         data = content.encode()[: self.cfg.observation_len].ljust(self.cfg.observation_len, b" ")
         return [3 + b % (self.cfg.vocab_size - 3) for b in data]
 
+    def visited_elsewhere(self, task: Task, sample_index: int) -> None:
+        """A rollout another process ran (multi-host): counted, so replay indices stay global."""
+        key = f"{task.task_id}/{sample_index}"
+        self.replays[key] = self.replays.get(key, 0) + 1
+
     async def __call__(self, engine, task: Task, sample_index: int) -> Trajectory:
         key = f"{task.task_id}/{sample_index}"
         replay = self.replays.get(key, 0)

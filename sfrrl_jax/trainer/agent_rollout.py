@@ -55,6 +55,11 @@ class AgentRollout:
         self.visits[key] += 1
         return dataclasses.replace(self.agent_cfg, seed=visit_seed(self.agent_cfg.seed, visit))
 
+    def visited_elsewhere(self, task: Task, sample_index: int) -> None:
+        """Counts a rollout of (task, sample_index) that another process ran (multi-host: each
+        process counts every visit, so the k-th visit's seed is the same whichever runs it)."""
+        self.config_for(task, sample_index)
+
     async def __call__(self, engine, task: Task, sample_index: int) -> Trajectory:
         cfg = self.config_for(task, sample_index)
         traj = await run_agent(engine, self.env, task, self.tokenizer, cfg, sample_index=sample_index,

@@ -74,9 +74,9 @@ def group_advantages(groups: Sequence[Group], cfg: AdvantageConfig) -> np.ndarra
 def _host_device():
     """A CPU device for host-side arithmetic (with GPUs: the CPU backend, apart from them)."""
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]  # this process's own (multi-host: not process 0's)
     except RuntimeError:  # no CPU backend initialised (jax_platforms without cpu)
-        return jax.devices()[0]
+        return jax.local_devices()[0]
 
 
 def group_advantage_slopes(groups: Sequence[Group], cfg: AdvantageConfig) -> np.ndarray:

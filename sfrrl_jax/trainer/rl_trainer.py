@@ -26,6 +26,7 @@ from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.aio import run_sync
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine
+from sfrrl_jax.engine.lockstep import LockstepEngine
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.loss_fn import Loss
 from sfrrl_jax.learner import make_train_step
@@ -35,6 +36,7 @@ from sfrrl_jax.trainer.batching import Group, batch_fields, zero_microbatch
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rollout_fn import RolloutFn, check_length_budget
 from sfrrl_jax.trainer.scheduling import LongestFirst
+from sfrrl_jax.trainer.process_step import UNSUPPORTED_ACROSS_PROCESSES, Agreement, ProcessRLStep
 from sfrrl_jax.trainer.step_schedule import MicroStepUnit, RLStep, make_units
 from sfrrl_jax.trainer.timeline import Timeline
 
@@ -74,7 +76,7 @@ def check_memory_fits(engine_cache_bytes: int, params, device=None, param_copies
 
     param_copies: param-sized arrays alive beside the cache (params, gradient sums, optimizer
     moments; early-sample group buffers add more)."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # multi-host: stats exist only for own devices
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         limit = stats["bytes_limit"]
@@ -103,6 +105,10 @@ class RLTrainer:
     By default both are built from the configs. The loss trained is `self.loss` (an `rl.Loss`);
     its micro-batches carry `self.batch_fields` (`trainer.batching.batch_fields`): a loss that
     requires a field trajectories do not supply fails here, naming it.
+    Across processes (multi-host: `jax.process_count() > 1`, the default engine is then a
+    `LockstepEngine`; or any `LockstepEngine` passed as `engine=`): each process rolls out and
+    trains its share of the groups (`trainer.process_step`); every process builds the trainer
+    with the same configs, task stream and seed, and calls `step()` together.
     One length budget is checked here, once: the rollout function's declared `max_total_tokens`
     (if any, `trainer.rollout_fn`) <= `TrainerConfig.max_len` <= `ModelConfig.max_seq_len`.
     """
@@ -148,10 +154,23 @@ class RLTrainer:
                                  f"TrainerConfig.max_len={trainer_cfg.max_len} (one length budget)")
         self.cfg, self.model_cfg, self.loss_cfg = trainer_cfg, model_cfg, loss_cfg
         self.rollout_fn, self.tasks = rollout_fn, tasks
-        self.engine = engine if engine is not None else Engine(
+        engine_cls = LockstepEngine if jax.process_count() > 1 else Engine
+        self.engine = engine if engine is not None else engine_cls(
             model_cfg, params, max_slots=trainer_cfg.max_slots, max_len=trainer_cfg.max_len,
             buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps,
             page_size=trainer_cfg.page_size, num_pages=trainer_cfg.num_pages)
+        # one process, or N in lockstep (each rolling out its share): `trainer.process_step`
+        self.multi_process = isinstance(self.engine, LockstepEngine)
+        if jax.process_count() > 1 and not self.multi_process:
+            raise ValueError(f"RLTrainer on {jax.process_count()} processes needs a LockstepEngine (got "
+                             f"{type(self.engine).__name__}): every process must launch the same device steps")
+        if self.multi_process:
+            unsupported = [f"TrainerConfig.{k}={getattr(trainer_cfg, k)}" for k in UNSUPPORTED_ACROSS_PROCESSES
+                           if getattr(trainer_cfg, k)]
+            if unsupported:
+                raise ValueError(f"{', '.join(unsupported)}: not supported across processes yet (which groups "
+                                 "are surplus or early depends on a global finish order); set them to 0")
+            self.agreement = Agreement(self.engine.exchange.with_prefix("sfrrl/trainer"))
         self.train_step = (train_step if train_step is not None
                            else shared_train_step(model_cfg, loss_cfg, optimizer_cfg))
         self.loss = self.train_step.loss
@@ -182,7 +201,7 @@ class RLTrainer:
 
     async def step_async(self) -> dict:
         """One RL step: its schedule is an `RLStep` (`trainer.step_schedule`), built afresh."""
-        self._step = RLStep(self)
+        self._step = (ProcessRLStep if self.multi_process else RLStep)(self)
         return await self._step.run()
 
     def compile_train_shapes(self) -> int:

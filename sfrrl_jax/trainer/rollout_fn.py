@@ -15,6 +15,11 @@ tool observations together), duck-typed, as either
 
 (a trajectory must fit its KV-cache slot and a train row; the model's positions bound both).
 A function that declares nothing is not checked: the engine cuts what outgrows `max_len`.
+
+Across processes (multi-host) each process runs only its share of the groups. A rollout function
+that keeps per-visit state (the k-th rollout of a (task, sample) draws fresh seeds) may define
+`visited_elsewhere(task, sample_index)`: the trainer calls it for each rollout another process
+ran, so every process counts every visit (`AgentRollout` and the test workload do).
 """
 from __future__ import annotations
 

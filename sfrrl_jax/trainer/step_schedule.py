@@ -182,7 +182,11 @@ class RLStep:
             self.ready.extend(tr.carry_over)
         tr.carry_over = []
         self.note_waiting()
-        self.engine.set_idle_work(self.idle_work, underfull_slots=cfg.underfull_slots)
+        self.install_idle_work()
+
+    def install_idle_work(self) -> None:
+        """Gives the engine this step's idle-work hook."""
+        self.engine.set_idle_work(self.idle_work, underfull_slots=self.cfg.underfull_slots)
 
     def launch_groups(self) -> None:
         """Draws the step's prompts and launches their groups, longest expected first."""

@@ -91,13 +91,15 @@ def test_distributed_config_reads_flags_over_the_environment_and_names_bad_value
         initialize(DistributedConfig("h:1", 2, 0))
 
 
-def test_lockstep_engine_refuses_idle_work_and_sessionless_multi_process_requests():
+def test_lockstep_engine_refuses_unagreeable_idle_work_and_sessionless_multi_process_requests():
     class TwoProcesses(LocalExchange):
         process_count = 2
 
     engine = make_engine(LockstepEngine, exchange=TwoProcesses())
-    with pytest.raises(NotImplementedError, match="idle work"):
+    with pytest.raises(TypeError, match="has_work= and filler="):   # idle work no peer could join
         engine.set_idle_work(lambda: None)
+    engine.set_idle_work(lambda: None, has_work=lambda: False, filler=lambda: (lambda: None))
+    engine.set_idle_work(None)
     from sfrrl_jax.agents.protocols import GenerationRequest
     with pytest.raises(RuntimeError, match=r"outside engine.session\(\)"):
         asyncio.run(engine.complete(GenerationRequest(tokens=[1, 2], max_new_tokens=2)))

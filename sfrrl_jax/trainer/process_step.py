@@ -1,0 +1,275 @@
+"""One RL step on N processes (multi-host), each rolling out and training its share of the groups.
+
+`RLTrainer` uses `ProcessRLStep` instead of `RLStep` when its engine is a `LockstepEngine`
+(the default when `jax.process_count() > 1`). Every process runs the same step; what differs is
+only which trajectories it owns (docs/multihost.md):
+
+  draws      every process draws the same prompts from its own copy of the task stream (same
+             seed, same calls); the group of launch index i belongs to process `i % P`. The
+             others' groups are counted as visits (`visited_elsewhere`) so per-visit seeds match
+             a one-process run.
+  rollout    inside `engine.session()`, each process runs its own groups' agent loops and tools;
+             the engine's device steps are global, in lockstep. A round ends when every process's
+             groups are done; then the processes agree (a host-side all-gather of small JSON)
+             on the groups kept and lost, and draw the same refills for lost ones in a next
+             round (dynamic sampling, failed rollouts), or stop.
+  training   every micro-step is global: each process contributes the rows of its own groups
+             (`learner.process_rows.global_microbatch`, a micro-batch with no rows of its own
+             when it has none). `pipelined`: a micro-step runs as an engine tick event when any
+             process has one ready and the engine would idle; `sync`: after the rollout, micro-
+             step j holds the j-th `groups_per_microbatch` groups of the global draw order, as on
+             one process; the remaining counts are agreed, so every process runs the same number.
+  finish     one optimizer update on every process; the metrics are the all-gathered sums.
+
+Not supported across processes (refused by `RLTrainer`, naming the field): over-provisioned
+groups (which groups are surplus depends on a global finish order) and early samples.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import logging
+import time
+
+import numpy as np
+
+from sfrrl_jax.agents.reward_fns import REWARDS_KEY
+from sfrrl_jax.learner.process_rows import global_microbatch
+from sfrrl_jax.models.api import mesh_of
+from sfrrl_jax.trainer.batching import Group, zero_microbatch
+from sfrrl_jax.trainer.step_schedule import FailedGroup, MicroStepUnit, RLStep
+
+_log = logging.getLogger(__name__)
+
+UNSUPPORTED_ACROSS_PROCESSES = ("overprovision_groups", "early_groups")
+
+
+class Agreement:
+    """All-gather of one JSON value per process, in process order, over an `engine.lockstep`
+    `Exchange` (host side: the coordination service's key-value store). Every process must make
+    the same calls in the same order."""
+
+    def __init__(self, exchange):
+        self.exchange = exchange
+        self.calls = 0
+
+    def allgather(self, value) -> list:
+        out = self.exchange.allgather(self.calls, json.dumps(value).encode())
+        self.calls += 1
+        return [json.loads(raw) for raw in out]
+
+    async def allgather_async(self, value) -> list:
+        """`allgather` on a worker thread: the event loop keeps serving tools and engine ticks."""
+        return await asyncio.to_thread(self.allgather, value)
+
+
+class ProcessRLStep(RLStep):
+    """The schedule of one RL step on N processes (module doc)."""
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        ex = trainer.engine.exchange
+        self.me, self.processes = ex.process_index, ex.process_count
+        self.agreement: Agreement = trainer.agreement
+        self.mesh = mesh_of(trainer.params)
+        # pipelined micro-steps hold this process's groups only: the global micro-batch is about
+        # as large as one process's groups_per_microbatch groups
+        self.local_gpm = max(1, self.cfg.groups_per_microbatch // self.processes)
+        self.global_kept: list[int] = []     # launch indices of every process's kept groups, sorted
+        self.local_positions = [0, 0]        # this process's share of micro-step positions, padding
+
+    # -- the step -------------------------------------------------------------------------------
+    async def run(self) -> dict:
+        self.begin()
+        try:
+            async with self.engine.session():
+                self.launch_groups()
+                try:
+                    await self.collect_groups()
+                except BaseException:
+                    await self._stop_in_flight()
+                    raise
+            # leaving the session waited for every driver to stop: every agreed idle micro-step ran
+        finally:
+            self.engine.set_idle_work(None)
+        await self.end_rollout()
+        await self.train_remaining_agreed()
+        return self.finish()
+
+    def install_idle_work(self) -> None:
+        self.engine.set_idle_work(self.idle_work, underfull_slots=self.cfg.underfull_slots,
+                                  has_work=self.has_idle_work, filler=self.filler_job)
+
+    def launch_groups(self) -> None:
+        self.launch_round(self.n_launch)
+
+    def launch_round(self, n: int) -> None:
+        """Draws n prompts (the same on every process) and launches this process's groups."""
+        tr = self.trainer
+        drawn = [(self.launched + k, tr.tasks.next()) for k in range(n)]
+        self.launched += n
+        mine = [(i, task) for i, task in drawn if i % self.processes == self.me]
+        visited_elsewhere = getattr(tr.rollout_fn, "visited_elsewhere", None)
+        if visited_elsewhere is not None:
+            for i, task in drawn:
+                if i % self.processes != self.me:
+                    for sample in range(self.cfg.group_size):
+                        visited_elsewhere(task, sample)
+        order = tr.longest_first.order([t for _, t in mine]) if self.cfg.longest_first else range(len(mine))
+        for i, _ in drawn:
+            self.draw_position[i] = i
+        self.in_flight |= {asyncio.ensure_future(self.run_group(mine[k][1], mine[k][0])) for k in order}
+
+    async def collect_groups(self) -> None:
+        """Rounds: every own group finishes, the processes agree on what survived, refills are drawn."""
+        cfg = self.cfg
+        while True:
+            while self.in_flight:
+                done, self.in_flight = await asyncio.wait(self.in_flight, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    self.on_group_done(fut.result())
+            views = await self.agreement.allgather_async({
+                "kept": [g.launch_index for g in self.kept], "failed": self.counts["groups_failed"],
+                "dropped": self.counts["groups_dropped"], "errors": self.failures[:3]})
+            kept = sorted(i for v in views for i in v["kept"])
+            failed = sum(v["failed"] for v in views)
+            dropped = sum(v["dropped"] for v in views)
+            if len(kept) >= cfg.groups_per_step:
+                self.global_kept = kept
+                return
+            if failed > cfg.groups_per_step:
+                errors = [e for v in views for e in v["errors"]][:3]
+                raise RuntimeError(f"the rollout function raised in {failed} groups this step (more than "
+                                   f"groups_per_step={cfg.groups_per_step}, all processes); first errors: {errors}")
+            if dropped > cfg.max_refill_groups:
+                raise RuntimeError(f"only {len(kept)} of {cfg.groups_per_step} groups survived dynamic sampling "
+                                   f"after {self.refills} refills; raise TrainerConfig.max_refill_groups")
+            need = cfg.groups_per_step - len(kept)
+            self.refills += need
+            self.launch_round(need)
+
+    def on_group_done(self, group: Group | FailedGroup) -> None:
+        """Local bookkeeping only: whether the step goes on is decided by the round's agreement."""
+        cfg, counts = self.cfg, self.counts
+        if isinstance(group, FailedGroup):
+            counts["groups_failed"] += 1
+            counts["failed_samples"] += len(group.errors)
+            self.failures.append(f"{group.group_id}: {group.errors[0]}")
+            _log.warning("group %s dropped: its rollout raised %s", group.group_id, group.errors)
+            return
+        counts["failed_samples"] += sum(t.error is not None for t in group.trajectories)
+        self.trainer.longest_first.observe(group.group_id, group.trajectories)
+        counts["tool_errors"] += sum(t.metadata.get("tool_errors", t.num_tool_errors) for t in group.trajectories)
+        if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
+            counts["groups_dropped"] += 1
+            return
+        self.kept.append(group)
+        if cfg.mode != "sync":
+            self.pending.append(group)
+            if len(self.pending) == self.local_gpm:
+                self._form_units(self.pending)
+                self.pending = []
+                if cfg.mode == "pipelined":
+                    self.engine.notify_idle_work()
+        self.note_waiting()
+
+    async def end_rollout(self) -> None:
+        if self.pending:
+            self._form_units(self.pending)
+            self.pending = []
+        await self.engine.wait_idle()
+        self.t_rollout = time.perf_counter()
+        self.engine.release_memory()
+        self.trained_during_rollout = self.train_device_s
+
+    async def train_remaining_agreed(self) -> None:
+        """The micro-steps the rollout did not run, the same number on every process (fillers
+        where a process has fewer). sync: segment j = this process's groups among the j-th
+        `groups_per_microbatch` of the global draw order."""
+        cfg = self.cfg
+        if cfg.mode == "sync":
+            mine = {g.launch_index: g for g in self.kept}
+            gpm = cfg.groups_per_microbatch
+            segments = []
+            for a in range(0, len(self.global_kept), gpm):
+                own = [mine[i] for i in self.global_kept[a:a + gpm] if i in mine]
+                segments.append(self.trainer._make_units(own) if own else [])
+            self.units = [u for s in segments for u in s]
+        else:
+            segments = [list(self.ready)]
+            self.ready.clear()
+        counts = self.agreement.allgather([len(s) for s in segments])
+        for j, seg in enumerate(segments):
+            for k in range(max(c[j] for c in counts)):
+                self.microstep(seg[k] if k < len(seg) else self.filler_unit())
+
+    # -- idle work across processes -------------------------------------------------------------
+    def has_idle_work(self) -> bool:
+        return self.cfg.mode != "sync" and bool(self.ready)  # as RLStep.idle_work: sync trains after
+
+    def filler_unit(self) -> MicroStepUnit:
+        """This process's share of a micro-step in which it has no rows."""
+        return MicroStepUnit([], zero_microbatch(self.trainer.batch_fields, rows=0, width=0))
+
+    def filler_job(self):
+        unit = self.filler_unit()
+        return lambda: self.microstep(unit)
+
+    def microstep(self, unit: MicroStepUnit) -> None:
+        """One global micro-step: this process's rows of it (every process calls it together)."""
+        local = unit.batch
+        batch = global_microbatch(local, self.mesh)
+        super().microstep(dataclasses.replace(unit, batch=batch))
+        # positions: this process's share of the global [rows, width]; padding: those not its tokens
+        share = int(np.prod(batch["tokens"].shape)) // self.processes
+        seg = local.get("segment_ids")
+        own = int(np.count_nonzero(seg)) if seg is not None else 0
+        self.trained["positions"] += share
+        self.trained["padding_positions"] += share - own
+
+    # -- metrics: the sums of every process --------------------------------------------------------
+    def metrics(self, wall: float) -> dict:
+        out = super().metrics(wall)
+        trajs = [t for g in self.kept for t in g.trajectories]
+        components = collections.defaultdict(lambda: [0.0, 0])
+        for t in trajs:
+            if t.error is None:
+                for name, value in t.metadata.get(REWARDS_KEY, {}).items():
+                    components[name][0] += float(value)
+                    components[name][1] += 1
+        mine = {
+            "rewards": [float(r) for g in self.kept for r in g.rewards],
+            "components": dict(components),
+            "generated": sum(g.num_generated for g in self.kept),
+            "samples": len(trajs),
+            "trained": self.trained["tokens"], "on_policy": self.trained["on_policy_tokens"],
+            "positions": self.trained["positions"], "padding": self.trained["padding_positions"],
+            "counts": {k: self.counts[k] for k in ("tool_errors", "groups_dropped", "groups_failed",
+                                                   "failed_samples")},
+        }
+        views = self.agreement.allgather(mine)
+        rewards = np.array([r for v in views for r in v["rewards"]])
+        summed = {k: sum(v[k] for v in views) for k in ("generated", "samples", "trained", "on_policy",
+                                                        "positions", "padding")}
+        names = sorted({n for v in views for n in v["components"]})
+        for name in names:
+            s = sum(v["components"].get(name, [0.0, 0])[0] for v in views)
+            n = sum(v["components"].get(name, [0.0, 0])[1] for v in views)
+            out[f"reward/{name}"] = s / n
+        trained = summed["trained"]
+        out.update({
+            "reward/mean": float(rewards.mean()) if rewards.size else 0.0,
+            "reward/success_rate": float(np.mean(rewards >= 1.0)) if rewards.size else 0.0,
+            "rollout/generated_tokens": summed["generated"],
+            "perf/generated_tokens_per_s": summed["generated"] / wall,
+            "perf/trained_tokens_per_s": trained / wall,
+            "perf/samples_per_s": summed["samples"] / wall,
+            "policy/on_policy_fraction": summed["on_policy"] / trained if trained else 1.0,
+            "train/trained_tokens": trained,
+            "train/padding_share": summed["padding"] / summed["positions"] if summed["positions"] else 0.0,
+            **{f"rollout/{k}": sum(v["counts"][k] for v in views)
+               for k in ("tool_errors", "groups_dropped", "groups_failed", "failed_samples")},
+        })
+        return out

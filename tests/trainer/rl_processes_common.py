@@ -1,0 +1,48 @@
+"""The RL run of tests/trainer/test_rl_processes.py, built alike in 1 process x 8 devices and in
+each of 2 processes x 4 (the workload's seeded tool-bound trajectories, tiny MoE, Adam)."""
+import jax
+import numpy as np
+
+import sfrrl_jax as S
+from sfrrl_jax.learner.optimizer import OptimizerConfig
+from sfrrl_jax.rl.config import LossConfig
+from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, make_tasks
+from sfrrl_jax.trainer.config import TrainerConfig
+from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
+
+CFG = S.ModelConfig.preset("tiny-moe", max_seq_len=128)
+# 3 prompts drawn twice over 3 steps of 2 groups: revisits, on other processes than the first visit
+WL = WorkloadConfig(num_prompts=3, response_median=5, response_sigma=0.8, max_response=16,
+                    tool_latency_median_s=0.02, tool_latency_sigma=0.5, max_turns=3)
+STEPS = 3
+MODES = ("sync", "pipelined")
+
+
+def make_trainer(mode: str, engine_cls=None) -> RLTrainer:
+    """engine_cls None: the trainer's own choice (a LockstepEngine on N processes)."""
+    tc = TrainerConfig(mode=mode, groups_per_step=2, group_size=4, max_slots=8, max_len=64,
+                       buckets=(16, 32), seq_bucket=32)
+    mesh = S.make_mesh(data=2, expert=4)
+    params = S.init_params(CFG, mesh, seed=0)
+    engine = None
+    if engine_cls is not None:
+        engine = engine_cls(CFG, params, max_slots=tc.max_slots, max_len=tc.max_len, buckets=tc.buckets)
+    return RLTrainer(CFG, params, tc, LossConfig(), OptimizerConfig(learning_rate=1e-3), WorkloadAgent(WL),
+                     TaskStream(make_tasks(WL), seed=1), engine=engine)
+
+
+KEYS = ("train/loss", "reward/mean", "rollout/generated_tokens", "train/trained_tokens", "train/microsteps",
+        "policy/on_policy_fraction")
+
+
+def run(mode: str, engine_cls=None) -> tuple[list[dict], dict]:
+    """STEPS steps: each step's metrics (KEYS) and the final params as full host arrays."""
+    from jax.experimental import multihost_utils
+    trainer = make_trainer(mode, engine_cls)
+    metrics = []
+    for _ in range(STEPS):
+        m = trainer.step()
+        metrics.append({k: float(m[k]) for k in KEYS} | {"hidden": float(m["time/hidden_train_share"])})
+    params = {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True))
+              for p, x in jax.tree_util.tree_flatten_with_path(trainer.params)[0]}
+    return metrics, params
