@@ -15,9 +15,8 @@ refused. --cpu_devices=N gives a CPU run N (fake) devices; it must be set before
 backends, so it is applied here first.
 --num_processes/--process_id/--coordinator (or JAX_NUM_PROCESSES, JAX_PROCESS_ID,
 JAX_COORDINATOR_ADDRESS) join an N-process run under jax.distributed (`launch.distributed`;
-experiments/launch_local.py starts N on one machine). Today an N-process run validates its config
-(--validate_only); training across processes is refused until the trainer runs in lockstep
-(docs/multihost.md).
+experiments/launch_local.py starts N on one machine): each process rolls out and trains its share
+of the groups, the engine's device steps in lockstep (docs/multihost.md).
 Exit status: 0 done; 2 bad config (a binding the job never uses included); 3 the run dir cannot
 be used as asked (an earlier run there and no --resume; --resume with no restorable checkpoint;
 nan/inf in the restored or loaded weights); 128+signal when SIGTERM/SIGINT stopped the run
@@ -92,11 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         dist = DistributedConfig.from_env(args.coordinator, args.num_processes, args.process_id)
     except ValueError as e:
         print(f"sfrrl-train: {e}", file=sys.stderr)
-        return 2
-    if dist.num_processes > 1 and not args.validate_only:
-        print(f"sfrrl-train: training as {dist.num_processes} processes is not built yet: the engine runs in "
-              "lockstep across processes (sfrrl_jax.engine.LockstepEngine), the trainer does not yet; run one "
-              "process per machine for now, or --validate_only (see docs/multihost.md)", file=sys.stderr)
         return 2
     initialize(dist)                          # before anything starts a JAX backend
     have_recipes = import_shipped_recipes()   # after --cpu_devices: a recipe may import jax

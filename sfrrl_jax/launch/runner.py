@@ -438,8 +438,12 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
             bar.update(1)
             bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}",
                              "loss": f"{metrics.get('train/loss', math.nan):.4f}"}, refresh=False)
-            if stop is not None and stop.stop_if_requested():
-                stopped_by = stop.signum
+            signum = stop.signum if stop is not None and stop.stop_if_requested() else None
+            if trainer.multi_process and jax.process_count() > 1:
+                # a signal may reach one process only: all stop at the same step (the save is collective)
+                signum = next((s for s in trainer.agreement.allgather(signum) if s is not None), None)
+            if signum is not None:
+                stopped_by = signum
                 log(f"signal {stopped_by} received: saving step {trainer.step_index} and stopping")
                 break
         ok = True

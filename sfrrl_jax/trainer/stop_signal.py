@@ -14,7 +14,7 @@ asks for it (`stop_if_requested`), at a step boundary where the state is whole. 
 while the first is pending restores the previous handler and re-sends itself: a stuck run still dies.
 
 Multi-host: each process gets its own signal; the loop must agree to stop on all processes at the
-same step (e.g. all-gather `should_stop()` every few steps) before saving, since the save is collective.
+same step before saving, since the save is collective (`launch.runner` all-gathers the signal each step).
 """
 from __future__ import annotations
 
