@@ -32,6 +32,11 @@ class ToolEnvironment:
                  runner_cfg: ToolRunnerConfig = ToolRunnerConfig(), reward_fns: Sequence[RewardFn] | None = None,
                  reward_weights: Sequence[float] | None = None):
         self.rewards = RewardSum([answer_correct] if reward_fns is None else reward_fns, reward_weights)
+        if runner_cfg.remote_address is not None:
+            # calls go to remote workers (imported here: `python -m sfrrl_jax.agents.tool_pool`
+            # runs that module as a worker, which must not find it imported by the package)
+            from sfrrl_jax.agents.tool_pool import place_tools
+            tools = place_tools(tools, runner_cfg.remote_address)
         self.runner = ToolRunner(tools, runner_cfg)
         self.system_prompt = system_prompt
 

@@ -16,8 +16,9 @@ and adding a worker is starting one process.
 `remote_tools` returns ordinary `Tool`s, so the `ToolRunner` around them keeps its meaning: its
 timeout covers the round trip (a worker that dies mid-call gives that call a timeout error
 observation; the others go on), a tool's exception comes back as that call's error observation,
-and a `ToolError` keeps its message. A local run passes the tools themselves: choosing remote
-is passing `pool.remote_tools(tools)` instead, e.g. from a gin-bound factory at the edge.
+and a `ToolError` keeps its message. A local run passes the tools themselves. Choosing remote in a
+config is `ToolRunnerConfig.remote_address = "HOST:PORT"` (gin-bound like the other configs):
+`ToolEnvironment` then runs `place_tools(tools, address)`, one shared pool per address.
 Messages are pickled: serve only on networks whose peers hold the authkey and are trusted.
 """
 from __future__ import annotations
@@ -122,6 +123,33 @@ class ToolPoolServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+_SHARED: dict[str, ToolPoolServer] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_pool(address: str) -> ToolPoolServer:
+    """The one pool this process serves on "HOST:PORT" (started on first use; every environment
+    configured with that address shares it). The authkey comes from SFRRL_TOOL_AUTHKEY."""
+    with _SHARED_LOCK:
+        pool = _SHARED.get(address)
+        if pool is None:
+            key = os.environ.get("SFRRL_TOOL_AUTHKEY")
+            if not key:
+                raise ValueError(f"ToolRunnerConfig.remote_address={address!r} needs the SFRRL_TOOL_AUTHKEY "
+                                 "environment variable (the shared secret the tool workers present)")
+            host, _, port = address.rpartition(":")
+            pool = _SHARED[address] = ToolPoolServer((host, int(port)), authkey=key.encode())
+        return pool
+
+
+def place_tools(tools: Sequence[Tool], remote_address: str | None) -> list:
+    """`tools` as they run: themselves (None: on this host), or remote stand-ins whose calls go to
+    the workers of the pool served on `remote_address` (`ToolRunnerConfig.remote_address`)."""
+    if remote_address is None:
+        return list(tools)
+    return shared_pool(remote_address).remote_tools(tools)
 
 
 def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:

@@ -37,15 +37,26 @@ class ToolError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class ToolRunnerConfig:
+    """How tool calls run. remote_address: None runs them on this host (a thread pool); "HOST:PORT"
+    serves them to remote workers (`agents.tool_pool`: `ToolEnvironment` then queues every call
+    there, and workers started with `python -m sfrrl_jax.agents.tool_pool HOST:PORT module:factory`
+    and the same SFRRL_TOOL_AUTHKEY run them). The runner's timeout covers the round trip."""
+
     timeout_s: float = 10.0
     max_concurrency: int = 1024
     thread_workers: int = 8
     max_output_chars: int = 4000
+    remote_address: str | None = None
 
     def __post_init__(self):
         for name in ("timeout_s", "max_concurrency", "thread_workers", "max_output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ToolRunnerConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.remote_address is not None:
+            host, _, port = str(self.remote_address).rpartition(":")
+            if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+                raise ValueError(f"ToolRunnerConfig.remote_address must be 'HOST:PORT' (e.g. '0.0.0.0:50051'), "
+                                 f"got {self.remote_address!r}")
 
 
 def tool_schema(tool: Tool) -> dict:

@@ -30,6 +30,7 @@ from sfrrl_jax.launch.runner import ExperimentConfig, validate_experiment
 from sfrrl_jax.launch.recipes import (BUILTIN_KINDS, get_recipe, recipe_kinds, registered_recipes,
                                       unknown_kind_message)
 from sfrrl_jax.testing.workload import WorkloadConfig
+from sfrrl_jax.agents.tools import ToolRunnerConfig
 
 
 class GinConfigError(ValueError):
@@ -104,7 +105,8 @@ def register() -> None:
     Called by every `load_job`, so a recipe whose module is imported later is picked up then.
     """
     if not _REGISTERED:
-        for cls in (ExperimentConfig, TrainerConfig, LossConfig, AdvantageConfig, OptimizerConfig, WorkloadConfig):
+        for cls in (ExperimentConfig, TrainerConfig, LossConfig, AdvantageConfig, OptimizerConfig, WorkloadConfig,
+                    ToolRunnerConfig):
             gin.external_configurable(cls, module="sfrrl")
         gin.external_configurable(make_job, name="Job", module="sfrrl")
         _REGISTERED.add(Job)

@@ -78,7 +78,7 @@ class ProcessRLStep(RLStep):
         # as large as one process's groups_per_microbatch groups
         self.local_gpm = max(1, self.cfg.groups_per_microbatch // self.processes)
         self.global_kept: list[int] = []     # launch indices of every process's kept groups, sorted
-        self.local_positions = [0, 0]        # this process's share of micro-step positions, padding
+        self.ticks0 = self.exchange_s0 = 0
 
     # -- the step -------------------------------------------------------------------------------
     async def run(self) -> dict:
@@ -97,6 +97,10 @@ class ProcessRLStep(RLStep):
         await self.end_rollout()
         await self.train_remaining_agreed()
         return self.finish()
+
+    def begin(self) -> None:
+        super().begin()
+        self.ticks0, self.exchange_s0 = self.engine.ticks, self.engine.exchange_seconds
 
     def install_idle_work(self) -> None:
         self.engine.set_idle_work(self.idle_work, underfull_slots=self.cfg.underfull_slots,
@@ -269,6 +273,9 @@ class ProcessRLStep(RLStep):
             "policy/on_policy_fraction": summed["on_policy"] / trained if trained else 1.0,
             "train/trained_tokens": trained,
             "train/padding_share": summed["padding"] / summed["positions"] if summed["positions"] else 0.0,
+            # the lockstep's cost: engine ticks this step and the wall time inside their exchanges
+            "perf/engine_ticks": self.engine.ticks - self.ticks0,   # timing-dependent: a perf/ key
+            "time/tick_exchange_s": self.engine.exchange_seconds - self.exchange_s0,
             **{f"rollout/{k}": sum(v["counts"][k] for v in views)
                for k in ("tool_errors", "groups_dropped", "groups_failed", "failed_samples")},
         })

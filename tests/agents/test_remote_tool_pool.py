@@ -74,3 +74,58 @@ def test_a_worker_without_the_authkey_is_refused_by_name():
     out = subprocess.run([sys.executable, "-m", "sfrrl_jax.agents.tool_pool", "127.0.0.1:1", "x:y"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "SFRRL_TOOL_AUTHKEY" in out.stderr
+
+
+def test_the_config_chooses_remote_workers_for_an_environments_tools(monkeypatch):
+    """`ToolRunnerConfig.remote_address` (gin-bindable) sends a ToolEnvironment's calls to workers."""
+    import socket
+
+    import gin
+
+    from sfrrl_jax.agents.environments import ToolEnvironment
+    from sfrrl_jax.agents.tool_pool import shared_pool
+    from sfrrl_jax.launch import gin_bindings
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    gin_bindings.register()
+    with gin.unlock_config():
+        gin.parse_config(f"sfrrl.ToolRunnerConfig.remote_address = {address!r}\nsfrrl.ToolRunnerConfig.timeout_s = 20.0")
+    try:
+        cfg = gin.get_configurable("sfrrl.ToolRunnerConfig")()
+    finally:
+        gin.clear_config()
+    assert cfg.remote_address == address and isinstance(cfg, ToolRunnerConfig)
+    monkeypatch.delenv("SFRRL_TOOL_AUTHKEY", raising=False)
+    try:
+        ToolEnvironment(remote_tools_fixture.tools(), None, cfg)
+        raise AssertionError("a remote address without the shared secret must be refused")
+    except ValueError as e:
+        assert "SFRRL_TOOL_AUTHKEY" in str(e) and address in str(e)
+    key = os.urandom(16).hex().encode()
+    monkeypatch.setenv("SFRRL_TOOL_AUTHKEY", key.decode())
+    env = ToolEnvironment(remote_tools_fixture.tools(), None, cfg)
+    env2 = ToolEnvironment(remote_tools_fixture.tools(), None, cfg)      # the same pool, not a second server
+    pool = shared_pool(address)
+    worker = _worker(pool.address, key)
+    try:
+        assert "serving ['slow_add', 'fail']" in worker.stdout.readline()
+
+        async def main():
+            return (await env.step([ToolCall("slow_add", {"a": 2, "b": 3})])
+                    + await env2.step([ToolCall("fail", {"kind": "tool_error"})]))
+        added, refused = asyncio.run(main())
+        assert added.content.startswith("5 by ") and int(added.content.split(" by ")[1].split()[0]) == worker.pid
+        assert refused.is_error and "the tool refuses" in refused.content
+    finally:
+        worker.kill()
+        worker.wait()
+        pool.close()
+    for bad in ("50051", "host:", "host:port", "h:70000"):
+        try:
+            ToolRunnerConfig(remote_address=bad)
+            raise AssertionError(bad)
+        except ValueError as e:
+            assert "ToolRunnerConfig.remote_address" in str(e)
