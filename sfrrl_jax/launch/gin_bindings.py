@@ -30,7 +30,12 @@ from sfrrl_jax.launch.runner import ExperimentConfig, validate_experiment
 from sfrrl_jax.launch.recipes import (BUILTIN_KINDS, get_recipe, recipe_kinds, registered_recipes,
                                       unknown_kind_message)
 from sfrrl_jax.testing.workload import WorkloadConfig
+from sfrrl_jax.agents.environments import calculator_environment
+from sfrrl_jax.agents.loop import AgentConfig
+from sfrrl_jax.agents.tasksets.function_calling import FunctionCallingEnvironment
 from sfrrl_jax.agents.tools import ToolRunnerConfig
+from sfrrl_jax.launch.agentic import (AgenticRollout, code_environment, countdown_tool_environment,
+                                      math_tool_environment)
 
 
 class GinConfigError(ValueError):
@@ -108,6 +113,13 @@ def register() -> None:
         for cls in (ExperimentConfig, TrainerConfig, LossConfig, AdvantageConfig, OptimizerConfig, WorkloadConfig,
                     ToolRunnerConfig):
             gin.external_configurable(cls, module="sfrrl")
+        # the real experiment path (launch.agentic): the rollout factory, the agent's limits, and
+        # the environments a gin file may pass as values (`AgenticRollout.environment = @code_environment`)
+        for cls in (AgenticRollout, AgentConfig):
+            gin.external_configurable(cls, module="sfrrl")
+        for fn in (code_environment, math_tool_environment, countdown_tool_environment, calculator_environment,
+                   FunctionCallingEnvironment):
+            gin.external_configurable(fn, module="sfrrl")
         gin.external_configurable(make_job, name="Job", module="sfrrl")
         _REGISTERED.add(Job)
     for entry in registered_recipes():

@@ -238,6 +238,9 @@ def validate_experiment(cfg: ExperimentConfig, num_devices: int | None = None) -
             raise ValueError(f"the longest workload trajectory (WorkloadConfig prompt_len + max_turns x "
                              f"max_response + observations = {longest} tokens) exceeds "
                              f"TrainerConfig.max_len={cfg.trainer.max_len}")
+    check = getattr(cfg.rollout, "validate", None)   # a rollout factory's own checks (launch.agentic)
+    if check is not None:
+        check(cfg, model_cfg)
     return model_cfg
 
 

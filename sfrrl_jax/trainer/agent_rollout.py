@@ -55,6 +55,13 @@ class AgentRollout:
         self.visits[key] += 1
         return dataclasses.replace(self.agent_cfg, seed=visit_seed(self.agent_cfg.seed, visit))
 
+    def state_dict(self) -> dict:
+        """The visit counts (checkpointed: a resumed run draws the seeds an unbroken one would)."""
+        return {"visits": [[task_id, sample, n] for (task_id, sample), n in sorted(self.visits.items())]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.visits = collections.Counter({(str(t), int(s)): int(n) for t, s, n in state["visits"]})
+
     def visited_elsewhere(self, task: Task, sample_index: int) -> None:
         """Counts a rollout of (task, sample_index) that another process ran (multi-host: each
         process counts every visit, so the k-th visit's seed is the same whichever runs it)."""

@@ -84,6 +84,12 @@ def test_every_shipped_gin_parses_and_validates():
     assert (exp.mesh_data, exp.mesh_expert, exp.mesh_tensor) == (2, 8, 1) and exp.hf_path
     model, exp = seen["qwen3_moe_30b_a3b.gin"]
     assert model.name == "qwen3-moe-30b-a3b" and model.n_experts == 128 and exp.hf_path
+    # the real configs train agentic RL on real task sets (the workload stays for benchmarks)
+    from sfrrl_jax.launch.agentic import AgenticRollout
+    for name, (model, exp) in seen.items():
+        assert (exp.rollout == "workload") == (name == "stragglers.gin"), name
+        if name != "stragglers.gin":
+            assert isinstance(exp.rollout, AgenticRollout) and exp.rollout.tasks, name
     # the validation is real: the same config on a mesh that does not fit is refused, by name
     with pytest.raises(ValueError, match=r"n_experts=128 \(gpt-oss-120b\) is not divisible by ExperimentConfig.mesh_expert=3"):
         validate_experiment(ExperimentConfig(run_dir="/x", model="gpt-oss-120b", mesh_expert=3), num_devices=3)

