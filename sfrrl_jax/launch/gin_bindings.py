@@ -30,8 +30,10 @@ from sfrrl_jax.launch.runner import ExperimentConfig, validate_experiment
 from sfrrl_jax.launch.recipes import (BUILTIN_KINDS, get_recipe, recipe_kinds, registered_recipes,
                                       unknown_kind_message)
 from sfrrl_jax.testing.workload import WorkloadConfig
-from sfrrl_jax.agents.environments import calculator_environment
+from sfrrl_jax.agents.environments import calculator_environment, qa_environment
 from sfrrl_jax.agents.loop import AgentConfig
+from sfrrl_jax.agents.reward_fns import answer_correct, answer_format, tool_error_penalty
+from sfrrl_jax.agents.tasksets.function_calling import function_call_match
 from sfrrl_jax.agents.tasksets.function_calling import FunctionCallingEnvironment
 from sfrrl_jax.agents.tools import ToolRunnerConfig
 from sfrrl_jax.launch.agentic import (AgenticRollout, code_environment, countdown_tool_environment,
@@ -114,11 +116,14 @@ def register() -> None:
                     ToolRunnerConfig):
             gin.external_configurable(cls, module="sfrrl")
         # the real experiment path (launch.agentic): the rollout factory, the agent's limits, and
-        # the environments a gin file may pass as values (`AgenticRollout.environment = @code_environment`)
+        # the environments a gin file may pass as values (`AgenticRollout.environment = @code_environment()`)
         for cls in (AgenticRollout, AgentConfig):
             gin.external_configurable(cls, module="sfrrl")
         for fn in (code_environment, math_tool_environment, countdown_tool_environment, calculator_environment,
-                   FunctionCallingEnvironment):
+                   qa_environment, FunctionCallingEnvironment):
+            gin.external_configurable(fn, module="sfrrl")
+        # reward functions, passed as values: `qa_environment.reward_fns = [@answer_correct, @answer_format]`
+        for fn in (answer_correct, answer_format, tool_error_penalty, function_call_match):
             gin.external_configurable(fn, module="sfrrl")
         gin.external_configurable(make_job, name="Job", module="sfrrl")
         _REGISTERED.add(Job)
