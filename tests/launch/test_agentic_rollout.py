@@ -114,3 +114,21 @@ def test_a_package_task_set_gets_its_kinds_environment(model_dir, tmp_path):
     assert len(source.tasks) == 3 and {t.kind for t in source.tasks} == {"function_call"}
     assert type(source.rollout_fn.env).__name__ == "FunctionCallingEnvironment"
     assert source.rollout_fn.agent_cfg.tool_format == "qwen3"   # from config.json's model_type
+
+
+def test_the_environment_is_a_gin_value_and_the_run_fingerprint_is_stable(model_dir, tasks_file, tmp_path):
+    """`@qa_environment()` with its own reward bindings; the rollout's repr (part of the resume
+    fingerprint) names functions, never addresses, so a resumed run in a new process matches."""
+    extra = {"AgenticRollout.environment": "@qa_environment()",
+             "qa_environment.reward_fns": "[@answer_correct, @answer_format]",
+             "qa_environment.reward_weights": "[1.0, 0.2]"}
+    reprs = []
+    for _ in range(2):
+        job = gin_bindings.load_job([], _bindings(model_dir, tasks_file, tmp_path / "run", **extra))
+        model_cfg = gin_bindings.validate_job(job)
+        reprs.append(repr(job.experiment.rollout))
+    assert reprs[0] == reprs[1] and "0x" not in reprs[0] and "ToolEnvironment" in reprs[0]
+    source = job.experiment.rollout(job.experiment, model_cfg)
+    env = source.rollout_fn.env
+    assert env.tool_schemas() == [] and list(env.rewards.weights) == [1.0, 0.2]
+    assert list(env.rewards.names) == ["answer_correct", "answer_format"]
