@@ -20,7 +20,13 @@ differ between hosts: each process runs the agent loops and tools of its own tra
 Idle work (the pipelined schedule's gradient micro-steps) is a tick event too: each process
 says whether it has a micro-step ready; when any has one and the replicated scheduler says the
 engine would idle, every process runs one (its own, or `filler`: its share of the micro-step
-without rows of its own), so the same programs run everywhere (`set_idle_work`).
+without rows of its own), so the same programs run everywhere (`set_idle_work`). Work whose
+state every process holds alike (`shared_work`: e.g. an early sample's micro-step, whose queue
+is replicated) runs in a tick where no process has work of its own.
+
+Application events ride the same ticks: `publish(data)` (JSON) reaches every process's
+`set_event_handler` callback at the same tick, in process order, before that tick's device work,
+so replicated trainer state changes at the same point everywhere.
 
 The drivers stop together at the first tick where no process has work in flight and nothing is
 queued or running; a process whose own trajectories finished keeps ticking while others decode.
@@ -171,19 +177,43 @@ class LockstepEngine(Engine):
         self._sessions = 0
         self._has_idle_work = None
         self._idle_filler = None
+        self._shared_work = None
+        self._has_shared_work = None
         self._tick_idle = False                     # this tick, some process has a micro-step ready
+        self._ran_idle_this_tick = False
+        self._event_handler = None
 
-    def set_idle_work(self, idle_work, *, underfull_slots=None, has_work=None, filler=None) -> None:
+    def set_idle_work(self, idle_work, *, underfull_slots=None, has_work=None, filler=None,
+                      shared_work=None, has_shared_work=None) -> None:
         """As `Engine.set_idle_work`, agreed across processes: `has_work()` says (without taking
         it) whether `idle_work()` has a job; `filler()` returns the job this process runs when a
         peer runs idle work and it has none (a micro-step with no rows of its own). All three, or
-        only `idle_work=None`. One idle job runs per tick at most, on every process at once."""
+        only `idle_work=None`. Optionally `shared_work()` (a job or None) and `has_shared_work()`
+        over state that is the same on every process (changed only by `publish`ed events): asked
+        in a tick where no process has work of its own; every process gets the same answer. One
+        idle job runs per tick at most, on every process at once."""
         if idle_work is not None and not (callable(has_work) and callable(filler)):
             raise TypeError("LockstepEngine.set_idle_work needs has_work= and filler= callables with idle_work: "
                             "every process must run a job in a tick where any process runs one")
+        if (shared_work is None) != (has_shared_work is None):
+            raise TypeError("LockstepEngine.set_idle_work: shared_work= and has_shared_work= go together")
         super().set_idle_work(idle_work, underfull_slots=underfull_slots)
         self._has_idle_work = has_work if idle_work is not None else None
         self._idle_filler = filler if idle_work is not None else None
+        self._shared_work = shared_work if idle_work is not None else None
+        self._has_shared_work = has_shared_work if idle_work is not None else None
+
+    def set_event_handler(self, handler) -> None:
+        """`handler(owner_process, data)` for every `publish`ed event, on every process, at the
+        tick it is exchanged (in process order); None removes it."""
+        if handler is not None and not callable(handler):
+            raise TypeError(f"event handler must be callable or None, got {type(handler).__name__}")
+        self._event_handler = handler
+
+    def publish(self, data) -> None:
+        """Sends `data` (JSON-able) to every process's event handler at the next tick."""
+        self._outbox.append({"kind": "app", "data": data})
+        self._kick()
 
     # -- async face: events go out at the next tick -------------------------------------------------
     @contextlib.asynccontextmanager
@@ -242,22 +272,29 @@ class LockstepEngine(Engine):
 
     # -- the tick ---------------------------------------------------------------------------------
     def _local_work(self) -> bool:
-        return bool(self._sessions or self._own or self._outbox or self._idle_ready())
+        return bool(self._sessions or self._own or self._outbox or self._idle_ready()
+                    or (self._has_shared_work is not None and self._has_shared_work()))
 
     def _idle_ready(self) -> bool:
         return self._has_idle_work is not None and bool(self._has_idle_work())
 
     async def _run_idle_job(self) -> bool:
-        """Runs one idle job if this tick agreed on one: this process's own, else its filler."""
-        if not self._tick_idle:
+        """Runs one idle job if this tick agreed on one: this process's own, else its filler;
+        with no process's own work, the shared work (the same everywhere), if any."""
+        if self._ran_idle_this_tick:
             return False
-        self._tick_idle = False
-        job = self._idle_work() if self._idle_work is not None else None
-        if job is None:
-            if self._idle_filler is None:
-                raise LockstepError(f"process {self.exchange.process_index}: a peer runs idle work this tick and "
-                                    "this process has no idle-work hook (set_idle_work) to join it")
-            job = self._idle_filler()
+        if not self._tick_idle:
+            job = self._shared_work() if self._shared_work is not None else None
+            if job is None:
+                return False
+        else:
+            job = self._idle_work() if self._idle_work is not None else None
+            if job is None:
+                if self._idle_filler is None:
+                    raise LockstepError(f"process {self.exchange.process_index}: a peer runs idle work this tick "
+                                        "and this process has no idle-work hook (set_idle_work) to join it")
+                job = self._idle_filler()
+        self._tick_idle, self._ran_idle_this_tick = False, True
         t0 = time.perf_counter()
         await asyncio.to_thread(job)
         self.idle_seconds += time.perf_counter() - t0
@@ -273,7 +310,7 @@ class LockstepEngine(Engine):
     def _apply(self, messages: Sequence[bytes]) -> bool:
         """Applies every process's events in process order; True if any process has work."""
         busy = False
-        self._tick_idle = False
+        self._tick_idle = self._ran_idle_this_tick = False
         loop = asyncio.get_running_loop()
         for owner, raw in enumerate(messages):
             msg = json.loads(raw)
@@ -293,6 +330,9 @@ class LockstepEngine(Engine):
                     self._queue.append(job)
                 elif ev["kind"] == "release":
                     self._release_parked(SlotHandle(*ev["handle"]))
+                elif ev["kind"] == "app":
+                    if self._event_handler is not None:
+                        self._event_handler(owner, ev["data"])
                 elif ev["kind"] == "cancel":
                     job = self._jobs.pop((owner, ev["key"]), None)
                     if job is not None:

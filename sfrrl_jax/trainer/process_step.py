@@ -19,10 +19,16 @@ only which trajectories it owns (docs/multihost.md):
              process has one ready and the engine would idle; `sync`: after the rollout, micro-
              step j holds the j-th `groups_per_microbatch` groups of the global draw order, as on
              one process; the remaining counts are agreed, so every process runs the same number.
+  early      (`early_groups`) the early-sample bookkeeping is replicated: each process
+             `publish`es its samples' finishes (with rewards) and its groups' ends through the
+             engine's ticks, and every process applies them at the same tick to its copy, so the
+             queue of early micro-steps, their group buffers and the buffers' merges are the same
+             everywhere; they run as the engine's shared idle work (the owner contributes the
+             sample's row, the others an empty share).
   finish     one optimizer update on every process; the metrics are the all-gathered sums.
 
 Not supported across processes (refused by `RLTrainer`, naming the field): over-provisioned
-groups (which groups are surplus depends on a global finish order) and early samples.
+groups (which groups are surplus depends on a global finish order).
 """
 from __future__ import annotations
 
@@ -33,17 +39,34 @@ import json
 import logging
 import time
 
+import jax
 import numpy as np
 
 from sfrrl_jax.agents.reward_fns import REWARDS_KEY
 from sfrrl_jax.learner.process_rows import global_microbatch
 from sfrrl_jax.models.api import mesh_of
-from sfrrl_jax.trainer.batching import Group, zero_microbatch
-from sfrrl_jax.trainer.step_schedule import FailedGroup, MicroStepUnit, RLStep
+from sfrrl_jax.trainer.batching import Group, group_advantage_slopes, group_advantages, zero_microbatch
+from sfrrl_jax.trainer.step_schedule import FailedGroup, MicroStepUnit, RLStep, early_micro_step
 
 _log = logging.getLogger(__name__)
 
-UNSUPPORTED_ACROSS_PROCESSES = ("overprovision_groups", "early_groups")
+UNSUPPORTED_ACROSS_PROCESSES = ("overprovision_groups",)
+
+
+class _FinishedElsewhere:
+    """A finished sample of another process's group, as this process's replica holds it."""
+
+    __slots__ = ("reward",)
+
+    def __init__(self, reward: float):
+        self.reward = reward
+
+
+@dataclasses.dataclass
+class _GroupRewards:
+    """A group as every replica sees it: its rewards (all `group_advantages` reads)."""
+
+    rewards: np.ndarray
 
 
 class Agreement:
@@ -79,6 +102,15 @@ class ProcessRLStep(RLStep):
         self.local_gpm = max(1, self.cfg.groups_per_microbatch // self.processes)
         self.global_kept: list[int] = []     # launch indices of every process's kept groups, sorted
         self.ticks0 = self.exchange_s0 = 0
+        # early samples, replicated by events (see the module doc)
+        self.sample_rewards: dict[int, dict[int, float]] = collections.defaultdict(dict)
+        self.own_trajs: dict[tuple[int, int], object] = {}
+        self.own_done: dict[int, Group] = {}          # own kept groups until their end event applies
+        self.shared_merges: collections.deque = collections.deque()
+        self.announced = self.n_launch                # groups launched, as the events say
+        self.settled = 0                              # groups ended (kept, dropped or failed)
+        if self.early is not None:
+            self.early.active = False                 # activated by the replicated count below
 
     # -- the step -------------------------------------------------------------------------------
     async def run(self) -> dict:
@@ -94,6 +126,7 @@ class ProcessRLStep(RLStep):
             # leaving the session waited for every driver to stop: every agreed idle micro-step ran
         finally:
             self.engine.set_idle_work(None)
+            self.engine.set_event_handler(None)
         await self.end_rollout()
         await self.train_remaining_agreed()
         return self.finish()
@@ -104,7 +137,10 @@ class ProcessRLStep(RLStep):
 
     def install_idle_work(self) -> None:
         self.engine.set_idle_work(self.idle_work, underfull_slots=self.cfg.underfull_slots,
-                                  has_work=self.has_idle_work, filler=self.filler_job)
+                                  has_work=self.has_idle_work, filler=self.filler_job,
+                                  shared_work=self.shared_work, has_shared_work=self.has_shared_work)
+        self.engine.set_event_handler(self.on_event if self.early is not None else None)
+        self._maybe_activate()
 
     def launch_groups(self) -> None:
         self.launch_round(self.n_launch)
@@ -152,32 +188,129 @@ class ProcessRLStep(RLStep):
                                    f"after {self.refills} refills; raise TrainerConfig.max_refill_groups")
             need = cfg.groups_per_step - len(kept)
             self.refills += need
+            if self.early is not None:
+                self.engine.publish({"e": "round", "n": need})   # process 0's counts, at one tick
             self.launch_round(need)
 
     def on_group_done(self, group: Group | FailedGroup) -> None:
-        """Local bookkeeping only: whether the step goes on is decided by the round's agreement."""
+        """Local bookkeeping only: whether the step goes on is decided by the round's agreement.
+        With early samples, a group's end is an event: its micro-steps form when it applies."""
         cfg, counts = self.cfg, self.counts
         if isinstance(group, FailedGroup):
             counts["groups_failed"] += 1
             counts["failed_samples"] += len(group.errors)
             self.failures.append(f"{group.group_id}: {group.errors[0]}")
             _log.warning("group %s dropped: its rollout raised %s", group.group_id, group.errors)
+            self._publish_end(group.launch_index, keep=False)
             return
         counts["failed_samples"] += sum(t.error is not None for t in group.trajectories)
         self.trainer.longest_first.observe(group.group_id, group.trajectories)
         counts["tool_errors"] += sum(t.metadata.get("tool_errors", t.num_tool_errors) for t in group.trajectories)
         if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
             counts["groups_dropped"] += 1
+            self._publish_end(group.launch_index, keep=False)
             return
         self.kept.append(group)
-        if cfg.mode != "sync":
-            self.pending.append(group)
-            if len(self.pending) == self.local_gpm:
-                self._form_units(self.pending)
-                self.pending = []
-                if cfg.mode == "pipelined":
-                    self.engine.notify_idle_work()
+        if self.early is not None:
+            self.own_done[group.launch_index] = group
+            self._publish_end(group.launch_index, keep=True)
+        elif cfg.mode != "sync":
+            self._add_pending(group)
         self.note_waiting()
+
+    def _add_pending(self, group: Group) -> None:
+        self.pending.append(group)
+        if len(self.pending) == self.local_gpm:
+            self._form_units(self.pending)
+            self.pending = []
+            if self.cfg.mode == "pipelined":
+                self.engine.notify_idle_work()
+
+    def _form_units(self, groups: list[Group]) -> None:
+        new_units = self.trainer._make_units(groups)
+        for unit in new_units:
+            unit.merges = []   # every process merges the buffers (shared work), not the owner alone
+        self.units.extend(new_units)
+        if self.cfg.mode == "pipelined":
+            self.ready.extend(new_units)
+
+    # -- early samples: replicated through the engine's ticks -------------------------------------
+    async def run_sample(self, task, index: int, sample: int):
+        traj = await self.trainer.rollout_fn(self.engine, task, sample)
+        if self.early is not None:
+            self.own_trajs[(index, sample)] = traj
+            reward = float(traj.reward) if traj.reward is not None else 0.0   # as Group.rewards
+            self.engine.publish({"e": "sample", "li": index, "s": sample, "r": reward})
+        return traj
+
+    def _publish_end(self, launch_index: int, keep: bool) -> None:
+        if self.early is not None:
+            self.engine.publish({"e": "end", "li": launch_index, "keep": keep})
+
+    def on_event(self, owner: int, event: dict) -> None:
+        """Applied on every process at the same tick, in process order (engine.lockstep)."""
+        early, kind = self.early, event["e"]
+        if kind == "round":
+            if owner == 0:
+                self.announced += event["n"]
+        elif kind == "sample":
+            li, sample, reward = event["li"], event["s"], event["r"]
+            self.sample_rewards[li][sample] = reward
+            traj = self.own_trajs[(li, sample)] if owner == self.me else _FinishedElsewhere(reward)
+            early.sample_finished(li, sample, traj)
+        elif kind == "end":
+            li = event["li"]
+            self.settled += 1
+            if not event["keep"]:
+                early.discard(li)
+            else:
+                prog = early.group_complete(li)
+                if prog is not None:   # its buffer is merged at the final advantages, on every process
+                    rewards = self.sample_rewards[li]
+                    group = _GroupRewards(np.array([rewards[i] for i in range(self.cfg.group_size)], np.float32))
+                    slope = group_advantage_slopes([group], self.cfg.advantage)[0]
+                    advantages = group_advantages([group], self.cfg.advantage)[0]
+                    self.shared_merges.append((prog, float(slope), float(advantages[prog.reference])))
+                if owner == self.me:
+                    if prog is not None:
+                        self.claimed[li] = prog
+                    self._add_pending(self.own_done.pop(li))
+            self.sample_rewards.pop(li, None)
+        self._maybe_activate()
+        self.note_waiting()
+        self.engine.notify_idle_work()
+
+    def _maybe_activate(self) -> None:
+        """The rollout's tail: at most `early_groups` groups unfinished (by the replicated count)."""
+        if self.early is not None and self.announced - self.settled <= self.cfg.early_groups:
+            self.early.activate()
+
+    def has_shared_work(self) -> bool:
+        return bool(self.shared_merges) or (self.early is not None and len(self.early) > 0)
+
+    def shared_work(self):
+        """The next early micro-step or buffer merge: the same on every process (replicated)."""
+        if self.shared_merges:
+            merge = self.shared_merges.popleft()
+            return lambda: self.merge_buffer(*merge)
+        if self.early is not None and len(self.early):
+            unit = self.early.pop()
+            if unit.progress.launch_index % self.processes == self.me:
+                step = early_micro_step(unit, self.cfg, self.trainer.batch_fields)
+            else:
+                step = dataclasses.replace(self.filler_unit(), early=unit)
+            return lambda: self.microstep(step)
+        return None
+
+    def merge_buffer(self, progress, slope: float, reference_advantage: float) -> None:
+        """Adds an early group's buffer to the gradient sums at its final advantages."""
+        tr = self.trainer
+        t0 = time.perf_counter()
+        self.acc = tr.train_step.merge_deferred(tr.params, self.acc, progress.buffer, slope, reference_advantage)
+        progress.buffer = None
+        jax.block_until_ready(self.acc.scalars.numerator)
+        tr.timeline.add("merge_deferred", "train", t0, time.perf_counter())
+        self.train_device_s += time.perf_counter() - t0
 
     async def end_rollout(self) -> None:
         if self.pending:
@@ -208,8 +341,18 @@ class ProcessRLStep(RLStep):
         for j, seg in enumerate(segments):
             for k in range(max(c[j] for c in counts)):
                 self.microstep(seg[k] if k < len(seg) else self.filler_unit())
+        while self.shared_merges:   # replicated: the same merges on every process
+            self.merge_buffer(*self.shared_merges.popleft())
 
     # -- idle work across processes -------------------------------------------------------------
+    def idle_work(self):
+        """This process's next regular micro-step (early ones are shared work)."""
+        if self.cfg.mode == "sync" or not self.ready:
+            return None
+        unit = self.ready.popleft()
+        self.note_waiting()
+        return lambda: self.microstep(unit)
+
     def has_idle_work(self) -> bool:
         return self.cfg.mode != "sync" and bool(self.ready)  # as RLStep.idle_work: sync trains after
 

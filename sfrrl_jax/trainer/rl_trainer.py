@@ -169,7 +169,7 @@ class RLTrainer:
                            if getattr(trainer_cfg, k)]
             if unsupported:
                 raise ValueError(f"{', '.join(unsupported)}: not supported across processes yet (which groups "
-                                 "are surplus or early depends on a global finish order); set them to 0")
+                                 "are surplus depends on the global finish order); set it to 0")
             self.agreement = Agreement(self.engine.exchange.with_prefix("sfrrl/trainer"))
         self.train_step = (train_step if train_step is not None
                            else shared_train_step(model_cfg, loss_cfg, optimizer_cfg))

@@ -15,13 +15,16 @@ CFG = S.ModelConfig.preset("tiny-moe", max_seq_len=128)
 WL = WorkloadConfig(num_prompts=3, response_median=5, response_sigma=0.8, max_response=16,
                     tool_latency_median_s=0.02, tool_latency_sigma=0.5, max_turns=3)
 STEPS = 3
-MODES = ("sync", "pipelined")
+MODES = ("sync", "pipelined", "early")   # early: pipelined with early_groups=2 (early samples)
 
 
-def make_trainer(mode: str, engine_cls=None) -> RLTrainer:
-    """engine_cls None: the trainer's own choice (a LockstepEngine on N processes)."""
+def make_trainer(mode: str, engine_cls=None, early_groups: int = 0) -> RLTrainer:
+    """engine_cls None: the trainer's own choice (a LockstepEngine on N processes). With early
+    groups, idle work runs beside any decode batch (underfull_slots = max_slots), so a sample that
+    finishes before its group trains early at the next tick (the path under test)."""
     tc = TrainerConfig(mode=mode, groups_per_step=2, group_size=4, max_slots=8, max_len=64,
-                       buckets=(16, 32), seq_bucket=32)
+                       buckets=(16, 32), seq_bucket=32, early_groups=early_groups,
+                       underfull_slots=8 if early_groups else 0)
     mesh = S.make_mesh(data=2, expert=4)
     params = S.init_params(CFG, mesh, seed=0)
     engine = None
@@ -38,11 +41,13 @@ KEYS = ("train/loss", "reward/mean", "rollout/generated_tokens", "train/trained_
 def run(mode: str, engine_cls=None) -> tuple[list[dict], dict]:
     """STEPS steps: each step's metrics (KEYS) and the final params as full host arrays."""
     from jax.experimental import multihost_utils
-    trainer = make_trainer(mode, engine_cls)
+    trainer = (make_trainer("pipelined", engine_cls, early_groups=2) if mode == "early"
+               else make_trainer(mode, engine_cls))
     metrics = []
     for _ in range(STEPS):
         m = trainer.step()
-        metrics.append({k: float(m[k]) for k in KEYS} | {"hidden": float(m["time/hidden_train_share"])})
+        metrics.append({k: float(m[k]) for k in KEYS} | {"hidden": float(m["time/hidden_train_share"]),
+                                                         "early": float(m["train/early_microsteps"])})
     params = {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True))
               for p, x in jax.tree_util.tree_flatten_with_path(trainer.params)[0]}
     return metrics, params
