@@ -82,7 +82,9 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
     deadline = asyncio.get_running_loop().time() + cfg.wall_budget_s
     fmt = get_format(cfg.tool_format)
     stops = cfg.stop_token_ids if cfg.stop_token_ids is not None else tokenizer.stop_token_ids
-    tools = env.tool_schemas() or None
+    # an environment whose tools differ per task (BFCL items) says so with `task_tool_schemas`
+    per_task = getattr(env, "task_tool_schemas", None)
+    tools = (per_task(task) if per_task is not None else env.tool_schemas()) or None
     messages = env.reset(task)
     prompt = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
     builder = TrajectoryBuilder(task.task_id, group_id or task.task_id, sample_index, prompt)

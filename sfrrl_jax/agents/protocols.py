@@ -82,6 +82,8 @@ class Environment(Protocol):
     an exception, makes that sample an error). It may record its components (unweighted, by name)
     in `trajectory.metadata["rewards"]`, as `ToolEnvironment` does: see `reward_fns.RewardSum`
     (`RLTrainer` logs each component's mean over a step as `reward/<name>`).
+    An environment whose tools differ per task may also define `task_tool_schemas(task)`: the
+    agent loop then renders those with the chat template instead of `tool_schemas()`.
     """
 
     def tool_schemas(self) -> list[dict]: ...

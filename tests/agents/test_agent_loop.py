@@ -234,3 +234,27 @@ def test_countdown_with_the_real_sandboxed_python_tool(tok):
         'line 1, in <module>\nZeroDivisionError: division by zero<|end|><|assistant|>')
     assert traj.tokens == prompt + call + engine.requests[1].tokens + answer
     assert (traj.reward, traj.num_tool_calls, traj.num_tool_errors) == (1.0, 2, 1)
+
+
+def test_an_environments_per_task_tools_reach_the_chat_template(tok):
+    """`task_tool_schemas(task)` (BFCL items carry their own functions) is what the template renders,
+    for the prompt and for every observation appended after it."""
+    from sfrrl_jax.agents.tasksets.function_calling import FunctionCallingEnvironment, bfcl_tasks
+    task = bfcl_tasks("simple_python", limit=1)[0]
+    env = FunctionCallingEnvironment()
+    seen = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def apply_chat_template(self, messages, tools=None, **kw):
+            seen.append(tools)
+            return tok.apply_chat_template(messages, tools, **kw)
+
+    expected = env.task_tool_schemas(task)
+    assert expected and env.tool_schemas() == []
+    prompt = tok.apply_chat_template(env.reset(task), expected, add_generation_prompt=True)
+    answer = tok.encode("<answer>done</answer><|end|>")
+    traj = asyncio.run(run_agent(ScriptedEngine({tuple(prompt): [answer]}), env, task, Recording(), AgentConfig()))
+    assert seen == [expected] and traj.error is None and traj.tokens[:len(prompt)] == prompt
