@@ -16,7 +16,7 @@ ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 LayerType = Literal["full", "sliding"]
 Dispatch = Literal["padded", "ragged", "llep"]
 Remat = Literal["none", "full", "dots", "dots_no_batch", "attention_out", "dots_attention_out"]
-RopeType = Literal["default", "yarn"]
+RopeType = Literal["default", "yarn", "llama3"]
 AttentionImpl = Literal["blockwise", "pallas", "naive"]
 
 
@@ -152,13 +152,16 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[LayerType, ...] | None = None  # None: all 'full'
     rope_theta: float = 10000.0
-    # YaRN rope scaling (GPT-OSS); rope_type 'default' ignores the rest.
+    # Rope scaling: 'yarn' (GPT-OSS: factor, beta_fast/slow, original_max_len, truncate) or
+    # 'llama3' (Llama 3.1+: factor, low/high_freq_factor, original_max_len); 'default' ignores them.
     rope_type: RopeType = "default"
     rope_factor: float = 1.0
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
     rope_original_max_len: int = 4096
     rope_truncate: bool = True
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
     rms_eps: float = 1e-6
     max_seq_len: int = 2048
     tie_embeddings: bool = False
@@ -195,8 +198,11 @@ class ModelConfig:
         check_int("ModelConfig.sliding_window", self.sliding_window, 0, optional=True)  # 0: no window
         check_bool_fields(self, ("norm_topk_prob", "router_bias", "expert_bias", "qk_norm", "attention_bias",
                                  "attn_sinks", "rope_truncate", "tie_embeddings"))
-        check_number_fields(self, ("rope_theta", "rope_factor", "rms_eps", "swiglu_limit", "swiglu_alpha"), 0,
-                            lo_open=True)
+        check_number_fields(self, ("rope_theta", "rope_factor", "rms_eps", "swiglu_limit", "swiglu_alpha",
+                                   "rope_low_freq_factor", "rope_high_freq_factor"), 0, lo_open=True)
+        if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(f"ModelConfig.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                             f"rope_low_freq_factor={self.rope_low_freq_factor} (llama3 rope scaling)")
         check_number_fields(self, ("rope_beta_fast", "rope_beta_slow", "init_std", "router_aux_coef",
                                    "router_z_coef"), 0)
         check_number("ModelConfig.llep_threshold", self.llep_threshold, 1)  # a max/mean ratio is >= 1

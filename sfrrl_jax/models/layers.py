@@ -77,6 +77,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[jax.Array, float]:
     inv_freq = 1.0 / (base ** exponents)
     if cfg.rope_type == "default":
         return inv_freq, 1.0
+    if cfg.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, cfg), 1.0
     # YaRN: interpolate low frequencies by `factor`, keep high ones, blend on a linear ramp
     # between the dims that rotate beta_fast and beta_slow times over the original context.
     factor = cfg.rope_factor
@@ -95,6 +97,20 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[jax.Array, float]:
     extrapolation_weight = 1.0 - ramp
     inv_freq = (inv_freq / factor) * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
     return inv_freq, attention_scale
+
+
+def _llama3_inv_freq(inv_freq: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Llama 3.1's scaling: frequencies whose wavelength exceeds the original context divided by
+    `low_freq_factor` are slowed by `factor`; those shorter than it over `high_freq_factor` are
+    kept; in between, a blend linear in (original context / wavelength)."""
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    context = float(cfg.rope_original_max_len)
+    wavelength = 2 * math.pi / inv_freq
+    slowed = jnp.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    blend = (context / wavelength - low) / (high - low)           # 0 at the long end, 1 at the short
+    blended = (1 - blend) * slowed / factor + blend * slowed
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return jnp.where(medium, blended, slowed)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:

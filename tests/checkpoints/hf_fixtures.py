@@ -72,6 +72,13 @@ CONFIGS = {
     "qwen2_bias_window": ("qwen2", dict(
         vocab_size=75, hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
         intermediate_size=44, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    # Llama 3.1 rope scaling: a low base so that every band (kept, blended, slowed) turns at the
+    # test's positions; original context 64 puts 2 of 8 frequencies in the blend.
+    "llama3_rope": ("llama", dict(
+        vocab_size=66, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=24, max_position_embeddings=512,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     # Qwen3 dense: q/k norms, GQA 3:1, head_dim != hidden/heads.
     "qwen3_dense": ("qwen3", dict(
         vocab_size=70, hidden_size=36, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,

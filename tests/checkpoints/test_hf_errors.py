@@ -146,6 +146,10 @@ def test_index_pointing_at_a_missing_shard(ckpt, mesh):
     (dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope type 'linear'"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
+     "llama3 rope needs ['low_freq_factor', 'high_freq_factor']"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "rope_theta": 1e4, "beta_fast": 3.0}), "llama3 rope parameter(s) ['beta_fast']"),
     (dict(hidden_size=None), "lacks required key 'hidden_size'"),
 ])
 def test_unsupported_variants_name_the_key(ckpt, mesh, changes, message):

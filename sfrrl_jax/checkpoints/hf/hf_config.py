@@ -21,6 +21,8 @@ ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausal
                  "qwen3": "Qwen3ForCausalLM"}
 _HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 _TO_HF_LAYER_TYPES = {ours: theirs for theirs, ours in _HF_LAYER_TYPES.items()}
+_LLAMA3_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings"}
 _YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow",
               "original_max_position_embeddings", "truncate"}
 
@@ -54,8 +56,22 @@ def _rope(hf: Mapping[str, Any], where: str, default_theta: float) -> dict:
     theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
     if kind == "default":
         return {"rope_theta": theta, "rope_type": "default"}
+    if kind == "llama3":
+        unknown = sorted(set(params) - _LLAMA3_KEYS)
+        if unknown:
+            raise HFConfigError(f"{where}: llama3 rope parameter(s) {unknown} are not supported; "
+                                f"supported: {sorted(_LLAMA3_KEYS)}")
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if params.get(k) is None]
+        if missing:
+            raise HFConfigError(f"{where}: llama3 rope needs {missing}")
+        return {"rope_theta": theta, "rope_type": "llama3", "rope_factor": float(params["factor"]),
+                "rope_low_freq_factor": float(params["low_freq_factor"]),
+                "rope_high_freq_factor": float(params["high_freq_factor"]),
+                "rope_original_max_len": int(params.get("original_max_position_embeddings",
+                                                        _get(hf, "max_position_embeddings", where)))}
     if kind != "yarn":
-        raise HFConfigError(f"{where}: rope type {kind!r} is not supported (supported: 'default', 'yarn')")
+        raise HFConfigError(f"{where}: rope type {kind!r} is not supported (supported: 'default', 'yarn', "
+                            "'llama3')")
     unknown = sorted(set(params) - _YARN_KEYS)
     if unknown:  # attention_factor, mscale, partial_rotary_factor, ... change the maths
         raise HFConfigError(f"{where}: yarn rope parameter(s) {unknown} are not supported; "
@@ -184,6 +200,10 @@ def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) 
 def _rope_to_hf(cfg: ModelConfig) -> dict:
     if cfg.rope_type == "default":
         return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.rope_type == "llama3":
+        return {"rope_theta": cfg.rope_theta, "rope_type": "llama3", "factor": cfg.rope_factor,
+                "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_len}
     return {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_factor,
             "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
             "original_max_position_embeddings": cfg.rope_original_max_len, "truncate": cfg.rope_truncate}
