@@ -120,8 +120,10 @@ class ModelConfig:
     """Shapes and variants of a decoder-only transformer, MoE or dense.
 
     Every layer is attention + MoE, or attention + a dense SwiGLU MLP of width `d_ff` when
-    `n_experts == 0` (the dense families: llama, qwen2, qwen3). Per-layer attention kind comes from `layer_types`
-    ('sliding' layers attend to the last `sliding_window` positions; 'full' to all).
+    `n_experts == 0` (the dense families: llama, qwen2, qwen3). A MoE model may name some layers
+    dense (`dense_layers`, HF Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`): those get
+    the SwiGLU MLP of width `d_ff` instead of the experts. Per-layer attention kind comes from
+    `layer_types` ('sliding' layers attend to the last `sliding_window` positions; 'full' to all).
     """
 
     name: str = "custom"
@@ -134,7 +136,10 @@ class ModelConfig:
     head_dim: int = 16
     d_ff_expert: int = 64
     n_experts: int = 8                 # 0: a dense MLP of width d_ff in every layer
-    d_ff: int = 0                      # the dense MLP's width (n_experts == 0 only)
+    d_ff: int = 0                      # the dense MLP's width (n_experts == 0, or dense_layers)
+    # Indices of the layers of a MoE model (n_experts > 0) that run a dense MLP of width d_ff
+    # instead of the experts; stored sorted. () = every layer MoE (the default, as before).
+    dense_layers: tuple[int, ...] = ()
     top_k: int = 2
     # Routing: 'softmax_topk' = softmax over all experts then top-k (Qwen3-MoE), optionally
     # renormalised; 'topk_softmax' = top-k logits then softmax over those k (Mixtral, GPT-OSS).
@@ -193,6 +198,7 @@ class ModelConfig:
         check_int_fields(self, ("n_experts", "d_ff"), 0)
         if self.n_experts == 0 and self.d_ff < 1:
             raise ValueError("ModelConfig.n_experts=0 (a dense MLP) needs d_ff >= 1, the MLP's width")
+        self._check_dense_layers()
         if self.attention_out_bias is not None:
             check_bool("ModelConfig.attention_out_bias", self.attention_out_bias)
         check_int("ModelConfig.sliding_window", self.sliding_window, 0, optional=True)  # 0: no window
@@ -231,10 +237,36 @@ class ModelConfig:
             if getattr(self, k) not in allowed.__args__:
                 raise ValueError(f"ModelConfig.{k}={getattr(self, k)!r}; valid: {list(allowed.__args__)}")
 
+    def _check_dense_layers(self) -> None:
+        where = "ModelConfig.dense_layers"
+        if not isinstance(self.dense_layers, (tuple, list)):
+            raise ValueError(f"{where} must be a tuple of layer indices, got {self.dense_layers!r}")
+        layers = tuple(self.dense_layers)
+        for k, i in enumerate(layers):
+            check_int(f"{where}[{k}]", i, 0, self.n_layers - 1)
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"{where}={layers} repeats a layer index")
+        if layers and not self.n_experts:
+            raise ValueError(f"{where}={layers} needs n_experts > 0 (a dense model's layers are all dense)")
+        if layers and self.d_ff < 1:
+            raise ValueError(f"{where}={layers} needs d_ff >= 1, the dense layers' MLP width")
+        if len(layers) == self.n_layers:
+            # Every layer dense: that is the dense model (n_experts=0), whose params have no
+            # empty MoE stack; say so rather than build one.
+            raise ValueError(f"{where}={layers} names every layer; a model without MoE layers is "
+                             "n_experts=0 with d_ff")
+        # Sorted and plain ints (gin and JSON hand over lists), so equal configs compare equal.
+        object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in layers)))
+
     # -- derived -----------------------------------------------------------------------------
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+    def layer_is_dense(self, layer: int) -> bool:
+        """Whether layer `layer` runs the dense MLP (every layer of a dense model; the
+        `dense_layers` of a MoE one)."""
+        return not self.is_moe or layer in self.dense_layers
 
     @property
     def out_bias(self) -> bool:
@@ -268,11 +300,11 @@ class ModelConfig:
         moe = d * e + e * 3 * d * f + (e if self.router_bias else 0)
         if self.expert_bias:
             moe += e * (2 * f + d)
-        if not self.is_moe:
-            moe = 3 * d * self.d_ff
-        layer = attn + moe + 2 * d
+        mlp = 3 * d * self.d_ff
+        n_dense = sum(self.layer_is_dense(i) for i in range(self.n_layers))
+        layers = self.n_layers * (attn + 2 * d) + n_dense * mlp + (self.n_layers - n_dense) * moe
         head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.n_layers * layer + d + head
+        return self.vocab_size * d + layers + d + head
 
 
 def _replace_checked(cfg: ModelConfig, overrides: dict) -> ModelConfig:

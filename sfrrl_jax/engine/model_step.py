@@ -112,7 +112,9 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
         return (constrain(x + y, ("batch", "seq", "embed")), ck_all, cv_all), None
 
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-    (x, cache_k, cache_v), _ = tfm.run_layers(cfg, model.layers, (x, cache_k, cache_v), body, layer_ids)
+    # layer_ids are model-order layer indices: the cache rows stay one per model layer whatever
+    # stack (MoE or dense) the layer's params live in.
+    (x, cache_k, cache_v), _ = tfm.run_layers(cfg, model, (x, cache_k, cache_v), body, layer_ids)
     logits = tfm.logits_from_hidden(cfg, params, model.final_norm(x))
     return logits, cache_k, cache_v
 

@@ -1,7 +1,10 @@
 """The decoder: embedding -> n_layers x (attention + MoE or dense MLP) -> final norm -> LM head.
 
 Layers are stacked (every layer param has a leading `layers` dim) and run with `lax.scan`, so
-compile time does not grow with depth. Params are a plain nested dict of `jax.Array`s; the NNX
+compile time does not grow with depth. A MoE model with dense layers (`cfg.dense_layers`) keeps
+two stacks, the MoE layers under `layers` and the dense ones under `dense_layers`, and runs one
+scan per run of consecutive same-kind layers (`layer_runs`); a uniform model has the one stack
+and the one scan. Params are a plain nested dict of `jax.Array`s; the NNX
 modules define their structure, initialisers and logical axes, and are re-bound to the arrays
 inside each jitted function (`nnx.merge`), which moves no data.
 
@@ -28,13 +31,14 @@ Params = dict  # nested dict of jax.Array; see `param_logical_axes` for its layo
 
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)); x + ffn(norm(x)), the ffn a MoE (params under
-    'moe') or, for dense families (n_experts == 0), a SwiGLU MLP (params under 'mlp')."""
+    'moe') or, for dense families and a MoE model's dense layers, a SwiGLU MLP (params under
+    'mlp')."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg)
-        if cfg.is_moe:
+        if cfg.is_moe and not dense:
             self.moe = MoE(cfg, rngs)
         else:
             self.mlp = DenseMLP(cfg, rngs)
@@ -50,23 +54,65 @@ class Block(nnx.Module):
         return constrain(x + y, ("batch", "seq", "embed")), metrics
 
 
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, n: int, dense: bool):
+    """`n` Blocks with every param stacked on a leading dim (each layer its own init draw)."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_layers(r):
+        return Block(cfg, r, dense)
+
+    return make_layers(rngs)
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg, rngs)
-
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_layers(r):
-            return Block(cfg, r)
-
-        self.layers = make_layers(rngs)
+        (_, main), *rest = layer_stacks(cfg)
+        self.layers = _stacked_blocks(cfg, rngs, len(main), dense=not cfg.is_moe)
+        if rest:
+            self.dense_layers = _stacked_blocks(cfg, rngs, len(rest[0][1]), dense=True)
         self.final_norm = RMSNorm(cfg.d_model, cfg)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, "normal", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg)
 
 
 # -- structure ----------------------------------------------------------------------------------
+
+STACK_KEYS = ("layers", "dense_layers")  # the params' stacked-layer subtrees (leading dim: layer)
+
+
+def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(param key, the model layers it stacks, in stack order) per stack: one `layers` stack for
+    a uniform model; for a MoE model with `dense_layers`, its MoE layers under `layers` and its
+    dense layers under `dense_layers`."""
+    every = tuple(range(cfg.n_layers))
+    if not cfg.dense_layers:
+        return (("layers", every),)
+    return (("layers", tuple(i for i in every if i not in cfg.dense_layers)),
+            ("dense_layers", cfg.dense_layers))
+
+
+def layer_slot(cfg: ModelConfig, layer: int) -> tuple[str, int]:
+    """(stack key, row in that stack) of model layer `layer`."""
+    for key, members in layer_stacks(cfg):
+        if layer in members:
+            return key, members.index(layer)
+    raise IndexError(f"layer {layer} out of range for n_layers={cfg.n_layers}")
+
+
+def layer_runs(cfg: ModelConfig) -> tuple[tuple[str, int, int, int], ...]:
+    """Maximal runs of consecutive model layers living in the same stack, in model order:
+    (stack key, first row, end row (exclusive), first model layer). Each run is one scan."""
+    runs: list = []
+    for layer in range(cfg.n_layers):
+        key, row = layer_slot(cfg, layer)
+        if runs and runs[-1][0] == key and runs[-1][2] == row:
+            runs[-1][2] = row + 1
+        else:
+            runs.append([key, row, row + 1, layer])
+    return tuple(tuple(r) for r in runs)
+
 
 @functools.lru_cache(maxsize=64)
 def _skeleton(cfg: ModelConfig):
@@ -81,7 +127,7 @@ def param_logical_axes(cfg: ModelConfig) -> dict:
     flat = {}
     for path, var in nnx.to_flat_state(state):
         axes = var.get_metadata()["logical_axes"]
-        if path[0] == "layers":
+        if path[0] in STACK_KEYS:
             axes = ("layers",) + tuple(axes)
         flat[path] = tuple(axes)
     return unflatten_paths(flat)
@@ -150,23 +196,41 @@ def default_positions_and_segments(tokens, segment_ids=None, positions=None):
     return segment_ids.astype(jnp.int32), positions.astype(jnp.int32)
 
 
-def run_layers(cfg: ModelConfig, layers, x, body_fn, xs_extra=None):
-    """Scans `body_fn(block, x, layer_index_inputs) -> (x, per_layer_out)` over stacked layers."""
-    graphdef, state = nnx.split(layers)
-    windows = jnp.asarray(cfg.layer_windows, jnp.int32)
+def run_layers(cfg: ModelConfig, model: Transformer, x, body_fn, xs_extra=None):
+    """Runs the layers in model order: `body_fn(block, carry, window, extra) -> (carry, out)`.
 
-    def body(carry, scanned):
-        layer_state, window, extra = scanned
-        block = nnx.merge(graphdef, layer_state)
-        return body_fn(block, carry, window, extra)
+    xs_extra: a pytree of per-layer inputs with leading dim n_layers (model order), or None.
+    Returns (carry, {stack key: outs stacked over that stack's layers, in stack order}), e.g.
+    {'layers': router metrics [n_moe_layers]} for a MoE model. One `lax.scan` per run of
+    consecutive same-stack layers (`layer_runs`): a uniform model scans its whole stack once;
+    a mixed one scans row ranges of its two stacks in turn, so no layer carries both MLP kinds.
+    """
+    stacks = {key: nnx.split(getattr(model, key)) for key, _ in layer_stacks(cfg)}
+    sizes = {key: len(members) for key, members in layer_stacks(cfg)}
+    outs: dict = {key: [] for key in stacks}
+    for key, start, stop, first in layer_runs(cfg):
+        graphdef, state = stacks[key]
+        n = stop - start
+        if n != sizes[key]:  # a static slice of the stacked leaves: this run's rows only
+            state = jax.tree.map(lambda a: a[start:stop], state)
+        extra = None if xs_extra is None else jax.tree.map(lambda a: a[first:first + n], xs_extra)
+        windows = jnp.asarray(cfg.layer_windows[first:first + n], jnp.int32)
 
-    if cfg.remat != "none":
-        body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    return jax.lax.scan(body, x, (state, windows, xs_extra))
+        def body(carry, scanned, graphdef=graphdef):
+            layer_state, window, layer_extra = scanned
+            return body_fn(nnx.merge(graphdef, layer_state), carry, window, layer_extra)
+
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        x, out = jax.lax.scan(body, x, (state, windows, extra))
+        outs[key].append(out)
+    return x, {key: out[0] if len(out) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *out)
+               for key, out in outs.items()}
 
 
 def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, positions=None):
-    """Final-normed hidden states [batch, seq, embed] and aux metrics (means over layers).
+    """Final-normed hidden states [batch, seq, embed] and aux metrics (means over the MoE
+    layers; a dense layer has no router).
 
     tokens [batch, seq] int; segment_ids [batch, seq] (0 = padding, excluded from router
     statistics; tokens attend only within their segment); positions [batch, seq] (RoPE and
@@ -185,8 +249,9 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, p
     def body(block, x, window, _):
         return block(x, positions, segment_ids, window, token_mask)
 
-    x, metrics = run_layers(cfg, model.layers, x, body)
-    aux = {k: jnp.mean(v) for k, v in metrics.items()}
+    x, outs = run_layers(cfg, model, x, body)
+    # The `layers` stack holds every MoE layer (and a dense model's layers, whose metrics are {}).
+    aux = {k: jnp.mean(v) for k, v in outs["layers"].items()}
     hidden = from_zigzag(model.final_norm(x))[:, :seq_len]
     return constrain(hidden, ("batch", "seq", "embed")), aux
 
