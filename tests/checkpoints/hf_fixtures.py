@@ -34,6 +34,18 @@ CONFIGS = {
         vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
         head_dim=12, num_experts=4, num_experts_per_tok=3, moe_intermediate_size=16, intermediate_size=40,
         norm_topk_prob=False, use_sliding_window=True, sliding_window=5, tie_word_embeddings=True)),
+    # Mixed stack: layers 0 and 2 dense (mlp_only_layers; intermediate_size != moe width), so the
+    # layers run as four one-layer scans alternating between the two stacks.
+    "qwen3_mlp_only": ("qwen3_moe", dict(
+        vocab_size=59, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, intermediate_size=36,
+        norm_topk_prob=True, mlp_only_layers=[0, 2])),
+    # decoder_sparse_step=2: layers 1 and 3 MoE; plus mlp_only_layers=[3] -> only layer 1 MoE, the
+    # dense ones in runs of 1 and 2 layers.
+    "qwen3_sparse_step": ("qwen3_moe", dict(
+        vocab_size=61, hidden_size=24, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=12, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=10, intermediate_size=28,
+        norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3])),
     # GQA 4:1, sliding + full layers, sinks, YaRN (untruncated), a low clamp that bites.
     "gptoss_gqa4": ("gpt_oss", dict(
         vocab_size=80, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,

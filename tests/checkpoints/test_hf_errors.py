@@ -142,8 +142,13 @@ def test_index_pointing_at_a_missing_shard(ckpt, mesh):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(mlp_only_layers=[1]), "mlp_only_layers=[1]"),
-    (dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    (dict(mlp_only_layers=[2]), "mlp_only_layers=[2] names layer(s) [2] outside [0, 2)"),
+    (dict(mlp_only_layers=[-1]), "mlp_only_layers=[-1] names layer(s) [-1] outside"),
+    (dict(mlp_only_layers="0"), "mlp_only_layers='0' must be a list"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step=0 must be an int >= 1"),
+    (dict(mlp_only_layers=[0, 1]), "leaves no MoE layer"),
+    (dict(decoder_sparse_step=3), "decoder_sparse_step=3 leaves no MoE layer"),
+    (dict(mlp_only_layers=[0], intermediate_size=None), "lacks required key 'intermediate_size'"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope type 'linear'"),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
@@ -157,6 +162,13 @@ def test_unsupported_variants_name_the_key(ckpt, mesh, changes, message):
     with pytest.raises(HFConfigError) as e:
         load_hf(ckpt, mesh)
     assert message in str(e.value)
+
+
+def test_dense_layers_the_checkpoint_lacks_are_named(ckpt, mesh):
+    # mlp_only_layers is read: layer 1's dense MLP is expected, its experts are not
+    _edit_config(ckpt, mlp_only_layers=[1])
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.down_proj.weight'"):
+        load_hf(ckpt, mesh)
 
 
 def test_unsupported_yarn_parameter(tmp_path, mesh):

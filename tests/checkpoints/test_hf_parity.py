@@ -59,6 +59,17 @@ def test_params_land_in_their_target_shardings(loaded, mesh):
         assert {s.data.shape[1] for s in w.addressable_shards} == {loaded["cfg"].n_experts // 4}
     else:                     # a dense family's MLP, with nothing under 'moe'
         assert set(loaded["params"]["layers"]) >= {"mlp"} and "moe" not in loaded["params"]["layers"]
+    cfg, hf_layers = loaded["cfg"], loaded["model"].model.layers
+    dense = tuple(i for i, layer in enumerate(hf_layers) if type(layer.mlp).__name__ == "Qwen3MoeMLP")
+    assert cfg.dense_layers == dense    # mlp_only_layers / decoder_sparse_step read as transformers does
+    if dense:  # a mixed stack: the dense layers' MLPs alone under 'dense_layers', in layer order
+        stack = loaded["params"]["dense_layers"]
+        assert "moe" not in stack and "mlp" not in loaded["params"]["layers"]
+        assert stack["mlp"]["w_gate"].shape == (len(dense), cfg.d_model, cfg.d_ff)
+        assert loaded["params"]["layers"]["moe"]["router"].shape[0] == cfg.n_layers - len(dense)
+        for row, i in enumerate(dense):
+            np.testing.assert_array_equal(np.asarray(stack["mlp"]["w_down"][row]),
+                                          hf_layers[i].mlp.down_proj.weight.detach().numpy().T)
 
 
 def test_export_loads_in_transformers_with_identical_logits(loaded, tmp_path):

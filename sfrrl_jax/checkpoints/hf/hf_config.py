@@ -2,8 +2,7 @@
 
 Field names follow transformers 5 (`rope_parameters`); the 4.x spelling (`rope_theta` at the top
 level plus `rope_scaling`) is accepted on read, which is what most published checkpoints carry.
-Anything our model cannot represent (dense MLP layers in a Qwen3-MoE, an unknown RoPE type, a
-non-SiLU activation, ...) is refused with the offending key named, rather than loaded wrongly.
+Anything our model cannot represent (an unknown RoPE type, a non-SiLU activation, ...) is refused with the offending key named, rather than loaded wrongly.
 """
 from __future__ import annotations
 
@@ -123,10 +122,7 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         return _dense_config(hf, family, common, where)
     if family == "qwen3_moe":
         _require(hf, "hidden_act", ("silu",), where)
-        _require(hf, "decoder_sparse_step", (1,), where)
-        if hf.get("mlp_only_layers"):
-            raise HFConfigError(f"{where}: mlp_only_layers={hf['mlp_only_layers']} (dense MLP layers) is "
-                                "not supported: every layer must be MoE")
+        dense = _qwen3_moe_dense_layers(hf, common["n_layers"], where)
         n_exp = _get(hf, "num_experts", where, None) or _get(hf, "num_local_experts", where)
         window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
         return ModelConfig(
@@ -134,6 +130,7 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
             d_ff_expert=int(_get(hf, "moe_intermediate_size", where)), router="softmax_topk",
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qk_norm=True,
             sliding_window=window, layer_types=("sliding",) * common["n_layers"] if window else None,
+            dense_layers=dense, d_ff=int(_get(hf, "intermediate_size", where)) if dense else 0,
         )
     if family == "mixtral":
         _require(hf, "hidden_act", ("silu",), where)
@@ -156,6 +153,27 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         attn_sinks=True, sliding_window=hf.get("sliding_window") if "sliding" in layer_types else None,
         layer_types=layer_types,
     )
+
+
+def _qwen3_moe_dense_layers(hf: Mapping[str, Any], n_layers: int, where: str) -> tuple[int, ...]:
+    """The layers transformers' Qwen3MoeDecoderLayer builds with a dense MLP: layer i is sparse
+    iff i is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0."""
+    step = hf.get("decoder_sparse_step")
+    step = 1 if step is None else step
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise HFConfigError(f"{where}: decoder_sparse_step={step!r} must be an int >= 1")
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise HFConfigError(f"{where}: mlp_only_layers={only!r} must be a list of layer indices")
+    outside = [i for i in only if not 0 <= i < n_layers]
+    if outside:
+        raise HFConfigError(f"{where}: mlp_only_layers={only} names layer(s) {outside} outside "
+                            f"[0, {n_layers}) (num_hidden_layers={n_layers})")
+    dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+    if len(dense) == n_layers:
+        raise HFConfigError(f"{where}: mlp_only_layers={only} with decoder_sparse_step={step} leaves no "
+                            f"MoE layer among the {n_layers}; not supported for qwen3_moe")
+    return dense
 
 
 def _layer_types(hf_types, n_layers: int, where: str) -> tuple[str, ...]:
@@ -223,6 +241,9 @@ def check_exportable(cfg: ModelConfig) -> None:
         "gpt_oss": dict(router="topk_softmax", qk_norm=False, attn_sinks=True, router_bias=True,
                         expert_bias=True, expert_act="gptoss_swiglu", attention_bias=True),
     }[cfg.family]
+    if cfg.dense_layers and cfg.family != "qwen3_moe":
+        raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has dense_layers={cfg.dense_layers}; HF "
+                            f"{ARCHITECTURES[cfg.family]} has no dense layers (only qwen3_moe's mlp_only_layers)")
     if cfg.family not in DENSE_FAMILIES and not cfg.is_moe:
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has n_experts=0 (dense); HF "
                             f"{ARCHITECTURES[cfg.family]} needs experts: use a dense family {list(DENSE_FAMILIES)}")
@@ -264,8 +285,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     elif cfg.family == "qwen3_moe":
         hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff_expert,
                   norm_topk_prob=cfg.norm_topk_prob, attention_bias=cfg.attention_bias,
-                  decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=window is not None,
-                  sliding_window=window)
+                  decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers),
+                  use_sliding_window=window is not None, sliding_window=window)
+        if cfg.dense_layers:  # the dense layers' MLP width (transformers' default would be 6144)
+            hf["intermediate_size"] = cfg.d_ff
     elif cfg.family == "mixtral":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert, sliding_window=window)
     else:

@@ -28,7 +28,7 @@ from sfrrl_jax.checkpoints.hf.tensor_map import (IGNORED_SUFFIXES, TensorGroup, 
                                                  is_mxfp4, layer_groups)
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.models.api import check_mesh_fits, param_shardings
-from sfrrl_jax.models.transformer import param_shapes, unflatten_paths
+from sfrrl_jax.models.transformer import STACK_KEYS, layer_slot, param_shapes, unflatten_paths
 
 _FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 
@@ -155,9 +155,10 @@ class _LeafBuilder:
             self.value = self._to_devices(self.shape, self.sharding)
 
 
-def _run_group(group: TensorGroup, builders: dict, read, layer: int | None) -> None:
-    """Reads `group` once per distinct expert range its leaves' shards need, and places them."""
-    prefix = () if layer is None else ("layers",)
+def _run_group(group: TensorGroup, builders: dict, read, slot: tuple[str, int] | None) -> None:
+    """Reads `group` once per distinct expert range its leaves' shards need, and places them.
+    slot: (stack key, row) of a layer's group (`transformer.layer_slot`); None for a global one."""
+    prefix, layer = ((), None) if slot is None else ((slot[0],), slot[1])
     by_rows: dict = {}
     for leaf in group.leaves:
         b = builders[prefix + leaf]
@@ -197,17 +198,19 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
 
     shapes = dict(flatten_tree(param_shapes(cfg)))
     shardings = dict(flatten_tree(param_shardings(cfg, mesh)))
-    covered = {("layers",) + leaf for g in per_layer[0] for leaf in g.leaves} | {
+    slots = [layer_slot(cfg, layer) for layer in range(cfg.n_layers)]
+    covered = {(slot[0],) + leaf for slot, gs in zip(slots, per_layer) for g in gs for leaf in g.leaves} | {
         leaf for g in glob for leaf in g.leaves}
     if covered != set(shapes):
         raise AssertionError(f"tensor map for {cfg.family} covers {sorted(covered ^ set(shapes))} wrongly")
     dtype_np = jnp.dtype(cfg.param_dtype)
-    builders = {p: _LeafBuilder(p, shapes[p].shape, dtype_np, shardings[p], p[0] == "layers") for p in shapes}
+    builders = {p: _LeafBuilder(p, shapes[p].shape, dtype_np, shardings[p], p[0] in STACK_KEYS)
+                for p in shapes}
     read = files.read
 
-    for layer, groups in enumerate(per_layer):
+    for slot, groups in zip(slots, per_layer):
         for group in groups:
-            _run_group(group, builders, read, layer)
+            _run_group(group, builders, read, slot)
         # Bound the work in flight to one layer, so freed pieces do not pile up behind async dispatch.
         jax.block_until_ready([b.value for b in builders.values() if b.layered])
     for group in glob:

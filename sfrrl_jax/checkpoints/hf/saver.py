@@ -24,7 +24,7 @@ from sfrrl_jax.checkpoints.hf.loader import flatten_tree
 from sfrrl_jax.checkpoints.hf.safetensors_io import CheckpointError, ShardedWriter, dtype_code
 from sfrrl_jax.checkpoints.hf.tensor_map import global_groups, layer_groups
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.models.transformer import param_shapes
+from sfrrl_jax.models.transformer import layer_slot, param_shapes
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024 ** 3
 
@@ -62,28 +62,31 @@ def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike,
     layers = [layer_groups(cfg, layer) for layer in range(cfg.n_layers)]
     glob = global_groups(cfg)
 
-    def code_of(group, layered):
-        codes = {dtype_code(flat[(("layers",) if layered else ()) + leaf].dtype) for leaf in group.leaves}
+    def leaf_path(leaf, slot):  # slot: (stack key, row) of a layer (`layer_slot`), None: global
+        return leaf if slot is None else (slot[0],) + leaf
+
+    def code_of(group, slot):
+        codes = {dtype_code(flat[leaf_path(leaf, slot)].dtype) for leaf in group.leaves}
         if len(codes) != 1:
             raise CheckpointError(f"save_hf: leaves {group.leaves} feeding {list(group.hf)} differ in dtype {codes}")
         return codes.pop()
 
-    order = [(g, None) for g in glob[:1]] + [(g, layer) for layer, gs in enumerate(layers) for g in gs] + \
+    order = [(g, None) for g in glob[:1]] + \
+            [(g, layer_slot(cfg, layer)) for layer, gs in enumerate(layers) for g in gs] + \
             [(g, None) for g in glob[1:]]
-    specs = [(name, shape, code_of(g, layer is not None)) for g, layer in order for name, shape in g.hf.items()]
+    specs = [(name, shape, code_of(g, slot)) for g, slot in order for name, shape in g.hf.items()]
     writer_here = jax.process_index() == 0
     path = Path(path)
     if writer_here:
         path.mkdir(parents=True, exist_ok=True)
         writer = ShardedWriter(path, specs, max_shard_bytes)
-    for group, layer in order:
+    for group, slot in order:
         values = {}
         for leaf in group.leaves:
-            if layer is None:
+            if slot is None:
                 values[leaf] = _to_host(flat[leaf])
             else:
-                x = flat[("layers",) + leaf]
-                values[leaf] = _to_host(_layer_of(x, np.int32(layer)))
+                values[leaf] = _to_host(_layer_of(flat[leaf_path(leaf, slot)], np.int32(slot[1])))
         tensors = group.dump(values)
         if writer_here:
             for name in group.hf:

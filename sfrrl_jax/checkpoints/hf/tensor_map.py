@@ -22,7 +22,7 @@ import numpy as np
 from sfrrl_jax.checkpoints.hf.mxfp4 import dequantize_mxfp4, mxfp4_shapes
 from sfrrl_jax.config import ModelConfig
 
-Leaf = tuple[str, ...]           # path inside params (layer leaves without the 'layers' key)
+Leaf = tuple[str, ...]           # path inside params (layer leaves without the stack key)
 Reader = Callable[[str, "slice | None"], np.ndarray]  # (hf name, dim-0 rows) -> array
 
 
@@ -131,11 +131,11 @@ def _dense_mlp(cfg: ModelConfig, p: str) -> list[TensorGroup]:
             _single(m + "down_proj.weight", ("mlp", "w_down"), (d, f), _transpose, _transpose)]
 
 
-def _experts(cfg: ModelConfig, p: str, quantized: bool) -> list[TensorGroup]:
+def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[TensorGroup]:
     d, e, f = cfg.d_model, cfg.n_experts, cfg.d_ff_expert
-    if not cfg.is_moe:
+    if dense:  # a dense family's layer, or a Qwen3-MoE `mlp_only_layers` one (same HF names)
         if quantized:
-            raise ValueError(f"MXFP4 weights are only defined for gpt_oss's experts, not a dense {cfg.family}")
+            raise ValueError(f"MXFP4 weights are only defined for gpt_oss's experts, not a dense {cfg.family} MLP")
         return _dense_mlp(cfg, p)
     if cfg.family in ("qwen3_moe", "mixtral"):
         if quantized:
@@ -173,12 +173,13 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool) -> list[TensorGroup]:
 
 
 def layer_groups(cfg: ModelConfig, layer: int, quantized: bool = False) -> list[TensorGroup]:
-    """The groups of layer `layer` (HF names `model.layers.{layer}.*`)."""
+    """The groups of layer `layer` (HF names `model.layers.{layer}.*`); their leaves live in the
+    stack `models.transformer.layer_slot(cfg, layer)` names."""
     p = f"model.layers.{layer}."
     return [
         _single(p + "input_layernorm.weight", ("attn_norm", "scale"), (cfg.d_model,)),
         _single(p + "post_attention_layernorm.weight", ("mlp_norm", "scale"), (cfg.d_model,)),
-        *_attention(cfg, p), *_experts(cfg, p, quantized),
+        *_attention(cfg, p), *_experts(cfg, p, quantized, cfg.layer_is_dense(layer)),
     ]
 
 
