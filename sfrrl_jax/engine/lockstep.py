@@ -172,7 +172,11 @@ class LockstepEngine(Engine):
         self.exchange_seconds = 0.0                 # wall time inside exchanges (the agreement's cost)
         self._outbox: list[dict] = []
         self._own: dict[int, asyncio.Future] = {}   # key -> the future of a request this process owns
-        self._jobs: dict[tuple[int, int], Job] = {}  # (owner, key) -> queued or running job
+        # (owner, key) -> its job, from its submit until it is cancelled or its parked slot is
+        # released or appended to: changed only at ticks, so the same on every process (a
+        # cancellation that arrives after the job finished must release its slot everywhere)
+        self._jobs: dict[tuple[int, int], Job] = {}
+        self._parked_by: dict[tuple[int, int], tuple[int, int]] = {}   # (slot, serial) -> (owner, key)
         self._next_key = 0
         self._sessions = 0
         self._has_idle_work = None
@@ -325,8 +329,8 @@ class LockstepEngine(Engine):
                         future = loop.create_future()  # a peer's request: its tokens are only logged
                         future.add_done_callback(_consume)
                     job = Job(request, future, slot_request_of(request))
-                    self._jobs[(owner, ev["key"])] = job
-                    future.add_done_callback(lambda _f, k=(owner, ev["key"]): self._jobs.pop(k, None))
+                    job.lockstep_key = (owner, ev["key"])
+                    self._jobs[job.lockstep_key] = job
                     self._queue.append(job)
                 elif ev["kind"] == "release":
                     self._release_parked(SlotHandle(*ev["handle"]))
@@ -336,7 +340,7 @@ class LockstepEngine(Engine):
                 elif ev["kind"] == "cancel":
                     job = self._jobs.pop((owner, ev["key"]), None)
                     if job is not None:
-                        self._cancel(job)
+                        self._cancel_at_tick(job)
         return busy
 
     async def _run(self):
@@ -375,6 +379,40 @@ class LockstepEngine(Engine):
             self._queue.clear()
             self._running.clear()
             raise e
+
+    def _cancel_at_tick(self, job: Job) -> None:
+        """A cancel event, applied alike on every process from the replicated state alone (the
+        owner's future was cancelled already; the peers' may hold a result): a queued job leaves
+        the queue, a running one frees its slot, a finished one releases the slot it parked."""
+        if job in self._queue:
+            self._queue.remove(job)
+        elif job.slot is not None and self._running.get(job.slot) is job:
+            del self._running[job.slot]
+            self._serials.pop(job.slot, None)
+            self._logs.pop(job.slot, None)
+            self._to_free.append(job.slot)
+        elif getattr(job, "parked_serial", None) is not None:
+            self._release_parked(SlotHandle(job.slot, job.parked_serial))
+        if not job.future.done():
+            job.future.cancel()
+
+    def _push(self, job: Job, token, logprob, raw, done):
+        super()._push(job, token, logprob, raw, done)
+        if done and job.slot is not None and self._parked.get(job.slot) is not None:
+            # the job parked its slot: remembered until the slot is released or appended to
+            job.parked_serial = self._parked[job.slot]
+            where = (job.slot, job.parked_serial)
+            earlier = self._parked_by.get(where)
+            if earlier is not None and earlier != job.lockstep_key:
+                self._jobs.pop(earlier, None)   # an append continued it: that job is over
+            self._parked_by[where] = job.lockstep_key
+
+    def _release_parked(self, slot_handle) -> None:
+        if slot_handle is not None:
+            done = self._parked_by.pop((slot_handle.slot, slot_handle.serial), None)
+            if done is not None:
+                self._jobs.pop(done, None)
+        super()._release_parked(slot_handle)
 
     def _decode_chain(self) -> list[dict]:
         """One decode chunk per tick: a longer chain would end on local events, which differ

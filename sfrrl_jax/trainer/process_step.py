@@ -19,6 +19,10 @@ only which trajectories it owns (docs/multihost.md):
              process has one ready and the engine would idle; `sync`: after the rollout, micro-
              step j holds the j-th `groups_per_microbatch` groups of the global draw order, as on
              one process; the remaining counts are agreed, so every process runs the same number.
+  surplus    (`overprovision_groups`) each process publishes its groups' ends through the
+             engine's ticks; the first `groups_per_step` kept ends in tick order are the step's
+             groups, the same on every process; once they are in, each process stops its own
+             groups still running (surplus).
   early      (`early_groups`) the early-sample bookkeeping is replicated: each process
              `publish`es its samples' finishes (with rewards) and its groups' ends through the
              engine's ticks, and every process applies them at the same tick to its copy, so the
@@ -26,9 +30,6 @@ only which trajectories it owns (docs/multihost.md):
              everywhere; they run as the engine's shared idle work (the owner contributes the
              sample's row, the others an empty share).
   finish     one optimizer update on every process; the metrics are the all-gathered sums.
-
-Not supported across processes (refused by `RLTrainer`, naming the field): over-provisioned
-groups (which groups are surplus depends on a global finish order).
 """
 from __future__ import annotations
 
@@ -49,9 +50,6 @@ from sfrrl_jax.trainer.batching import Group, group_advantage_slopes, group_adva
 from sfrrl_jax.trainer.step_schedule import FailedGroup, MicroStepUnit, RLStep, early_micro_step
 
 _log = logging.getLogger(__name__)
-
-UNSUPPORTED_ACROSS_PROCESSES = ("overprovision_groups",)
-
 
 class _FinishedElsewhere:
     """A finished sample of another process's group, as this process's replica holds it."""
@@ -109,6 +107,14 @@ class ProcessRLStep(RLStep):
         self.shared_merges: collections.deque = collections.deque()
         self.announced = self.n_launch                # groups launched, as the events say
         self.settled = 0                              # groups ended (kept, dropped or failed)
+        # group ends go through events when their order matters to every process: early samples,
+        # or over-provisioning (the first groups_per_step ends in tick order are kept)
+        self.events = self.early is not None or self.cfg.overprovision_groups > 0
+        self.kept_count = 0                           # replicated: groups kept so far, in tick order
+        self.enough = asyncio.Event()                 # kept_count reached groups_per_step
+        self.unapplied_ends = 0                       # own end events not yet applied
+        self.ends_applied = asyncio.Event()
+        self.flight_index: dict[asyncio.Future, int] = {}
         if self.early is not None:
             self.early.active = False                 # activated by the replicated count below
 
@@ -139,7 +145,7 @@ class ProcessRLStep(RLStep):
         self.engine.set_idle_work(self.idle_work, underfull_slots=self.cfg.underfull_slots,
                                   has_work=self.has_idle_work, filler=self.filler_job,
                                   shared_work=self.shared_work, has_shared_work=self.has_shared_work)
-        self.engine.set_event_handler(self.on_event if self.early is not None else None)
+        self.engine.set_event_handler(self.on_event if self.events else None)
         self._maybe_activate()
 
     def launch_groups(self) -> None:
@@ -160,16 +166,32 @@ class ProcessRLStep(RLStep):
         order = tr.longest_first.order([t for _, t in mine]) if self.cfg.longest_first else range(len(mine))
         for i, _ in drawn:
             self.draw_position[i] = i
-        self.in_flight |= {asyncio.ensure_future(self.run_group(mine[k][1], mine[k][0])) for k in order}
+        for k in order:
+            fut = asyncio.ensure_future(self.run_group(mine[k][1], mine[k][0]))
+            self.flight_index[fut] = mine[k][0]
+            self.in_flight.add(fut)
 
     async def collect_groups(self) -> None:
         """Rounds: every own group finishes, the processes agree on what survived, refills are drawn."""
         cfg = self.cfg
         while True:
-            while self.in_flight:
-                done, self.in_flight = await asyncio.wait(self.in_flight, return_when=asyncio.FIRST_COMPLETED)
-                for fut in done:
-                    self.on_group_done(fut.result())
+            enough = asyncio.ensure_future(self.enough.wait())
+            try:
+                while self.in_flight and not self.enough.is_set():
+                    done, _ = await asyncio.wait(self.in_flight | {enough}, return_when=asyncio.FIRST_COMPLETED)
+                    for fut in done - {enough}:
+                        self.in_flight.discard(fut)
+                        self.on_group_done(fut.result())
+            finally:
+                enough.cancel()
+            if self.in_flight:   # enough groups kept (over-provisioning): the rest are surplus
+                cancelled = [self.flight_index[f] for f in self.in_flight]
+                await self._stop_in_flight()
+                self.in_flight = set()
+                for launch_index in cancelled:
+                    self.counts["groups_surplus"] += 1
+                    self._publish_end(launch_index, keep=False)
+            await self._own_ends_applied()   # what this process reports is decided at the ticks
             views = await self.agreement.allgather_async({
                 "kept": [g.launch_index for g in self.kept], "failed": self.counts["groups_failed"],
                 "dropped": self.counts["groups_dropped"], "errors": self.failures[:3]})
@@ -188,7 +210,7 @@ class ProcessRLStep(RLStep):
                                    f"after {self.refills} refills; raise TrainerConfig.max_refill_groups")
             need = cfg.groups_per_step - len(kept)
             self.refills += need
-            if self.early is not None:
+            if self.events:
                 self.engine.publish({"e": "round", "n": need})   # process 0's counts, at one tick
             self.launch_round(need)
 
@@ -210,11 +232,12 @@ class ProcessRLStep(RLStep):
             counts["groups_dropped"] += 1
             self._publish_end(group.launch_index, keep=False)
             return
-        self.kept.append(group)
-        if self.early is not None:
+        if self.events:   # kept or surplus: decided when its end applies (`on_event`)
             self.own_done[group.launch_index] = group
             self._publish_end(group.launch_index, keep=True)
-        elif cfg.mode != "sync":
+            return
+        self.kept.append(group)
+        if cfg.mode != "sync":
             self._add_pending(group)
         self.note_waiting()
 
@@ -244,8 +267,14 @@ class ProcessRLStep(RLStep):
         return traj
 
     def _publish_end(self, launch_index: int, keep: bool) -> None:
-        if self.early is not None:
+        if self.events:
+            self.unapplied_ends += 1
+            self.ends_applied.clear()
             self.engine.publish({"e": "end", "li": launch_index, "keep": keep})
+
+    async def _own_ends_applied(self) -> None:
+        if self.unapplied_ends:
+            await self.ends_applied.wait()
 
     def on_event(self, owner: int, event: dict) -> None:
         """Applied on every process at the same tick, in process order (engine.lockstep)."""
@@ -256,26 +285,43 @@ class ProcessRLStep(RLStep):
         elif kind == "sample":
             li, sample, reward = event["li"], event["s"], event["r"]
             self.sample_rewards[li][sample] = reward
-            traj = self.own_trajs[(li, sample)] if owner == self.me else _FinishedElsewhere(reward)
-            early.sample_finished(li, sample, traj)
+            if early is not None:
+                traj = self.own_trajs[(li, sample)] if owner == self.me else _FinishedElsewhere(reward)
+                early.sample_finished(li, sample, traj)
         elif kind == "end":
             li = event["li"]
             self.settled += 1
-            if not event["keep"]:
-                early.discard(li)
+            mine = owner == self.me
+            keep = event["keep"] and self.kept_count < self.cfg.groups_per_step
+            if event["keep"] and not keep and mine:   # finished after enough others: surplus
+                self.own_done.pop(li)
+                self.counts["groups_surplus"] += 1
+            if not keep:
+                if early is not None:
+                    early.discard(li)
             else:
-                prog = early.group_complete(li)
+                self.kept_count += 1
+                prog = early.group_complete(li) if early is not None else None
                 if prog is not None:   # its buffer is merged at the final advantages, on every process
                     rewards = self.sample_rewards[li]
                     group = _GroupRewards(np.array([rewards[i] for i in range(self.cfg.group_size)], np.float32))
                     slope = group_advantage_slopes([group], self.cfg.advantage)[0]
                     advantages = group_advantages([group], self.cfg.advantage)[0]
                     self.shared_merges.append((prog, float(slope), float(advantages[prog.reference])))
-                if owner == self.me:
+                if mine:
                     if prog is not None:
                         self.claimed[li] = prog
-                    self._add_pending(self.own_done.pop(li))
+                    group = self.own_done.pop(li)
+                    self.kept.append(group)
+                    if self.cfg.mode != "sync":
+                        self._add_pending(group)
+                if self.kept_count == self.cfg.groups_per_step:
+                    self.enough.set()
             self.sample_rewards.pop(li, None)
+            if mine:
+                self.unapplied_ends -= 1
+                if not self.unapplied_ends:
+                    self.ends_applied.set()
         self._maybe_activate()
         self.note_waiting()
         self.engine.notify_idle_work()
@@ -394,7 +440,7 @@ class ProcessRLStep(RLStep):
             "trained": self.trained["tokens"], "on_policy": self.trained["on_policy_tokens"],
             "positions": self.trained["positions"], "padding": self.trained["padding_positions"],
             "counts": {k: self.counts[k] for k in ("tool_errors", "groups_dropped", "groups_failed",
-                                                   "failed_samples")},
+                                                   "failed_samples", "groups_surplus")},
         }
         views = self.agreement.allgather(mine)
         rewards = np.array([r for v in views for r in v["rewards"]])
@@ -420,6 +466,6 @@ class ProcessRLStep(RLStep):
             "perf/engine_ticks": self.engine.ticks - self.ticks0,   # timing-dependent: a perf/ key
             "time/tick_exchange_s": self.engine.exchange_seconds - self.exchange_s0,
             **{f"rollout/{k}": sum(v["counts"][k] for v in views)
-               for k in ("tool_errors", "groups_dropped", "groups_failed", "failed_samples")},
+               for k in ("tool_errors", "groups_dropped", "groups_failed", "failed_samples", "groups_surplus")},
         })
         return out

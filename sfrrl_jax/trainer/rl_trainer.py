@@ -36,7 +36,7 @@ from sfrrl_jax.trainer.batching import Group, batch_fields, zero_microbatch
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rollout_fn import RolloutFn, check_length_budget
 from sfrrl_jax.trainer.scheduling import LongestFirst
-from sfrrl_jax.trainer.process_step import UNSUPPORTED_ACROSS_PROCESSES, Agreement, ProcessRLStep
+from sfrrl_jax.trainer.process_step import Agreement, ProcessRLStep
 from sfrrl_jax.trainer.step_schedule import MicroStepUnit, RLStep, make_units
 from sfrrl_jax.trainer.timeline import Timeline
 
@@ -165,11 +165,6 @@ class RLTrainer:
             raise ValueError(f"RLTrainer on {jax.process_count()} processes needs a LockstepEngine (got "
                              f"{type(self.engine).__name__}): every process must launch the same device steps")
         if self.multi_process:
-            unsupported = [f"TrainerConfig.{k}={getattr(trainer_cfg, k)}" for k in UNSUPPORTED_ACROSS_PROCESSES
-                           if getattr(trainer_cfg, k)]
-            if unsupported:
-                raise ValueError(f"{', '.join(unsupported)}: not supported across processes yet (which groups "
-                                 "are surplus depends on the global finish order); set it to 0")
             self.agreement = Agreement(self.engine.exchange.with_prefix("sfrrl/trainer"))
         self.train_step = (train_step if train_step is not None
                            else shared_train_step(model_cfg, loss_cfg, optimizer_cfg))

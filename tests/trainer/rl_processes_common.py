@@ -16,14 +16,18 @@ WL = WorkloadConfig(num_prompts=3, response_median=5, response_sigma=0.8, max_re
                     tool_latency_median_s=0.02, tool_latency_sigma=0.5, max_turns=3)
 STEPS = 3
 MODES = ("sync", "pipelined", "early")   # early: pipelined with early_groups=2 (early samples)
+# overprovision: pipelined, 3 groups launched for 2 (which one is surplus depends on timing, so it
+# is checked for what it must do, not against one process)
+WORKER_MODES = MODES + ("overprovision",)
 
 
-def make_trainer(mode: str, engine_cls=None, early_groups: int = 0) -> RLTrainer:
+def make_trainer(mode: str, engine_cls=None, early_groups: int = 0, overprovision_groups: int = 0) -> RLTrainer:
     """engine_cls None: the trainer's own choice (a LockstepEngine on N processes). With early
     groups, idle work runs beside any decode batch (underfull_slots = max_slots), so a sample that
     finishes before its group trains early at the next tick (the path under test)."""
     tc = TrainerConfig(mode=mode, groups_per_step=2, group_size=4, max_slots=8, max_len=64,
                        buckets=(16, 32), seq_bucket=32, early_groups=early_groups,
+                       overprovision_groups=overprovision_groups,
                        underfull_slots=8 if early_groups else 0)
     mesh = S.make_mesh(data=2, expert=4)
     params = S.init_params(CFG, mesh, seed=0)
@@ -42,12 +46,14 @@ def run(mode: str, engine_cls=None) -> tuple[list[dict], dict]:
     """STEPS steps: each step's metrics (KEYS) and the final params as full host arrays."""
     from jax.experimental import multihost_utils
     trainer = (make_trainer("pipelined", engine_cls, early_groups=2) if mode == "early"
+               else make_trainer("pipelined", engine_cls, overprovision_groups=1) if mode == "overprovision"
                else make_trainer(mode, engine_cls))
     metrics = []
     for _ in range(STEPS):
         m = trainer.step()
         metrics.append({k: float(m[k]) for k in KEYS} | {"hidden": float(m["time/hidden_train_share"]),
-                                                         "early": float(m["train/early_microsteps"])})
+                                                         "early": float(m["train/early_microsteps"]),
+                                                         "surplus": float(m["rollout/groups_surplus"])})
     params = {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True))
               for p, x in jax.tree_util.tree_flatten_with_path(trainer.params)[0]}
     return metrics, params

@@ -15,9 +15,9 @@ from process_run import join_run  # noqa: E402
 pid, nproc, (out,) = join_run()
 import numpy as np  # noqa: E402
 
-from rl_processes_common import MODES, run  # noqa: E402
+from rl_processes_common import WORKER_MODES, run  # noqa: E402
 
-for mode in MODES:
+for mode in WORKER_MODES:
     metrics, params = run(mode)
     if pid == 0:
         np.savez(f"{out}{mode}.npz", __metrics=json.dumps(metrics), **params)

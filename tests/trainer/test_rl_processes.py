@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from sfrrl_jax.engine import Engine
-from sfrrl_jax.engine.lockstep import LockstepEngine, LocalExchange
 
 from process_run import finish, launch
-from rl_processes_common import MODES, STEPS, make_trainer, run
+from rl_processes_common import MODES, STEPS, WORKER_MODES, make_trainer, run
 
 WORKER = Path(__file__).with_name("rl_processes_worker.py")
 # The loss of every step agrees to 1e-6 (measured: under 5e-8, both modes). The params after 3
@@ -33,7 +32,7 @@ def two_processes(tmp_path_factory):
         make_trainer("sync", Engine).params)[0]}
     finish(procs)
     got = {}
-    for mode in MODES:
+    for mode in WORKER_MODES:
         with np.load(out / f"rl_{mode}.npz") as z:
             got[mode] = (json.loads(str(z["__metrics"])), {k: z[k] for k in z.files if k != "__metrics"})
     return got, reference, init
@@ -68,17 +67,12 @@ def test_two_processes_train_what_one_process_does(two_processes, mode):
         assert sum(m["early"] for m in m2) >= 1
 
 
-def test_the_process_step_on_one_process_is_the_plain_trainer():
-    """The multi-process schedule over the identity exchange (one process): same update."""
-    from sfrrl_jax.trainer.process_step import ProcessRLStep
-
-    def local(*a, **kw):
-        return LockstepEngine(*a, exchange=LocalExchange(), **kw)
-    trainer = make_trainer("pipelined", local)
-    m = trainer.step()
-    assert isinstance(trainer._step, ProcessRLStep)
-    ref = make_trainer("pipelined", Engine)
-    m_ref = ref.step()
-    assert m["rollout/generated_tokens"] == m_ref["rollout/generated_tokens"]
-    assert m["train/loss"] == pytest.approx(m_ref["train/loss"], abs=1e-6)
-    assert m["time/hidden_train_share"] > 0
+def test_two_processes_keep_the_first_groups_to_finish_and_stop_the_surplus(two_processes):
+    """overprovision_groups=1: 3 groups launched for 2. The first 2 kept ends, in tick order, are
+    the step's groups on both processes; the third is stopped (or finished late) as surplus."""
+    got, _, _ = two_processes
+    metrics, _ = got["overprovision"]
+    for m in metrics:
+        assert m["surplus"] == 1 and m["train/microsteps"] >= 1
+        assert m["train/trained_tokens"] == m["rollout/generated_tokens"] > 0   # kept groups only
+        assert m["policy/on_policy_fraction"] == 1.0
