@@ -32,12 +32,15 @@ __all__ = [
 ]
 
 # Task sets as data, rewards as verifiers (issue #22 pt 2): importing registers the kinds 'math',
-# 'reasoning_gym', 'code' and 'function_call'; their optional packages load only when used.
-from sfrrl_jax.agents.tasksets import (BFCL_CATEGORIES, CodeTestsVerifier, FunctionCallingEnvironment,  # noqa: E402
+# 'reasoning_gym', 'code', 'function_call' and 'bfcl_multi_turn'; their optional packages load only when used.
+from sfrrl_jax.agents.tasksets import (BFCL_CATEGORIES, BfclMultiTurnEnvironment, CodeTestsVerifier,  # noqa: E402
+                                       FunctionCallingEnvironment, bfcl_multi_turn_tasks, multi_turn_match,
+                                       multi_turn_progress,
                                        bfcl_tasks, code_tests_reward, function_call_match, humaneval_tasks,
                                        load_tasks, math_environment, math_equal, reasoning_gym_tasks, verify_math,
                                        verify_reasoning_gym)
 
-__all__ += ["BFCL_CATEGORIES", "CodeTestsVerifier", "FunctionCallingEnvironment", "bfcl_tasks", "code_tests_reward",
+__all__ += ["BFCL_CATEGORIES", "BfclMultiTurnEnvironment", "bfcl_multi_turn_tasks", "multi_turn_match",
+            "multi_turn_progress", "CodeTestsVerifier", "FunctionCallingEnvironment", "bfcl_tasks", "code_tests_reward",
             "function_call_match", "humaneval_tasks", "load_tasks", "math_environment", "math_equal",
             "reasoning_gym_tasks", "verify_math", "verify_reasoning_gym"]

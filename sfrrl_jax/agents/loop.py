@@ -5,7 +5,11 @@ appends only the observation delta to the trajectory's parked slot, and the slot
 when the trajectory ends (also on errors and cancellation). Thousands of `run_agent` coroutines
 share one asyncio loop; tools run through the environment's bounded runner.
 
-Finish reasons: 'answer' (a turn without tool calls), 'max_turns', 'max_tokens' (the total budget
+An environment with `open_episode(task)` (protocols.Episode) gets one episode per trajectory: its
+tools keep state there, and when the model answers without tool calls the episode may give the
+next user turn, which is appended like an observation (the trajectory goes on).
+
+Finish reasons: 'answer' (a turn without tool calls and no further user turn), 'max_turns', 'max_tokens' (the total budget
 `max_total_tokens` would be exceeded: the trajectory never grows past it), 'length' (a turn hit
 `max_new_tokens_per_turn`), 'wall_budget' (the wall-clock budget ran out while generating or
 waiting for tools), 'error' (something in this sample raised: the environment, a tokenizer step,
@@ -24,8 +28,8 @@ import time
 from typing import Any, Awaitable, Callable, Sequence
 
 from sfrrl_jax.agents.formats import get_format
-from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment, GenerationRequest, Task,
-                                       ToolCall, ToolCallError)
+from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment, Episode, GenerationRequest,
+                                       Message, Task, ToolCall, ToolCallError, ToolResult)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
 from sfrrl_jax.config import check_int, check_int_fields, check_number, check_seed
 from sfrrl_jax.tokenizer.protocol import TokenizerProtocol
@@ -74,6 +78,41 @@ def capped_calls(calls: Sequence[ToolCall | ToolCallError], cap: int) -> tuple[T
         f"{len(calls) - cap} more tool calls in this turn were not run: at most {cap} per turn"),)
 
 
+class _SharedEpisode:
+    """A plain (stateless) environment seen as an episode: its reset and step, one user turn."""
+
+    def __init__(self, env: Environment, task: Task):
+        self.env, self.task = env, task
+
+    def reset(self) -> list[Message]:
+        return self.env.reset(self.task)
+
+    async def step(self, calls: Sequence[ToolCall | ToolCallError]) -> list[ToolResult]:
+        return await self.env.step(calls)
+
+    def next_user_turn(self) -> list[Message] | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def open_episode(env: Environment, task: Task) -> Episode:
+    """`env.open_episode(task)` where the environment keeps per-trajectory state, else the
+    environment itself behind the `Episode` interface."""
+    opener = getattr(env, "open_episode", None)
+    return opener(task) if opener is not None else _SharedEpisode(env, task)
+
+
+def _without_reasoning(messages: Sequence[Message]) -> list[Message]:
+    # For a new user turn's delta only: templates that keep reasoning only after the last user
+    # message (Qwen3) drop it from earlier turns once a user speaks again, so the full render
+    # would not be append-only. The trajectory keeps the generated tokens as they were (token in,
+    # token out); the delta is what the template renders for the new messages.
+    return [{k: v for k, v in m.items() if k != "reasoning_content"} if m.get("role") == "assistant" else m
+            for m in messages]
+
+
 async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokenizer: TokenizerProtocol, cfg: AgentConfig,
                     sample_index: int = 0, group_id: str | None = None) -> Trajectory:
     """Roll out one trajectory of `task`; the reward is set from `env.reward` at the end (which may
@@ -85,8 +124,13 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
     # an environment whose tools differ per task (BFCL items) says so with `task_tool_schemas`
     per_task = getattr(env, "task_tool_schemas", None)
     tools = (per_task(task) if per_task is not None else env.tool_schemas()) or None
-    messages = env.reset(task)
-    prompt = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
+    episode = open_episode(env, task)
+    try:
+        messages = episode.reset()
+        prompt = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
+    except BaseException:
+        episode.close()
+        raise
     builder = TrajectoryBuilder(task.task_id, group_id or task.task_id, sample_index, prompt)
     traj = builder.trajectory
     traj.finish_reason = "max_turns"
@@ -135,9 +179,21 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                     traj.finish_reason = "max_tokens" if max_new < cfg.max_new_tokens_per_turn else "length"
                     break
                 if not parsed.calls:
-                    record(gen_hi)
-                    traj.finish_reason = "answer"
-                    break
+                    user_turn = episode.next_user_turn()
+                    if not user_turn or turn_index == cfg.max_turns - 1:
+                        record(gen_hi)
+                        traj.finish_reason = "answer" if not user_turn else "max_turns"
+                        break
+                    delta = tokenizer.render_delta(_without_reasoning(messages), user_turn, tools,
+                                                   stop_text=tokenizer.decode([completion.tokens[-1]]))
+                    messages.extend(user_turn)
+                    if len(builder) + len(delta) >= cfg.max_total_tokens:
+                        record(gen_hi)
+                        traj.finish_reason = "max_tokens"
+                        break
+                    record(builder.append_observation(delta))
+                    pending = delta
+                    continue
                 if turn_index == cfg.max_turns - 1:  # nobody would read the results
                     record(gen_hi, calls=len(parsed.calls))
                     traj.finish_reason = "max_turns"
@@ -146,7 +202,7 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                 tools_start = time.perf_counter()
                 try:
                     async with asyncio.timeout_at(deadline):
-                        results = await env.step(calls)
+                        results = await episode.step(calls)
                 except TimeoutError:
                     record(gen_hi, time.perf_counter() - tools_start, calls=len(calls))
                     traj.finish_reason = "wall_budget"
@@ -170,6 +226,10 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
         except Exception as e:  # this sample's failure only: it becomes its error, never the batch's
             failure = e
     finally:
+        try:
+            episode.close()
+        except Exception:  # its state is being dropped anyway; the trajectory stands
+            _log.warning("closing the episode of %s/%d failed", task.task_id, sample_index, exc_info=True)
         if handle is not None:
             await engine.release(handle)
     traj.messages = messages

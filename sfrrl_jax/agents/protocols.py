@@ -84,6 +84,8 @@ class Environment(Protocol):
     (`RLTrainer` logs each component's mean over a step as `reward/<name>`).
     An environment whose tools differ per task may also define `task_tool_schemas(task)`: the
     agent loop then renders those with the chat template instead of `tool_schemas()`.
+    One whose tools keep state per trajectory, or whose user speaks more than once, defines
+    `open_episode(task) -> Episode`: the loop then resets and steps that episode instead.
     """
 
     def tool_schemas(self) -> list[dict]: ...
@@ -107,3 +109,23 @@ class RewardFn(Protocol):
     """
 
     def __call__(self, task: Task, trajectory: Trajectory) -> float: ...
+
+
+class Episode(Protocol):
+    """One trajectory's own view of an environment (`Environment.open_episode(task)`): the state
+    its tools keep (a file system, a booking) lives here, not in the shared environment.
+
+    `reset()` gives the initial messages; `step(calls)` as `Environment.step`, on this episode's
+    state; `next_user_turn()` is asked when the model answers without tool calls: the next user
+    messages (the trajectory goes on with them), or None (it ends, finish reason 'answer');
+    `close()` is called once when the trajectory ends, also on errors and cancellation. The
+    reward stays `Environment.reward(task, trajectory)`, a function of the finished trajectory.
+    """
+
+    def reset(self) -> list[Message]: ...
+
+    async def step(self, calls: Sequence[ToolCall | ToolCallError]) -> list[ToolResult]: ...
+
+    def next_user_turn(self) -> list[Message] | None: ...
+
+    def close(self) -> None: ...

@@ -143,12 +143,15 @@ class ToolRunner:
         limit = self.cfg.max_output_chars
         return text if len(text) <= limit else text[:limit] + f"\n[truncated {len(text) - limit} chars]"
 
-    async def run_one(self, call: ToolCall | ToolCallError) -> ToolResult:
+    async def run_one(self, call: ToolCall | ToolCallError, tools: Mapping[str, Tool] | None = None) -> ToolResult:
+        """One call, against `tools` ({name: tool}; default: the runner's own), e.g. an episode's
+        tools bound to its state, under this runner's pool, timeout and checks."""
         if isinstance(call, ToolCallError):
             return self._error(call.name or "invalid", call.message)
-        tool = self.tools.get(call.name)
+        tools = self.tools if tools is None else tools
+        tool = tools.get(call.name)
         if tool is None:
-            return self._error(call.name, f"unknown tool {call.name!r}; available tools: {sorted(self.tools)}",
+            return self._error(call.name, f"unknown tool {call.name!r}; available tools: {sorted(tools)}",
                                call.call_id)
         problems = validate(call.arguments, tool.parameters)
         if problems:

@@ -30,6 +30,7 @@ from sfrrl_jax.agents.environments import ToolEnvironment, calculator_environmen
 from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.protocols import Environment, Task
 from sfrrl_jax.agents.sandbox import PythonSandbox
+from sfrrl_jax.agents.tasksets.bfcl_multi_turn import BfclMultiTurnEnvironment
 from sfrrl_jax.agents.tasksets.code_tasks import code_tests_reward
 from sfrrl_jax.agents.tasksets.function_calling import FunctionCallingEnvironment
 from sfrrl_jax.agents.tasksets.loading import load_tasks
@@ -61,6 +62,7 @@ def countdown_tool_environment() -> ToolEnvironment:
 #: The environment of each task kind when `AgenticRollout.environment` is not given.
 KIND_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
     "function_call": FunctionCallingEnvironment,
+    "bfcl_multi_turn": BfclMultiTurnEnvironment,
     "code": code_environment,
     "reasoning_gym": math_tool_environment,
     "qa": math_tool_environment,

