@@ -83,24 +83,42 @@ def top_k_by_argmax(x, k: int):
     return jnp.stack(values, axis=-1), jnp.stack(ids, axis=-1).astype(jnp.int32)
 
 
-def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None):
+def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None, replay_ids=None, replay_mask=None):
     """Top-k routing. x [tokens, embed] -> ids [tokens, k] int32, weights [tokens, k] fp32, metrics.
 
     metrics: 'router_aux_loss' (HF's load-balance loss: n_experts * sum_e frac_e * mean_prob_e,
     frac summed over the k choices) and 'router_z_loss' (mean logsumexp(logits)^2), both over the
     tokens where `token_mask` is true.
+
+    Routing replay (R3, arXiv 2510.11370): `replay_ids` [tokens, k] (any int dtype) are experts
+    chosen elsewhere (the engine); where `replay_mask` [tokens] is true (default: everywhere) they
+    replace this forward's top-k, and their weights are recomputed from this forward's router
+    logits exactly as for its own choice (the router still gets gradients). metrics then also
+    hold 'routing_agreement': the share of replayed (token, choice) pairs this forward would have
+    chosen too, over masked tokens.
     """
     logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32))
     if router_b is not None:
         logits = logits + router_b.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
+    scores = probs if cfg.router == "softmax_topk" else logits
+    top_scores, ids = top_k_by_argmax(scores, cfg.top_k)
+    extra = {}
+    if replay_ids is not None:
+        replay_ids = replay_ids.astype(jnp.int32)
+        use = jnp.ones(x.shape[0], bool) if replay_mask is None else replay_mask.astype(bool)
+        m_agree = use if token_mask is None else use & token_mask.astype(bool)
+        same = jnp.any(replay_ids[:, :, None] == ids[:, None, :], axis=-1)       # [tokens, k]
+        extra["routing_agreement"] = (jnp.sum(same * m_agree[:, None]) /
+                                      jnp.maximum(jnp.sum(m_agree) * cfg.top_k, 1))
+        ids = jnp.where(use[:, None], replay_ids, ids)
+        top_scores = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.router == "softmax_topk":
-        weights, ids = top_k_by_argmax(probs, cfg.top_k)
+        weights = top_scores
         if cfg.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     else:
-        top_logits, ids = top_k_by_argmax(logits, cfg.top_k)
-        weights = jax.nn.softmax(top_logits, axis=-1)
+        weights = jax.nn.softmax(top_scores, axis=-1)
     m = jnp.ones(x.shape[0], jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
     count = jnp.maximum(jnp.sum(m), 1.0)
     chosen = jnp.sum(jax.nn.one_hot(ids, cfg.n_experts, dtype=jnp.float32), axis=1)  # [tokens, E]
@@ -110,6 +128,7 @@ def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None):
         "router_aux_loss": cfg.n_experts * jnp.sum(frac * mean_prob),
         "router_z_loss": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * m) / count,
         "expert_load_max": jnp.max(frac) / cfg.top_k,
+        **extra,
     }
     return ids.astype(jnp.int32), weights, metrics
 
