@@ -173,7 +173,7 @@ class ExperimentConfig:
 # -- validation (no devices, no allocation) -----------------------------------------------------
 
 _SHAPE_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                 "d_ff_expert", "n_experts", "top_k", "d_ff")
+                 "d_ff_expert", "n_experts", "top_k", "d_ff", "dense_layers")
 
 
 def resolve_model_config(cfg: ExperimentConfig) -> tuple[ModelConfig, str]:

@@ -31,3 +31,13 @@ def test_changed_field_is_named_and_a_new_field_at_its_default_is_not():
         check_resumable(_host(old), config_fingerprint(model=model.replace(llep_threshold=2.0),
                                                        trainer=TrainerConfig()), 4, "ckpt")
     assert all(f.name in saved["model"]["__defaults__"] for f in dataclasses.fields(ModelConfig))
+
+
+def test_dense_layers_added_after_a_checkpoint_resumes_at_its_default():
+    model = ModelConfig.preset("tiny-moe", n_layers=3, d_ff=40)
+    old = config_fingerprint(model=model)
+    old["model"].pop("__defaults__")
+    del old["model"]["dense_layers"]          # a checkpoint written before the field existed
+    check_resumable(_host(old), config_fingerprint(model=model), 4, "ckpt")
+    with pytest.raises(ValueError, match=r"model.dense_layers: checkpoint '<absent>', now \[1\]"):
+        check_resumable(_host(old), config_fingerprint(model=model.replace(dense_layers=(1,))), 4, "ckpt")

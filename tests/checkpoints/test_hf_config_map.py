@@ -53,3 +53,14 @@ def test_export_config_is_read_back_by_transformers_identically(name):
     assert config_from_hf(exported) == cfg
     reread = F.FAMILY_CLASSES[family][0](**{k: v for k, v in exported.items() if k != "architectures"})
     assert config_from_hf(reread.to_dict()) == cfg
+
+
+def test_dense_layers_export_as_mlp_only_layers_and_only_for_qwen3_moe():
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    cfg = ModelConfig.preset("tiny-moe", n_layers=4, d_ff=40, dense_layers=(0, 3))
+    hf = config_to_hf(cfg)
+    assert (hf["mlp_only_layers"], hf["decoder_sparse_step"], hf["intermediate_size"]) == ([0, 3], 1, 40)
+    assert config_from_hf(hf).replace(name=cfg.name) == cfg
+    assert "intermediate_size" not in config_to_hf(ModelConfig.preset("tiny-moe"))   # as before
+    with pytest.raises(HFConfigError, match=r"dense_layers=\(0, 3\); HF MixtralForCausalLM has no dense"):
+        config_to_hf(cfg.replace(family="mixtral", qk_norm=False, router="topk_softmax"))
