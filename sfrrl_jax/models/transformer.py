@@ -211,7 +211,10 @@ def run_layers(cfg: ModelConfig, model: Transformer, x, body_fn, xs_extra=None):
     for key, start, stop, first in layer_runs(cfg):
         graphdef, state = stacks[key]
         n = stop - start
-        if n != sizes[key]:  # a static slice of the stacked leaves: this run's rows only
+        # A run over part of a stack scans a static slice of its rows, which XLA may copy (the
+        # run's params, transiently). A stack in one run (e.g. Qwen3-MoE-style dense layers all
+        # at the start) is scanned unsliced, as a uniform model's.
+        if n != sizes[key]:
             state = jax.tree.map(lambda a: a[start:stop], state)
         extra = None if xs_extra is None else jax.tree.map(lambda a: a[first:first + n], xs_extra)
         windows = jnp.asarray(cfg.layer_windows[first:first + n], jnp.int32)
