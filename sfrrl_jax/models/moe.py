@@ -56,14 +56,24 @@ class MoE(nnx.Module):
         names = ["w_gate", "w_up", "w_down"] + (["b_gate", "b_up", "b_down"] if self.cfg.expert_bias else [])
         return {n: getattr(self, n)[...] for n in names}
 
-    def __call__(self, x: jax.Array, token_mask: jax.Array | None = None):
-        """x [batch, seq, embed] -> (y [batch, seq, embed], metrics dict of scalars)."""
+    def __call__(self, x: jax.Array, token_mask: jax.Array | None = None, replay=None, with_ids: bool = False):
+        """x [batch, seq, embed] -> (y [batch, seq, embed], metrics dict of scalars).
+
+        replay: None, or (expert ids [batch, seq, k] int, mask [batch, seq] bool): routing replay
+        (R3) where the mask is true (`route`). with_ids: metrics also hold 'expert_ids' [batch,
+        seq, k] int32, the experts used (not a scalar: callers asking for it pop it).
+        """
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
         mask = None if token_mask is None else token_mask.reshape(b * s)
         bias = self.router_bias[...] if self.cfg.router_bias else None
-        ids, weights, metrics = route(self.cfg, flat, self.router[...], bias, mask)
+        replay_ids = replay_mask = None
+        if replay is not None:
+            replay_ids, replay_mask = replay[0].reshape(b * s, -1), replay[1].reshape(b * s)
+        ids, weights, metrics = route(self.cfg, flat, self.router[...], bias, mask, replay_ids, replay_mask)
         y = moe_experts(self.cfg, flat, ids, weights, self.expert_weights())
+        if with_ids:
+            metrics = {**metrics, "expert_ids": ids.reshape(b, s, -1)}
         return y.reshape(b, s, d), metrics
 
 

@@ -43,14 +43,17 @@ class Block(nnx.Module):
         else:
             self.mlp = DenseMLP(cfg, rngs)
 
-    def ffn(self, h, token_mask=None):
-        """h [batch, seq, embed] (normed) -> (y, metrics: the router's for a MoE, {} for dense)."""
-        return (self.moe if hasattr(self, "moe") else self.mlp)(h, token_mask)
+    def ffn(self, h, token_mask=None, replay=None, with_ids: bool = False):
+        """h [batch, seq, embed] (normed) -> (y, metrics: the router's for a MoE, {} for dense).
+        replay / with_ids: routing replay and the experts used, for a MoE (`MoE.__call__`)."""
+        if hasattr(self, "moe"):
+            return self.moe(h, token_mask, replay, with_ids)
+        return self.mlp(h, token_mask)
 
-    def __call__(self, x, positions, segment_ids, window, token_mask):
+    def __call__(self, x, positions, segment_ids, window, token_mask, replay=None, with_ids: bool = False):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids, window)
         x = constrain(x, ("batch", "seq", "embed"))
-        y, metrics = self.ffn(self.mlp_norm(x), token_mask)
+        y, metrics = self.ffn(self.mlp_norm(x), token_mask, replay, with_ids)
         return constrain(x + y, ("batch", "seq", "embed")), metrics
 
 
@@ -231,13 +234,47 @@ def run_layers(cfg: ModelConfig, model: Transformer, x, body_fn, xs_extra=None):
                for key, out in outs.items()}
 
 
-def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, positions=None):
+def moe_layer_ids(cfg: ModelConfig) -> tuple[int, ...]:
+    """The model layers with a router, in model order (index j of a routes array is layer ids[j])."""
+    return tuple(i for i in range(cfg.n_layers) if cfg.is_moe and not cfg.layer_is_dense(i))
+
+
+def _replay_per_layer(cfg: ModelConfig, routes, routes_mask, segment_ids, seq_len: int):
+    """routes [batch, seq, moe layers, k] -> per model layer [n_layers, batch, padded seq, k] in
+    the layers' token order (context padding and zig-zag), and the mask likewise [batch, seq]."""
+    moe = moe_layer_ids(cfg)
+    b = segment_ids.shape[0]
+    if not moe:
+        raise ValueError("routes: this model has no MoE layer to replay routing in")
+    want = (b, seq_len, len(moe), cfg.top_k)
+    if tuple(routes.shape) != want:
+        raise ValueError(f"routes has shape {tuple(routes.shape)}; expected [batch, seq, moe layers, top_k] = {want}")
+    mask = jnp.ones((b, seq_len), bool) if routes_mask is None else routes_mask.astype(bool)
+    pad = segment_ids.shape[1] - seq_len
+    if pad:
+        routes = jnp.pad(routes, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        mask = jnp.pad(mask, ((0, 0), (0, pad)))
+    routes, mask = to_zigzag(routes), to_zigzag(mask)
+    # dense layers get some MoE layer's routes, never read (they have no router)
+    index = jnp.asarray([moe.index(i) if i in moe else 0 for i in range(cfg.n_layers)], jnp.int32)
+    return jnp.moveaxis(routes, 2, 0)[index], mask
+
+
+def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, positions=None,
+                   routes=None, routes_mask=None, return_routes: bool = False):
     """Final-normed hidden states [batch, seq, embed] and aux metrics (means over the MoE
     layers; a dense layer has no router).
 
     tokens [batch, seq] int; segment_ids [batch, seq] (0 = padding, excluded from router
     statistics; tokens attend only within their segment); positions [batch, seq] (RoPE and
     causality). Defaults: one segment per row, positions 0..seq-1.
+
+    Routing replay (R3): routes [batch, seq, moe layers, top_k] int (any int dtype; layers in
+    `moe_layer_ids` order) are the experts to use where routes_mask [batch, seq] (default: all)
+    is true; their weights come from this forward's router, so the router still learns. aux then
+    holds 'routing_agreement' (the share of replayed choices this forward would have made,
+    over the MoE layers) and 'routing_agreement/layer_<i>' per MoE layer i. return_routes:
+    also return the experts used, [batch, seq, moe layers, top_k] int32, as a third value.
     """
     model = bind(cfg, params)
     segment_ids, positions = default_positions_and_segments(tokens, segment_ids, positions)
@@ -248,15 +285,29 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, p
                                       for a in (tokens, segment_ids, positions))
     token_mask = segment_ids > 0
     x = constrain(model.embed(tokens), ("batch", "seq", "embed"))
+    replay_mask = per_layer_routes = None
+    if routes is not None:
+        per_layer_routes, replay_mask = _replay_per_layer(cfg, routes, routes_mask, segment_ids, seq_len)
+    elif return_routes and not moe_layer_ids(cfg):
+        raise ValueError("return_routes: this model has no MoE layer")
 
-    def body(block, x, window, _):
-        return block(x, positions, segment_ids, window, token_mask)
+    def body(block, x, window, layer_routes):
+        replay = None if layer_routes is None else (layer_routes, replay_mask)
+        return block(x, positions, segment_ids, window, token_mask, replay, return_routes)
 
-    x, outs = run_layers(cfg, model, x, body)
+    x, outs = run_layers(cfg, model, x, body, per_layer_routes)
     # The `layers` stack holds every MoE layer (and a dense model's layers, whose metrics are {}).
-    aux = {k: jnp.mean(v) for k, v in outs["layers"].items()}
+    per_layer = dict(outs["layers"])
+    used = per_layer.pop("expert_ids", None)   # [moe layers, batch, padded seq, k]
+    aux = {k: jnp.mean(v) for k, v in per_layer.items()}
+    if "routing_agreement" in per_layer:
+        for j, layer in enumerate(moe_layer_ids(cfg)):
+            aux[f"routing_agreement/layer_{layer}"] = per_layer["routing_agreement"][j]
     hidden = from_zigzag(model.final_norm(x))[:, :seq_len]
-    return constrain(hidden, ("batch", "seq", "embed")), aux
+    hidden = constrain(hidden, ("batch", "seq", "embed"))
+    if return_routes:
+        return hidden, aux, from_zigzag(jnp.moveaxis(used, 0, 2))[:, :seq_len]
+    return hidden, aux
 
 
 def unembedding(cfg: ModelConfig, params: Params) -> jax.Array:

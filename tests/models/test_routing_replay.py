@@ -84,3 +84,76 @@ def test_the_router_gets_the_gradient_of_the_replayed_weights(cfg):
     g, g_ref = jax.grad(loss)(router), jax.grad(reference)(router)
     np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-7)
     assert float(jnp.max(jnp.abs(g))) > 1e-3
+
+
+# -- through the forward ---------------------------------------------------------------------------
+
+import sfrrl_jax as S  # noqa: E402
+from sfrrl_jax.models import transformer as tfm  # noqa: E402
+
+from model_fixtures import TINY_MIXED  # noqa: E402
+
+
+def _params(cfg, seed=0):
+    return S.init_params(cfg, S.make_mesh(data=1, expert=1, devices=jax.devices()[:1]), seed=seed)
+
+
+def test_the_forward_replays_its_own_routes_exactly_and_reports_agreement_per_moe_layer():
+    cfg = TINY_MIXED
+    params = _params(cfg)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
+    fwd = jax.jit(lambda p, t, r: tfm.forward_hidden(cfg, p, t, routes=r, return_routes=True))
+    hidden, aux, used = jax.jit(lambda p, t: tfm.forward_hidden(cfg, p, t, return_routes=True))(params, tokens)
+    moe = tfm.moe_layer_ids(cfg)
+    assert used.shape == (2, 11, len(moe), cfg.top_k) and len(moe) < cfg.n_layers
+    hidden2, aux2, used2 = fwd(params, tokens, used.astype(jnp.int8))
+    np.testing.assert_array_equal(used2, used)
+    np.testing.assert_array_equal(hidden2, hidden)
+    assert float(aux2["routing_agreement"]) == 1.0 and "routing_agreement" not in aux
+    assert sorted(k for k in aux2 if k.startswith("routing_agreement/")) == \
+        sorted(f"routing_agreement/layer_{i}" for i in moe)
+    with pytest.raises(ValueError, match=r"routes has shape \(2, 11, 1, 2\)"):
+        tfm.forward_hidden(cfg, params, tokens, routes=used[:, :, :1])
+
+
+def test_bf16_shapes_change_routing_and_replay_restores_the_engines_experts():
+    """The engine's and the trainer's forwards see a sequence in batches of different shapes; in
+    bf16 some top-k choices may flip (the share is printed: it depends on the CPU's rounding).
+    Replayed routes (here the engine's, shifted by one expert so that they surely differ from the
+    trainer's own) are exactly the experts the second forward uses where the mask says, its own
+    choice elsewhere, and the router still gets a gradient."""
+    cfg = TINY.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+    params = _params(cfg, seed=3)
+    rng = np.random.default_rng(4)
+    seq = rng.integers(0, cfg.vocab_size, 40)
+    alone = jnp.asarray(seq[None], jnp.int32)                                    # [1, 40]
+    batch = np.zeros((3, 56), np.int32)                                          # [3, 56], padded
+    batch[0, :40], batch[1] = seq, rng.integers(0, cfg.vocab_size, 56)
+    batch[2, :30] = rng.integers(0, cfg.vocab_size, 30)
+    segments = np.zeros((3, 56), np.int32)
+    segments[0, :40], segments[1], segments[2, :30] = 1, 1, 1
+    batch, segments = jnp.asarray(batch), jnp.asarray(segments)
+    run = jax.jit(lambda p, r, m: tfm.forward_hidden(cfg, p, batch, segments, routes=r, routes_mask=m,
+                                                     return_routes=True))
+    _, _, engine = jax.jit(lambda p, t: tfm.forward_hidden(cfg, p, t, return_routes=True))(params, alone)
+    engine = np.asarray(engine)[0]                                               # [40, layers, k]
+    routes = np.zeros((3, 56) + engine.shape[1:], np.int16)
+    _, _, own = run(params, jnp.asarray(routes), jnp.zeros((3, 56), bool))      # nothing replayed
+    own = np.asarray(own)
+    print(f"bf16: {np.mean(own[0, :40] != engine):.2%} of (token, layer, choice) routing decisions differ "
+          "between the two batch shapes")
+    routes[0, :40] = (engine + 1) % cfg.n_experts
+    mask = np.zeros((3, 56), bool)
+    mask[0, :40] = True
+    _, aux, used = run(params, jnp.asarray(routes), jnp.asarray(mask))
+    used = np.asarray(used)
+    np.testing.assert_array_equal(used[0, :40], routes[0, :40])
+    np.testing.assert_array_equal(used[1:], own[1:])
+    assert 0.0 <= float(aux["routing_agreement"]) < 1.0
+
+    def loss(p):
+        hidden, _ = tfm.forward_hidden(cfg, p, batch, segments, routes=jnp.asarray(routes), routes_mask=jnp.asarray(mask))
+        return jnp.sum(hidden[0, :40].astype(jnp.float32) ** 2)
+
+    router_grad = jax.grad(loss)(params)["layers"]["moe"]["router"]
+    assert float(jnp.max(jnp.abs(router_grad.astype(jnp.float32)))) > 0
