@@ -65,20 +65,29 @@ class Engine(PagingMixin):
     Hooks, given to the constructor or set later (never assigned from outside): `idle_work` and
     `underfull_slots` (`set_idle_work`: device jobs run when decode would idle) and `trace`
     (`set_trace`: where spans of device work go).
+
+    record_routes (a MoE model): each `Completion.routes` holds the experts of every token the
+    call fed (routing replay in training). It needs max_consecutive_faults=0: a fault's rebuild
+    refills slots by recompute and would lose the routes of a running request's fed tokens.
     """
 
     def __init__(self, cfg: ModelConfig, params, *, max_slots: int = 8, max_len: int = 256,
                  buckets=None, decode_steps: int = 1, cache_dtype: str | None = None,
                  max_consecutive_faults: int = 3, idle_work: IdleWork | None = None,
                  underfull_slots: int = 0, trace=None, page_size: int | None = None,
-                 num_pages: int | None = None):
+                 num_pages: int | None = None, record_routes: bool = False):
         if max_consecutive_faults < 0:
             raise ValueError(f"max_consecutive_faults must be >= 0, got {max_consecutive_faults}")
+        if record_routes and max_consecutive_faults:
+            raise ValueError("record_routes=True needs max_consecutive_faults=0: fault recovery refills "
+                             f"slots by recompute and does not record routes (got {max_consecutive_faults})")
+        self.record_routes = bool(record_routes)
         paging = check_paging(page_size, num_pages, max_len, max_slots, cfg.layer_windows, decode_steps)
         self.cfg = cfg
         self.params = params
         self.steps = engine_steps(cfg, mesh_of(params), max_slots, max_len,
-                                  None if buckets is None else tuple(buckets), cache_dtype, paging)
+                                  None if buckets is None else tuple(buckets), cache_dtype, paging,
+                                  self.record_routes)
         self._pt = None if paging is None else PageTable(max_slots, max_len, *paging)
         self._table_version = -1                    # the page table version the state holds
         self._evicted: dict[int, SlotLog] = {}      # paged: serial -> an evicted trajectory's log
@@ -321,6 +330,7 @@ class Engine(PagingMixin):
                 job.resume = job.restore = None
                 if self._running.get(job.slot) is not job or first is None:
                     continue  # cancelled while its prefill ran (its slot is in _to_free), or resumed
+                job.add_admission_routes(first)
                 self._push(job, first["tokens"], first["logprobs"], first["raw_logprobs"], bool(first["done"]))
             self._distribute(chunks)
             return True
@@ -549,6 +559,8 @@ class Engine(PagingMixin):
                 job = self._running.get(int(slot))
                 if job is None:
                     continue
+                if results["routes"] is not None:  # the routes of the token this step fed
+                    job.routes.append(results["routes"][step][slot][None])
                 self._push(job, results["tokens"][step][slot], results["logprobs"][step][slot],
                            results["raw_logprobs"][step][slot], bool(results["done"][step][slot]))
 
@@ -569,4 +581,5 @@ class Engine(PagingMixin):
         if not job.future.done():
             job.future.set_result(Completion(
                 tokens=job.tokens, logprobs=job.logprobs, finish_reason="stop" if stop else "length",
-                slot_handle=SlotHandle(job.slot, serial), raw_logprobs=job.raw_logprobs))
+                slot_handle=SlotHandle(job.slot, serial), raw_logprobs=job.raw_logprobs,
+                routes=job.routes_array() if self.record_routes else None))

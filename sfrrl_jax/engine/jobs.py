@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import numpy as np
+
 from sfrrl_jax.engine.recovery import SlotLog
 from sfrrl_jax.engine.steps import SlotRequest
 from sfrrl_jax.engine.types import GenerationRequest
@@ -40,6 +42,20 @@ class Job:
     resume: SlotLog | None = None
     restore: SlotLog | None = None
     serial: int | None = None
+    # record_routes: the experts of the tokens this call fed so far, in feed order, as arrays
+    # [n, moe layers, top_k] (the prefill's or append's tokens, then one per decode step)
+    routes: list = dataclasses.field(default_factory=list)
+
+    def add_admission_routes(self, first: dict) -> None:
+        """Keeps the routes of the tokens its prefill or append fed (`first`: the step's results
+        on the host; its routes [bucket, moe layers, top_k] hold padding past those tokens)."""
+        if first.get("routes") is not None:
+            fed = self.feed if self.feed is not None else self.request.tokens
+            self.routes.append(np.asarray(first["routes"][: len(fed)]))
+
+    def routes_array(self) -> np.ndarray:
+        """Every token fed by this call, [fed, moe layers, top_k] (the Completion's routes)."""
+        return np.concatenate(self.routes, axis=0)
 
 
 @dataclasses.dataclass

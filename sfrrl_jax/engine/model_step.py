@@ -25,13 +25,15 @@ CACHE_AXES = ("layers", "slots", "cache_len", "kv_heads", "head_dim")
 PAGE_POOL_AXES = (None, None, "kv_heads", "head_dim")
 
 
-def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len):
+def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len,
+           with_routes: bool = False):
     """Runs `tokens` [b, t] at positions starts[:, None] + 0..t-1 against cache rows.
 
     cache_k, cache_v: [layers, b, max_len, kv_heads, head_dim] (the rows of the slots involved).
     valid_len [b]: cache entries at positions < valid_len are attendable after this write
     (starts + the true number of new tokens; padding beyond it is written but never read).
-    Returns (logits [b, t, vocab] fp32, new cache_k, new cache_v).
+    Returns (logits [b, t, vocab] fp32, new cache_k, new cache_v); with_routes (static, MoE only):
+    also the experts each new token used, routes [b, t, moe layers, top_k] (`routes_dtype`).
     """
     rows = jnp.arange(tokens.shape[0])[:, None]
 
@@ -39,11 +41,12 @@ def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len
         return c.at[layer, rows, positions].set(x.astype(c.dtype), mode="drop")
 
     return _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, cache_k.shape[2],
-                   write, lambda c, layer, positions, x: c[layer])
+                   write, lambda c, layer, positions, x: c[layer], with_routes)
 
 
 def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_table, valid_len,
-                 k_len: int, layer_kind, layer_base, layer_scratch, overlay: bool):
+                 k_len: int, layer_kind, layer_base, layer_scratch, overlay: bool,
+                 with_routes: bool = False):
     """`extend` against a paged cache (see `engine.pages`, `engine.paged`).
 
     pool_k, pool_v: [units, page_size, kv_heads, head_dim]: every layer's pages, layer l's page p
@@ -57,7 +60,8 @@ def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_
     dense engine: bit-identical results). `overlay` (static; set when a kind has a window): a slot
     holds only the pages later steps read, so the view takes this step's new keys/values from the
     step itself, and an append or a restore needs no page for a position no later query sees.
-    Returns (logits [b, t, vocab] fp32, new pool_k, new pool_v).
+    Returns (logits [b, t, vocab] fp32, new pool_k, new pool_v), and routes as `extend` with
+    with_routes.
     """
     page_size, n_pages = pool_k.shape[1], page_table.shape[2]
     rows = jnp.arange(tokens.shape[0])[:, None]
@@ -81,14 +85,25 @@ def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_
             return g
         return g.at[rows, positions].set(x.astype(c.dtype), mode="drop")
 
-    return _extend(cfg, params, tokens, starts, pool_k, pool_v, valid_len, k_len, write, read)
+    return _extend(cfg, params, tokens, starts, pool_k, pool_v, valid_len, k_len, write, read, with_routes)
 
 
-def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write, read):
+def routes_dtype(cfg: ModelConfig):
+    """The dtype of recorded routes: int16 while expert ids fit (n_experts <= 32767), else int32.
+    Routes leave the device every decode step and the host keeps them for every token of every
+    trajectory until the train step replays them (moe layers x top_k ids a token, e.g. 48 x 8
+    for Qwen3-30B-A3B): half the bytes of int32 in transfer and host memory, and still exact."""
+    return jnp.int16 if cfg.n_experts <= 32767 else jnp.int32
+
+
+def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write, read,
+            with_routes=False):
     """The layers run against a cache reached through `write(cache, layer, positions [b, t],
     x [b, t, kv_heads, head_dim]) -> cache` and `read(cache, layer, positions, x) -> [b, k_len,
     kv_heads, head_dim]` (key position j of row i is position j of slot i's sequence; read runs
-    after write and gets the same positions and new keys or values)."""
+    after write and gets the same positions and new keys or values). with_routes: see `extend`."""
+    if with_routes and not tfm.moe_layer_ids(cfg):
+        raise ValueError("with_routes: this model has no MoE layer to record routes of")
     model = tfm.bind(cfg, params)
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -108,15 +123,21 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
         ck = read(ck_all, layer, positions, k).astype(q.dtype)
         cv = read(cv_all, layer, positions, v).astype(q.dtype)
         x = x + block.attn.output(core(q, ck, cv, window, block.attn.sink_logits()))
-        y, _ = block.ffn(block.mlp_norm(x))
-        return (constrain(x + y, ("batch", "seq", "embed")), ck_all, cv_all), None
+        y, metrics = block.ffn(block.mlp_norm(x), with_ids=with_routes)
+        # a MoE layer's experts [b, t, top_k] as the scan's output (a dense layer has none)
+        used = metrics.get("expert_ids") if with_routes else None
+        return (constrain(x + y, ("batch", "seq", "embed")), ck_all, cv_all), used
 
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
     # layer_ids are model-order layer indices: the cache rows stay one per model layer whatever
     # stack (MoE or dense) the layer's params live in.
-    (x, cache_k, cache_v), _ = tfm.run_layers(cfg, model, (x, cache_k, cache_v), body, layer_ids)
+    (x, cache_k, cache_v), outs = tfm.run_layers(cfg, model, (x, cache_k, cache_v), body, layer_ids)
     logits = tfm.logits_from_hidden(cfg, params, model.final_norm(x))
-    return logits, cache_k, cache_v
+    if not with_routes:
+        return logits, cache_k, cache_v
+    # the `layers` stack holds the MoE layers in model order: [moe layers, b, t, k] -> [b, t, moe layers, k]
+    routes = jnp.moveaxis(outs["layers"], 0, 2).astype(routes_dtype(cfg))
+    return logits, cache_k, cache_v, routes
 
 
 def _cache_attention(cfg, t, positions, k_pos, ones_q, k_valid):

@@ -41,13 +41,13 @@ class PagedEngineSteps(EngineSteps):
     `engine.pages.check_paging`) says."""
 
     def __init__(self, cfg: ModelConfig, mesh, max_slots: int, max_len: int, buckets=None,
-                 cache_dtype: str | None = None, *, paging: Paging):
+                 cache_dtype: str | None = None, record_routes: bool = False, *, paging: Paging):
         self.paging, self.page_size = paging, paging.page_size
         self.pages_per_slot = pages_for(max_len, paging.page_size)
         self.layer_kind, self.layer_base, self.layer_scratch, units = pool_units(paging, cfg.n_layers)
         self.kind_scratch = np.asarray(paging.pool_pages or (paging.num_pages,), np.int32)
         self.overlay = any(w > 0 for w in paging.windows)
-        super().__init__(cfg, mesh, max_slots, max_len, buckets, cache_dtype)
+        super().__init__(cfg, mesh, max_slots, max_len, buckets, cache_dtype, record_routes)
         shape = (units, paging.page_size, cfg.n_kv_heads, cfg.head_dim)
         self.cache_shape = shape
         self.cache_sharding = sharding_for(mesh, PAGE_POOL_AXES, shape)
@@ -82,19 +82,22 @@ class PagedEngineSteps(EngineSteps):
         return state
 
     # -- cache access ---------------------------------------------------------------------------
-    def _extend(self, params, tokens, starts, cache_k, cache_v, table, valid_len):
+    def _extend(self, params, tokens, starts, cache_k, cache_v, table, valid_len, with_routes=False):
         return extend_paged(self.cfg, params, tokens, starts, cache_k, cache_v, table, valid_len,
-                            self.max_len, self.layer_kind, self.layer_base, self.layer_scratch, self.overlay)
+                            self.max_len, self.layer_kind, self.layer_base, self.layer_scratch, self.overlay,
+                            with_routes)
 
-    def _extend_all(self, params, state: DecodeState, tokens, starts, valid_len):
-        return self._extend(params, tokens, starts, state.cache_k, state.cache_v, state.page_table, valid_len)
+    def _extend_all(self, params, state: DecodeState, tokens, starts, valid_len, with_routes=False):
+        return self._extend(params, tokens, starts, state.cache_k, state.cache_v, state.page_table, valid_len,
+                            with_routes)
 
-    def _extend_slot(self, params, state: DecodeState, slot, tokens, start, valid_len, cast=False):
+    def _extend_slot(self, params, state: DecodeState, slot, tokens, start, valid_len, cast=False,
+                     with_routes=False):
         table = jax.lax.dynamic_slice_in_dim(state.page_table, slot, 1, axis=0)
-        logits, state.cache_k, state.cache_v = self._extend(
+        logits, state.cache_k, state.cache_v, *routes = self._extend(
             params, tokens, jnp.reshape(start, (1,)), state.cache_k, state.cache_v, table,
-            jnp.reshape(valid_len, (1,)))
-        return logits, state
+            jnp.reshape(valid_len, (1,)), with_routes)
+        return (logits, state, *routes)
 
     def _write_prefix(self, state: DecodeState, slot, prefix: Prefix) -> DecodeState:
         bucket = prefix.cache_k.shape[2]
@@ -118,19 +121,21 @@ class PagedEngineSteps(EngineSteps):
 
 
 def engine_steps(cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buckets=None,
-                 cache_dtype: str | None = None, paging: Paging | tuple[int, int] | None = None) -> EngineSteps:
+                 cache_dtype: str | None = None, paging: Paging | tuple[int, int] | None = None,
+                 record_routes: bool = False) -> EngineSteps:
     """A shared `EngineSteps` per configuration, so engines built alike reuse compilations.
     paging: None for the dense cache, or a `Paging` for `engine.paged`'s ((page_size, num_pages)
-    means `check_paging`'s layout for cfg's layers and one-token decode chunks)."""
+    means `check_paging`'s layout for cfg's layers and one-token decode chunks). record_routes:
+    the steps' results also carry the experts of the tokens fed (`ResultTokens.routes`)."""
     buckets = None if buckets is None else tuple(buckets)
     if paging is not None and not isinstance(paging, Paging):
         paging = check_paging(*paging, max_len, max_slots, cfg.layer_windows)
     # One cache key per configuration, however the call spelled it (keywords, defaults left out).
-    return _shared_steps(cfg, mesh, int(max_slots), int(max_len), buckets, cache_dtype, paging)
+    return _shared_steps(cfg, mesh, int(max_slots), int(max_len), buckets, cache_dtype, paging, bool(record_routes))
 
 
 @functools.lru_cache(maxsize=32)
-def _shared_steps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, paging) -> EngineSteps:
+def _shared_steps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, paging, record_routes) -> EngineSteps:
     if paging is None:
-        return EngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype)
-    return PagedEngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, paging=paging)
+        return EngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, record_routes)
+    return PagedEngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, record_routes, paging=paging)

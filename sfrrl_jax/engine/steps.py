@@ -8,6 +8,10 @@
                                                 -> (state, first ResultTokens)
   free_resource(state, slot)                    -> state
 
+With `record_routes=True` (a MoE model) every ResultTokens also carries `routes`: the experts
+each token FED to the model in that step used (prefill: the padded prompt, append: the padded
+appended tokens, generate: each slot's pending `last_token`), for routing replay in training.
+
 `params` is whatever the train step holds: no step copies or reshards it. Token arrays are
 padded to a bucket length so each step compiles once per bucket. The cache is indexed by
 absolute position; sliding-window layers mask, they don't evict.
@@ -29,6 +33,7 @@ from sfrrl_jax.config import ModelConfig, check_int, check_number, check_seed
 from sfrrl_jax.engine.model_step import CACHE_AXES, extend
 from sfrrl_jax.engine.sampling import SamplingParams, sample
 from sfrrl_jax.mesh import sharding_for
+from sfrrl_jax.models.transformer import moe_layer_ids
 
 MAX_STOP_IDS = 8
 
@@ -101,6 +106,10 @@ class ResultTokens:
     raw_logprobs: jax.Array  # under the policy at temperature 1
     valid: jax.Array         # bool: the slot produced a token this step
     done: jax.Array          # bool: this token ended the call (stop id, max_new, or cache full)
+    # record_routes only (else None): the experts of the tokens fed in this step, [moe layers,
+    # top_k] per token (`model_step.routes_dtype`): prefill / append [bucket, moe layers, top_k]
+    # (rows past true_length are padding), generate [slots, moe layers, top_k] per step
+    routes: jax.Array | None = None
 
 
 def _finish(state_like_request, token, generated, length, max_len):
@@ -116,7 +125,10 @@ class EngineSteps:
     """Jitted steps for one (cfg, mesh, max_slots, max_len); counts their compilations."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buckets=None,
-                 cache_dtype: str | None = None):
+                 cache_dtype: str | None = None, record_routes: bool = False):
+        if record_routes and not moe_layer_ids(cfg):
+            raise ValueError("record_routes=True: this model has no MoE layer to record routes of")
+        self.record_routes = bool(record_routes)
         if max_len > cfg.max_seq_len:
             raise ValueError(f"engine max_len={max_len} > ModelConfig.max_seq_len={cfg.max_seq_len}")
         if max_slots < 1:
@@ -216,11 +228,13 @@ class EngineSteps:
         t = tokens.shape[1]
         kv_shape = (self.cfg.n_layers, 1, t, self.cfg.n_kv_heads, self.cfg.head_dim)
         ck = jnp.zeros(kv_shape, self.cache_dtype)
-        logits, ck, cv = extend(self.cfg, params, tokens, jnp.zeros((1,), jnp.int32), ck,
-                                jnp.zeros_like(ck), jnp.reshape(true_length, (1,)))
+        logits, ck, cv, *routes = extend(self.cfg, params, tokens, jnp.zeros((1,), jnp.int32), ck,
+                                         jnp.zeros_like(ck), jnp.reshape(true_length, (1,)),
+                                         self.record_routes)
         tok, lp, raw = self._sample_last(logits, true_length, request, jnp.int32(0))
         done = _finish(request, tok, 1, true_length, self.max_len)
-        first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.bool_(True), done=done)
+        first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.bool_(True), done=done,
+                             routes=routes[0][0] if routes else None)
         return Prefix(cache_k=ck, cache_v=cv, true_length=true_length), self._on_every_host(first)
 
     def _on_every_host(self, results: ResultTokens) -> ResultTokens:
@@ -239,22 +253,25 @@ class EngineSteps:
         return state
 
     # -- cache access (dense here; engine.paged overrides) ---------------------------------------
-    def _extend_all(self, params, state: DecodeState, tokens, starts, valid_len):
-        """`extend` over every slot: (logits, new cache_k, new cache_v)."""
-        return extend(self.cfg, params, tokens, starts, state.cache_k, state.cache_v, valid_len)
+    def _extend_all(self, params, state: DecodeState, tokens, starts, valid_len, with_routes=False):
+        """`extend` over every slot: (logits, new cache_k, new cache_v), then with_routes the
+        routes [slots, t, moe layers, top_k]."""
+        return extend(self.cfg, params, tokens, starts, state.cache_k, state.cache_v, valid_len, with_routes)
 
-    def _extend_slot(self, params, state: DecodeState, slot, tokens, start, valid_len, cast=False):
-        """`extend` of one slot's sequence, tokens [1, t] at start..: (logits, state). `cast`
-        converts the written rows to the cache dtype once more (the restorer's historical form;
-        a no-op for values `extend` already wrote in that dtype)."""
+    def _extend_slot(self, params, state: DecodeState, slot, tokens, start, valid_len, cast=False,
+                     with_routes=False):
+        """`extend` of one slot's sequence, tokens [1, t] at start..: (logits, state), then
+        with_routes the routes [1, t, moe layers, top_k]. `cast` converts the written rows to the
+        cache dtype once more (the restorer's historical form; a no-op for values `extend`
+        already wrote in that dtype)."""
         row = lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1)
-        logits, ck, cv = extend(self.cfg, params, tokens, jnp.reshape(start, (1,)), row(state.cache_k),
-                                row(state.cache_v), jnp.reshape(valid_len, (1,)))
+        logits, ck, cv, *routes = extend(self.cfg, params, tokens, jnp.reshape(start, (1,)), row(state.cache_k),
+                                         row(state.cache_v), jnp.reshape(valid_len, (1,)), with_routes)
         if cast:
             ck, cv = ck.astype(state.cache_k.dtype), cv.astype(state.cache_v.dtype)
         state.cache_k = jax.lax.dynamic_update_slice_in_dim(state.cache_k, ck, slot, axis=1)
         state.cache_v = jax.lax.dynamic_update_slice_in_dim(state.cache_v, cv, slot, axis=1)
-        return logits, state
+        return (logits, state, *routes)
 
     def _write_prefix(self, state: DecodeState, slot, prefix: Prefix) -> DecodeState:
         """The prefill's cache (positions 0..bucket-1) into `slot`."""
@@ -270,8 +287,8 @@ class EngineSteps:
     def _generate_impl(self, params, state: DecodeState, steps: int):
         def one(state, _):
             was_active = state.active
-            logits, ck, cv = self._extend_all(params, state, state.last_token[:, None], state.lengths,
-                                              state.lengths + 1)
+            logits, ck, cv, *routes = self._extend_all(params, state, state.last_token[:, None], state.lengths,
+                                                       state.lengths + 1, self.record_routes)
             tok, lp, raw = sample(logits[:, 0], state.request.sampling, state.draws)
             lengths = state.lengths + was_active
             generated = state.generated + was_active
@@ -282,7 +299,8 @@ class EngineSteps:
                 draws=state.draws + was_active, active=was_active & ~done, request=state.request,
                 page_table=state.page_table,
             )
-            return new, ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=was_active, done=done)
+            return new, ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=was_active, done=done,
+                                     routes=routes[0][:, 0] if routes else None)
 
         # Inactive slots compute too (fixed shapes) but their cache rows, lengths and tokens
         # are left as they were: a parked slot's KV stays intact.
@@ -291,12 +309,14 @@ class EngineSteps:
 
     def _append_impl(self, params, state: DecodeState, slot, tokens, true_length, request):
         start = state.lengths[slot]
-        logits, state = self._extend_slot(params, state, slot, tokens, start, start + true_length)
+        logits, state, *routes = self._extend_slot(params, state, slot, tokens, start, start + true_length,
+                                                   with_routes=self.record_routes)
         draws = state.draws[slot]
         tok, lp, raw = self._sample_last(logits, true_length, request, draws)
         length = start + true_length
         done = _finish(request, tok, 1, length, self.max_len)
-        first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.bool_(True), done=done)
+        first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.bool_(True), done=done,
+                             routes=routes[0][0] if routes else None)
         return self._set_slot(state, slot, length, first, request, draws + 1), self._on_every_host(first)
 
     def _free_impl(self, state: DecodeState, slot):

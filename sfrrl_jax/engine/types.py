@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from sfrrl_jax.config import check_int, check_number, check_seed
 
 
@@ -60,12 +62,27 @@ class Completion:
     # log p(tokens[i]) under the policy at temperature 1 (what the train forward computes);
     # None when the engine does not provide it.
     raw_logprobs: list[float] | None = None
+    # Routing replay (an engine built with record_routes=True; else None): the experts every
+    # token FED to the model in this call used, [fed, moe layers, top_k] int (moe layers in
+    # `models.transformer.moe_layer_ids` order). A new request fed its prompt, then each
+    # generated token but the last (sampled, never fed): fed = len(prompt) + len(tokens) - 1.
+    # A continued request (slot_handle) fed the previous call's last token first (it was
+    # pending in the slot), then its appended tokens, then tokens[:-1]: fed = 1 +
+    # len(appended) + len(tokens) - 1. Concatenated over a trajectory's calls: the routes of
+    # every token of the trajectory but its last.
+    routes: np.ndarray | None = None
 
     def __post_init__(self):
         if self.raw_logprobs is not None and len(self.raw_logprobs) != len(self.tokens):
             raise ValueError(f"Completion has {len(self.tokens)} tokens but {len(self.raw_logprobs)} raw_logprobs")
         if len(self.tokens) != len(self.logprobs):
             raise ValueError(f"Completion has {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
+        if self.routes is not None:
+            r = self.routes
+            # every call feeds at least one token of its request before its first sampled one
+            if r.ndim != 3 or r.shape[0] < len(self.tokens) or not np.issubdtype(r.dtype, np.integer):
+                raise ValueError(f"Completion.routes must be int [fed >= {len(self.tokens)} tokens, moe layers, "
+                                 f"top_k], got {r.dtype} {r.shape}")
         if self.finish_reason not in ("stop", "length"):
             raise ValueError(f"Completion.finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
 
