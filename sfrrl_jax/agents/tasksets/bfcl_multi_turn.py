@@ -43,7 +43,7 @@ from sfrrl_jax.agents.environments import ToolEnvironment
 from sfrrl_jax.agents.protocols import Message, RewardFn, Task, ToolCall, ToolCallError, ToolResult
 from sfrrl_jax.agents.schema import validate
 from sfrrl_jax.agents.task_kinds import register_task_kind
-from sfrrl_jax.agents.tasksets.function_calling import BFCL_HINT, bfcl_data_dir, tool_schemas
+from sfrrl_jax.agents.tasksets.function_calling import BFCL_HINT, bfcl_data_dir, message_tool_calls, tool_schemas
 from sfrrl_jax.agents.tasksets.records import read_records, task_from_record
 from sfrrl_jax.agents.tools import FunctionTool, ToolRunnerConfig
 from sfrrl_jax.agents.trajectory import Trajectory
@@ -182,16 +182,7 @@ def turn_calls(trajectory: Trajectory) -> list[list[Call]]:
             if later.get("role") != "tool":
                 break
             answered.add(later.get("tool_call_id"))
-        for entry in message["tool_calls"]:
-            function = entry.get("function", entry)
-            arguments = function.get("arguments", {})
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except json.JSONDecodeError:
-                    arguments = {}
-            if entry.get("id") in answered:
-                turns[-1].append((function.get("name", ""), arguments if isinstance(arguments, dict) else {}))
+        turns[-1] += [call for call_id, call in message_tool_calls(message) if call_id in answered]
     return turns
 
 

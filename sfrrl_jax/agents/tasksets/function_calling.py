@@ -269,21 +269,27 @@ def parse_python_calls(text: str) -> list[Call] | None:
     return calls
 
 
+def message_tool_calls(message: Message) -> list[tuple[str, Call]]:
+    """An assistant message's native tool calls as (call id, (name, arguments)); arguments given
+    as a JSON string are decoded, and anything not an object becomes {}."""
+    calls = []
+    for entry in message.get("tool_calls") or []:
+        function = entry.get("function", entry)
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = {}
+        calls.append((entry.get("id"), (function.get("name", ""), arguments if isinstance(arguments, dict) else {})))
+    return calls
+
+
 def trajectory_calls(trajectory: Trajectory) -> list[Call]:
     """The first assistant turn's native tool calls, else the calls in the final text, else []."""
     for message in trajectory.messages:
         if message.get("role") == "assistant" and message.get("tool_calls"):
-            calls = []
-            for entry in message["tool_calls"]:
-                function = entry.get("function", entry)
-                arguments = function.get("arguments", {})
-                if isinstance(arguments, str):
-                    try:
-                        arguments = json.loads(arguments)
-                    except json.JSONDecodeError:
-                        arguments = {}
-                calls.append((function.get("name", ""), arguments if isinstance(arguments, dict) else {}))
-            return calls
+            return [call for _, call in message_tool_calls(message)]
     return parse_python_calls(trajectory.final_text) or []
 
 
