@@ -245,6 +245,14 @@ class Engine(PagingMixin):
         elif slot_handle is not None and self._evicted.pop(getattr(slot_handle, "serial", None), None):
             self._kick()
 
+    def _stop_running(self, job: Job) -> None:
+        """Stop decoding a running job; its slot is freed on the device between two device steps
+        (a step may be running on the worker thread right now), then rejoins the pool."""
+        del self._running[job.slot]
+        self._serials.pop(job.slot, None)
+        self._logs.pop(job.slot, None)
+        self._to_free.append(job.slot)
+
     def _cancel(self, job: Job):
         if job.future.done():
             # The result was set, but the caller was cancelled before it resumed: nobody will
@@ -254,12 +262,7 @@ class Engine(PagingMixin):
         elif job in self._queue:
             self._queue.remove(job)
         elif job.slot is not None and self._running.get(job.slot) is job:
-            # Stop decoding it; the driver frees the slot on the device between two device steps
-            # (a step may be running on the worker thread right now), then it rejoins the pool.
-            del self._running[job.slot]
-            self._serials.pop(job.slot, None)
-            self._logs.pop(job.slot, None)
-            self._to_free.append(job.slot)
+            self._stop_running(job)
             self._kick()
         if not job.future.done():
             job.future.cancel()  # nobody awaits it any more; nothing may set it later

@@ -45,6 +45,10 @@ class Job:
     # record_routes: the experts of the tokens this call fed so far, in feed order, as arrays
     # [n, moe layers, top_k] (the prefill's or append's tokens, then one per decode step)
     routes: list = dataclasses.field(default_factory=list)
+    # engine.lockstep: the (owner process, key) naming this job in every process's replica, and
+    # the serial of the slot it parked when it finished (released by a later cancel)
+    lockstep_key: tuple[int, int] | None = None
+    parked_serial: int | None = None
 
     def add_admission_routes(self, first: dict) -> None:
         """Keeps the routes of the tokens its prefill or append fed (`first`: the step's results

@@ -387,11 +387,8 @@ class LockstepEngine(Engine):
         if job in self._queue:
             self._queue.remove(job)
         elif job.slot is not None and self._running.get(job.slot) is job:
-            del self._running[job.slot]
-            self._serials.pop(job.slot, None)
-            self._logs.pop(job.slot, None)
-            self._to_free.append(job.slot)
-        elif getattr(job, "parked_serial", None) is not None:
+            self._stop_running(job)
+        elif job.parked_serial is not None:
             self._release_parked(SlotHandle(job.slot, job.parked_serial))
         if not job.future.done():
             job.future.cancel()
