@@ -23,7 +23,16 @@ Columns:
 'ragged' on CPU is the all-gather emulation of `ragged_all_to_all` (XLA:CPU has none), so its
 time and bytes here are not the GPU path's; LLEP's token exchange uses the same emulation on CPU.
 
+Second table, routing replay (R3) in bf16: a bf16 MoE (the dispatch table's expert width, two
+layers) rolls out multi-turn workload trajectories on an engine recording routes (many in
+flight: the decode batches mix trajectories); the train forward then sees them as one padded
+batch of another shape. Without replay, the share of (token, layer, choice) routing decisions
+and of tokens with any decision that differ from the engine's; with and without replay, the
+mean and max |train - engine| log-prob of the generated tokens (the policy-gradient ratio's
+error), and the train router's agreement with the replayed experts.
+
     python experiments/bench/moe_dispatch.py [--tokens 1024 --experts 32 --top-k 4 --iters 5]
+                                             [--replay-prompts 8 --replay-samples 4]
 """
 import os
 
@@ -41,7 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import sfrrl_jax as S  # noqa: E402
-from sfrrl_jax.models import llep, moe as moe_lib  # noqa: E402
+from sfrrl_jax.models import llep, moe as moe_lib, transformer as tfm  # noqa: E402
 
 ROUTINGS = ("uniform", "zipf1", "zipf15", "one_hot")
 DISPATCHES = ("padded", "ragged", "llep")
@@ -78,6 +87,55 @@ def ffn_buffer(cfg, n_tokens: int, shards: int) -> dict:
     return {"padded": (shards * a, n_local), "ragged": (shards * a, n_local), "llep": (r, n_local + z)}
 
 
+def replay_table(args, mesh) -> list[dict]:
+    """Routing decisions and log-prob mismatch, engine vs train forward, R3 off / on (bf16)."""
+    import asyncio
+    from sfrrl_jax.engine import Engine
+    from sfrrl_jax.rl.config import LossConfig
+    from sfrrl_jax.rl.loss_fn import policy_loss
+    from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, make_tasks
+    from sfrrl_jax.trainer.batching import batch_fields, microbatch_from_trajectories
+
+    cfg = S.ModelConfig.preset("tiny-moe", n_experts=args.experts, top_k=args.top_k, d_ff_expert=args.d_ff,
+                               max_seq_len=128, param_dtype="bfloat16", compute_dtype="bfloat16")
+    params = S.init_params(cfg, mesh, seed=0)
+    wl = WorkloadConfig(num_prompts=args.replay_prompts, response_median=12, response_sigma=0.6, max_response=32,
+                        tool_latency_median_s=0.001, tool_latency_sigma=0.1, max_turns=3)
+    engine = Engine(cfg, params, max_slots=16, max_len=128, buckets=(16, 32, 64), decode_steps=4,
+                    max_consecutive_faults=0, record_routes=True)
+    agent = WorkloadAgent(wl, temperature=1.0)
+
+    async def rollouts():
+        return await asyncio.gather(*(agent(engine, t, s) for t in make_tasks(wl) for s in range(args.replay_samples)))
+    trajs = asyncio.run(rollouts())
+    dims = (len(tfm.moe_layer_ids(cfg)), cfg.top_k)
+    mb = microbatch_from_trajectories(trajs, np.zeros(len(trajs)), 32, 128, batch_fields(policy_loss(
+        LossConfig(routing_replay="r3"))), dims)
+    held, gen = mb["routes_mask"].astype(bool), mb["loss_mask"].astype(bool)
+
+    def forward(p, tokens, seg, routes, mask):
+        hidden, aux, used = tfm.forward_hidden(cfg, p, tokens, seg, routes=routes, routes_mask=mask, return_routes=True)
+        logp = jax.nn.log_softmax(tfm.logits_from_hidden(cfg, p, hidden).astype(jnp.float32), -1)
+        # the log-prob of token t comes from position t - 1
+        picked = jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+        return jnp.pad(picked, ((0, 0), (1, 0))), aux, used
+
+    rows = []
+    with jax.set_mesh(mesh):
+        run = jax.jit(forward)
+        for replay in (False, True):
+            mask = mb["routes_mask"] if replay else np.zeros_like(mb["routes_mask"])
+            logp, aux, used = run(params, mb["tokens"], mb["segment_ids"], mb["routes"], mask)
+            used, engine_ids = np.sort(np.asarray(used)[held], -1), np.sort(mb["routes"][held], -1)
+            diff = np.abs(np.asarray(logp) - mb["rollout_logprobs"])[gen]
+            rows.append({"replay": "r3" if replay else "off", "decisions_differ": float(np.mean(used != engine_ids)),
+                         "tokens_touched": float(np.mean(np.any(used != engine_ids, axis=(1, 2)))),
+                         "mismatch_mean": float(diff.mean()), "mismatch_max": float(diff.max()),
+                         "agreement": float(aux["routing_agreement"]) if replay else None,
+                         "tokens": int(held.sum()), "generated": int(gen.sum()), "rows": len(trajs)})
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=1024)
@@ -86,6 +144,8 @@ def main():
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--replay-prompts", type=int, default=8)
+    ap.add_argument("--replay-samples", type=int, default=4)
     ap.add_argument("--out", default="bench_out/moe_dispatch.json")
     args = ap.parse_args()
     shards = len(jax.devices())
@@ -138,12 +198,22 @@ def main():
               f"{str(r['ffn_rows']) + ' x ' + str(r['ffn_groups']):>17s} {r['temp_bytes'] / 2**20:9.2f} "
               f"{r['ms']:9.2f} {r['load_vs_padded']:8.2f} "
               f"{r['mem_vs_padded']:8.2f} {r['time_vs_padded']:8.2f}")
+    replay = replay_table(args, mesh)
+    r = replay[0]
+    print(f"\nrouting replay, bf16, E={args.experts}, k={args.top_k}: {r['rows']} trajectories, {r['tokens']} fed "
+          f"tokens ({r['generated']} generated); engine decode batches vs one train batch")
+    print(f"{'replay':6s} {'decisions differ':>16s} {'tokens touched':>14s} {'|dlogp| mean':>12s} "
+          f"{'|dlogp| max':>11s} {'agreement':>9s}")
+    for r in replay:
+        agree = "-" if r["agreement"] is None else f"{r['agreement']:.4f}"
+        print(f"{r['replay']:6s} {r['decisions_differ']:16.2%} {r['tokens_touched']:14.2%} {r['mismatch_mean']:12.3e} "
+              f"{r['mismatch_max']:11.3e} {agree:>9s}")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "devices": shards, "backend": jax.default_backend(),
                                "llep": {"threshold": base.llep_threshold, "capacity_factor": llep.CAPACITY_FACTOR,
                                         "spill_slots": llep.default_spill_slots(args.experts, shards)},
-                               "rows": rows}, indent=2))
+                               "rows": rows, "routing_replay": replay}, indent=2))
     print(f"wrote {out}")
 
 

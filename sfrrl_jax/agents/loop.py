@@ -158,7 +158,7 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                     break
                 handle = completion.slot_handle
                 generate_s = time.perf_counter() - gen_start
-                gen_lo, gen_hi = builder.append_generated(completion.tokens, completion.logprobs)
+                gen_lo, gen_hi = builder.append_completion(completion)  # (and its routes, if recorded)
                 parsed = fmt.parse(tokenizer.decode(completion.tokens))
                 assistant: dict = {"role": "assistant", "content": parsed.content}
                 if parsed.reasoning:

@@ -5,11 +5,18 @@ Layout of `tokens` (length T): prompt | gen_0 | obs_0 | gen_1 | obs_1 | ... | ge
 `rollout_logprobs[t]` is the engine's log-prob there and 0.0 where the mask is 0. Generated tokens
 are stored as the engine returned them, never re-tokenized; observations are the chat template's
 delta, tokenized once and appended.
+
+Routing replay (an engine recording routes, MoE models): `routes` [n, moe layers, top_k] holds
+the experts the engine used for tokens[0:n], in order: prompt and observation tokens get the
+engine's prefill choices, generated tokens their decode choices. After every turn n = T - 1 (the
+last token was sampled, never fed); a trajectory cut while an observation was pending has fewer.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +55,8 @@ class Trajectory:
     # Why the rollout failed ("TypeError: ..."), or None. A failed trajectory keeps its tokens for
     # inspection, has reward 0 and trains no token: its loss mask is all zeros.
     error: str | None = None
+    # The engine's experts for tokens[:len(routes)] (see the module doc), or None (not recorded).
+    routes: np.ndarray | None = None
 
     def mark_failed(self, error: str) -> None:
         """Turns this trajectory into a failed one (see `error`): mask and log-probs zeroed."""
@@ -75,6 +84,9 @@ class Trajectory:
         if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
             raise ValueError(f"trajectory {self.task_id}/{self.sample_index}: tokens={n}, "
                              f"loss_mask={len(self.loss_mask)}, rollout_logprobs={len(self.rollout_logprobs)}")
+        if self.routes is not None and (self.routes.ndim != 3 or len(self.routes) >= max(n, 1)):
+            raise ValueError(f"trajectory {self.task_id}/{self.sample_index}: routes {self.routes.shape} must be "
+                             f"[fed < {n} tokens, moe layers, top_k]")
         pos = self.prompt_len
         for turn in self.turns:
             if not pos == turn.gen_start <= turn.gen_end <= turn.obs_end <= n:
@@ -108,6 +120,28 @@ class TrajectoryBuilder:
         t.loss_mask += [1] * len(tokens)
         t.rollout_logprobs += [float(x) for x in logprobs]
         return start, len(t.tokens)
+
+    def append_completion(self, completion) -> tuple[int, int]:
+        """Appends what one engine call generated (an `engine.types.Completion`): its tokens and
+        log-probs (mask 1), and its routes when the engine recorded them. Returns the span."""
+        span = self.append_generated(completion.tokens, completion.logprobs)
+        if completion.routes is not None:
+            self.append_routes(completion.routes)
+        return span
+
+    def append_routes(self, routes: np.ndarray) -> None:
+        """Appends the experts of the tokens one engine call fed (`Completion.routes`); they must
+        continue the trajectory's routes up to its last token but one."""
+        t = self.trajectory
+        routes = np.asarray(routes)
+        kept = t.routes if t.routes is not None else routes[:0]
+        if routes.ndim != 3 or routes.shape[1:] != kept.shape[1:]:
+            raise ValueError(f"the engine's routes {routes.shape} do not continue the trajectory's {kept.shape}")
+        merged = np.concatenate([kept, routes.astype(np.int16)], axis=0)
+        if len(merged) != len(t.tokens) - 1:
+            raise ValueError(f"the engine's routes cover {len(merged)} tokens of a trajectory of {len(t.tokens)}: "
+                             "every token but the last must have been fed exactly once")
+        t.routes = merged
 
     def append_observation(self, tokens: list[int]) -> int:
         t = self.trajectory

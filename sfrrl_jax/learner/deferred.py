@@ -73,7 +73,8 @@ def check_deferrable(loss: Loss | LossConfig) -> None:
             "with behavior='current', ratio exactly 1)")
 
 
-def build_deferred_fns(forward_fn, loss: Loss, router_coefs, acc_sh: Accumulator, init_acc) -> dict:
+def build_deferred_fns(forward_fn, loss: Loss, router_coefs, acc_sh: Accumulator, init_acc,
+                       aux_metrics: tuple[str, ...] = ()) -> dict:
     """Jitted init / micro / merge for one params layout: the accumulator's shardings `acc_sh`
     and its (unjitted) zero `init_acc(params)`, as the train step built them."""
     check_deferrable(loss)
@@ -91,7 +92,7 @@ def build_deferred_fns(forward_fn, loss: Loss, router_coefs, acc_sh: Accumulator
                               pgc=jnp.zeros((), jnp.float32), stats=acc.stats,
                               k=zeros() if with_rest else None)
 
-    objective = functools.partial(microbatch_objective, forward_fn, loss, router_coefs)
+    objective = functools.partial(microbatch_objective, forward_fn, loss, router_coefs, aux_metrics=aux_metrics)
 
     def split_terms(p, mb):
         numerator, (parts, router_sums) = objective(p, mb)

@@ -24,11 +24,14 @@ import jax.numpy as jnp
 from sfrrl_jax.models.context_parallel import per_context_shard
 from sfrrl_jax.rl.aggregation import SequenceLayout
 from sfrrl_jax.rl.logprobs import token_logprobs_and_entropy
-from sfrrl_jax.rl.loss_fn import BASE_FIELDS, LAYOUT_FIELDS, Loss, LossInputs
+from sfrrl_jax.rl.loss_fn import BASE_FIELDS, LAYOUT_FIELDS, REPLAY_FIELDS, Loss, LossInputs
 from sfrrl_jax.rl.losses import ObjectiveParts
 
 # forward_fn(params, tokens, segment_ids, positions) -> (hidden [batch, seq, embed],
-#   unembedding [embed, vocab], aux dict of scalars incl. 'router_aux_loss', 'router_z_loss')
+#   unembedding [embed, vocab], aux dict of scalars incl. 'router_aux_loss', 'router_z_loss').
+# Under routing replay (Loss.routing_replay='r3') it is also given routes=[batch, seq, moe
+# layers, top_k] and routes_mask=[batch, seq] as keywords, and its aux then holds the
+# routing-agreement metrics the train step was told about (`TrainStep(aux_metrics=...)`).
 ForwardFn = Callable
 
 ROUTER_METRICS = ("router_aux_loss", "router_z_loss")
@@ -76,16 +79,19 @@ def microbatch_objective(
     router_coefs: tuple[float, float],
     params,
     batch: dict,
+    aux_metrics: tuple[str, ...] = (),
 ):
     """(differentiable numerator, (ObjectiveParts, router metric sums)) of one micro-batch.
 
     The router losses (per-forward means from the model) join the numerator weighted by this
     micro-batch's aggregation denominator, so after accumulation the loss is
     policy_loss + coef * (denominator-weighted mean of the micro-batches' router losses); with a
-    single micro-batch that is exactly policy_loss + coef * router_loss.
+    single micro-batch that is exactly policy_loss + coef * router_loss. `aux_metrics`: further
+    scalars of the forward's aux (routing agreement) accumulated the same way, as metrics only.
     """
     tokens = batch["tokens"]
-    hidden, unembed, aux = forward_fn(params, tokens, batch.get("segment_ids"), batch.get("positions"))
+    replay = {k: batch[k] for k in REPLAY_FIELDS if batch.get(k) is not None}
+    hidden, unembed, aux = forward_fn(params, tokens, batch.get("segment_ids"), batch.get("positions"), **replay)
     # Per token, so each context shard computes its own tokens' log-probs (no sequence gather).
     def logprobs(h, targets, w):
         return token_logprobs_and_entropy(h, w, targets, loss.vocab_chunk, loss.seq_chunk)
@@ -101,4 +107,9 @@ def microbatch_objective(
         if coef != 0.0:
             numerator = numerator + coef * value * den
         router_sums[name] = jax.lax.stop_gradient(value) * den
+    for name in aux_metrics:
+        if name not in aux:
+            raise KeyError(f"the forward's aux has no {name!r} (has {sorted(aux)}): a routing-replay "
+                           "metric needs the batch's 'routes'")
+        router_sums[name] = jax.lax.stop_gradient(jnp.asarray(aux[name], jnp.float32)) * den
     return numerator, (parts, router_sums)

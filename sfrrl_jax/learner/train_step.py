@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sfrrl_jax.models.api import mesh_of
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.aggregation import SequenceLayout
-from sfrrl_jax.rl.loss_fn import BUILTIN_FIELDS, LAYOUT_FIELDS, Loss, LossInputs, as_loss
+from sfrrl_jax.rl.loss_fn import BUILTIN_FIELDS, REPLAY_FIELDS, Loss, LossInputs, as_loss
 from sfrrl_jax.rl.losses import ObjectiveParts, finalize_metrics
 from sfrrl_jax.learner.accumulator import (
     Accumulator, accumulate, accumulator_shardings, zero_accumulator,
@@ -63,8 +63,9 @@ from sfrrl_jax.learner.optimizer import (
 def validate_microbatch(batch: dict, loss: Loss | LossConfig, vocab_size: int | None = None) -> None:
     """Host-side checks (keys, shapes, dtypes, token range) with messages naming the tensor.
 
-    Required keys are the loss's `required_fields`; a key is unknown unless a built-in loss or
-    this loss reads it (`rl.loss_fn.BUILTIN_FIELDS`, `Loss.fields`).
+    Required keys are the loss's `required_fields` (and under routing replay 'routes' and
+    'routes_mask'); a key is unknown unless a built-in loss or this loss reads it
+    (`rl.loss_fn.BUILTIN_FIELDS`, `Loss.fields`).
     """
     if not isinstance(batch, dict):
         raise TypeError(f"micro-batch must be a dict of arrays, got {type(batch).__name__}")
@@ -73,6 +74,11 @@ def validate_microbatch(batch: dict, loss: Loss | LossConfig, vocab_size: int | 
     if missing:
         raise KeyError(f"micro-batch is missing {missing}, required by the loss {loss.name} "
                        f"(Loss.required_fields={list(loss.required_fields)}); has {sorted(batch)}")
+    if loss.routing_replay == "r3":
+        missing = [k for k in REPLAY_FIELDS if batch.get(k) is None]
+        if missing:
+            raise KeyError(f"micro-batch is missing {missing}: routing replay (routing_replay='r3') trains "
+                           f"on the engine's experts (an Engine built with record_routes=True); has {sorted(batch)}")
     known = set(BUILTIN_FIELDS) | set(loss.fields)
     unknown = sorted(set(batch) - known)
     if unknown:
@@ -86,6 +92,11 @@ def validate_microbatch(batch: dict, loss: Loss | LossConfig, vocab_size: int | 
         if v is None or k == "tokens":
             continue
         s = tuple(np.shape(v))
+        if k == "routes":
+            if len(s) != 4 or s[:2] != shape or not jnp.issubdtype(v.dtype, jnp.integer):
+                raise ValueError(f"micro-batch 'routes' must be int [batch, seq, moe layers, top_k] with "
+                                 f"[batch, seq] = {shape} like 'tokens', got {v.dtype} {s}")
+            continue
         if k == "advantages" and s == shape[:1]:
             if batch.get("segment_ids") is not None:
                 raise ValueError("micro-batch 'advantages' is per-row [batch] but rows are packed "
@@ -126,6 +137,8 @@ class TrainStep:
       (the value this update used), else the metric is absent.
     router_coefs: (aux, z) coefficients of the forward's router losses (`make_train_step` takes
       them from the loss, else from the model config).
+    aux_metrics: further scalars of the forward's aux reported as metrics (denominator-weighted
+      over micro-batches, like the router losses): under routing replay the agreement metrics.
 
     Attributes: loss (Loss), loss_cfg (the LossConfig behind a built-in loss, else None), tx
     (the transformation), optimizer_cfg / schedule (None for a raw transformation).
@@ -135,8 +148,11 @@ class TrainStep:
 
     def __init__(self, forward_fn: ForwardFn, loss: Loss | LossConfig,
                  optimizer: optax.GradientTransformation | OptimizerConfig,
-                 router_coefs: tuple[float, float] = (0.0, 0.0), vocab_size: int | None = None):
+                 router_coefs: tuple[float, float] = (0.0, 0.0), vocab_size: int | None = None,
+                 aux_metrics: tuple[str, ...] = ()):
         self.forward_fn = forward_fn
+        # scalars of the forward's aux averaged into the metrics besides the router losses
+        self.aux_metrics = tuple(aux_metrics)
         self.loss = as_loss(loss)
         self.loss_cfg = self.loss.config
         self.tx, self.optimizer_cfg = as_transformation(optimizer)
@@ -219,7 +235,8 @@ class TrainStep:
             self._fns(params)  # the accumulator layout
             layout = self._layouts[key]
             self._deferred_cache[key] = build_deferred_fns(
-                self.forward_fn, self.loss, self.router_coefs, layout["acc"], layout["init_acc"])
+                self.forward_fn, self.loss, self.router_coefs, layout["acc"], layout["init_acc"],
+                aux_metrics=self.aux_metrics)
         return self._deferred_cache[key]
 
     def jitted_microstep(self, params):
@@ -235,7 +252,7 @@ class TrainStep:
     def _prepare(self, params, batch: dict) -> dict:
         batch = {k: v for k, v in batch.items() if v is not None}
         validate_microbatch(batch, self.loss, self.vocab_size)
-        reads = set(self.loss.fields) | set(LAYOUT_FIELDS)
+        reads = set(self.loss.fields) | set(self.loss.forward_fields)
         batch = {k: v for k, v in batch.items() if k in reads}
         mesh = mesh_of(params)
         out = {}
@@ -258,7 +275,7 @@ class TrainStep:
         param_sh = jax.tree.map(lambda p: p.sharding, params)
         opt_sh = opt_state_shardings(self.tx, params, self.optimizer_cfg)
         sums_t, maxes_t, mins_t = self._template
-        sum_keys = list(sums_t) + list(ROUTER_METRICS)
+        sum_keys = list(sums_t) + list(ROUTER_METRICS) + list(self.aux_metrics)
         acc_sh = accumulator_shardings(param_sh, rep, sum_keys, list(maxes_t), list(mins_t))
 
         def init_acc(p):
@@ -268,7 +285,8 @@ class TrainStep:
             return OptState(step=jnp.zeros((), jnp.int32), inner=self.tx.init(p))
 
         grad_fn = jax.value_and_grad(
-            functools.partial(microbatch_objective, self.forward_fn, self.loss, self.router_coefs),
+            functools.partial(microbatch_objective, self.forward_fn, self.loss, self.router_coefs,
+                              aux_metrics=self.aux_metrics),
             has_aux=True)
 
         def micro(p, acc, mb):
@@ -286,7 +304,8 @@ class TrainStep:
         def update(p, opt_state, acc):
             if offloaded:
                 opt_state = jax.device_put(opt_state, opt_on_device)
-            new_p, new_opt, metrics = _apply_update(self.tx, self.schedule, param_sh, p, opt_state, acc)
+            new_p, new_opt, metrics = _apply_update(self.tx, self.schedule, param_sh, p, opt_state, acc,
+                                                    ROUTER_METRICS + self.aux_metrics)
             if offloaded:
                 new_opt = jax.device_put(new_opt, opt_sh)
             return new_p, new_opt, metrics
@@ -315,7 +334,8 @@ def batch_sharding(mesh, shape) -> NamedSharding:
     return sharding_for(mesh, axes, shape)
 
 
-def _apply_update(tx, schedule, param_sh, params, opt_state: OptState, acc: Accumulator):
+def _apply_update(tx, schedule, param_sh, params, opt_state: OptState, acc: Accumulator,
+                  forward_metrics: tuple[str, ...] = ROUTER_METRICS):
     s = acc.scalars
     den = jnp.maximum(s.denominator, 1.0)
     grads = jax.tree.map(lambda g: g / den, acc.grads)
@@ -329,9 +349,9 @@ def _apply_update(tx, schedule, param_sh, params, opt_state: OptState, acc: Accu
     new_inner = jax.tree.map(keep, inner, opt_state.inner)
     new_opt = OptState(step=opt_state.step + ok.astype(jnp.int32), inner=new_inner)
     metrics = finalize_metrics(
-        {k: v for k, v in acc.sums.items() if "/" in k}, acc.maxes, acc.mins,
+        {k: v for k, v in acc.sums.items() if "/" in k and k not in forward_metrics}, acc.maxes, acc.mins,
         s.denominator, s.num_tokens)
-    for name in ROUTER_METRICS:
+    for name in forward_metrics:
         metrics[name] = acc.sums[name] / den
     metrics.update(
         loss=s.numerator / den,
@@ -355,17 +375,28 @@ def make_train_step(cfg, loss: Loss | LossConfig,
     loss: a `sfrrl_jax.rl.Loss` or a `LossConfig`; optimizer: an optax `GradientTransformation`
     or an `OptimizerConfig` (see `TrainStep`). Router aux / z-loss coefficients come from the
     loss (`Loss.router_aux_coef` / `router_z_coef`, i.e. the LossConfig's) when set, else from `cfg`.
+    Routing replay (`Loss.routing_replay='r3'`, a MoE `cfg`): the forward uses the batch's routes
+    and metrics gain 'routing_agreement' and 'routing_agreement/layer_<i>' per MoE layer i.
     """
     from sfrrl_jax.models import transformer as tfm
 
     loss = as_loss(loss)
+    aux_metrics = ()
+    if loss.routing_replay == "r3":
+        moe = tfm.moe_layer_ids(cfg)
+        if not moe:
+            raise ValueError(f"the loss {loss.name!r} has routing_replay='r3' but the model has no MoE layer "
+                             f"(ModelConfig.n_experts={cfg.n_experts}): there are no routes to replay")
+        aux_metrics = ("routing_agreement",) + tuple(f"routing_agreement/layer_{i}" for i in moe)
 
-    def forward_fn(params, tokens, segment_ids, positions):
-        hidden, aux = tfm.forward_hidden(cfg, params, tokens, segment_ids, positions)
+    def forward_fn(params, tokens, segment_ids, positions, routes=None, routes_mask=None):
+        hidden, aux = tfm.forward_hidden(cfg, params, tokens, segment_ids, positions, routes=routes,
+                                         routes_mask=routes_mask)
         return hidden, tfm.unembedding(cfg, params), aux
 
     coefs = (
         cfg.router_aux_coef if loss.router_aux_coef is None else loss.router_aux_coef,
         cfg.router_z_coef if loss.router_z_coef is None else loss.router_z_coef,
     )
-    return TrainStep(forward_fn, loss, optimizer, router_coefs=coefs, vocab_size=cfg.vocab_size)
+    return TrainStep(forward_fn, loss, optimizer, router_coefs=coefs, vocab_size=cfg.vocab_size,
+                     aux_metrics=aux_metrics)

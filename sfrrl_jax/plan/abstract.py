@@ -33,10 +33,9 @@ from sfrrl_jax.learner.optimizer import OptimizerConfig, OptState
 from sfrrl_jax.learner.train_step import TrainStep, make_train_step
 from sfrrl_jax.mesh import sharding_for
 from sfrrl_jax.models.api import param_shardings
-from sfrrl_jax.models.transformer import param_shapes
+from sfrrl_jax.models.transformer import moe_layer_ids, param_shapes
 from sfrrl_jax.rl.config import LossConfig
-from sfrrl_jax.rl.loss_fn import LAYOUT_FIELDS
-from sfrrl_jax.trainer.batching import TRAJECTORY_FIELDS, batch_fields
+from sfrrl_jax.trainer.batching import ROUTE_FIELDS, TRAJECTORY_FIELDS, batch_fields
 
 HOST_KINDS = ("pinned_host", "unpinned_host")
 GB = 1e9   # report unit: the decimal GB of a device's datasheet (H200: 141 GB)
@@ -75,6 +74,7 @@ class TrainSetup:
     params: Any
     opt_state: OptState
     acc: Any
+    route_dims: tuple[int, int] | None = None   # (moe layers, top_k) under routing replay
 
     @staticmethod
     def build(model_cfg: ModelConfig, mesh, loss_cfg: LossConfig, optimizer_cfg: OptimizerConfig) -> "TrainSetup":
@@ -86,7 +86,9 @@ class TrainSetup:
         opt_state = ts.abstract_opt_state(params)
         # eval_shape of the jitted init carries its out_shardings: the accumulator's real layout
         acc = jax.eval_shape(ts._fns(params)["init_acc"], params)
-        return TrainSetup(ts, params, opt_state, acc)
+        replay = ts.loss.routing_replay == "r3"
+        dims = (len(moe_layer_ids(model_cfg)), model_cfg.top_k) if replay else None
+        return TrainSetup(ts, params, opt_state, acc, dims)
 
     def deferred_buffer(self) -> DeferredBuffer:
         """Abstract advantage-deferred group buffer (h1, hc, and k if the loss has such terms)."""
@@ -98,15 +100,20 @@ class TrainSetup:
 
 def microbatch_fields(train_step: TrainStep) -> tuple[str, ...]:
     """The fields a trajectory micro-batch carries into the jitted step (what `_prepare` keeps)."""
-    reads = set(train_step.loss.fields) | set(LAYOUT_FIELDS)
+    reads = set(train_step.loss.fields) | set(train_step.loss.forward_fields)
     return tuple(k for k in batch_fields(train_step.loss) if k in reads)
 
 
 def microbatch(setup: TrainSetup, rows: int, length: int) -> dict:
-    """Abstract [rows, length] micro-batch, batch-sharded like `TrainStep._prepare` places it."""
+    """Abstract [rows, length] micro-batch, batch-sharded like `TrainStep._prepare` places it
+    (under routing replay 'routes' is [rows, length, moe layers, top_k])."""
     mesh = jax.tree.leaves(setup.params)[0].sharding.mesh
-    sh = sharding_for(mesh, ("batch", "seq"), (rows, length))
-    return {k: _sds((rows, length), TRAJECTORY_FIELDS[k], sh) for k in microbatch_fields(setup.train_step)}
+    out = {}
+    for k in microbatch_fields(setup.train_step):
+        shape = (rows, length) + (tuple(setup.route_dims) if k == "routes" else ())
+        dtype = ROUTE_FIELDS[k] if k in ROUTE_FIELDS else TRAJECTORY_FIELDS[k]
+        out[k] = _sds(shape, dtype, sharding_for(mesh, ("batch", "seq") + (None,) * (len(shape) - 2), shape))
+    return out
 
 
 def engine_abstract(model_cfg: ModelConfig, mesh, max_slots: int, max_len: int, buckets,

@@ -20,6 +20,7 @@ Behavior = Literal["current", "rollout", "old"]
 KLEstimator = Literal["k1", "k2", "k3"]
 ISCorrection = Literal["none", "tis", "mis"]
 ISLevel = Literal["token", "sequence", "geo_sequence"]
+RoutingReplay = Literal["off", "r3"]
 
 
 def _check_choice(owner: str, name: str, value, allowed) -> None:
@@ -85,6 +86,12 @@ class LossConfig:
       'geo_sequence' (w = geometric mean over the sequence's tokens).
     router_aux_coef / router_z_coef: coefficients of the model's router losses; None takes them
       from the ModelConfig.
+    routing_replay: 'off', or 'r3' (rollout routing replay, MoE models): the engine records the
+      experts every token it fed used, the micro-batches carry them ('routes' [rows, seq, moe
+      layers, top_k], 'routes_mask' [rows, seq]) and the train forward uses those experts, with
+      gate weights from its own router (so the router still learns). Metrics then include
+      'routing_agreement' and 'routing_agreement/layer_<i>' (the share of the engine's choices
+      the train router would have made itself).
     vocab_chunk / seq_chunk: chunk sizes of the logprob computation (never materialises [T, V]).
     """
 
@@ -106,6 +113,7 @@ class LossConfig:
     is_high: float = 2.0
     router_aux_coef: float | None = None
     router_z_coef: float | None = None
+    routing_replay: RoutingReplay = "off"
     vocab_chunk: int = 8192
     seq_chunk: int = 1024
 
@@ -118,6 +126,7 @@ class LossConfig:
         _check_choice(own, "kl_estimator", self.kl_estimator, KLEstimator)
         _check_choice(own, "is_correction", self.is_correction, ISCorrection)
         _check_choice(own, "is_level", self.is_level, ISLevel)
+        _check_choice(own, "routing_replay", self.routing_replay, RoutingReplay)
         check_number(f"{own}.clip_low", self.clip_low, 0, 1, hi_open=True)
         check_number_fields(self, ("clip_high", "kl_coef", "entropy_coef", "is_low", "is_high"), 0)
         check_number(f"{own}.dual_clip", self.dual_clip, 1, lo_open=True, optional=True)

@@ -35,6 +35,8 @@ What a Loss declares, and who reads it:
   advantage_metrics metric sums equal to `advantage_term` (deferred: recombined at the merge).
   vocab_chunk / seq_chunk  chunk sizes of the log-prob computation; router_aux_coef /
                     router_z_coef: router loss coefficients (None: the model config's).
+  routing_replay    'off' or 'r3': the forward replays the engine's experts (MoE models), so
+                    the batch must carry `REPLAY_FIELDS` (see `LossConfig.routing_replay`).
 
 A Loss is a frozen dataclass: hashable and comparable (built-ins compare by their config), so a
 train step can be cached per (model, loss, optimizer).
@@ -54,8 +56,12 @@ from sfrrl_jax.rl.losses import ObjectiveParts, policy_objective, sft_objective
 BASE_FIELDS = ("tokens", "loss_mask")
 # Always optional: packing (segment ids; 0 = padding) and explicit positions, read by the forward.
 LAYOUT_FIELDS = ("segment_ids", "positions")
+# Read by the forward under routing replay: the engine's experts per token, routes [batch, seq,
+# moe layers, top_k] int, and where they hold, routes_mask [batch, seq] (0: the router's own choice).
+REPLAY_FIELDS = ("routes", "routes_mask")
 # Fields the built-in losses read; a batch may carry any of them whatever the loss.
-BUILTIN_FIELDS = BASE_FIELDS + ("advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs") + LAYOUT_FIELDS
+BUILTIN_FIELDS = (BASE_FIELDS + ("advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs") + LAYOUT_FIELDS
+                  + REPLAY_FIELDS)
 
 
 class LossInputs(NamedTuple):
@@ -88,6 +94,7 @@ class Loss:
     seq_chunk: int = 1024
     router_aux_coef: float | None = None
     router_z_coef: float | None = None
+    routing_replay: str = "off"   # 'off' | 'r3'
     config: LossConfig | None = None  # the LossConfig a built-in was made from (None: custom)
 
     def __post_init__(self):
@@ -113,6 +120,12 @@ class Loss:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"Loss.{name} must be None or a number >= 0, got {v!r}")
+        if self.routing_replay not in ("off", "r3"):
+            raise ValueError(f"Loss.routing_replay={self.routing_replay!r}; valid: ['off', 'r3']")
+        clash = sorted(set(self.fields) & set(REPLAY_FIELDS))
+        if clash:
+            raise ValueError(f"Loss {self.name!r}: {clash} are the forward's routing-replay fields "
+                             "(set routing_replay='r3'), not loss fields")
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -123,6 +136,12 @@ class Loss:
     def input_fields(self) -> tuple[str, ...]:
         """The declared fields `fn` receives in `LossInputs.fields` (all but tokens/mask/layout)."""
         return tuple(k for k in self.fields if k not in BASE_FIELDS and k not in LAYOUT_FIELDS)
+
+    @property
+    def forward_fields(self) -> tuple[str, ...]:
+        """The batch fields the model forward reads besides tokens: layout, and under routing
+        replay the engine's routes (required then)."""
+        return LAYOUT_FIELDS + (REPLAY_FIELDS if self.routing_replay == "r3" else ())
 
     def __call__(self, inputs: LossInputs) -> ObjectiveParts:
         return self.fn(inputs)
@@ -149,7 +168,7 @@ class _SFTObjective:
 
 def _common(cfg: LossConfig) -> dict:
     return dict(vocab_chunk=cfg.vocab_chunk, seq_chunk=cfg.seq_chunk, router_aux_coef=cfg.router_aux_coef,
-                router_z_coef=cfg.router_z_coef, config=cfg)
+                router_z_coef=cfg.router_z_coef, routing_replay=cfg.routing_replay, config=cfg)
 
 
 def policy_loss(cfg: LossConfig = LossConfig()) -> Loss:

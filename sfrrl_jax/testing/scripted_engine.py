@@ -23,6 +23,8 @@ import dataclasses
 import itertools
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from sfrrl_jax.engine.types import Completion, GenerationRequest
 
 ScriptTurn = Sequence[int] | str   # token ids, or text that `tokenizer.encode` turns into them
@@ -51,6 +53,10 @@ class ScriptedEngine:
       seeded `lambda: rng.random() * 0.01`, so many trajectories interleave).
     hang_on_turn: a turn index at which `complete` never answers (until cancelled): for wall
       budgets and cancellation. May be set after construction.
+    route_dims: (moe layers, top_k): record routes like an engine built with record_routes=True,
+      `Completion.routes` holding `scripted_routes` of the slot's sequence for the tokens this
+      call fed (the pending last token of a continued slot, the appended ones, the generated
+      ones but the last).
 
     Each answer is the scripted turn cut to `request.max_new_tokens`; its finish reason is
     'stop' when it ends in one of `request.stop_token_ids`, else 'length' (also when cut). Its
@@ -66,8 +72,9 @@ class ScriptedEngine:
 
     def __init__(self, scripts: Mapping[tuple[int, ...], Sequence[ScriptTurn]] | Sequence[ScriptTurn],
                  tokenizer: Any = None, delay: float | Callable[[], float] | None = None,
-                 hang_on_turn: int | None = None):
+                 hang_on_turn: int | None = None, route_dims: tuple[int, int] | None = None):
         self.tokenizer, self.delay, self.hang_on_turn = tokenizer, delay, hang_on_turn
+        self.route_dims = route_dims
         if isinstance(scripts, Mapping):
             self.scripts: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] | None = {
                 tuple(prompt): self._encode_script(script) for prompt, script in scripts.items()}
@@ -114,6 +121,7 @@ class ScriptedEngine:
         self.requests.append(request)
         handle = self._open(tuple(request.tokens)) if request.slot_handle is None else request.slot_handle
         slot = self._live(handle)
+        first_fed = 0 if request.slot_handle is None else len(slot.tokens) - 1  # the pending token
         slot.tokens += request.tokens
         if self.hang_on_turn is not None and slot.turn == self.hang_on_turn:
             await asyncio.Event().wait()   # nothing sets it: only cancellation ends this
@@ -129,8 +137,19 @@ class ScriptedEngine:
             tokens, finish = tokens[:request.max_new_tokens], "length"
         slot.tokens += tokens
         logprobs = [-1e-3 * next(self._logprob_count) for _ in tokens]
-        return Completion(tokens, logprobs, finish, handle)
+        routes = None
+        if self.route_dims is not None:
+            routes = scripted_routes(slot.tokens, *self.route_dims)[first_fed:len(slot.tokens) - 1]
+        return Completion(tokens, logprobs, finish, handle, routes=routes)
 
     async def release(self, slot_handle: Any) -> None:
         self._live(slot_handle)
         self.released.append(slot_handle)
+
+
+def scripted_routes(tokens: Sequence[int], layers: int, top_k: int) -> np.ndarray:
+    """The experts `ScriptedEngine(route_dims=(layers, top_k))` reports for a slot's sequence:
+    [len(tokens), layers, top_k] int16, a function of each token and its position."""
+    t = np.asarray(tokens, np.int64)[:, None, None]
+    pos = np.arange(len(tokens))[:, None, None]
+    return ((7 * t + pos + 3 * np.arange(layers)[:, None] + np.arange(top_k)) % 97).astype(np.int16)

@@ -187,7 +187,7 @@ class WorkloadAgent:
                     tokens=pending, max_new_tokens=n, temperature=self.temperature, seed=spec.sampling_seeds[turn],
                     slot_handle=handle))
                 handle = c.slot_handle
-                gen_start, gen_end = builder.append_generated(c.tokens, c.logprobs)
+                gen_start, gen_end = builder.append_completion(c)
                 generated += c.tokens
                 t1 = time.perf_counter()
                 obs_end, n_err, n_calls = gen_end, 0, 0

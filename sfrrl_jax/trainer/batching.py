@@ -9,6 +9,11 @@ A trajectory supplies the fields in `TRAJECTORY_FIELDS`; a micro-batch carries t
 step's loss reads (`batch_fields(loss)`: its required fields, the optional ones trajectories
 supply, and `segment_ids`). A loss that requires anything else cannot train on trajectories:
 `batch_fields` raises naming the field.
+
+Routing replay (`Loss.routing_replay='r3'`): the batch also carries 'routes' [rows, T, moe layers,
+top_k] int16 (the engine's experts, `Trajectory.routes`) and 'routes_mask' [rows, T] int32 (1
+where the engine recorded them); `route_dims` = (moe layers, top_k) gives the shape of rows
+without routes. A trajectory with loss tokens but no routes raises, naming it.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ from sfrrl_jax.rl.loss_fn import Loss
 # What a micro-batch built from trajectories can carry, with each field's dtype (all [rows, T]).
 TRAJECTORY_FIELDS = {"tokens": np.int32, "loss_mask": np.float32, "advantages": np.float32,
                      "rollout_logprobs": np.float32, "segment_ids": np.int32}
+# Under routing replay: 'routes' [rows, T, moe layers, top_k], 'routes_mask' [rows, T].
+ROUTE_FIELDS = {"routes": np.int16, "routes_mask": np.int32}
 
 
 @dataclasses.dataclass
@@ -106,31 +113,39 @@ def batch_fields(loss: Loss) -> tuple[str, ...]:
                          f"{list(loss.required_fields)}), which micro-batches built from trajectories do not "
                          f"carry: they carry {list(TRAJECTORY_FIELDS)}")
     wanted = set(loss.fields) | {"segment_ids"}
-    return tuple(k for k in TRAJECTORY_FIELDS if k in wanted)
+    replay = tuple(ROUTE_FIELDS) if loss.routing_replay == "r3" else ()
+    return tuple(k for k in TRAJECTORY_FIELDS if k in wanted) + replay
 
 
-def zero_microbatch(fields: Sequence[str], rows: int, width: int) -> dict:
-    """All-zero [rows, width] arrays of `fields` (dtypes of `TRAJECTORY_FIELDS`): a compile warm-up
-    batch with the keys, shapes and dtypes real micro-batches of those fields have."""
-    _check_fields(fields)
-    return {k: np.zeros((rows, width), TRAJECTORY_FIELDS[k]) for k in fields}
+def zero_microbatch(fields: Sequence[str], rows: int, width: int,
+                    route_dims: tuple[int, int] | None = None) -> dict:
+    """All-zero [rows, width] arrays of `fields` (dtypes of `TRAJECTORY_FIELDS`; 'routes' is
+    [rows, width, *route_dims]): a compile warm-up batch with the keys, shapes and dtypes real
+    micro-batches of those fields have."""
+    _check_fields(fields, route_dims)
+    dtypes = {**TRAJECTORY_FIELDS, **ROUTE_FIELDS}
+    return {k: np.zeros((rows, width) + (tuple(route_dims) if k == "routes" else ()), dtypes[k]) for k in fields}
 
 
-def _check_fields(fields: Sequence[str]) -> None:
-    unknown = [k for k in fields if k not in TRAJECTORY_FIELDS]
+def _check_fields(fields: Sequence[str], route_dims=None) -> None:
+    unknown = [k for k in fields if k not in TRAJECTORY_FIELDS and k not in ROUTE_FIELDS]
     if unknown:
         raise ValueError(f"micro-batch fields {unknown} cannot be built from trajectories; they carry "
-                         f"{list(TRAJECTORY_FIELDS)}")
+                         f"{list(TRAJECTORY_FIELDS) + list(ROUTE_FIELDS)}")
+    if "routes" in fields and (route_dims is None or len(route_dims) != 2):
+        raise ValueError(f"micro-batch field 'routes' needs route_dims=(moe layers, top_k), got {route_dims!r}")
 
 
 def microbatch_from_trajectories(trajs: Sequence[Trajectory], advantages: np.ndarray, seq_bucket: int,
-                                 max_len: int, fields: Sequence[str] | None = None) -> dict:
+                                 max_len: int, fields: Sequence[str] | None = None,
+                                 route_dims: tuple[int, int] | None = None) -> dict:
     """Host arrays [rows, T] for `grad_microstep`, one row per trajectory, T = the longest rounded up
     to `seq_bucket`; `advantages` holds one value per trajectory (spread over the row's loss tokens).
     fields: the keys to return (`batch_fields(loss)`; a field trajectories do not carry raises
-    ValueError naming it); None: every field in `TRAJECTORY_FIELDS`."""
+    ValueError naming it); None: every field in `TRAJECTORY_FIELDS`. route_dims: (moe layers,
+    top_k) of 'routes' (needed when fields hold it; see the module doc)."""
     fields = tuple(TRAJECTORY_FIELDS) if fields is None else tuple(fields)
-    _check_fields(fields)
+    _check_fields(fields, route_dims)
     adv = np.asarray(advantages, np.float32).reshape(-1)
     if len(adv) != len(trajs):
         raise ValueError(f"{len(adv)} advantages for {len(trajs)} trajectories")
@@ -149,4 +164,26 @@ def microbatch_from_trajectories(trajs: Sequence[Trajectory], advantages: np.nda
         seg[i, :n] = 1
     out = {"tokens": tokens, "loss_mask": mask, "advantages": adv[:, None] * mask,
            "rollout_logprobs": logp, "segment_ids": seg}
+    if "routes" in fields or "routes_mask" in fields:
+        out["routes"], out["routes_mask"] = _routes(trajs, width, route_dims)
     return {k: out[k] for k in fields}
+
+
+def _routes(trajs: Sequence[Trajectory], width: int, route_dims) -> tuple[np.ndarray, np.ndarray]:
+    """[rows, width, *route_dims] int16 routes and the [rows, width] int32 mask of where they hold."""
+    routes = np.zeros((len(trajs), width) + tuple(route_dims), ROUTE_FIELDS["routes"])
+    held = np.zeros((len(trajs), width), ROUTE_FIELDS["routes_mask"])
+    for i, t in enumerate(trajs):
+        if t.routes is None:
+            if t.error is None and sum(t.loss_mask):
+                raise ValueError(f"trajectory {t.task_id}/{t.sample_index} has no routes but routing replay "
+                                 "trains on them: the engine must record them (Engine(record_routes=True)) and the rollout "
+                                 "keep them (TrajectoryBuilder.append_completion)")
+            continue
+        if t.routes.shape[1:] != tuple(route_dims):
+            raise ValueError(f"trajectory {t.task_id}/{t.sample_index}: routes {t.routes.shape} are not "
+                             f"[tokens, {route_dims[0]} moe layers, top_k {route_dims[1]}]")
+        n = min(len(t.routes), width)
+        routes[i, :n] = t.routes[:n]
+        held[i, :n] = 1
+    return routes, held

@@ -342,7 +342,7 @@ class ProcessRLStep(RLStep):
         if self.early is not None and len(self.early):
             unit = self.early.pop()
             if unit.progress.launch_index % self.processes == self.me:
-                step = early_micro_step(unit, self.cfg, self.trainer.batch_fields)
+                step = early_micro_step(unit, self.cfg, self.trainer.batch_fields, self.trainer.route_dims)
             else:
                 step = dataclasses.replace(self.filler_unit(), early=unit)
             return lambda: self.microstep(step)
@@ -404,7 +404,8 @@ class ProcessRLStep(RLStep):
 
     def filler_unit(self) -> MicroStepUnit:
         """This process's share of a micro-step in which it has no rows."""
-        return MicroStepUnit([], zero_microbatch(self.trainer.batch_fields, rows=0, width=0))
+        return MicroStepUnit([], zero_microbatch(self.trainer.batch_fields, rows=0, width=0,
+                                                     route_dims=self.trainer.route_dims))
 
     def filler_job(self):
         unit = self.filler_unit()

@@ -27,6 +27,7 @@ from sfrrl_jax.aio import run_sync
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine
 from sfrrl_jax.engine.lockstep import LockstepEngine
+from sfrrl_jax.models.transformer import moe_layer_ids
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.loss_fn import Loss
 from sfrrl_jax.learner import make_train_step
@@ -154,11 +155,24 @@ class RLTrainer:
                                  f"TrainerConfig.max_len={trainer_cfg.max_len} (one length budget)")
         self.cfg, self.model_cfg, self.loss_cfg = trainer_cfg, model_cfg, loss_cfg
         self.rollout_fn, self.tasks = rollout_fn, tasks
+        self.train_step = (train_step if train_step is not None
+                           else shared_train_step(model_cfg, loss_cfg, optimizer_cfg))
+        self.loss = self.train_step.loss
+        self.batch_fields = batch_fields(self.loss)  # raises naming a required field trajectories lack
+        # Routing replay trains on the engine's experts: it records them, and (as recording
+        # needs) rebuilds no slot by recompute after a device fault.
+        replay = self.loss.routing_replay == "r3"
+        self.route_dims = (len(moe_layer_ids(model_cfg)), model_cfg.top_k) if replay else None
+        if replay and engine is not None and not engine.record_routes:
+            raise ValueError("RLTrainer: the loss replays routing (routing_replay='r3') but the prebuilt engine "
+                             "does not record routes: build it with Engine(..., record_routes=True, "
+                             "max_consecutive_faults=0)")
         engine_cls = LockstepEngine if jax.process_count() > 1 else Engine
         self.engine = engine if engine is not None else engine_cls(
             model_cfg, params, max_slots=trainer_cfg.max_slots, max_len=trainer_cfg.max_len,
             buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps,
-            page_size=trainer_cfg.page_size, num_pages=trainer_cfg.num_pages)
+            page_size=trainer_cfg.page_size, num_pages=trainer_cfg.num_pages,
+            **(dict(record_routes=True, max_consecutive_faults=0) if replay else {}))
         # one process, or N in lockstep (each rolling out its share): `trainer.process_step`
         self.multi_process = isinstance(self.engine, LockstepEngine)
         if jax.process_count() > 1 and not self.multi_process:
@@ -166,10 +180,6 @@ class RLTrainer:
                              f"{type(self.engine).__name__}): every process must launch the same device steps")
         if self.multi_process:
             self.agreement = Agreement(self.engine.exchange.with_prefix("sfrrl/trainer"))
-        self.train_step = (train_step if train_step is not None
-                           else shared_train_step(model_cfg, loss_cfg, optimizer_cfg))
-        self.loss = self.train_step.loss
-        self.batch_fields = batch_fields(self.loss)  # raises naming a required field trajectories lack
         copies = 3.0
         if trainer_cfg.early_groups:
             check_deferrable(self.loss)
@@ -215,7 +225,7 @@ class RLTrainer:
         ts, acc = self.train_step, self.train_step.init_accumulator(self.params)
         shapes = 0
         for width in widths:
-            zero = functools.partial(zero_microbatch, self.batch_fields, width=width)
+            zero = functools.partial(zero_microbatch, self.batch_fields, width=width, route_dims=self.route_dims)
             for n in rows:
                 acc = jax.block_until_ready(ts.grad_microstep(self.params, acc, zero(n)))  # one in flight
                 shapes += 1
@@ -228,4 +238,4 @@ class RLTrainer:
     def _make_units(self, groups: list[Group]) -> list[MicroStepUnit]:
         """Micro-steps of finished groups of the step in progress (the step forms every micro-step
         of its groups here: a seam to observe which groups trained)."""
-        return make_units(groups, self.cfg, self._step.claimed, self.batch_fields)
+        return make_units(groups, self.cfg, self._step.claimed, self.batch_fields, self.route_dims)

@@ -69,11 +69,12 @@ class MicroStepUnit:
 
 # -- forming micro-steps (pure: host arrays only) ------------------------------------------------
 def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, GroupProgress],
-               fields: Sequence[str] | None = None) -> list[MicroStepUnit]:
+               fields: Sequence[str] | None = None, route_dims: tuple[int, int] | None = None) -> list[MicroStepUnit]:
     """Micro-steps of these finished groups. Samples already in a group buffer (trained early)
     are left out; the last micro-step merges those buffers at the final advantages.
     claimed: launch index -> progress of groups with early samples (their entries are popped).
-    fields: the batch fields (`batching.batch_fields(loss)`; None: all a trajectory supplies)."""
+    fields: the batch fields (`batching.batch_fields(loss)`; None: all a trajectory supplies);
+    route_dims: (moe layers, top_k) under routing replay."""
     adv = group_advantages(groups, cfg.advantage)
     progress = [claimed.pop(g.launch_index, None) for g in groups]
     slopes = group_advantage_slopes(groups, cfg.advantage) if any(progress) else [None] * len(groups)
@@ -89,7 +90,7 @@ def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, Group
         if prog:
             merges.append((prog, float(slope), float(a[prog.reference])))
     batch = microbatch_from_trajectories([g.trajectories[i] for g, i in owners], row_adv,
-                                         cfg.seq_bucket, cfg.max_len, fields)
+                                         cfg.seq_bucket, cfg.max_len, fields, route_dims)
     units = split_rows(batch, owners, cfg.microbatch_rows, whole=None if merged else list(groups))
     units[-1].merges = merges
     units[-1].groups += [token_share(g, i) for g, i in merged]
@@ -109,10 +110,11 @@ def token_share(group: Group, sample: int) -> TokenShare:
     return TokenShare(group.group_id, group.params_version, int(np.sum(group.trajectories[sample].loss_mask)))
 
 
-def early_micro_step(unit: EarlyUnit, cfg: TrainerConfig, fields: Sequence[str] | None = None) -> MicroStepUnit:
+def early_micro_step(unit: EarlyUnit, cfg: TrainerConfig, fields: Sequence[str] | None = None,
+                     route_dims: tuple[int, int] | None = None) -> MicroStepUnit:
     """The one-row micro-step of an early sample (advantage 1: its buffer is merged at the end)."""
     traj = unit.progress.finished[unit.sample]
-    batch = microbatch_from_trajectories([traj], [0.0], cfg.seq_bucket, cfg.max_len, fields)
+    batch = microbatch_from_trajectories([traj], [0.0], cfg.seq_bucket, cfg.max_len, fields, route_dims)
     return MicroStepUnit([], batch, early=unit)
 
 
@@ -376,7 +378,7 @@ class RLStep:
         if self.ready:
             unit = self.ready.popleft()
         elif self.early is not None and len(self.early):
-            unit = early_micro_step(self.early.pop(), self.cfg, self.trainer.batch_fields)
+            unit = early_micro_step(self.early.pop(), self.cfg, self.trainer.batch_fields, self.trainer.route_dims)
         else:
             return None
         self.note_waiting()

@@ -258,3 +258,33 @@ def test_an_environments_per_task_tools_reach_the_chat_template(tok):
     answer = tok.encode("<answer>done</answer><|end|>")
     traj = asyncio.run(run_agent(ScriptedEngine({tuple(prompt): [answer]}), env, task, Recording(), AgentConfig()))
     assert seen == [expected] and traj.error is None and traj.tokens[:len(prompt)] == prompt
+
+
+def test_the_trajectory_keeps_the_routes_of_every_token_fed_across_turns(tok):
+    """Routing replay: the routes of each call (prompt / observation delta, then the generated
+    tokens but the last) concatenate to the routes of the trajectory's tokens but its last."""
+    from sfrrl_jax.testing.scripted_engine import scripted_routes
+    env = calculator_environment()
+    prompt, turns, _, _ = _demo(tok, TASK, env)
+    engine = ScriptedEngine({tuple(prompt): turns}, route_dims=(3, 2))
+    traj = asyncio.run(run_agent(engine, env, TASK, tok, AgentConfig()))
+    assert traj.error is None and len(traj.turns) == 3
+    traj.check()
+    assert traj.routes.shape == (len(traj.tokens) - 1, 3, 2) and traj.routes.dtype.name == "int16"
+    assert (traj.routes == scripted_routes(traj.tokens, 3, 2)[:-1]).all()
+
+
+def test_routes_that_do_not_cover_the_fed_tokens_fail_that_sample_only(tok):
+    class DropsARoute(ScriptedEngine):
+        async def complete(self, request):
+            c = await super().complete(request)
+            if request.slot_handle is not None:  # a continued call loses one token's routes
+                c = Completion(c.tokens, c.logprobs, c.finish_reason, c.slot_handle, routes=c.routes[1:])
+            return c
+
+    env = calculator_environment()
+    prompt, turns, _, _ = _demo(tok, TASK, env)
+    engine = DropsARoute({tuple(prompt): turns}, route_dims=(3, 2))
+    traj = asyncio.run(run_agent(engine, env, TASK, tok, AgentConfig()))
+    assert traj.finish_reason == "error" and "routes cover" in traj.error and sum(traj.loss_mask) == 0
+    assert engine.released == [0]

@@ -97,3 +97,35 @@ def test_recording_off_leaves_routes_none_and_bad_settings_are_refused():
         EngineSteps(TINY_DENSE, mesh, max_slots=2, max_len=48, record_routes=True)
     with pytest.raises(ValueError, match="Completion.routes"):
         Completion(tokens=[1, 2], logprobs=[0.0, 0.0], finish_reason="stop", routes=np.zeros((1, 2, 2), np.int16))
+
+
+def test_routes_survive_paged_eviction_and_preemption():
+    """A pool too small for the batch: parked trajectories are evicted and running requests
+    preempted, both restored by recompute. The routes of every trajectory still cover each fed
+    token exactly once (a restore records nothing: its tokens' routes were recorded when first
+    fed) and are the training forward's choices (fp32; rare near-ties aside)."""
+    cfg, mesh, params = _setup("qwen3")
+    engine = Engine(cfg, params, max_slots=4, max_len=48, buckets=(16,), decode_steps=2, page_size=4,
+                    num_pages=14, max_consecutive_faults=0, record_routes=True)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(1, cfg.vocab_size, 10)) for _ in range(6)]
+
+    async def trajectory(i, prompt):
+        c1 = await engine.complete(GenerationRequest(tokens=prompt, max_new_tokens=18, temperature=0.0))
+        await asyncio.sleep(0.002 * (i % 3))  # a tool call: the slot stays parked
+        c2 = await engine.complete(GenerationRequest(tokens=OBSERVATION, max_new_tokens=4, temperature=0.0,
+                                                     slot_handle=c1.slot_handle))
+        await engine.release(c2.slot_handle)
+        return prompt + c1.tokens + OBSERVATION + c2.tokens, np.concatenate([c1.routes, c2.routes])
+
+    async def main():
+        return await asyncio.gather(*(trajectory(i, p) for i, p in enumerate(prompts)))
+
+    results = asyncio.run(main())
+    assert engine.stats.evictions > 0 and engine.stats.preemptions > 0, engine.stats
+    same = []
+    for seq, routes in results:
+        assert routes.shape == (len(seq) - 1, len(moe_layer_ids(cfg)), cfg.top_k)
+        same.append(np.mean(routes == _full_routes(cfg, mesh, params, seq[:-1])))
+    print("route agreement with the training forward per trajectory:", np.round(same, 4))
+    assert min(same) > 0.98, same
