@@ -14,6 +14,20 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One persistent XLA compilation cache for the whole test run: its pytest workers, the processes
+# tests launch and the notebooks' kernels inherit it through the environment. Many tests compile
+# the same programs (the same tiny models, meshes and batch shapes, each through its own jitted
+# closure), and on CPU compiling is most of a test's time; a hit loads the executable the first
+# compile produced, so results are the same. The directory lives for one run: the process that
+# made it (pytest's controller) removes it at the end. SFRRL_TEST_XLA_CACHE=0 turns it off.
+_OWN_XLA_CACHE = None
+if os.environ.get("SFRRL_TEST_XLA_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+    _OWN_XLA_CACHE = tempfile.mkdtemp(prefix="sfrrl_jax_xla_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_XLA_CACHE
+    # the default (1 s) leaves out most of a tiny model's compiles
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -60,3 +74,30 @@ def _bounded_executable_caches():
         import gc
         jax.clear_caches()
         gc.collect()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_XLA_CACHE is not None and not hasattr(session.config, "workerinput"):
+        import shutil
+        shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)
+
+
+# The files that take longest (a minute or more on a 2-core machine; `pytest --durations=50`),
+# longest first. They run before everything else: the suite runs with `-n 2 --dist loadfile` (a
+# file's tests stay on one worker, so its module fixtures and cached setups are built once), and a
+# long file started last would leave the other worker idle at the end.
+_LONG_FILES_FIRST = (
+    "trainer/test_rl_processes.py", "launch/test_launch_local.py", "trainer/test_trainer_quickstart.py",
+    "trainer/test_routing_replay_training.py", "models/test_forward_transforms.py", "engine/test_lockstep.py",
+    "trainer/test_rl_trainer.py", "models/test_mixed_stack.py", "trainer/test_checkpoint_processes.py",
+    "trainer/test_early_samples.py", "learner/test_process_rows.py", "engine/test_engine_routes.py",
+    "trainer/test_rl_trainer_parts.py", "learner/test_train_deferred.py", "models/test_forward_parallel.py",
+    "quickstart.ipynb",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return next((i for i, name in enumerate(_LONG_FILES_FIRST) if path.endswith(name)), len(_LONG_FILES_FIRST))
+    items.sort(key=rank)  # stable: within a file, and among the rest, collection order
