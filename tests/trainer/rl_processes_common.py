@@ -31,15 +31,18 @@ def make_trainer(mode: str, engine_cls=None, early_groups: int = 0, overprovisio
     """engine_cls None: the trainer's own choice (a LockstepEngine on N processes). With early
     groups, idle work runs beside any decode batch (underfull_slots = max_slots), so a sample that
     finishes before its group trains early at the next tick (the path under test)."""
+    # decode_steps=4: a quarter of the device calls, each one lockstep tick (an exchange and
+    # gloo collectives across processes): the same run, a fraction of the wall time
     tc = TrainerConfig(mode=mode, groups_per_step=2, group_size=4, max_slots=8, max_len=64,
-                       buckets=(16, 32), seq_bucket=32, early_groups=early_groups,
+                       buckets=(16, 32), seq_bucket=32, decode_steps=4, early_groups=early_groups,
                        overprovision_groups=overprovision_groups,
                        underfull_slots=8 if early_groups else 0)
     mesh = S.make_mesh(data=2, expert=4)
     params = S.init_params(CFG, mesh, seed=0)
     engine = None
     if engine_cls is not None:
-        engine = engine_cls(CFG, params, max_slots=tc.max_slots, max_len=tc.max_len, buckets=tc.buckets)
+        engine = engine_cls(CFG, params, max_slots=tc.max_slots, max_len=tc.max_len, buckets=tc.buckets,
+                            decode_steps=tc.decode_steps)
     optimizer = optax.sgd(SYNC_SGD_LR) if mode == "sync" else OptimizerConfig(learning_rate=1e-3)
     return RLTrainer(CFG, params, tc, LossConfig(), optimizer, WorkloadAgent(WL),
                      TaskStream(make_tasks(WL), seed=1), engine=engine)
