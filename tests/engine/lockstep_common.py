@@ -10,11 +10,12 @@ from model_fixtures import TINY, randomize
 
 def make_engine(engine_cls, **kw):
     """A tiny MoE on a (data=2, expert=4) mesh of the 8 global devices; fewer slots than
-    trajectories, so requests queue and slots are reused."""
+    trajectories, so requests queue and slots are reused. It records routes (routing replay)."""
     cfg = TINY.replace(max_seq_len=128)
     params = randomize(S.init_params(cfg, S.make_mesh(data=2, expert=4, devices=jax.devices()), seed=0),
                        seed=3, scale=0.3)
-    return engine_cls(cfg, params, max_slots=3, max_len=96, buckets=(16, 32), decode_steps=2, **kw)
+    return engine_cls(cfg, params, max_slots=3, max_len=96, buckets=(16, 32), decode_steps=2,
+                      record_routes=True, max_consecutive_faults=0, **kw)
 
 
 def trajectories():
@@ -30,13 +31,14 @@ def trajectories():
 
 
 async def run_trajectory(engine, i):
-    """Three turns in one slot (appends), then release; returns [(tokens, logprobs)] per turn."""
+    """Three turns in one slot (appends), then release; returns [(tokens, logprobs, routes)] per
+    turn (routes: the experts of the tokens the call fed, nested lists)."""
     prompt, turns, observations = trajectories()[i]
     handle, out, tokens = None, [], prompt
     for k, (max_new, temperature, seed) in enumerate(turns):
         c = await engine.complete(GenerationRequest(tokens=tokens, max_new_tokens=max_new, temperature=temperature,
                                                     seed=seed, slot_handle=handle))
-        out.append((list(c.tokens), list(c.logprobs)))
+        out.append((list(c.tokens), list(c.logprobs), c.routes.tolist()))
         handle = c.slot_handle
         if k < len(observations):
             tokens = observations[k]
