@@ -40,12 +40,13 @@ def global_microbatch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax
     local = {k: np.asarray(v) for k, v in local.items()}
     rows, width = local["tokens"].shape
     for k, v in local.items():
-        if v.shape[:1] != (rows,) or (v.ndim == 2 and v.shape[1] != width) or v.ndim not in (1, 2):
-            raise ValueError(f"global_microbatch: '{k}' has shape {v.shape}; rows are [{rows}, {width}] "
+        if v.shape[:1] != (rows,) or (v.ndim >= 2 and v.shape[1] != width):
+            raise ValueError(f"global_microbatch: '{k}' has shape {v.shape}; rows are [{rows}, {width}, ...] "
                              f"(or [{rows}] for per-row advantages)")
     keys = sorted(local)
-    # str hashes are salted per process: a checksum of the text is the same everywhere
-    signature = zlib.crc32(repr([(k, local[k].dtype.str, local[k].ndim) for k in keys]).encode())
+    # str hashes are salted per process: a checksum of the text is the same everywhere; trailing
+    # dims past [rows, width] (routes: [moe layers, top_k]) must agree too
+    signature = zlib.crc32(repr([(k, local[k].dtype.str, local[k].ndim, local[k].shape[2:]) for k in keys]).encode())
     shapes = _agree(np.array([rows, width, signature], np.int64))
     if len(set(shapes[:, 2])) != 1:
         raise ValueError(f"global_microbatch: processes pass different keys or dtypes (this one: "
@@ -58,7 +59,7 @@ def global_microbatch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax
     out = {}
     for k in keys:
         v = local[k]
-        padded = np.zeros((rows_max,) + ((width_max,) if v.ndim == 2 else ()), v.dtype)
+        padded = np.zeros((rows_max,) + ((width_max,) + v.shape[2:] if v.ndim >= 2 else ()), v.dtype)
         padded[tuple(slice(0, n) for n in v.shape)] = v
         global_shape = (processes * rows_max,) + padded.shape[1:]
         out[k] = jax.make_array_from_process_local_data(batch_sharding(mesh, global_shape), padded, global_shape)

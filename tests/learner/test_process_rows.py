@@ -60,3 +60,9 @@ def test_one_process_global_microbatch_pads_and_names_bad_rows():
         global_microbatch({**rows, "loss_mask": rows["loss_mask"][:2]}, mesh)
     with pytest.raises(KeyError, match="need 'tokens'"):
         global_microbatch({"loss_mask": rows["loss_mask"]}, mesh)
+    # routing replay's routes [rows, width, moe layers, top_k] keep their trailing dims
+    routes = np.arange(3 * 24 * 2 * 2, dtype=np.int16).reshape(3, 24, 2, 2)
+    batch = global_microbatch({**rows, "routes": routes}, mesh)
+    assert batch["routes"].shape == (8, 24, 2, 2) and batch["routes"].dtype == np.int16
+    np.testing.assert_array_equal(np.asarray(batch["routes"])[:3], routes)
+    assert not np.asarray(batch["routes"])[3:].any()
