@@ -10,6 +10,7 @@ Routing replay (an engine recording routes, MoE models): `routes` [n, moe layers
 the experts the engine used for tokens[0:n], in order: prompt and observation tokens get the
 engine's prefill choices, generated tokens their decode choices. After every turn n = T - 1 (the
 last token was sampled, never fed); a trajectory cut while an observation was pending has fewer.
+Routes set by other means may cover all T tokens (the last one's never reach the loss).
 """
 from __future__ import annotations
 
@@ -84,9 +85,9 @@ class Trajectory:
         if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
             raise ValueError(f"trajectory {self.task_id}/{self.sample_index}: tokens={n}, "
                              f"loss_mask={len(self.loss_mask)}, rollout_logprobs={len(self.rollout_logprobs)}")
-        if self.routes is not None and (self.routes.ndim != 3 or len(self.routes) >= max(n, 1)):
+        if self.routes is not None and (self.routes.ndim != 3 or len(self.routes) > n):
             raise ValueError(f"trajectory {self.task_id}/{self.sample_index}: routes {self.routes.shape} must be "
-                             f"[fed < {n} tokens, moe layers, top_k]")
+                             f"[at most {n} tokens, moe layers, top_k]")
         pos = self.prompt_len
         for turn in self.turns:
             if not pos == turn.gen_start <= turn.gen_end <= turn.obs_end <= n:
