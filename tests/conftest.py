@@ -92,7 +92,7 @@ _LONG_FILES_FIRST = (
     "trainer/test_rl_trainer.py", "models/test_mixed_stack.py", "trainer/test_checkpoint_processes.py",
     "trainer/test_early_samples.py", "learner/test_process_rows.py", "engine/test_engine_routes.py",
     "trainer/test_rl_trainer_parts.py", "learner/test_train_deferred.py", "models/test_forward_parallel.py",
-    "quickstart.ipynb",
+    "tests/test_gpu_suite.py", "quickstart.ipynb",
 )
 
 
