@@ -557,15 +557,19 @@ class Engine(PagingMixin):
             self._distribute_chunk(results)
 
     def _distribute_chunk(self, results):
-        for step in range(self.decode_steps):
-            for slot in np.nonzero(results["valid"][step])[0]:
-                job = self._running.get(int(slot))
+        # Python lists once per chunk: indexing numpy arrays element by element costs more than
+        # the rest of a token's bookkeeping (values unchanged: float32 -> float is exact).
+        tokens, logprobs, raw, done = (np.asarray(results[k]).tolist()
+                                       for k in ("tokens", "logprobs", "raw_logprobs", "done"))
+        routes = results["routes"]
+        for step, valid in enumerate(np.asarray(results["valid"])[:self.decode_steps]):
+            for slot in np.flatnonzero(valid).tolist():
+                job = self._running.get(slot)
                 if job is None:
                     continue
-                if results["routes"] is not None:  # the routes of the token this step fed
-                    job.routes.append(results["routes"][step][slot][None])
-                self._push(job, results["tokens"][step][slot], results["logprobs"][step][slot],
-                           results["raw_logprobs"][step][slot], bool(results["done"][step][slot]))
+                if routes is not None:  # the routes of the token this step fed
+                    job.routes.append(routes[step][slot][None])
+                self._push(job, tokens[step][slot], logprobs[step][slot], raw[step][slot], bool(done[step][slot]))
 
     def _push(self, job: Job, token, logprob, raw, done):
         job.tokens.append(int(token))
