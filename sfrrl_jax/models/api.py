@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.mesh import EXPERT_AXIS, sharding_for, use_mesh_in_trace
+from sfrrl_jax.mesh import EXPERT_AXIS, constrain, sharding_for, use_mesh_in_trace
 from sfrrl_jax.models import transformer as tfm
 
 
@@ -92,9 +92,31 @@ def _jitted_init(cfg: ModelConfig, mesh: Mesh):
     return jax.jit(functools.partial(tfm._init_pure, cfg), out_shardings=param_shardings(cfg, mesh))
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _forward_jit(cfg, params, tokens, segment_ids, positions):
-    return tfm.forward_with_aux(cfg, params, tokens, segment_ids, positions)
+@functools.partial(jax.jit, static_argnums=(0, 7))
+def _forward_jit(cfg, params, tokens, segment_ids, positions, routes=None, routes_mask=None, return_routes=False):
+    out = tfm.forward_hidden(cfg, params, tokens, segment_ids, positions, routes=routes, routes_mask=routes_mask,
+                             return_routes=return_routes)
+    logits = constrain(tfm.logits_from_hidden(cfg, params, out[0]), ("batch", "seq", "vocab"))
+    return (logits,) + tuple(out[1:])
+
+
+def validate_routes(cfg: ModelConfig, tokens, routes, routes_mask=None) -> None:
+    """Routing replay inputs, checked like tokens: shape and dtype always, expert ids' range when
+    concrete (an out-of-range id would be clamped inside XLA, silently)."""
+    moe = tfm.moe_layer_ids(cfg)
+    if not moe:
+        raise ValueError("routes: this model has no MoE layer to replay routing in")
+    want = tuple(np.shape(tokens)) + (len(moe), cfg.top_k)
+    if tuple(np.shape(routes)) != want:
+        raise ValueError(f"routes has shape {tuple(np.shape(routes))}; expected [batch, seq, moe layers, top_k] = {want}")
+    if not jnp.issubdtype(jnp.result_type(routes), jnp.integer):
+        raise TypeError(f"routes must be integer expert ids, got dtype {jnp.result_type(routes)}")
+    if routes_mask is not None and np.shape(routes_mask) != np.shape(tokens):
+        raise ValueError(f"routes_mask shape {np.shape(routes_mask)} != tokens shape {np.shape(tokens)}")
+    ids = _concrete_range(routes)
+    if ids is not None and (ids[0] < 0 or ids[1] >= cfg.n_experts):
+        raise ValueError(f"routes must hold expert ids in [0, n_experts={cfg.n_experts}); found min {ids[0]}, "
+                         f"max {ids[1]}")
 
 
 def validate_tokens(cfg: ModelConfig, tokens, segment_ids=None, positions=None) -> None:
@@ -133,15 +155,29 @@ def _concrete_range(x) -> tuple[int, int] | None:
     return int(a.min()), int(a.max())
 
 
-def forward(cfg: ModelConfig, params, tokens, segment_ids=None, positions=None, return_aux=False):
+def forward(cfg: ModelConfig, params, tokens, segment_ids=None, positions=None, return_aux=False, *,
+            routes=None, routes_mask=None, return_routes=False):
     """Logits [batch, seq, vocab] (fp32) of a packed batch; jitted once per shape.
 
     segment_ids [batch, seq]: tokens attend only within their segment (0 = padding);
     positions [batch, seq]: RoPE positions (default: restart at 0 in each segment).
     With return_aux, also the router metrics ('router_aux_loss', 'router_z_loss', ...).
+    Routing replay (MoE): routes [batch, seq, moe layers, top_k] int are the experts to use
+    (e.g. an engine's `Completion.routes`) where routes_mask [batch, seq] is true (default: all),
+    gate weights from this forward's router; aux then holds 'routing_agreement' (overall and
+    '/layer_<i>'). return_routes: also the experts used, [batch, seq, moe layers, top_k] int32.
+    Returns logits, then aux (return_aux), then routes (return_routes).
     Composes with jax.jit / jax.grad / jax.vmap (see the module doc).
     """
     validate_tokens(cfg, tokens, segment_ids, positions)
+    if routes is not None:
+        validate_routes(cfg, tokens, routes, routes_mask)
+    elif routes_mask is not None:
+        raise ValueError("routes_mask without routes: pass the routes it masks")
+    if return_routes and not tfm.moe_layer_ids(cfg):
+        raise ValueError("return_routes: this model has no MoE layer")
     with mesh_context(params):
-        logits, aux = _forward_jit(cfg, params, tokens, segment_ids, positions)
-    return (logits, aux) if return_aux else logits
+        out = _forward_jit(cfg, params, tokens, segment_ids, positions, routes, routes_mask, bool(return_routes))
+    if not (return_aux or return_routes):
+        return out[0]
+    return (out[0],) + ((out[1],) if return_aux else ()) + ((out[2],) if return_routes else ())

@@ -157,3 +157,35 @@ def test_bf16_shapes_change_routing_and_replay_restores_the_engines_experts():
 
     router_grad = jax.grad(loss)(params)["layers"]["moe"]["router"]
     assert float(jnp.max(jnp.abs(router_grad.astype(jnp.float32)))) > 0
+
+
+def test_public_forward_replays_routes_under_jit_and_grad_and_names_bad_ones():
+    """`S.forward(..., routes=, routes_mask=, return_routes=)`: replaying its own routes changes
+    nothing, it composes with jit and grad (the router gets a gradient), and bad routes are named."""
+    cfg = TINY
+    params = _params(cfg)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
+    logits, aux, used = S.forward(cfg, params, tokens, return_aux=True, return_routes=True)
+    assert used.shape == (2, 9, cfg.n_layers, cfg.top_k) and "routing_agreement" not in aux
+    again, aux2 = S.forward(cfg, params, tokens, return_aux=True, routes=np.asarray(used, np.int16))
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(logits))
+    assert float(aux2["routing_agreement"]) == 1.0
+    other = (np.asarray(used) + 1) % cfg.n_experts
+    mask = np.zeros((2, 9), bool)
+    mask[0] = True
+
+    def loss(p):
+        return jnp.sum(S.forward(cfg, p, tokens, routes=other, routes_mask=mask) ** 2)
+    grads = jax.jit(jax.grad(loss))(params)
+    assert float(jnp.max(jnp.abs(grads["layers"]["moe"]["router"]))) > 0
+    replayed = S.forward(cfg, params, tokens, routes=other, routes_mask=mask, return_routes=True)[1]
+    np.testing.assert_array_equal(np.asarray(replayed)[0], other[0])
+    np.testing.assert_array_equal(np.asarray(replayed)[1], np.asarray(used)[1])
+    with pytest.raises(ValueError, match=r"routes has shape \(2, 9, 1, 2\)"):
+        S.forward(cfg, params, tokens, routes=other[:, :, :1])
+    with pytest.raises(ValueError, match=r"expert ids in \[0, n_experts=8\); found min \d+, max 8"):
+        S.forward(cfg, params, tokens, routes=other + 1)
+    with pytest.raises(TypeError, match="integer expert ids"):
+        S.forward(cfg, params, tokens, routes=other.astype(np.float32))
+    with pytest.raises(ValueError, match="routes_mask without routes"):
+        S.forward(cfg, params, tokens, routes_mask=mask)
