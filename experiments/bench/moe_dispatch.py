@@ -108,7 +108,7 @@ def replay_table(args, mesh) -> list[dict]:
     async def rollouts():
         return await asyncio.gather(*(agent(engine, t, s) for t in make_tasks(wl) for s in range(args.replay_samples)))
     trajs = asyncio.run(rollouts())
-    dims = (len(tfm.moe_layer_ids(cfg)), cfg.top_k)
+    dims = tfm.route_dims(cfg)
     mb = microbatch_from_trajectories(trajs, np.zeros(len(trajs)), 32, 128, batch_fields(policy_loss(
         LossConfig(routing_replay="r3"))), dims)
     held, gen = mb["routes_mask"].astype(bool), mb["loss_mask"].astype(bool)

@@ -101,14 +101,10 @@ def _forward_jit(cfg, params, tokens, segment_ids, positions, routes=None, route
 
 
 def validate_routes(cfg: ModelConfig, tokens, routes, routes_mask=None) -> None:
-    """Routing replay inputs, checked like tokens: shape and dtype always, expert ids' range when
-    concrete (an out-of-range id would be clamped inside XLA, silently)."""
-    moe = tfm.moe_layer_ids(cfg)
-    if not moe:
-        raise ValueError("routes: this model has no MoE layer to replay routing in")
-    want = tuple(np.shape(tokens)) + (len(moe), cfg.top_k)
-    if tuple(np.shape(routes)) != want:
-        raise ValueError(f"routes has shape {tuple(np.shape(routes))}; expected [batch, seq, moe layers, top_k] = {want}")
+    """Routing replay inputs, checked like tokens: dtype and the mask's shape always, expert ids'
+    range when concrete (an out-of-range id would be clamped inside XLA, silently). The routes'
+    own shape is checked where the forward reads them (`transformer.forward_hidden`)."""
+    tfm.route_dims(cfg)  # a model without a MoE layer has nothing to replay
     if not jnp.issubdtype(jnp.result_type(routes), jnp.integer):
         raise TypeError(f"routes must be integer expert ids, got dtype {jnp.result_type(routes)}")
     if routes_mask is not None and np.shape(routes_mask) != np.shape(tokens):
@@ -174,8 +170,6 @@ def forward(cfg: ModelConfig, params, tokens, segment_ids=None, positions=None, 
         validate_routes(cfg, tokens, routes, routes_mask)
     elif routes_mask is not None:
         raise ValueError("routes_mask without routes: pass the routes it masks")
-    if return_routes and not tfm.moe_layer_ids(cfg):
-        raise ValueError("return_routes: this model has no MoE layer")
     with mesh_context(params):
         out = _forward_jit(cfg, params, tokens, segment_ids, positions, routes, routes_mask, bool(return_routes))
     if not (return_aux or return_routes):

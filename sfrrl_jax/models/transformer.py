@@ -239,14 +239,20 @@ def moe_layer_ids(cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(i for i in range(cfg.n_layers) if cfg.is_moe and not cfg.layer_is_dense(i))
 
 
+def route_dims(cfg: ModelConfig) -> tuple[int, int]:
+    """(moe layers, top_k): the trailing dims of a routes array [..., moe layers, top_k]. Raises
+    ValueError for a model without a MoE layer (nothing to route)."""
+    moe = moe_layer_ids(cfg)
+    if not moe:
+        raise ValueError("routes: this model has no MoE layer to replay routing in")
+    return len(moe), cfg.top_k
+
+
 def _replay_per_layer(cfg: ModelConfig, routes, routes_mask, segment_ids, seq_len: int):
     """routes [batch, seq, moe layers, k] -> per model layer [n_layers, batch, padded seq, k] in
     the layers' token order (context padding and zig-zag), and the mask likewise [batch, seq]."""
-    moe = moe_layer_ids(cfg)
     b = segment_ids.shape[0]
-    if not moe:
-        raise ValueError("routes: this model has no MoE layer to replay routing in")
-    want = (b, seq_len, len(moe), cfg.top_k)
+    want = (b, seq_len) + route_dims(cfg)
     if tuple(routes.shape) != want:
         raise ValueError(f"routes has shape {tuple(routes.shape)}; expected [batch, seq, moe layers, top_k] = {want}")
     mask = jnp.ones((b, seq_len), bool) if routes_mask is None else routes_mask.astype(bool)
@@ -256,6 +262,7 @@ def _replay_per_layer(cfg: ModelConfig, routes, routes_mask, segment_ids, seq_le
         mask = jnp.pad(mask, ((0, 0), (0, pad)))
     routes, mask = to_zigzag(routes), to_zigzag(mask)
     # dense layers get some MoE layer's routes, never read (they have no router)
+    moe = moe_layer_ids(cfg)
     index = jnp.asarray([moe.index(i) if i in moe else 0 for i in range(cfg.n_layers)], jnp.int32)
     return jnp.moveaxis(routes, 2, 0)[index], mask
 

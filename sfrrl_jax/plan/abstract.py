@@ -33,7 +33,7 @@ from sfrrl_jax.learner.optimizer import OptimizerConfig, OptState
 from sfrrl_jax.learner.train_step import TrainStep, make_train_step
 from sfrrl_jax.mesh import sharding_for
 from sfrrl_jax.models.api import param_shardings
-from sfrrl_jax.models.transformer import moe_layer_ids, param_shapes
+from sfrrl_jax.models.transformer import param_shapes, route_dims
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.trainer.batching import ROUTE_FIELDS, TRAJECTORY_FIELDS, batch_fields
 
@@ -86,8 +86,7 @@ class TrainSetup:
         opt_state = ts.abstract_opt_state(params)
         # eval_shape of the jitted init carries its out_shardings: the accumulator's real layout
         acc = jax.eval_shape(ts._fns(params)["init_acc"], params)
-        replay = ts.loss.routing_replay == "r3"
-        dims = (len(moe_layer_ids(model_cfg)), model_cfg.top_k) if replay else None
+        dims = route_dims(model_cfg) if ts.loss.routing_replay == "r3" else None
         return TrainSetup(ts, params, opt_state, acc, dims)
 
     def deferred_buffer(self) -> DeferredBuffer:

@@ -175,7 +175,7 @@ def _routes(trajs: Sequence[Trajectory], width: int, route_dims) -> tuple[np.nda
     held = np.zeros((len(trajs), width), ROUTE_FIELDS["routes_mask"])
     for i, t in enumerate(trajs):
         if t.routes is None:
-            if t.error is None and sum(t.loss_mask):
+            if any(t.loss_mask):  # (a failed trajectory's mask is all zeros)
                 raise ValueError(f"trajectory {t.task_id}/{t.sample_index} has no routes but routing replay "
                                  "trains on them: the engine must record them (Engine(record_routes=True)) and the rollout "
                                  "keep them (TrajectoryBuilder.append_completion)")

@@ -27,7 +27,7 @@ from sfrrl_jax.aio import run_sync
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine
 from sfrrl_jax.engine.lockstep import LockstepEngine
-from sfrrl_jax.models.transformer import moe_layer_ids
+from sfrrl_jax.models.transformer import route_dims
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.loss_fn import Loss
 from sfrrl_jax.learner import make_train_step
@@ -162,7 +162,7 @@ class RLTrainer:
         # Routing replay trains on the engine's experts: it records them, and (as recording
         # needs) rebuilds no slot by recompute after a device fault.
         replay = self.loss.routing_replay == "r3"
-        self.route_dims = (len(moe_layer_ids(model_cfg)), model_cfg.top_k) if replay else None
+        self.route_dims = route_dims(model_cfg) if replay else None
         if replay and engine is not None and not engine.record_routes:
             raise ValueError("RLTrainer: the loss replays routing (routing_replay='r3') but the prebuilt engine "
                              "does not record routes: build it with Engine(..., record_routes=True, "
