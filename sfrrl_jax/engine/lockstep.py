@@ -393,8 +393,8 @@ class LockstepEngine(Engine):
         if not job.future.done():
             job.future.cancel()
 
-    def _push(self, job: Job, token, logprob, raw, done):
-        super()._push(job, token, logprob, raw, done)
+    def _push(self, job: Job, tokens, logprobs, raw, done):
+        super()._push(job, tokens, logprobs, raw, done)
         if done and job.slot is not None and self._parked.get(job.slot) is not None:
             # the job parked its slot: remembered until the slot is released or appended to
             job.parked_serial = self._parked[job.slot]

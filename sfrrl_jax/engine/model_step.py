@@ -26,22 +26,28 @@ PAGE_POOL_AXES = (None, None, "kv_heads", "head_dim")
 
 
 def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len,
-           with_routes: bool = False):
+           with_routes: bool = False, k_len: int | None = None):
     """Runs `tokens` [b, t] at positions starts[:, None] + 0..t-1 against cache rows.
 
     cache_k, cache_v: [layers, b, max_len, kv_heads, head_dim] (the rows of the slots involved).
     valid_len [b]: cache entries at positions < valid_len are attendable after this write
     (starts + the true number of new tokens; padding beyond it is written but never read).
+    k_len (static, default max_len): attention reads only cache positions < k_len, so a decode
+    step whose rows are all short reads a short prefix of the cache; the caller guarantees
+    valid_len <= k_len for every row whose output it uses (a row past it gets garbage).
     Returns (logits [b, t, vocab] fp32, new cache_k, new cache_v); with_routes (static, MoE only):
     also the experts each new token used, routes [b, t, moe layers, top_k] (`routes_dtype`).
     """
     rows = jnp.arange(tokens.shape[0])[:, None]
+    k_len = cache_k.shape[2] if k_len is None else min(int(k_len), cache_k.shape[2])
 
     def write(c, layer, positions, x):
         return c.at[layer, rows, positions].set(x.astype(c.dtype), mode="drop")
 
-    return _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, cache_k.shape[2],
-                   write, lambda c, layer, positions, x: c[layer], with_routes)
+    def read(c, layer, positions, x):
+        return c[layer] if k_len == c.shape[2] else c[layer, :, :k_len]
+
+    return _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write, read, with_routes)
 
 
 def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_table, valid_len,
@@ -57,7 +63,8 @@ def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_
     row (positions past the table or on unassigned pages go to its scratch page, like `extend`'s
     dropped writes) and reads the slots' pages back gathered into a contiguous [b, k_len] view
     (k_len = the dense cache's max_len, so attention runs on the same shapes and values as the
-    dense engine: bit-identical results). `overlay` (static; set when a kind has a window): a slot
+    dense engine: bit-identical results; a decode bucket's smaller k_len reads only the pages
+    below it, as the dense engine reads only the positions below it). `overlay` (static; set when a kind has a window): a slot
     holds only the pages later steps read, so the view takes this step's new keys/values from the
     step itself, and an append or a restore needs no page for a position no later query sees.
     Returns (logits [b, t, vocab] fp32, new pool_k, new pool_v), and routes as `extend` with
@@ -78,9 +85,11 @@ def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_
         unit = jnp.where(idx < n_pages, unit, scratch[layer])
         return c.at[unit, positions % page_size].set(x.astype(c.dtype))
 
+    read_pages = min(n_pages, -(-k_len // page_size))  # the pages holding positions < k_len
+
     def read(c, layer, positions, x):
-        g = c[units(layer)]  # [b, pages_per_slot, page_size, kv_heads, head_dim]
-        g = g.reshape((g.shape[0], n_pages * page_size) + g.shape[3:])[:, :k_len]
+        g = c[units(layer)[:, :read_pages]]  # [b, read_pages, page_size, kv_heads, head_dim]
+        g = g.reshape((g.shape[0], read_pages * page_size) + g.shape[3:])[:, :k_len]
         if not overlay:  # full kinds only: every position written lies on a page the slot holds
             return g
         return g.at[rows, positions].set(x.astype(c.dtype), mode="drop")

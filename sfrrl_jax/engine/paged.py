@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.model_step import PAGE_POOL_AXES, extend_paged
 from sfrrl_jax.engine.pages import PageTable, Paging, check_paging, pages_for, pool_units
-from sfrrl_jax.engine.steps import DecodeState, EngineSteps, Prefix
+from sfrrl_jax.engine.steps import DecodeState, EngineSteps
 from sfrrl_jax.mesh import sharding_for
 
 
@@ -41,13 +41,14 @@ class PagedEngineSteps(EngineSteps):
     `engine.pages.check_paging`) says."""
 
     def __init__(self, cfg: ModelConfig, mesh, max_slots: int, max_len: int, buckets=None,
-                 cache_dtype: str | None = None, record_routes: bool = False, *, paging: Paging):
+                 cache_dtype: str | None = None, record_routes: bool = False, decode_buckets=None, *,
+                 paging: Paging):
         self.paging, self.page_size = paging, paging.page_size
         self.pages_per_slot = pages_for(max_len, paging.page_size)
         self.layer_kind, self.layer_base, self.layer_scratch, units = pool_units(paging, cfg.n_layers)
         self.kind_scratch = np.asarray(paging.pool_pages or (paging.num_pages,), np.int32)
         self.overlay = any(w > 0 for w in paging.windows)
-        super().__init__(cfg, mesh, max_slots, max_len, buckets, cache_dtype, record_routes)
+        super().__init__(cfg, mesh, max_slots, max_len, buckets, cache_dtype, record_routes, decode_buckets)
         shape = (units, paging.page_size, cfg.n_kv_heads, cfg.head_dim)
         self.cache_shape = shape
         self.cache_sharding = sharding_for(mesh, PAGE_POOL_AXES, shape)
@@ -82,14 +83,14 @@ class PagedEngineSteps(EngineSteps):
         return state
 
     # -- cache access ---------------------------------------------------------------------------
-    def _extend(self, params, tokens, starts, cache_k, cache_v, table, valid_len, with_routes=False):
+    def _extend(self, params, tokens, starts, cache_k, cache_v, table, valid_len, with_routes=False, k_len=None):
         return extend_paged(self.cfg, params, tokens, starts, cache_k, cache_v, table, valid_len,
-                            self.max_len, self.layer_kind, self.layer_base, self.layer_scratch, self.overlay,
-                            with_routes)
+                            k_len or self.max_len, self.layer_kind, self.layer_base, self.layer_scratch,
+                            self.overlay, with_routes)
 
-    def _extend_all(self, params, state: DecodeState, tokens, starts, valid_len, with_routes=False):
+    def _extend_all(self, params, state: DecodeState, tokens, starts, valid_len, with_routes=False, k_len=None):
         return self._extend(params, tokens, starts, state.cache_k, state.cache_v, state.page_table, valid_len,
-                            with_routes)
+                            with_routes, k_len)
 
     def _extend_slot(self, params, state: DecodeState, slot, tokens, start, valid_len, cast=False,
                      with_routes=False):
@@ -99,19 +100,20 @@ class PagedEngineSteps(EngineSteps):
             jnp.reshape(valid_len, (1,)), with_routes)
         return (logits, state, *routes)
 
-    def _write_prefix(self, state: DecodeState, slot, prefix: Prefix) -> DecodeState:
-        bucket = prefix.cache_k.shape[2]
+    def _write_prefixes(self, state: DecodeState, slots, cache_k, cache_v) -> DecodeState:
+        bucket = cache_k.shape[2]
         pos = jnp.arange(bucket, dtype=jnp.int32)
         idx = pos // self.page_size
-        rows = state.page_table[slot][self.layer_kind]  # [layers, pages_per_slot]
+        rows = state.page_table[slots][:, self.layer_kind]  # [n, layers, pages_per_slot]
         # positions past the slot's pages (bucket padding; a window layer's positions before its
         # window) go to the layer's scratch page
-        page = rows[:, jnp.minimum(idx, self.pages_per_slot - 1)]
+        page = rows[:, :, jnp.minimum(idx, self.pages_per_slot - 1)]
         unit = jnp.where(idx < self.pages_per_slot, jnp.asarray(self.layer_base)[:, None] + page,
-                         jnp.asarray(self.layer_scratch)[:, None])  # [layers, bucket]
-        off = (pos % self.page_size)[None, :]
-        state.cache_k = state.cache_k.at[unit, off].set(prefix.cache_k[:, 0].astype(self.cache_dtype))
-        state.cache_v = state.cache_v.at[unit, off].set(prefix.cache_v[:, 0].astype(self.cache_dtype))
+                         jnp.asarray(self.layer_scratch)[:, None])  # [n, layers, bucket]
+        off = (pos % self.page_size)[None, None, :]
+        # [layers, n, bucket, ...] -> [n, layers, bucket, ...], the order of `unit`
+        state.cache_k = state.cache_k.at[unit, off].set(jnp.swapaxes(cache_k, 0, 1).astype(self.cache_dtype))
+        state.cache_v = state.cache_v.at[unit, off].set(jnp.swapaxes(cache_v, 0, 1).astype(self.cache_dtype))
         return state
 
     def _free_impl(self, state: DecodeState, slot):
@@ -122,20 +124,26 @@ class PagedEngineSteps(EngineSteps):
 
 def engine_steps(cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buckets=None,
                  cache_dtype: str | None = None, paging: Paging | tuple[int, int] | None = None,
-                 record_routes: bool = False) -> EngineSteps:
+                 record_routes: bool = False, decode_buckets=None) -> EngineSteps:
     """A shared `EngineSteps` per configuration, so engines built alike reuse compilations.
     paging: None for the dense cache, or a `Paging` for `engine.paged`'s ((page_size, num_pages)
     means `check_paging`'s layout for cfg's layers and one-token decode chunks). record_routes:
-    the steps' results also carry the experts of the tokens fed (`ResultTokens.routes`)."""
+    the steps' results also carry the experts of the tokens fed (`ResultTokens.routes`).
+    decode_buckets: the decode chunk's cache-read lengths (`EngineSteps.decode_k_len`; default
+    max_len / 8, / 4, / 2, max_len, none below 128)."""
     buckets = None if buckets is None else tuple(buckets)
+    decode_buckets = None if decode_buckets is None else tuple(int(b) for b in decode_buckets)
     if paging is not None and not isinstance(paging, Paging):
         paging = check_paging(*paging, max_len, max_slots, cfg.layer_windows)
     # One cache key per configuration, however the call spelled it (keywords, defaults left out).
-    return _shared_steps(cfg, mesh, int(max_slots), int(max_len), buckets, cache_dtype, paging, bool(record_routes))
+    return _shared_steps(cfg, mesh, int(max_slots), int(max_len), buckets, cache_dtype, paging, bool(record_routes),
+                         decode_buckets)
 
 
 @functools.lru_cache(maxsize=32)
-def _shared_steps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, paging, record_routes) -> EngineSteps:
+def _shared_steps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, paging, record_routes,
+                  decode_buckets) -> EngineSteps:
     if paging is None:
-        return EngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, record_routes)
-    return PagedEngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, record_routes, paging=paging)
+        return EngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, record_routes, decode_buckets)
+    return PagedEngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, record_routes, decode_buckets,
+                            paging=paging)

@@ -3,6 +3,9 @@
   init_decode_state()                           -> DecodeState (KV cache for max_slots x max_len)
   prefill(params, tokens, true_length, request) -> (Prefix, first ResultTokens)
   insert(prefix, state, slot, request)          -> state   (slot starts decoding)
+  prefill_many(params, state, slots, tokens, true_lengths, requests)
+                                                -> (state, first ResultTokens [n])
+                                                   (prefill + insert of n prompts in one call)
   generate(params, state)                       -> (state, ResultTokens)   one token per slot
   append_prefill(params, state, slot, tokens, true_length, request)
                                                 -> (state, first ResultTokens)
@@ -17,7 +20,7 @@ padded to a bucket length so each step compiles once per bucket. The cache is in
 absolute position; sliding-window layers mask, they don't evict.
 
 The cache is dense ([layers, max_slots, max_len, ...]) here; `engine.paged.PagedEngineSteps` (and the `engine_steps` factory)
-overrides the three cache accesses (`_extend_all`, `_extend_slot`, `_write_prefix`) and the
+overrides the three cache accesses (`_extend_all`, `_extend_slot`, `_write_prefixes`) and the
 state's layout for a paged cache, and every step above is shared.
 """
 from __future__ import annotations
@@ -125,7 +128,7 @@ class EngineSteps:
     """Jitted steps for one (cfg, mesh, max_slots, max_len); counts their compilations."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buckets=None,
-                 cache_dtype: str | None = None, record_routes: bool = False):
+                 cache_dtype: str | None = None, record_routes: bool = False, decode_buckets=None):
         if record_routes and not moe_layer_ids(cfg):
             raise ValueError("record_routes=True: this model has no MoE layer to record routes of")
         self.record_routes = bool(record_routes)
@@ -137,6 +140,7 @@ class EngineSteps:
         self.buckets = tuple(sorted(buckets or _default_buckets(max_len)))
         if self.buckets[-1] < max_len:
             self.buckets += (max_len,)
+        self.decode_buckets = _check_decode_buckets(decode_buckets, max_len)
         self.cache_dtype = jnp.dtype(cache_dtype or cfg.compute_dtype)
         shape = (cfg.n_layers, max_slots, max_len, cfg.n_kv_heads, cfg.head_dim)
         self.cache_sharding = sharding_for(mesh, CACHE_AXES, shape)
@@ -145,7 +149,8 @@ class EngineSteps:
         self._init = jax.jit(self._init_impl, out_shardings=self._state_shardings())
         self._prefill = jax.jit(self._prefill_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
-        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2,))
+        self._prefill_many = jax.jit(self._prefill_many_impl, donate_argnums=(1,))
+        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2, 3))
         self._append = jax.jit(self._append_impl, donate_argnums=(1,))
         self._free = jax.jit(self._free_impl, donate_argnums=(0,))
 
@@ -171,7 +176,7 @@ class EngineSteps:
 
     def compile_counts(self) -> dict:
         return {n: getattr(self, "_" + n)._cache_size() for n in
-                ("init", "prefill", "insert", "generate", "append", "free")}
+                ("init", "prefill", "insert", "prefill_many", "generate", "append", "free")}
 
     # -- public steps (entered under the mesh) ----------------------------------------------
     def init_decode_state(self) -> DecodeState:
@@ -186,9 +191,47 @@ class EngineSteps:
         with jax.set_mesh(self.mesh):
             return self._insert(prefix, state, np.int32(slot), request, first)
 
-    def generate(self, params, state: DecodeState, steps: int = 1):
+    def many_rows(self, n: int) -> int:
+        """The row count `prefill_many` pads n prompts to: the next power of two, at most
+        max_slots (each row count compiles once per prompt bucket)."""
+        if not 1 <= n <= self.max_slots:
+            raise ValueError(f"prefill_many of {n} prompts: between 1 and max_slots={self.max_slots}")
+        return min(1 << (n - 1).bit_length(), self.max_slots)
+
+    def prefill_many(self, params, state: DecodeState, slots, tokens, true_lengths, requests: list[SlotRequest]):
+        """Prefill and insert of n prompts in one device call: slots [n] distinct free slots,
+        tokens [n, bucket] (each row padded to one bucket, `pad`), true_lengths [n], one
+        SlotRequest per prompt. Rows are padded to `many_rows(n)` with copies of the first (the
+        same values written twice to the same slot). Returns (state, first ResultTokens with
+        fields [many_rows(n)]; rows past n repeat row 0). Each row's results and cache are those
+        of `prefill` + `insert` of that prompt alone, up to float rounding of the batched matmuls."""
+        n = len(slots)
+        rows = self.many_rows(n)
+        pad = lambda a: np.concatenate([a, np.repeat(a[:1], rows - n, axis=0)], axis=0)
+        tokens = pad(np.asarray(tokens, np.int32).reshape(n, -1))
+        req = jax.tree.map(lambda *xs: pad(np.stack([np.asarray(x) for x in xs])), *requests)
         with jax.set_mesh(self.mesh):
-            return self._generate(params, state, steps)
+            return self._prefill_many(params, state, pad(np.asarray(slots, np.int32)), tokens,
+                                      pad(np.asarray(true_lengths, np.int32)), req)
+
+    def decode_k_len(self, longest: int) -> int:
+        """The decode bucket for a chunk whose running slots hold at most `longest` cached tokens
+        once the chunk ends (cached + decode steps): the smallest `decode_buckets` entry >= it."""
+        for b in self.decode_buckets:
+            if longest <= b:
+                return b
+        return self.max_len
+
+    def generate(self, params, state: DecodeState, steps: int = 1, k_len: int | None = None):
+        """`steps` decode steps of every slot. k_len (a `decode_buckets` entry; default max_len):
+        attention reads cache positions < k_len only, so every running slot must end the chunk
+        within it (`decode_k_len`); a slot past it (only an inactive one may be) computes garbage
+        that nothing reads. Each bucket compiles once."""
+        k_len = self.max_len if k_len is None else int(k_len)
+        if k_len not in self.decode_buckets:
+            raise ValueError(f"decode k_len={k_len} is not one of the engine's decode_buckets {self.decode_buckets}")
+        with jax.set_mesh(self.mesh):
+            return self._generate(params, state, steps, k_len)
 
     def append_prefill(self, params, state, slot, tokens, true_length, request: SlotRequest):
         with jax.set_mesh(self.mesh):
@@ -224,6 +267,21 @@ class EngineSteps:
         tok, lp, raw = sample(row, _expand(request.sampling, 1), jnp.reshape(draws, (1,)))
         return tok[0], lp[0], raw[0]
 
+    def _prefill_many_impl(self, params, state: DecodeState, slots, tokens, true_lengths, request):
+        n, t = tokens.shape
+        kv_shape = (self.cfg.n_layers, n, t, self.cfg.n_kv_heads, self.cfg.head_dim)
+        ck = jnp.zeros(kv_shape, self.cache_dtype)
+        logits, ck, cv, *routes = extend(self.cfg, params, tokens, jnp.zeros((n,), jnp.int32), ck,
+                                         jnp.zeros_like(ck), true_lengths, self.record_routes)
+        last = jnp.take_along_axis(logits, (true_lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, vocab]
+        tok, lp, raw = sample(last, request.sampling, jnp.zeros((n,), jnp.int32))
+        done = _finish(request, tok, 1, true_lengths, self.max_len)
+        first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.ones((n,), bool), done=done,
+                             routes=routes[0] if routes else None)
+        state = self._write_prefixes(state, slots, ck, cv)
+        state = self._set_slot(state, slots, true_lengths, first, request, jnp.ones((n,), jnp.int32))
+        return state, self._on_every_host(first)
+
     def _prefill_impl(self, params, tokens, true_length, request):
         t = tokens.shape[1]
         kv_shape = (self.cfg.n_layers, 1, t, self.cfg.n_kv_heads, self.cfg.head_dim)
@@ -243,6 +301,8 @@ class EngineSteps:
         return jax.lax.with_sharding_constraint(results, NamedSharding(self.mesh, P()))
 
     def _set_slot(self, state: DecodeState, slot, length, first: ResultTokens, request, draws):
+        """Slot `slot` starts decoding after its first token (slot, length, draws scalars, or
+        [n] each with first's and request's fields [n, ...] for n slots at once)."""
         upd = lambda arr, v: arr.at[slot].set(v)
         state.lengths = upd(state.lengths, length)
         state.last_token = upd(state.last_token, first.tokens)
@@ -253,10 +313,11 @@ class EngineSteps:
         return state
 
     # -- cache access (dense here; engine.paged overrides) ---------------------------------------
-    def _extend_all(self, params, state: DecodeState, tokens, starts, valid_len, with_routes=False):
-        """`extend` over every slot: (logits, new cache_k, new cache_v), then with_routes the
-        routes [slots, t, moe layers, top_k]."""
-        return extend(self.cfg, params, tokens, starts, state.cache_k, state.cache_v, valid_len, with_routes)
+    def _extend_all(self, params, state: DecodeState, tokens, starts, valid_len, with_routes=False, k_len=None):
+        """`extend` over every slot, reading cache positions < k_len (default all): (logits,
+        new cache_k, new cache_v), then with_routes the routes [slots, t, moe layers, top_k]."""
+        return extend(self.cfg, params, tokens, starts, state.cache_k, state.cache_v, valid_len, with_routes,
+                      k_len)
 
     def _extend_slot(self, params, state: DecodeState, slot, tokens, start, valid_len, cast=False,
                      with_routes=False):
@@ -275,20 +336,25 @@ class EngineSteps:
 
     def _write_prefix(self, state: DecodeState, slot, prefix: Prefix) -> DecodeState:
         """The prefill's cache (positions 0..bucket-1) into `slot`."""
-        start = (0, slot, 0, 0, 0)
-        state.cache_k = jax.lax.dynamic_update_slice(state.cache_k, prefix.cache_k.astype(self.cache_dtype), start)
-        state.cache_v = jax.lax.dynamic_update_slice(state.cache_v, prefix.cache_v.astype(self.cache_dtype), start)
+        return self._write_prefixes(state, jnp.reshape(slot, (1,)), prefix.cache_k, prefix.cache_v)
+
+    def _write_prefixes(self, state: DecodeState, slots, cache_k, cache_v) -> DecodeState:
+        """Prefill caches cache_k/v [layers, n, bucket, kv_heads, head_dim] (positions
+        0..bucket-1) into slots [n] (a slot named twice gets the same values twice)."""
+        t = cache_k.shape[2]
+        state.cache_k = state.cache_k.at[:, slots, :t].set(cache_k.astype(self.cache_dtype))
+        state.cache_v = state.cache_v.at[:, slots, :t].set(cache_v.astype(self.cache_dtype))
         return state
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, request, first):
         state = self._write_prefix(state, slot, prefix)
         return self._set_slot(state, slot, prefix.true_length, first, request, jnp.int32(1))
 
-    def _generate_impl(self, params, state: DecodeState, steps: int):
+    def _generate_impl(self, params, state: DecodeState, steps: int, k_len: int | None = None):
         def one(state, _):
             was_active = state.active
             logits, ck, cv, *routes = self._extend_all(params, state, state.last_token[:, None], state.lengths,
-                                                       state.lengths + 1, self.record_routes)
+                                                       state.lengths + 1, self.record_routes, k_len)
             tok, lp, raw = sample(logits[:, 0], state.request.sampling, state.draws)
             lengths = state.lengths + was_active
             generated = state.generated + was_active
@@ -324,6 +390,22 @@ class EngineSteps:
         state.lengths = state.lengths.at[slot].set(0)
         state.generated = state.generated.at[slot].set(0)
         return state
+
+
+def _check_decode_buckets(decode_buckets, max_len: int) -> tuple[int, ...]:
+    """The decode chunk's cache-read lengths, ascending, ending at max_len. Default: max_len / 8,
+    / 4, / 2 and max_len, none below 128: four compilations of the decode chunk at most, and a
+    chunk reads at most twice its longest slot's cache once that exceeds max_len / 8 (on CPU,
+    attention over the whole cache was 17-35 % of a decode step at a quarter-full cache)."""
+    if decode_buckets is None:
+        out = {max_len >> k for k in range(4) if (max_len >> k) >= 128} | {max_len}
+    else:
+        out = set()
+        for i, b in enumerate(decode_buckets):
+            check_int(f"decode_buckets[{i}]", b, 1, max_len)
+            out.add(int(b))
+        out.add(max_len)
+    return tuple(sorted(out))
 
 
 def _default_buckets(max_len: int) -> tuple[int, ...]:

@@ -303,7 +303,8 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
                                  {"params": setup.params, "KV cache": state}, rollout))
         if "decode" in want:
             say(f"compiling decode [{tc.max_slots} slots x {tc.decode_steps} steps] ...")
-            c, s = _compile(steps._generate, mesh, setup.params, state, tc.decode_steps)
+            # the largest decode bucket: the chunk that reads the whole cache
+            c, s = _compile(steps._generate, mesh, setup.params, state, tc.decode_steps, steps.max_len)
             phases.append(_phase("decode", f"decode chunk: {tc.max_slots} slots x {tc.decode_steps} tokens, "
                                  f"cache {tc.max_len} tokens/slot", c, s,
                                  {"params": setup.params, "KV cache": state}, rollout))
