@@ -4,8 +4,9 @@
 `_take_admissible` (on the event loop) decides who gets a slot and pages now, first come first
 served for new requests, appends looked at independently (`engine.page_policy` says how pages are
 found). `_admit_on_device` (on the worker thread) runs what was decided: new prompts of one
-prompt bucket share one `prefill_many` call (rows padded to a power of two), while appends and
-restores go one call each, since each reads its own slot's cache.
+prompt bucket share one `prefill_many` call (rows padded to a power of two; a lone prompt is a
+call of one row), while appends and restores go one call each, since each reads its own slot's
+cache.
 """
 from __future__ import annotations
 
@@ -101,13 +102,12 @@ class AdmissionMixin:
         # New prompts of one bucket share one prefill call (a call per prompt cost ~0.7 ms each
         # on CPU at batch 32, a fifth of a short generation's wall); appends and restores go one
         # by one (each reads its own slot's cache).
-        fresh = [job for job in jobs if job.feed is None and job.resume is None and job.restore is None]
         groups: dict[int, list[Job]] = {}
-        for job in fresh:
-            groups.setdefault(self.steps.bucket_for(len(job.request.tokens)), []).append(job)
+        for job in jobs:
+            if job.feed is None and job.resume is None and job.restore is None:
+                groups.setdefault(self.steps.bucket_for(len(job.request.tokens)), []).append(job)
         for group in groups.values():
-            if len(group) > 1:
-                firsts.update(self._prefill_group(group))
+            firsts.update(self._prefill_group(group))
         for job in jobs:
             if job.slot in firsts:
                 continue
@@ -123,17 +123,11 @@ class AdmissionMixin:
                     jax.block_until_ready(self.state)
                     firsts[job.slot] = None
                     continue
-            if job.feed is None:
-                tokens = list(job.request.tokens)
-                padded = self.steps.pad(tokens)
-                prefix, first = self.steps.prefill(self.params, padded, len(tokens), job.slot_req)
-                self.state = self.steps.insert(prefix, self.state, job.slot, job.slot_req, first)
-                self.stats.prefills += 1
-            else:
-                padded = self.steps.pad(job.feed)
-                self.state, first = self.steps.append_prefill(
-                    self.params, self.state, job.slot, padded, len(job.feed), job.slot_req)
-                self.stats.appends += 1
+            # an append (after its restore, for an evicted trajectory)
+            padded = self.steps.pad(job.feed)
+            self.state, first = self.steps.append_prefill(
+                self.params, self.state, job.slot, padded, len(job.feed), job.slot_req)
+            self.stats.appends += 1
             # One multi-device program in flight at a time: XLA:CPU aborted (an all-gather
             # rendezvous that one device never joined) with a burst of 64 admissions dispatched
             # back to back. On GPU the programs run in stream order anyway, so this costs only the
@@ -148,7 +142,8 @@ class AdmissionMixin:
         return firsts, (self._decode_chain() if decoding > self.underfull_slots else [])
 
     def _prefill_group(self, group: list[Job]) -> dict[int, dict]:
-        """One `prefill_many` call for new prompts of one bucket: {slot: its first results}."""
+        """One `prefill_many` call for new prompts of one bucket (one prompt too: the driver
+        compiles no other prefill): {slot: its first results}."""
         self.state, first = self.steps.prefill_many(
             self.params, self.state, [job.slot for job in group],
             np.concatenate([self.steps.pad(job.request.tokens) for job in group]),

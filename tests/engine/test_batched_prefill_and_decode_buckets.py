@@ -1,6 +1,8 @@
 """Decode speed without changing results (issue #23): new prompts of one bucket admitted by one
 `prefill_many` call, decode chunks that read only the cache's live part (`decode_buckets`), an
-all-greedy batch that skips the random draws, and an argmax from two plain reductions."""
+all-greedy batch that skips the random draw, a draw from two uniforms a row (inverse CDF by
+blocks) instead of a Gumbel variate per vocabulary entry, and an argmax from two plain
+reductions."""
 import asyncio
 import functools
 
@@ -13,7 +15,7 @@ import sfrrl_jax as S
 from sfrrl_jax.engine import Engine, SlotRequest
 from sfrrl_jax.engine.pages import PageTable, check_paging
 from sfrrl_jax.engine.paged import engine_steps
-from sfrrl_jax.engine.sampling import SamplingParams, first_argmax, sample
+from sfrrl_jax.engine.sampling import SamplingParams, first_argmax, inverse_cdf_draw, sample
 from sfrrl_jax.engine.types import GenerationRequest
 
 from model_fixtures import TINY, TINY_GPT_OSS, host, randomize
@@ -124,36 +126,35 @@ def test_decode_buckets_are_checked_by_name():
     assert engine_steps(cfg, mesh, 4, 64, None).decode_buckets == (64,)  # none below 128
 
 
-def _run(engine, prompts, n, **kw):
+def _run(engine, prompts, n, together=True, **kw):
+    async def one(i, p):
+        c = await engine.complete(GenerationRequest(tokens=p, max_new_tokens=n, seed=i, **kw))
+        await engine.release(c.slot_handle)
+        return c
+
     async def main():
-        async def one(i, p):
-            c = await engine.complete(GenerationRequest(tokens=p, max_new_tokens=n, seed=i, **kw))
-            await engine.release(c.slot_handle)
-            return c
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    try:
-        return asyncio.run(main())
-    finally:
-        engine.release_memory()
+        if together:
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return [await one(i, p) for i, p in enumerate(prompts)]
+    return asyncio.run(main())
 
 
 def test_engine_admits_a_burst_in_one_prefill_call_and_decodes_in_buckets():
-    """Six prompts arriving together: one prefill_many call for the five of one bucket, one
-    prefill for the longer one; decode crosses the 16-token bucket. The completions (and, for
-    the MoE, the routes of every fed token) equal an engine's that admits one prompt at a time
-    and reads the whole cache."""
+    """Six prompts arriving together: one prefill_many call for the five of one bucket, one of a
+    single row for the longer one; decode crosses the 16-token bucket. The completions (and, for
+    the MoE, the routes of every fed token) equal those of the same prompts sent one at a time."""
     cfg, mesh, params = _setup("qwen3")
     prompts = [[3, 4, 5], [9, 9], [1, 2, 3, 4, 5, 6], [7], [8, 6, 4, 2], list(range(1, 12))]
-    fast = Engine(cfg, params, max_slots=8, max_len=48, buckets=(8, 16), decode_steps=3,
-                  decode_buckets=(16, 24), record_routes=True, max_consecutive_faults=0)
-    got = _run(fast, prompts, 12, temperature=1.0)
-    counts = fast.steps.compile_counts()
-    assert counts["prefill_many"] == 1 and counts["prefill"] == 1  # [8 rows, 8] once; [1, 16] once
-    assert counts["generate"] == 2 and fast.stats.prefills == 6
-    slow = Engine(cfg, params, max_slots=1, max_len=48, buckets=(8, 16), decode_steps=3,
-                  decode_buckets=(48,), record_routes=True, max_consecutive_faults=0)
-    want = _run(slow, prompts, 12, temperature=1.0)
-    assert slow.steps.compile_counts()["prefill_many"] == 0
+    engine = Engine(cfg, params, max_slots=8, max_len=48, buckets=(8, 16), decode_steps=3,
+                    decode_buckets=(16, 24), record_routes=True, max_consecutive_faults=0)
+    got = _run(engine, prompts, 12, temperature=1.0)
+    counts = engine.steps.compile_counts()
+    # [8 rows, 8 tokens] and [1 row, 16 tokens]; no per-prompt prefill + insert
+    assert counts["prefill_many"] == 2 and counts["prefill"] == counts["insert"] == 0
+    assert counts["generate"] == 2 and engine.stats.prefills == 6
+    want = _run(engine, prompts, 12, together=False, temperature=1.0)
+    assert engine.steps.compile_counts()["prefill_many"] == 3  # [1 row, 8 tokens] too; generate as before
+    engine.release_memory()
     for g, w, p in zip(got, want, prompts):
         assert g.tokens == w.tokens
         np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, atol=1e-5)
@@ -174,3 +175,23 @@ def test_greedy_rows_and_argmax_whatever_the_neighbours_sample():
     assert host(a[0]).tolist() == host(jnp.argmax(logits, -1)).tolist()   # no draw made at all
     for x, y in zip(a, b):  # the greedy rows do not change when neighbours sample
         assert host(x)[[0, 2]].tolist() == host(y)[[0, 2]].tolist()
+
+
+def test_inverse_cdf_draw_fits_the_distribution_and_never_draws_a_zero():
+    """100k draws over 1000 entries (8 blocks; a whole block and a single entry at probability
+    0): a chi-square fit far inside a wide bound, no zero-probability entry drawn, and a row
+    with all its mass on one entry always draws it."""
+    logits = jax.random.normal(jax.random.key(0), (1, 1000)) * 3.0
+    logits = logits.at[0, 5].set(-jnp.inf).at[0, 128:256].set(-jnp.inf)
+    probs = jax.nn.softmax(logits)
+    n = 100_000
+    draw = jax.jit(jax.vmap(lambda i: inverse_cdf_draw(probs, jnp.full((1,), 7, jnp.uint32), i[None])[0]))
+    counts = np.bincount(host(draw(jnp.arange(n, dtype=jnp.uint32))), minlength=1000)
+    p = host(probs)[0]
+    assert counts[p == 0].sum() == 0
+    expected = p * n
+    big = expected > 5
+    chi2, dof = float(((counts[big] - expected[big]) ** 2 / expected[big]).sum()), int(big.sum()) - 1
+    assert chi2 < dof + 8 * np.sqrt(2 * dof), (chi2, dof)   # mean dof, sd sqrt(2 dof)
+    one_hot = jnp.zeros((3, 300)).at[:, 299].set(1.0)
+    assert host(inverse_cdf_draw(one_hot, jnp.arange(3, dtype=jnp.uint32), jnp.zeros(3, jnp.int32))).tolist() == [299] * 3
