@@ -267,10 +267,11 @@ class EngineSteps:
         tok, lp, raw = sample(row, _expand(request.sampling, 1), jnp.reshape(draws, (1,)))
         return tok[0], lp[0], raw[0]
 
-    def _prefill_many_impl(self, params, state: DecodeState, slots, tokens, true_lengths, request):
+    def _prefill_rows(self, params, tokens, true_lengths, request):
+        """Prefill of tokens [n, t] (true_lengths [n], request fields [n, ...]) from an empty
+        cache: (cache_k, cache_v [layers, n, t, kv_heads, head_dim], first ResultTokens [n])."""
         n, t = tokens.shape
-        kv_shape = (self.cfg.n_layers, n, t, self.cfg.n_kv_heads, self.cfg.head_dim)
-        ck = jnp.zeros(kv_shape, self.cache_dtype)
+        ck = jnp.zeros((self.cfg.n_layers, n, t, self.cfg.n_kv_heads, self.cfg.head_dim), self.cache_dtype)
         logits, ck, cv, *routes = extend(self.cfg, params, tokens, jnp.zeros((n,), jnp.int32), ck,
                                          jnp.zeros_like(ck), true_lengths, self.record_routes)
         last = jnp.take_along_axis(logits, (true_lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, vocab]
@@ -278,21 +279,17 @@ class EngineSteps:
         done = _finish(request, tok, 1, true_lengths, self.max_len)
         first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.ones((n,), bool), done=done,
                              routes=routes[0] if routes else None)
+        return ck, cv, first
+
+    def _prefill_many_impl(self, params, state: DecodeState, slots, tokens, true_lengths, request):
+        ck, cv, first = self._prefill_rows(params, tokens, true_lengths, request)
         state = self._write_prefixes(state, slots, ck, cv)
-        state = self._set_slot(state, slots, true_lengths, first, request, jnp.ones((n,), jnp.int32))
+        state = self._set_slot(state, slots, true_lengths, first, request, jnp.ones_like(slots))
         return state, self._on_every_host(first)
 
     def _prefill_impl(self, params, tokens, true_length, request):
-        t = tokens.shape[1]
-        kv_shape = (self.cfg.n_layers, 1, t, self.cfg.n_kv_heads, self.cfg.head_dim)
-        ck = jnp.zeros(kv_shape, self.cache_dtype)
-        logits, ck, cv, *routes = extend(self.cfg, params, tokens, jnp.zeros((1,), jnp.int32), ck,
-                                         jnp.zeros_like(ck), jnp.reshape(true_length, (1,)),
-                                         self.record_routes)
-        tok, lp, raw = self._sample_last(logits, true_length, request, jnp.int32(0))
-        done = _finish(request, tok, 1, true_length, self.max_len)
-        first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.bool_(True), done=done,
-                             routes=routes[0][0] if routes else None)
+        ck, cv, first = self._prefill_rows(params, tokens, jnp.reshape(true_length, (1,)), _expand(request, 1))
+        first = jax.tree.map(lambda x: x[0], first)
         return Prefix(cache_k=ck, cache_v=cv, true_length=true_length), self._on_every_host(first)
 
     def _on_every_host(self, results: ResultTokens) -> ResultTokens:
