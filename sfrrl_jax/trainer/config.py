@@ -18,8 +18,10 @@ class TrainerConfig:
     mode: 'sync' (roll out everything, then train), 'pipelined' (train finished groups while the
       engine would idle; one update per step; on-policy), 'one_step_off' (train step k-1's batch
       during step k's rollout: off-policy by one update; use TIS in the loss).
-    max_slots / max_len / decode_steps / buckets: the engine (slots decode together; max_len
-      bounds prompt + all turns; decode_steps tokens per device call).
+    max_slots / max_len / decode_steps / buckets / decode_buckets: the engine (slots decode
+      together; max_len bounds prompt + all turns; decode_steps tokens per device call; buckets:
+      prompt lengths prefill pads to; decode_buckets: cache lengths a decode chunk may read,
+      None = max_len / 8, / 4, / 2, max_len, none below 128).
     page_size / num_pages: page the engine's KV cache (`Engine(page_size=, num_pages=)`): None
       (the default) reserves max_slots x max_len tokens; a page size makes slots take pages as
       they grow, from `num_pages` shared pages (None: as many tokens as the dense cache).
@@ -50,6 +52,7 @@ class TrainerConfig:
     max_len: int = 256
     decode_steps: int = 1
     buckets: tuple[int, ...] | None = None
+    decode_buckets: tuple[int, ...] | None = None
     page_size: int | None = None
     num_pages: int | None = None
     underfull_slots: int = 0
@@ -76,12 +79,15 @@ class TrainerConfig:
         for k in ("page_size", "num_pages"):
             check_int(f"{own}.{k}", getattr(self, k), 1, optional=True)
         check_seed(f"{own}.seed", self.seed)
-        if self.buckets is not None:
-            if not isinstance(self.buckets, (tuple, list)) or not self.buckets:
-                raise ValueError(f"{own}.buckets must be None or a non-empty tuple of ints, got {self.buckets!r}")
-            for i, b in enumerate(self.buckets):
-                check_int(f"{own}.buckets[{i}]", b, 1)
-            object.__setattr__(self, "buckets", tuple(self.buckets))  # hashable: a static jit argument
+        for name in ("buckets", "decode_buckets"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, (tuple, list)) or not value:
+                raise ValueError(f"{own}.{name} must be None or a non-empty tuple of ints, got {value!r}")
+            for i, b in enumerate(value):
+                check_int(f"{own}.{name}[{i}]", b, 1, self.max_len if name == "decode_buckets" else None)
+            object.__setattr__(self, name, tuple(value))  # hashable: a static jit argument
         if not isinstance(self.advantage, AdvantageConfig):
             raise ValueError(f"{own}.advantage must be an AdvantageConfig, got {type(self.advantage).__name__}")
         if self.groups_per_step % self.groups_per_microbatch:

@@ -171,6 +171,7 @@ class RLTrainer:
         self.engine = engine if engine is not None else engine_cls(
             model_cfg, params, max_slots=trainer_cfg.max_slots, max_len=trainer_cfg.max_len,
             buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps,
+            decode_buckets=trainer_cfg.decode_buckets,
             page_size=trainer_cfg.page_size, num_pages=trainer_cfg.num_pages,
             **(dict(record_routes=True, max_consecutive_faults=0) if replay else {}))
         # one process, or N in lockstep (each rolling out its share): `trainer.process_step`

@@ -209,6 +209,8 @@ def test_wrong_type_or_range_fails_validate_only_naming_the_field(tiny_gin, bind
     (lambda: LossConfig(kl_coef=math.nan), "LossConfig.kl_coef must be >= 0 and finite, got nan"),
     (lambda: TrainerConfig(seed=-5), "TrainerConfig.seed must be in [0, 4294967295], got -5"),
     (lambda: TrainerConfig(buckets=(16, "32")), "TrainerConfig.buckets[1] must be an int >= 1, got '32' (str)"),
+    (lambda: TrainerConfig(max_len=64, decode_buckets=(32, 128)),
+     "TrainerConfig.decode_buckets[1] must be in [1, 64], got 128"),
     (lambda: ExperimentConfig(run_dir="/x", num_devices=True), "ExperimentConfig.num_devices must be an int >= 1 "
                                                                "or None, got True (bool)"),
     (lambda: ModelConfig.preset("tiny-moe", rms_eps=math.nan), "ModelConfig.rms_eps must be > 0 and finite"),

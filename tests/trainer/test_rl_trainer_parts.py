@@ -319,12 +319,13 @@ def test_each_reward_function_is_logged_as_its_mean_over_the_step(tok_dir, tmp_p
 
 
 # -- a paged KV cache from the trainer's config ------------------------------------------------------------
-def test_trainer_config_pages_the_engines_cache():
+def test_trainer_config_pages_the_engines_cache_and_sets_its_decode_buckets():
     """The config reaches the engine (the paged engine itself, and its equality with the dense one,
     are tested in tests/engine; a step here would only add compiles to the suite)."""
-    tc = _tc(page_size=8, num_pages=20)   # 160 tokens of cache for 4 slots x 64 (256 dense)
+    tc = _tc(page_size=8, num_pages=20, decode_buckets=(16, 32))   # 160 tokens of cache for 4 slots x 64 (256 dense)
     tr = RLTrainer(CFG, _params(), tc, LOSS, OPT, WorkloadAgent(WL), TaskStream(make_tasks(WL)))
     assert tr.engine.steps.page_size == 8 and tr.engine.occupancy["pages_free"] == 20
+    assert tr.engine.steps.decode_buckets == (16, 32, 64)  # max_len always closes them
     assert tr.engine.steps.cache_bytes() < RLTrainer(CFG, _params(), _tc(), LOSS, OPT, WorkloadAgent(WL),
                                                      TaskStream(make_tasks(WL))).engine.steps.cache_bytes()
     with pytest.raises(ValueError, match="TrainerConfig.page_size must be >= 1, got 0"):
