@@ -48,50 +48,20 @@ def sample(logits, sp: SamplingParams, token_index):
     filtered = jax.lax.cond(jnp.any(filters), _top_k_top_p, lambda x, *_: x, scaled, sp.top_k, sp.top_p)
     sample_logp = jax.nn.log_softmax(filtered, axis=-1)
 
-    # The random draw runs only when some row samples: an all-greedy batch skips it.
-    drawn = jax.lax.cond(jnp.any(~greedy), inverse_cdf_draw, lambda p, *_: jnp.zeros(p.shape[:1], jnp.int32),
-                         jnp.exp(sample_logp), sp.seed, token_index)
+    def draw(seed, idx, row):
+        key = jax.random.fold_in(jax.random.key(seed), idx)
+        return jax.random.categorical(key, row)
+
+    def draw_all(filtered):
+        return jax.vmap(draw)(sp.seed, token_index.astype(jnp.uint32), filtered).astype(jnp.int32)
+
+    # The random draws (a Gumbel variate per vocabulary entry and row) run only when some row
+    # samples: an all-greedy batch skips them (they were a quarter of a greedy decode step on CPU).
+    drawn = jax.lax.cond(jnp.any(~greedy), draw_all, lambda f: jnp.zeros(f.shape[:1], jnp.int32), filtered)
     tokens = jnp.where(greedy, first_argmax(logits), drawn)
     pick = lambda a: jnp.take_along_axis(a, tokens[:, None], axis=-1)[:, 0]
     logp = jnp.where(greedy, 0.0, pick(sample_logp))
     return tokens, logp, pick(raw_logp)
-
-
-DRAW_BLOCK = 128  # vocabulary entries per block of `inverse_cdf_draw`
-
-
-def inverse_cdf_draw(probs, seed, token_index):
-    """One token per row drawn from probs [b, vocab] (>= 0, each row summing to ~1), from two
-    uniforms keyed by (seed [b], token_index [b]) only: inverse transform sampling in two levels,
-    first a block of DRAW_BLOCK entries by the blocks' masses, then an entry by the block's own
-    running sum. Returns [b] int32; an entry of probability 0 is never drawn.
-
-    It replaces a Gumbel variate per vocabulary entry (`jax.random.categorical`): two threefry
-    draws a row instead of vocab of them, ~4x less time for a sampled step's draw on CPU at 512
-    and at 151,936 entries. Two levels, because one running sum in fp32 over a whole vocabulary
-    rounds each entry's interval to ulp(1) = 6e-8, which would distort a 150k-entry tail by up to
-    ~1e-2 in total variation; blocks bound each sum's length (the worst case becomes ~1e-4; the
-    tests fit 100k draws over 1000 entries, some of probability 0, by chi-square)."""
-    b, vocab = probs.shape
-    blocks = -(-vocab // DRAW_BLOCK)
-    p = jnp.pad(probs, ((0, 0), (0, blocks * DRAW_BLOCK - vocab))).reshape(b, blocks, DRAW_BLOCK)
-    mass = jnp.sum(p, axis=-1)                                                   # [b, blocks]
-    u = jax.vmap(lambda s, i: jax.random.uniform(jax.random.fold_in(jax.random.key(s), i), (2,)))(
-        seed, token_index.astype(jnp.uint32))                                   # [b, 2]
-    block = _first_past(mass, u[:, 0] * jnp.sum(mass, axis=-1))
-    inside = jnp.take_along_axis(p, block[:, None, None], axis=1)[:, 0]          # [b, DRAW_BLOCK]
-    entry = _first_past(inside, u[:, 1] * jnp.take_along_axis(mass, block[:, None], axis=1)[:, 0])
-    return block * DRAW_BLOCK + entry
-
-
-def _first_past(weights, target):
-    """The first index whose running sum of weights [b, n] exceeds target [b], or the last
-    positive weight's index when rounding leaves the target at or past the total."""
-    n = weights.shape[-1]
-    iota = jnp.arange(n, dtype=jnp.int32)
-    past = jnp.sum(jnp.cumsum(weights, axis=-1) <= target[:, None], axis=-1).astype(jnp.int32)
-    last = jnp.max(jnp.where(weights > 0, iota, -1), axis=-1)
-    return jnp.maximum(jnp.minimum(past, last), 0)  # 0 for a row with no positive weight (nan)
 
 
 def first_argmax(x):
