@@ -44,10 +44,8 @@ def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len
     def write(c, layer, positions, x):
         return c.at[layer, rows, positions].set(x.astype(c.dtype), mode="drop")
 
-    def read(c, layer, positions, x):
-        return c[layer] if k_len == c.shape[2] else c[layer, :, :k_len]
-
-    return _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write, read, with_routes)
+    return _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write,
+                   lambda c, layer, positions, x: c[layer, :, :k_len], with_routes)
 
 
 def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_table, valid_len,
