@@ -12,6 +12,17 @@ if _REPO not in sys.path:
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
+# Tests compile at XLA's backend optimisation level 0 (process_run.TEST_OPT_FLAG): on CPU most of
+# a tiny-model test's time is compiling, and most of a compile is LLVM optimising machine code
+# (measured: the suite ~30 % shorter). The programs are the same HLO, only their machine code is
+# less optimised, so a test whose work runs long (the quickstart's learning run) runs it in a
+# subprocess at XLA's default level (process_run.default_opt_env). SFRRL_TEST_XLA_OPT=default
+# keeps XLA's level throughout; the suite passes either way.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from process_run import TEST_OPT_FLAG  # noqa: E402
+
+if os.environ.get("SFRRL_TEST_XLA_OPT", "0") != "default" and TEST_OPT_FLAG not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + TEST_OPT_FLAG
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent XLA compilation cache for the whole test run: its pytest workers, the processes

@@ -11,7 +11,7 @@ from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.rl.config import LossConfig
 
-from model_fixtures import TINY, randomize
+from model_fixtures import TINY, host_randomize
 
 
 def state_and_mesh():
@@ -20,7 +20,7 @@ def state_and_mesh():
     device of one process)."""
     cfg = TINY.replace(max_seq_len=64)
     mesh = S.make_mesh(data=2, expert=4, devices=jax.devices())
-    params = randomize(S.init_params(cfg, mesh, seed=0), seed=5, scale=0.3)
+    params = host_randomize(S.init_params(cfg, mesh, seed=0), seed=5, scale=0.3)
     ts = make_train_step(cfg, LossConfig(), OptimizerConfig(learning_rate=1e-3))
     rng = jax.jit(lambda: jax.random.key(11), out_shardings=NamedSharding(mesh, P()))()
     return {"params": params, "opt_state": ts.init_opt_state(params), "rng": rng}, mesh
