@@ -13,10 +13,12 @@ from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
 
 CFG = S.ModelConfig.preset("tiny-moe", max_seq_len=128)
-# 3 prompts drawn twice over 3 steps of 2 groups: revisits, on other processes than the first visit
-WL = WorkloadConfig(num_prompts=3, response_median=5, response_sigma=0.8, max_response=16,
+# 2 prompts drawn twice over 2 steps of 2 groups: revisits, on the other process than the first
+# visit (the stream's seed 3 draws them in the order 1, 0 and then 0, 1)
+WL = WorkloadConfig(num_prompts=2, response_median=5, response_sigma=0.8, max_response=16,
                     tool_latency_median_s=0.02, tool_latency_sigma=0.5, max_turns=3)
-STEPS = 3
+STEPS = 2
+STREAM_SEED = 3
 MODES = ("sync", "pipelined", "early")   # early: pipelined with early_groups=2 (early samples)
 # overprovision: pipelined, 3 groups launched for 2 (which one is surplus depends on timing, so it
 # is checked for what it must do, not against one process)
@@ -45,7 +47,7 @@ def make_trainer(mode: str, engine_cls=None, early_groups: int = 0, overprovisio
                             decode_steps=tc.decode_steps)
     optimizer = optax.sgd(SYNC_SGD_LR) if mode == "sync" else OptimizerConfig(learning_rate=1e-3)
     return RLTrainer(CFG, params, tc, LossConfig(), optimizer, WorkloadAgent(WL),
-                     TaskStream(make_tasks(WL), seed=1), engine=engine)
+                     TaskStream(make_tasks(WL), seed=STREAM_SEED), engine=engine)
 
 
 KEYS = ("train/loss", "reward/mean", "rollout/generated_tokens", "train/trained_tokens", "train/microsteps",
