@@ -76,8 +76,9 @@ def gumbel_max_draw(seed, token_index, logits):
     P(token | block) = softmax(logits)[token]. That is ~2 sqrt(vocab) random variates a row
     instead of vocab (threefry's bits were most of a sampled decode step on CPU). Both stages
     are argmaxes of perturbed values, so a last-bit change of the logits (another process
-    count's summation order) flips a token about as rarely as one Gumbel-max does (an
-    inverse-CDF draw moves every boundary with the normaliser: ~vocab times as often).
+    count's summation order) flips a token about as rarely as one Gumbel-max does; an
+    inverse-CDF draw moves every boundary with the normaliser (measured at vocab 512 and a 1e-5
+    relative nudge: 72 of 20,000 tokens changed, against 1 here).
     """
     b, vocab = logits.shape
     block = draw_block(vocab)

@@ -47,9 +47,7 @@ def test_the_draw_depends_on_seed_and_index_only():
     b = np.asarray(draw(seeds[::-1], index[::-1], logits[::-1]))[::-1]   # other rows, other batch order
     c = np.asarray(draw(seeds[:1], index[:1], logits[:1]))               # a batch of one
     assert a.tolist() == b.tolist() and a[0] == c[0]
-    other_index = np.asarray(draw(seeds, index + 1, logits))
-    assert not np.array_equal(_draws(logits[0], 64), _draws(logits[0], 64, index=1))  # index moves the stream
-    assert other_index.shape == (4,)
+    assert not np.array_equal(_draws(logits[0], 64), _draws(logits[0], 64, index=1))  # the index moves the stream
 
 
 def test_a_last_bit_change_of_the_logits_rarely_changes_the_token():
