@@ -18,6 +18,7 @@ Dispatch = Literal["padded", "ragged", "llep"]
 Remat = Literal["none", "full", "dots", "dots_no_batch", "attention_out", "dots_attention_out"]
 RopeType = Literal["default", "yarn", "llama3"]
 AttentionImpl = Literal["blockwise", "pallas", "naive"]
+GroupedMatmul = Literal["auto", "ragged_dot", "tiled", "ragged_dot_tiled_wgrad"]
 
 
 # -- field checks shared by the config dataclasses ----------------------------------------------
@@ -180,6 +181,12 @@ class ModelConfig:
     llep_threshold: float = 1.3
     router_aux_coef: float = 0.0
     router_z_coef: float = 0.0
+    # The experts' grouped matmul (models/grouped_matmul.py): 'ragged_dot' (jax.lax.ragged_dot;
+    # XLA expands it to a dense dot over every local expert where it has no grouped GEMM: all of
+    # XLA:CPU, GPU weight gradients), 'tiled' (a loop over 128-row tiles of one expert each: memory
+    # ~ rows, work ~ the rows present), 'ragged_dot_tiled_wgrad', or 'auto' (ragged_dot while the
+    # dense expansion is under 16M elements, else tiled on CPU, tiled weight gradient on GPU).
+    grouped_matmul: GroupedMatmul = "auto"
     # Training/prefill attention: 'blockwise' (flash-style online softmax over
     # attention_block_q x attention_block_k tiles, memory linear in seq, models/attention.py),
     # 'pallas' (the same function as Pallas/Triton GPU kernels, models/attention_pallas.py: ~3x
@@ -233,6 +240,7 @@ class ModelConfig:
                 raise ValueError("ModelConfig.layer_types has 'sliding' layers but sliding_window is unset")
         for k, allowed in (("router", RouterKind), ("expert_act", ExpertAct), ("moe_dispatch", Dispatch),
                            ("remat", Remat), ("family", Family), ("rope_type", RopeType),
+                           ("grouped_matmul", GroupedMatmul),
                            ("attention_impl", AttentionImpl)):
             if getattr(self, k) not in allowed.__args__:
                 raise ValueError(f"ModelConfig.{k}={getattr(self, k)!r}; valid: {list(allowed.__args__)}")

@@ -4,7 +4,8 @@ Flow for tokens x [tokens, embed] (the batch flattened):
   1. route (global, plain XLA): router logits -> top-k expert ids and weights, aux metrics.
   2. dispatch (inside `shard_map`): each device holds a token shard; its (token, expert)
      assignments are sorted by expert and sent to the device owning that expert.
-  3. local experts: received rows sorted by local expert, one `grouped_matmul` (`jax.lax.ragged_dot`) per matrix.
+  3. local experts: received rows sorted by local expert, one `grouped_matmul` per matrix
+     (`jax.lax.ragged_dot`, or a loop over row tiles where XLA would expand it to a dense dot).
   4. the results travel back the same way and are combined with the routing weights.
 
 Two exchange paths compute the same function, chosen by `cfg.moe_dispatch`:
@@ -30,7 +31,7 @@ from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import (EXPERT_AXIS, TENSOR_AXIS, TOKEN_AXES, concrete_mesh_in_trace, fit_spec_to_shape,
                             logical_to_spec)
 from sfrrl_jax.models import llep
-from sfrrl_jax.models.grouped_matmul import grouped_matmul
+from sfrrl_jax.models.grouped_matmul import choose_impl, grouped_matmul
 from sfrrl_jax.models.layers import cdtype, param
 
 
@@ -157,8 +158,10 @@ def expert_ffn(cfg: ModelConfig, rows, local_ids, n_local: int, w: dict):
     sorted_ids = local_ids[order]
     xs = rows[order].astype(dt)
     group_sizes = jnp.bincount(sorted_ids, length=n_local + 1)[:n_local].astype(jnp.int32)
-    gate = grouped_matmul(xs, w["w_gate"].astype(dt), group_sizes)
-    up = grouped_matmul(xs, w["w_up"].astype(dt), group_sizes)
+    m, (_, d_in, d_mlp) = xs.shape[0], w["w_gate"].shape
+    impl = choose_impl(cfg.grouped_matmul, m, n_local, d_in, d_mlp)  # same sizes for down: [m, mlp] x [mlp, embed]
+    gate = grouped_matmul(xs, w["w_gate"].astype(dt), group_sizes, impl)
+    up = grouped_matmul(xs, w["w_up"].astype(dt), group_sizes, impl)
     gather_ids = jnp.minimum(sorted_ids, n_local - 1)
     if cfg.expert_bias:
         gate = gate + w["b_gate"].astype(dt)[gather_ids]
@@ -169,7 +172,7 @@ def expert_ffn(cfg: ModelConfig, rows, local_ids, n_local: int, w: dict):
         hidden = (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
     else:
         hidden = jax.nn.silu(gate) * up
-    out = grouped_matmul(hidden, w["w_down"].astype(dt), group_sizes)
+    out = grouped_matmul(hidden, w["w_down"].astype(dt), group_sizes, impl)
     if cfg.expert_bias:
         # Down bias is added once per row: only on the first mlp shard when mlp is split.
         bias = w["b_down"].astype(dt)[gather_ids]

@@ -36,8 +36,9 @@ def _dense_reference(cfg, x, ids, weights, w):
 
 @pytest.mark.parametrize("cfg", [TINY, TINY_GPT_OSS], ids=["swiglu", "gptoss"])
 @pytest.mark.parametrize("dispatch", ["padded", "ragged"])
-def test_dropless_when_every_token_picks_the_same_experts(cfg, dispatch):
-    cfg = cfg.replace(moe_dispatch=dispatch)
+@pytest.mark.parametrize("gmm", ["auto", "tiled"])
+def test_dropless_when_every_token_picks_the_same_experts(cfg, dispatch, gmm):
+    cfg = cfg.replace(moe_dispatch=dispatch, grouped_matmul=gmm)
     mesh = S.make_mesh(data=2, expert=4)
     params = randomize(S.init_params(cfg, mesh, seed=0), seed=5, scale=0.3)
     w = {k: v[0] for k, v in params["layers"]["moe"].items() if k.startswith(("w_", "b_"))}
