@@ -156,7 +156,7 @@ def expert_ffn(cfg: ModelConfig, rows, local_ids, n_local: int, w: dict):
     dt = cdtype(cfg)
     order = jnp.argsort(local_ids, stable=True)
     sorted_ids = local_ids[order]
-    xs = rows[order].astype(dt)
+    xs = rows.at[order].get(unique_indices=True).astype(dt)
     group_sizes = jnp.bincount(sorted_ids, length=n_local + 1)[:n_local].astype(jnp.int32)
     m, (_, d_in, d_mlp) = xs.shape[0], w["w_gate"].shape
     impl = choose_impl(cfg.grouped_matmul, m, n_local, d_in, d_mlp)  # same sizes for down: [m, mlp] x [mlp, embed]
@@ -180,7 +180,7 @@ def expert_ffn(cfg: ModelConfig, rows, local_ids, n_local: int, w: dict):
             bias = jnp.where(jax.lax.axis_index(TENSOR_AXIS) == 0, bias, 0)
         out = out + bias
     out = jnp.where((sorted_ids < n_local)[:, None], out, 0)
-    return jnp.zeros_like(out).at[order].set(out)
+    return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
 
 
 def _current_axes() -> tuple[str, ...]:
@@ -228,7 +228,7 @@ def _dispatch_compute_combine(cfg: ModelConfig, n_shards: int, x, ids, weights, 
     eid = ids.reshape(a)
     order = jnp.argsort(eid, stable=True)               # by destination shard, then local expert
     sorted_eid = eid[order]
-    rows = x[order // k]                                # [a, embed]
+    rows = jnp.repeat(x, k, axis=0).at[order].get(unique_indices=True)   # [a, embed]
     dest = sorted_eid // n_local
     local = sorted_eid % n_local
     send_counts = jnp.bincount(dest, length=n_shards).astype(jnp.int32)
@@ -265,7 +265,7 @@ def _dispatch_compute_combine(cfg: ModelConfig, n_shards: int, x, ids, weights, 
         sender_offsets = (jnp.cumsum(counts, axis=1) - counts)[:, me].astype(jnp.int32)
         out_sorted = _ragged_exchange(y, jnp.zeros((a, x.shape[-1]), y.dtype), recv_start,
                                       recv_sizes, sender_offsets, send_counts)
-    per_assignment = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
+    per_assignment = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", per_assignment.astype(jnp.float32),
                       weights.astype(jnp.float32)).astype(x.dtype)
 
