@@ -26,7 +26,7 @@ PAGE_POOL_AXES = (None, None, "kv_heads", "head_dim")
 
 
 def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len,
-           with_routes: bool = False, k_len: int | None = None):
+           with_routes: bool = False, k_len: int | None = None, logits_at=None):
     """Runs `tokens` [b, t] at positions starts[:, None] + 0..t-1 against cache rows.
 
     cache_k, cache_v: [layers, b, max_len, kv_heads, head_dim] (the rows of the slots involved).
@@ -35,6 +35,9 @@ def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len
     k_len (static, default max_len): attention reads only cache positions < k_len, so a decode
     step whose rows are all short reads a short prefix of the cache; the caller guarantees
     valid_len <= k_len for every row whose output it uses (a row past it gets garbage).
+    logits_at [b] int32 (optional): the logits of token logits_at[i] of row i only, [b, 1, vocab]
+    (a prefill or an append samples after its last token: the LM head over every token of an
+    8k-token append is [8k, vocab] fp32, 6.6 GB for gpt-oss' vocabulary, for one row of it).
     Returns (logits [b, t, vocab] fp32, new cache_k, new cache_v); with_routes (static, MoE only):
     also the experts each new token used, routes [b, t, moe layers, top_k] (`routes_dtype`).
     """
@@ -45,12 +48,12 @@ def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len
         return c.at[layer, rows, positions].set(x.astype(c.dtype), mode="drop")
 
     return _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write,
-                   lambda c, layer, positions, x: c[layer, :, :k_len], with_routes)
+                   lambda c, layer, positions, x: c[layer, :, :k_len], with_routes, logits_at)
 
 
 def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_table, valid_len,
                  k_len: int, layer_kind, layer_base, layer_scratch, overlay: bool,
-                 with_routes: bool = False):
+                 with_routes: bool = False, logits_at=None):
     """`extend` against a paged cache (see `engine.pages`, `engine.paged`).
 
     pool_k, pool_v: [units, page_size, kv_heads, head_dim]: every layer's pages, layer l's page p
@@ -66,7 +69,7 @@ def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_
     holds only the pages later steps read, so the view takes this step's new keys/values from the
     step itself, and an append or a restore needs no page for a position no later query sees.
     Returns (logits [b, t, vocab] fp32, new pool_k, new pool_v), and routes as `extend` with
-    with_routes.
+    with_routes; logits_at as `extend`'s.
     """
     page_size, n_pages = pool_k.shape[1], page_table.shape[2]
     rows = jnp.arange(tokens.shape[0])[:, None]
@@ -92,7 +95,8 @@ def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_
             return g
         return g.at[rows, positions].set(x.astype(c.dtype), mode="drop")
 
-    return _extend(cfg, params, tokens, starts, pool_k, pool_v, valid_len, k_len, write, read, with_routes)
+    return _extend(cfg, params, tokens, starts, pool_k, pool_v, valid_len, k_len, write, read, with_routes,
+                   logits_at)
 
 
 def routes_dtype(cfg: ModelConfig):
@@ -104,7 +108,7 @@ def routes_dtype(cfg: ModelConfig):
 
 
 def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write, read,
-            with_routes=False):
+            with_routes=False, logits_at=None):
     """The layers run against a cache reached through `write(cache, layer, positions [b, t],
     x [b, t, kv_heads, head_dim]) -> cache` and `read(cache, layer, positions, x) -> [b, k_len,
     kv_heads, head_dim]` (key position j of row i is position j of slot i's sequence; read runs
@@ -139,7 +143,10 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
     # layer_ids are model-order layer indices: the cache rows stay one per model layer whatever
     # stack (MoE or dense) the layer's params live in.
     (x, cache_k, cache_v), outs = tfm.run_layers(cfg, model, (x, cache_k, cache_v), body, layer_ids)
-    logits = tfm.logits_from_hidden(cfg, params, model.final_norm(x))
+    h = model.final_norm(x)
+    if logits_at is not None:
+        h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)   # [b, 1, embed]
+    logits = tfm.logits_from_hidden(cfg, params, h)
     if not with_routes:
         return logits, cache_k, cache_v
     # the `layers` stack holds the MoE layers in model order: [moe layers, b, t, k] -> [b, t, moe layers, k]

@@ -83,21 +83,22 @@ class PagedEngineSteps(EngineSteps):
         return state
 
     # -- cache access ---------------------------------------------------------------------------
-    def _extend(self, params, tokens, starts, cache_k, cache_v, table, valid_len, with_routes=False, k_len=None):
+    def _extend(self, params, tokens, starts, cache_k, cache_v, table, valid_len, with_routes=False, k_len=None,
+                logits_at=None):
         return extend_paged(self.cfg, params, tokens, starts, cache_k, cache_v, table, valid_len,
                             k_len or self.max_len, self.layer_kind, self.layer_base, self.layer_scratch,
-                            self.overlay, with_routes)
+                            self.overlay, with_routes, logits_at)
 
     def _extend_all(self, params, state: DecodeState, tokens, starts, valid_len, with_routes=False, k_len=None):
         return self._extend(params, tokens, starts, state.cache_k, state.cache_v, state.page_table, valid_len,
                             with_routes, k_len)
 
     def _extend_slot(self, params, state: DecodeState, slot, tokens, start, valid_len, cast=False,
-                     with_routes=False):
+                     with_routes=False, logits_at=None):
         table = jax.lax.dynamic_slice_in_dim(state.page_table, slot, 1, axis=0)
         logits, state.cache_k, state.cache_v, *routes = self._extend(
             params, tokens, jnp.reshape(start, (1,)), state.cache_k, state.cache_v, table,
-            jnp.reshape(valid_len, (1,)), with_routes)
+            jnp.reshape(valid_len, (1,)), with_routes, logits_at=logits_at)
         return (logits, state, *routes)
 
     def _write_prefixes(self, state: DecodeState, slots, cache_k, cache_v) -> DecodeState:

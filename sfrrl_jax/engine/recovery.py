@@ -66,7 +66,8 @@ class SlotRestorer:
 
     def _fill_impl(self, params, state: DecodeState, slot, tokens, true_length):
         # through the steps' cache access, so a paged cache refills the slot's own pages
-        _, state = self.steps._extend_slot(params, state, slot, tokens, jnp.int32(0), true_length, cast=True)
+        _, state = self.steps._extend_slot(params, state, slot, tokens, jnp.int32(0), true_length, cast=True,
+                                           logits_at=jnp.zeros((1,), jnp.int32))  # logits unused: one row
         return state
 
     @staticmethod

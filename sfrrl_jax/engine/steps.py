@@ -262,9 +262,9 @@ class EngineSteps:
             request=_expand(SlotRequest.make(), n),
         )
 
-    def _sample_last(self, logits, true_length, request, draws):
-        row = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)[None]
-        tok, lp, raw = sample(row, _expand(request.sampling, 1), jnp.reshape(draws, (1,)))
+    def _sample_one(self, logits, request, draws):
+        """logits [1, 1, vocab] (one row's last token) -> its (token, logprob, raw logprob)."""
+        tok, lp, raw = sample(logits[:, 0], _expand(request.sampling, 1), jnp.reshape(draws, (1,)))
         return tok[0], lp[0], raw[0]
 
     def _prefill_rows(self, params, tokens, true_lengths, request):
@@ -273,9 +273,9 @@ class EngineSteps:
         n, t = tokens.shape
         ck = jnp.zeros((self.cfg.n_layers, n, t, self.cfg.n_kv_heads, self.cfg.head_dim), self.cache_dtype)
         logits, ck, cv, *routes = extend(self.cfg, params, tokens, jnp.zeros((n,), jnp.int32), ck,
-                                         jnp.zeros_like(ck), true_lengths, self.record_routes)
-        last = jnp.take_along_axis(logits, (true_lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, vocab]
-        tok, lp, raw = sample(last, request.sampling, jnp.zeros((n,), jnp.int32))
+                                         jnp.zeros_like(ck), true_lengths, self.record_routes,
+                                         logits_at=true_lengths - 1)
+        tok, lp, raw = sample(logits[:, 0], request.sampling, jnp.zeros((n,), jnp.int32))
         done = _finish(request, tok, 1, true_lengths, self.max_len)
         first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.ones((n,), bool), done=done,
                              routes=routes[0] if routes else None)
@@ -317,14 +317,15 @@ class EngineSteps:
                       k_len)
 
     def _extend_slot(self, params, state: DecodeState, slot, tokens, start, valid_len, cast=False,
-                     with_routes=False):
+                     with_routes=False, logits_at=None):
         """`extend` of one slot's sequence, tokens [1, t] at start..: (logits, state), then
-        with_routes the routes [1, t, moe layers, top_k]. `cast` converts the written rows to the
-        cache dtype once more (the restorer's historical form; a no-op for values `extend`
-        already wrote in that dtype)."""
-        row = lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1)
+        with_routes the routes [1, t, moe layers, top_k]; logits_at [1] as `extend`'s. `cast`
+        converts the written rows to the cache dtype once more (the restorer's historical form; a
+        no-op for values `extend` already wrote in that dtype)."""
+        row = lambda c: _slot_row(c, slot)
         logits, ck, cv, *routes = extend(self.cfg, params, tokens, jnp.reshape(start, (1,)), row(state.cache_k),
-                                         row(state.cache_v), jnp.reshape(valid_len, (1,)), with_routes)
+                                         row(state.cache_v), jnp.reshape(valid_len, (1,)), with_routes,
+                                         logits_at=logits_at)
         if cast:
             ck, cv = ck.astype(state.cache_k.dtype), cv.astype(state.cache_v.dtype)
         state.cache_k = jax.lax.dynamic_update_slice_in_dim(state.cache_k, ck, slot, axis=1)
@@ -373,9 +374,10 @@ class EngineSteps:
     def _append_impl(self, params, state: DecodeState, slot, tokens, true_length, request):
         start = state.lengths[slot]
         logits, state, *routes = self._extend_slot(params, state, slot, tokens, start, start + true_length,
-                                                   with_routes=self.record_routes)
+                                                   with_routes=self.record_routes,
+                                                   logits_at=jnp.reshape(true_length - 1, (1,)))
         draws = state.draws[slot]
-        tok, lp, raw = self._sample_last(logits, true_length, request, draws)
+        tok, lp, raw = self._sample_one(logits, request, draws)
         length = start + true_length
         done = _finish(request, tok, 1, length, self.max_len)
         first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.bool_(True), done=done,
@@ -387,6 +389,18 @@ class EngineSteps:
         state.lengths = state.lengths.at[slot].set(0)
         state.generated = state.generated.at[slot].set(0)
         return state
+
+
+def _slot_row(cache, slot):
+    """cache [layers, slots, len, kv_heads, head_dim] -> slot's row [layers, 1, len, ...].
+
+    A select and a sum over the slot axis rather than a dynamic slice: the slot axis is split over
+    devices, and XLA partitions a dynamic slice of a split axis by all-gathering the whole cache
+    (every slot's row on every device: 1M-token rows made that terabytes), while the sum is a
+    local reduction plus an all-reduce of the one row. Exact: one term is the row, the others are
+    zeros (a select, so a NaN in another slot's row stays out)."""
+    mine = (jnp.arange(cache.shape[1]) == slot)[None, :, None, None, None]
+    return jnp.sum(jnp.where(mine, cache, jnp.zeros((), cache.dtype)), axis=1, keepdims=True, dtype=cache.dtype)
 
 
 def _check_decode_buckets(decode_buckets, max_len: int) -> tuple[int, ...]:
