@@ -185,7 +185,8 @@ class ModelConfig:
     # XLA expands it to a dense dot over every local expert where it has no grouped GEMM: all of
     # XLA:CPU, GPU weight gradients), 'tiled' (a loop over 128-row tiles of one expert each: memory
     # ~ rows, work ~ the rows present), 'ragged_dot_tiled_wgrad', or 'auto' (ragged_dot while the
-    # dense expansion is under 16M elements, else tiled on CPU, tiled weight gradient on GPU).
+    # dense expansion is small, else tiled on CPU, a tiled weight gradient on GPU; the limits and
+    # their measurements are in models/grouped_matmul.py).
     grouped_matmul: GroupedMatmul = "auto"
     # Training/prefill attention: 'blockwise' (flash-style online softmax over
     # attention_block_q x attention_block_k tiles, memory linear in seq, models/attention.py),

@@ -40,31 +40,31 @@ from jax import custom_batching
 GroupedImpl = Literal["ragged_dot", "tiled", "ragged_dot_tiled_wgrad"]
 IMPLS: tuple[str, ...] = GroupedImpl.__args__
 
-# 'auto' tiles when ragged_dot's dense expansion [g, m, max(k, n)] would exceed this many
-# elements (64 MiB in f32): below it the expansion is cheap and one fused dot beats a loop
-# (tiny models, decode batches); above it the expansion is what fills memory.
-AUTO_DENSE_LIMIT = 1 << 24
+# 'auto' keeps ragged_dot while its dense expansion [g, m, max(k, n)] is at most this many
+# elements: on CPU, where the expansion is all XLA has, the tiled loop is as fast at 64 x 8 x 64
+# x 64 and faster above (`python experiments/bench/grouped_matmul.py`: 11x at 2048 x 8 x 64 x 64,
+# 30x at 8192 x 32 x 512 x 512, forward and grads); on GPU, cuDNN's grouped GEMM runs the forward
+# and the row gradient, and only the weight gradient's expansion is tiled away, once it is large.
+AUTO_DENSE_LIMIT = {"cpu": 1 << 15, "gpu": 1 << 24}
 TILE_ROWS = 128   # rows per tile: one [128, k] x [k, n] dot keeps a CPU core's or an SM's units fed
 
 
 def choose_impl(setting: str, m: int, g: int, k: int, n: int, backend: str | None = None) -> str:
     """The implementation for a [m, k] x [g, k, n] grouped matmul under `setting`.
 
-    setting: 'auto' or one of IMPLS. 'auto' is 'ragged_dot' when its dense expansion is small
-    (<= AUTO_DENSE_LIMIT elements), else 'tiled' on CPU and 'ragged_dot_tiled_wgrad' on GPU
-    (cuDNN's grouped GEMM for the forward and row gradient; the weight gradient tiled) and
-    'ragged_dot' on TPU (a native grouped GEMM for all three).
+    setting: 'auto' or one of IMPLS. 'auto': on CPU 'tiled' once the dense expansion exceeds
+    AUTO_DENSE_LIMIT['cpu'] elements, on GPU 'ragged_dot_tiled_wgrad' once it exceeds
+    AUTO_DENSE_LIMIT['gpu'], else (and on TPU, whose grouped GEMM is native) 'ragged_dot'.
     """
     if setting != "auto":
         if setting not in IMPLS:
             raise ValueError(f"grouped matmul implementation {setting!r}; valid: ['auto', {', '.join(map(repr, IMPLS))}]")
         return setting
-    if g * m * max(k, n) <= AUTO_DENSE_LIMIT:
-        return "ragged_dot"
     backend = backend or jax.default_backend()
-    if backend == "tpu":
+    kind = "cpu" if backend == "cpu" else "gpu" if backend in ("gpu", "cuda", "rocm") else None
+    if kind is None or g * m * max(k, n) <= AUTO_DENSE_LIMIT[kind]:
         return "ragged_dot"
-    return "tiled" if backend == "cpu" else "ragged_dot_tiled_wgrad"
+    return "tiled" if kind == "cpu" else "ragged_dot_tiled_wgrad"
 
 
 # -- the tiled loop ----------------------------------------------------------------------------

@@ -98,6 +98,8 @@ def test_tiled_lowering_has_no_dense_expansion():
 
 def test_auto_tiles_only_large_products():
     assert gm.choose_impl("auto", 64, 8, 64, 64, backend="cpu") == "ragged_dot"
+    assert gm.choose_impl("auto", 2048, 8, 64, 64, backend="cpu") == "tiled"
+    assert gm.choose_impl("auto", 2048, 8, 64, 64, backend="gpu") == "ragged_dot"
     assert gm.choose_impl("auto", 65536, 32, 2880, 2880, backend="cpu") == "tiled"
     assert gm.choose_impl("auto", 65536, 32, 2880, 2880, backend="gpu") == "ragged_dot_tiled_wgrad"
     assert gm.choose_impl("auto", 65536, 32, 2880, 2880, backend="tpu") == "ragged_dot"
