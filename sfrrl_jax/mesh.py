@@ -7,7 +7,9 @@ axis each logical name is sharded over; nothing else in the library names mesh a
 Mesh axes:
   data    -- replicas of the params; the batch is split over it.
   expert  -- experts are split over it (expert parallelism); outside the MoE layer it acts as a
-             further batch axis, so no device holds idle replicas of the attention work.
+             further batch axis, so no device holds idle replicas of the attention work; when
+             the rows do not split over it (one long trajectory per micro-step) it splits the
+             sequence instead, ahead of `context` (`"seq"` lists it; see `logical_to_spec`).
   context -- a training sequence is split over it (context parallelism, `models.context_parallel`):
              activations [batch, seq, ...] shard their `seq` dim here; attention all-gathers the
              keys/values along it. Outside attention it is one more token axis (MoE, engine slots).
@@ -36,7 +38,9 @@ TOKEN_AXES = (DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS)
 # Logical name -> mesh axis (or tuple of mesh axes, or None = replicated). One table.
 LOGICAL_AXIS_RULES: Mapping[str, Any] = {
     "batch": BATCH_AXES,
-    "seq": CONTEXT_AXIS,
+    # `expert` first: it takes a share of the sequence only where `batch` could not use it
+    # (rows not divisible over data x expert); then the sequence splits over (expert, context).
+    "seq": (EXPERT_AXIS, CONTEXT_AXIS),
     "layers": None,
     "embed": None,
     "vocab": TENSOR_AXIS,
@@ -83,11 +87,15 @@ def make_mesh(
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def logical_to_spec(logical_axes: Sequence[str | None], rules: Mapping[str, Any] | None = None) -> P:
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Mapping[str, Any] | None = None,
+                    shape: Sequence[int] | None = None, mesh: Any = None) -> P:
     """Maps a tuple of logical names, one per dimension, to a `PartitionSpec` via the rules table.
 
     A mesh axis is used at most once per spec: a later dimension that maps to an axis already used
-    stays replicated on it (e.g. `slots` and `batch` both want `data`).
+    stays replicated on it (e.g. `slots` and `batch` both want `data`). Given the array's `shape`
+    and the `mesh`, a dimension takes an axis only where it divides the dimension (with the
+    axes it already took) and the mesh has it; an axis a dimension could not take stays free for
+    a later one: [1, seq] `("batch", "seq")` on expert=4 splits seq over (expert, context).
     """
     rules = LOGICAL_AXIS_RULES if rules is None else rules
     used: set[str] = set()
@@ -103,9 +111,27 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Mapping[str, Any]
         target = rules[name]
         axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
         axes = tuple(a for a in axes if a not in used)
+        if shape is not None:
+            dim, kept = shape[len(out)], []
+            for a in axes:
+                if a in mesh.shape and dim % (math.prod(mesh.shape[k] for k in kept) * mesh.shape[a]) == 0:
+                    kept.append(a)
+            axes = tuple(kept)
         used.update(axes)
         out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
     return P(*out)
+
+
+def seq_axes(mesh: Any, rows: int) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) a [rows, seq] training sequence is split over, in order: what
+    `logical_to_spec(("batch", "seq"))` gives the seq dim for a seq long enough (context
+    parallelism pads it to a multiple). () without a mesh."""
+    if mesh is None or mesh.empty:
+        return ()
+    spec = logical_to_spec(("batch", "seq"), shape=(rows, 2 * math.prod(mesh.shape.values())), mesh=mesh)
+    entry = tuple(spec)[1] if len(spec) > 1 else None
+    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    return tuple(a for a in axes if mesh.shape[a] > 1)
 
 
 def fit_spec_to_shape(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
@@ -131,10 +157,7 @@ def sharding_for(
     mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None
 ) -> NamedSharding:
     """`NamedSharding` for an array with these logical dims (fitted to `shape` if given)."""
-    spec = logical_to_spec(logical_axes)
-    if shape is not None:
-        spec = fit_spec_to_shape(spec, shape, mesh)
-    return NamedSharding(mesh, spec)
+    return NamedSharding(mesh, logical_to_spec(logical_axes, shape=shape, mesh=None if shape is None else mesh))
 
 
 def shard_by_logical(tree: Any, logical_tree: Any, mesh: Mesh) -> Any:
@@ -158,7 +181,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return x
-    spec = fit_spec_to_shape(logical_to_spec(logical_axes), x.shape, mesh)
+    spec = logical_to_spec(logical_axes, shape=x.shape, mesh=mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 

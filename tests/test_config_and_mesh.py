@@ -47,6 +47,18 @@ def test_spec_fitted_to_shape_drops_non_dividing_axes():
     assert sharding_for(mesh, ("embed", "heads", "head_dim"), (64, 4, 16)).spec == P(None, "tensor", None)
 
 
+def test_expert_splits_the_sequence_when_the_rows_do_not_split_over_it():
+    """One long row on expert=4 x context=2: `batch` cannot use expert, so `seq` takes it (the
+    sequence splits 8 ways instead of 4 replicas of a 2-way split); 4 rows keep it for the batch."""
+    from sfrrl_jax.mesh import seq_axes
+    mesh = S.make_mesh(expert=4, context=2)
+    one_row = sharding_for(mesh, ("batch", "seq", "embed"), (1, 64, 8)).spec
+    assert one_row == P("data", ("expert", "context"), None)
+    assert sharding_for(mesh, ("batch", "seq", "embed"), (4, 64, 8)).spec == P(("data", "expert"), "context", None)
+    assert seq_axes(mesh, 1) == ("expert", "context") and seq_axes(mesh, 4) == ("context",)
+    assert seq_axes(S.make_mesh(data=8), 1) == ()   # data never splits a sequence
+
+
 def test_shard_by_logical_places_tree():
     mesh = S.make_mesh(data=2, expert=4)
     tree = {"w": np.zeros((8, 6), np.float32), "b": np.zeros((6,), np.float32)}

@@ -1,7 +1,13 @@
-"""Context parallelism: one training sequence split over the mesh's `context` axis.
+"""Context parallelism: one training sequence split over the mesh's `context` axis (and its
+`expert` axis when the rows do not split over it).
 
-With `context = c > 1` every activation [batch, seq, ...] of the training forward has its `seq`
-dim split into c shards (`mesh.LOGICAL_AXIS_RULES['seq']`). Everything in a layer except
+The sequence axes of a [rows, seq] forward are `mesh.seq_axes(mesh, rows)`: `context`, preceded
+by `expert` where `batch` could not use it (one 1M-token row on expert=16 splits its sequence
+16 ways instead of holding 16 replicas of it outside the MoE layer). With c = the product of
+their sizes > 1, every activation [batch, seq, ...] of the training forward has its `seq` dim
+split into c shards (`mesh.LOGICAL_AXIS_RULES['seq']`); below, "context" means those axes
+together (collectives over a tuple of axes run over their product, first axis major, the order
+the seq dim's sharding uses). Everything in a layer except
 attention is per token, so it needs nothing more; attention needs every query to meet every key
 it may see. Three choices, made on purpose:
 
@@ -29,18 +35,20 @@ it may see. Three choices, made on purpose:
    segment `CONTEXT_PAD_SEGMENT` (-1), which match no real segment (and, being < 1, are outside
    the router statistics), and slices them off at the end.
 
-Functions here are traceable; they read the context size from the mesh in context (the caller
-runs under `jax.set_mesh` / the abstract mesh, as every model function does).
+Functions here are traceable; they read the sequence axes from the mesh in context and the rows
+of their inputs (the caller runs under `jax.set_mesh` / the abstract mesh, as every model
+function does).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sfrrl_jax.mesh import CONTEXT_AXIS, concrete_mesh_in_trace
+from sfrrl_jax.mesh import concrete_mesh_in_trace, seq_axes
 
 CONTEXT_PAD_SEGMENT = -1
 
@@ -50,26 +58,29 @@ def _mesh():
     return concrete_mesh_in_trace() or jax.sharding.get_abstract_mesh()
 
 
-def context_size() -> int:
-    """Size of the `context` axis of the mesh in context (1 without one)."""
+def context_axes(rows: int) -> tuple[str, ...]:
+    """The mesh axes a [rows, seq] sequence is split over (`mesh.seq_axes`; () without a mesh)."""
+    return seq_axes(_mesh(), rows)
+
+
+def context_size(rows: int) -> int:
+    """How many shards a [rows, seq] sequence is split into (1 without sequence axes)."""
     mesh = _mesh()
-    return 1 if mesh.empty else int(mesh.shape.get(CONTEXT_AXIS, 1))
+    return math.prod(mesh.shape[a] for a in context_axes(rows))
 
 
-def _seq_spec():
-    return P(None, CONTEXT_AXIS)
-
-
-def _shard_over_context(fn: Callable, n_in: int, replicated: int = 0, n_out: int | None = None):
-    """`fn` as a shard_map that is manual over `context` only: the first `n_in` args are
-    [batch, seq, ...] split over context along seq, the next `replicated` args are whole on every
-    context shard; the output (a tuple of `n_out` outputs if given) is split like the first args.
-    Other mesh axes stay automatic (the batch keeps its data/expert split, heads their tensor
-    split)."""
-    specs = (_seq_spec(),) * n_in + (P(),) * replicated
-    out_specs = _seq_spec() if n_out is None else (_seq_spec(),) * n_out
+def _shard_over_context(fn: Callable, axes: tuple[str, ...], n_in: int, replicated: int = 0,
+                        n_out: int | None = None):
+    """`fn` as a shard_map that is manual over the sequence axes `axes` only: the first `n_in`
+    args are [batch, seq, ...] split over them along seq, the next `replicated` args are whole
+    on every shard; the output (a tuple of `n_out` outputs if given) is split like the first
+    args. Other mesh axes stay automatic (the batch keeps its data/expert split, heads their
+    tensor split)."""
+    seq = P(None, axes)
+    specs = (seq,) * n_in + (P(),) * replicated
+    out_specs = seq if n_out is None else (seq,) * n_out
     return jax.shard_map(fn, mesh=_mesh(), in_specs=specs, out_specs=out_specs,
-                         axis_names=frozenset({CONTEXT_AXIS}), check_vma=False)
+                         axis_names=frozenset(axes), check_vma=False)
 
 
 def per_context_shard(fn: Callable, seq_args: tuple, replicated_args: tuple = (), n_out: int = 1):
@@ -82,16 +93,17 @@ def per_context_shard(fn: Callable, seq_args: tuple, replicated_args: tuple = ()
     under the automatic partitioner such a scan would gather the whole sequence on every device.
     Outputs are cut back to seq. Without a context axis this is `fn(*seq_args, *replicated_args)`.
     """
-    c = context_size()
-    if c == 1:
+    axes = context_axes(seq_args[0].shape[0])
+    if not axes:
         return fn(*seq_args, *replicated_args)
+    c = context_size(seq_args[0].shape[0])
     t = seq_args[0].shape[1]
     pad = -t % c
 
     def padded(x):
         return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
 
-    out = _shard_over_context(fn, len(seq_args), len(replicated_args), None if n_out == 1 else n_out)(
+    out = _shard_over_context(fn, axes, len(seq_args), len(replicated_args), None if n_out == 1 else n_out)(
         *(padded(x) for x in seq_args), *replicated_args)
     return out[:, :t] if n_out == 1 else tuple(o[:, :t] for o in out)
 
@@ -104,43 +116,45 @@ def _home(chunk: int, c: int) -> int:
     return chunk if chunk < c else 2 * c - 1 - chunk
 
 
-def _to_zigzag_local(x, c: int):
+def _to_zigzag_local(x, c: int, axes: tuple[str, ...]):
     n = x.shape[1] // 2
     first, second = x[:, :n], x[:, n:]                       # chunks 2i and 2i+1
-    r_even = jax.lax.ppermute(first, CONTEXT_AXIS, [(i, _home(2 * i, c)) for i in range(c)])
-    r_odd = jax.lax.ppermute(second, CONTEXT_AXIS, [(i, _home(2 * i + 1, c)) for i in range(c)])
+    r_even = jax.lax.ppermute(first, axes, [(i, _home(2 * i, c)) for i in range(c)])
+    r_odd = jax.lax.ppermute(second, axes, [(i, _home(2 * i + 1, c)) for i in range(c)])
     # Device j receives chunks j and 2c-1-j, one even and one odd; chunk j goes first.
-    j_even = jax.lax.axis_index(CONTEXT_AXIS) % 2 == 0
+    j_even = jax.lax.axis_index(axes) % 2 == 0
     return jnp.where(j_even, jnp.concatenate([r_even, r_odd], 1), jnp.concatenate([r_odd, r_even], 1))
 
 
-def _from_zigzag_local(x, c: int):
+def _from_zigzag_local(x, c: int, axes: tuple[str, ...]):
     n = x.shape[1] // 2
     mine, mirror = x[:, :n], x[:, n:]                        # chunks j and 2c-1-j
-    j_even = jax.lax.axis_index(CONTEXT_AXIS) % 2 == 0
+    j_even = jax.lax.axis_index(axes) % 2 == 0
     even, odd = jnp.where(j_even, mine, mirror), jnp.where(j_even, mirror, mine)
     even_chunk = [j if j % 2 == 0 else 2 * c - 1 - j for j in range(c)]
     odd_chunk = [2 * c - 1 - j if j % 2 == 0 else j for j in range(c)]
-    back_even = jax.lax.ppermute(even, CONTEXT_AXIS, [(j, even_chunk[j] // 2) for j in range(c)])
-    back_odd = jax.lax.ppermute(odd, CONTEXT_AXIS, [(j, odd_chunk[j] // 2) for j in range(c)])
+    back_even = jax.lax.ppermute(even, axes, [(j, even_chunk[j] // 2) for j in range(c)])
+    back_odd = jax.lax.ppermute(odd, axes, [(j, odd_chunk[j] // 2) for j in range(c)])
     return jnp.concatenate([back_even, back_odd], 1)
 
 
 def to_zigzag(x: jax.Array) -> jax.Array:
     """[batch, seq, ...] in natural order -> the same values in zig-zag order (seq a multiple of
-    2 x context). Identity without a context axis."""
-    c = context_size()
-    if c == 1:
+    2 x context). Identity without sequence axes."""
+    axes = context_axes(x.shape[0])
+    if not axes:
         return x
-    return _shard_over_context(lambda a: _to_zigzag_local(a, c), 1)(x)
+    c = context_size(x.shape[0])
+    return _shard_over_context(lambda a: _to_zigzag_local(a, c, axes), axes, 1)(x)
 
 
 def from_zigzag(x: jax.Array) -> jax.Array:
     """Inverse of `to_zigzag`."""
-    c = context_size()
-    if c == 1:
+    axes = context_axes(x.shape[0])
+    if not axes:
         return x
-    return _shard_over_context(lambda a: _from_zigzag_local(a, c), 1)(x)
+    c = context_size(x.shape[0])
+    return _shard_over_context(lambda a: _from_zigzag_local(a, c, axes), axes, 1)(x)
 
 
 def zigzag_permutation(seq_len: int, c: int):
@@ -155,7 +169,7 @@ def zigzag_permutation(seq_len: int, c: int):
 def pad_for_context(tokens, segment_ids, positions):
     """Pads [batch, seq] inputs so seq splits into 2 x context equal chunks. Returns the padded
     (tokens, segment_ids, positions) and the original seq length (to slice outputs back)."""
-    c = context_size()
+    c = context_size(tokens.shape[0])
     t = tokens.shape[1]
     pad = -t % (2 * c) if c > 1 else 0
     if pad:
@@ -178,8 +192,10 @@ def context_parallel_attention(core: Callable, q, k, v, positions, segment_ids, 
     any order: masks come from the values); window int scalar; sinks [heads] or None.
     Returns [batch, seq, heads, head_dim], split like q.
     """
+    axes = context_axes(q.shape[0])
+
     def gather(x):
-        return jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)
+        return jax.lax.all_gather(x, axes, axis=1, tiled=True)
 
     def body(q, k, v, pos, seg, window, *maybe_sinks):
         s = maybe_sinks[0] if maybe_sinks else None
@@ -187,5 +203,5 @@ def context_parallel_attention(core: Callable, q, k, v, positions, segment_ids, 
 
     args = (q, k, v, positions, segment_ids, jnp.asarray(window, jnp.int32))
     if sinks is not None:
-        return _shard_over_context(body, 5, 2)(*args, sinks)
-    return _shard_over_context(body, 5, 1)(*args)
+        return _shard_over_context(body, axes, 5, 2)(*args, sinks)
+    return _shard_over_context(body, axes, 5, 1)(*args)

@@ -222,12 +222,13 @@ class Attention(nnx.Module):
 
         window: int scalar, may be traced (0 = unlimited). cfg.attention_impl picks the core:
         'blockwise' never builds a [s, s] array (forward or backward); 'naive' is the reference.
-        Under a mesh with a `context` axis > 1 the sequence is split over it and the core runs
-        on each shard's queries against all-gathered keys (`models.context_parallel`).
+        Where the sequence is split (a `context` axis > 1, or `expert` when the rows do not
+        split over it) the core runs on each shard's queries against all-gathered keys
+        (`models.context_parallel`).
         """
         q, k, v = self.project_qkv(x, positions)
         core = attention_core(self.cfg)
-        if context_size() > 1:
+        if context_size(q.shape[0]) > 1:
             out = context_parallel_attention(core, q, k, v, positions, segment_ids, window,
                                              self.sink_logits())
         else:

@@ -285,8 +285,9 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, p
     """
     model = bind(cfg, params)
     segment_ids, positions = default_positions_and_segments(tokens, segment_ids, positions)
-    # Context parallelism (a no-op without a `context` mesh axis): pad to 2 x context chunks and
-    # run the layers in zig-zag order, which balances causal attention over the shards.
+    # Context parallelism (a no-op unless the sequence is split: a `context` axis, or `expert`
+    # when the rows do not split over it): pad to 2 x context chunks and run the layers in
+    # zig-zag order, which balances causal attention over the shards.
     tokens, segment_ids, positions, seq_len = pad_for_context(tokens, segment_ids, positions)
     tokens, segment_ids, positions = (to_zigzag(constrain(a, ("batch", "seq")))
                                       for a in (tokens, segment_ids, positions))

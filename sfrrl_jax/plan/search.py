@@ -22,7 +22,8 @@ remat policy of `SearchSpace.remats`, every micro-batch row count of `SearchSpac
    tensor=1 with replicated attention); it does not model communication or kernel efficiency.
    Ties go to the lower peak.
    The prior for step 2 is the same quantity guessed without compiling: (devices holding the
-   same tokens) x (remat recompute factor: none 1, dots_attention_out 1.1, attention_out 1.25,
+   same tokens: data's replicas when the rows do not split over it; `expert` splits the rows or
+   else the sequence, `context` the sequence) x (remat recompute factor: none 1, dots_attention_out 1.1, attention_out 1.25,
    dots 1.25, dots_no_batch 1.3, full 1.35).
 """
 from __future__ import annotations
@@ -109,8 +110,9 @@ def search(model_cfg: ModelConfig, n: int, trainer, loss, optimizer, plan_cfg: P
                                                    trainer.buckets, plan_cfg.page_size, plan_cfg.num_pages)[1])
         d, e, c, t = mesh_t
         for remat, rows in itertools.product(space.remats, rows_list):
-            row_shards = math.gcd(rows, d * e)   # rows split over data x expert where they divide
-            same_tokens = (d * e) // row_shards
+            # rows split over data where they divide (else data holds d replicas of them); expert
+            # splits the rows where they divide over it, else the sequence (mesh.seq_axes): no replica
+            same_tokens = 1 if rows % d == 0 else d
             cand = Candidate(mesh_t, remat, rows, length, static, same_tokens * RECOMPUTE[remat])
             if static > budget:
                 cand.status = f"static bound {static / GB:.1f} GB > budget"

@@ -1,5 +1,7 @@
 """Context parallelism (issue #18 point 3): a sequence split over `context=4` with `expert=2` on
-the same mesh computes the single-device forward, loss and gradients (fp32, 1e-5)."""
+the same mesh computes the single-device forward, loss and gradients (fp32, 1e-5); so does one
+split over (expert=4, context=2), where the rows do not split over `expert` and it takes a share
+of the sequence instead (issue #19: one 1M-token row on expert=16)."""
 import functools
 
 import jax
@@ -11,6 +13,7 @@ import sfrrl_jax as S
 from sfrrl_jax.learner.objective import microbatch_objective
 from sfrrl_jax.models import transformer as tfm
 from sfrrl_jax.rl.loss_fn import as_loss
+from sfrrl_jax.mesh import seq_axes
 from sfrrl_jax.models.context_parallel import from_zigzag, to_zigzag, zigzag_permutation
 
 from model_fixtures import TINY, TINY_GPT_OSS, randomize, replicate_on, single_device_mesh
@@ -66,10 +69,16 @@ def _run(cfg, params, batch):
         return jax.device_get(_outputs(cfg, params, batch))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_context_parallel_matches_single_device(case):
+# (case, mesh sizes, the sequence axes the 2-row batch gets)
+SPLITS = [(case, dict(expert=2, context=4), ("context",)) for case in sorted(CASES)] + [
+    ("gpt_oss_blockwise", dict(expert=4, context=2), ("expert", "context"))]
+
+
+@pytest.mark.parametrize("case,sizes,axes", SPLITS, ids=[f"{c}-{'x'.join(map(str, s.values()))}" for c, s, _ in SPLITS])
+def test_context_parallel_matches_single_device(case, sizes, axes):
     cfg = CASES[case]
-    mesh = S.make_mesh(expert=2, context=4)
+    mesh = S.make_mesh(**sizes)
+    assert seq_axes(mesh, 2) == axes
     params = randomize(S.init_params(cfg, mesh, seed=1), seed=2)
     batch = _batch(cfg)
     hidden1, loss1, g1 = _run(cfg, replicate_on(params, single_device_mesh()), batch)
@@ -84,8 +93,10 @@ def test_context_parallel_matches_single_device(case):
     assert np.abs(g8["layers"]["moe"]["w_down"]).max() > 1e-3
 
 
-def test_zigzag_balances_causal_work_and_round_trips():
-    mesh = S.make_mesh(data=2, context=4)
+@pytest.mark.parametrize("sizes", [dict(data=2, context=4), dict(data=2, expert=4)], ids=["context", "expert"])
+def test_zigzag_balances_causal_work_and_round_trips(sizes):
+    """4 sequence shards, over `context` or over `expert` (2 rows do not split over data x expert)."""
+    mesh = S.make_mesh(**sizes)
     c, t = 4, 16
     x = np.arange(2 * t, dtype=np.int32).reshape(2, t)
     perm = zigzag_permutation(t, c)
