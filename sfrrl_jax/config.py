@@ -179,6 +179,12 @@ class ModelConfig:
     # 'llep' (models/llep.py) spills tokens of overloaded experts only when the busiest device's
     # native load is >= llep_threshold x the mean (the paper's lambda; its code's default 1.3).
     llep_threshold: float = 1.3
+    # Tokens per device the MoE dispatch handles at a time (0: all at once). Dropless dispatch
+    # sizes its buffers for the worst case (every assignment on one expert shard: S x the
+    # assignments, per device), so at expert=16 and 64k local tokens one exchange buffer is
+    # 48 GB; in chunks of c tokens it is S x c x top_k rows, and the backward recomputes each
+    # chunk's dispatch instead of keeping it. Same function, more (smaller) exchanges.
+    moe_chunk_tokens: int = 0
     router_aux_coef: float = 0.0
     router_z_coef: float = 0.0
     # The experts' grouped matmul (models/grouped_matmul.py): 'ragged_dot' (jax.lax.ragged_dot;
@@ -203,7 +209,7 @@ class ModelConfig:
         check_int_fields(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                 "d_ff_expert", "top_k", "max_seq_len", "rope_original_max_len",
                                 "attention_block_q", "attention_block_k"), 1)
-        check_int_fields(self, ("n_experts", "d_ff"), 0)
+        check_int_fields(self, ("n_experts", "d_ff", "moe_chunk_tokens"), 0)
         if self.n_experts == 0 and self.d_ff < 1:
             raise ValueError("ModelConfig.n_experts=0 (a dense MLP) needs d_ff >= 1, the MLP's width")
         self._check_dense_layers()

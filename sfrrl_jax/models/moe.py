@@ -270,6 +270,21 @@ def _dispatch_compute_combine(cfg: ModelConfig, n_shards: int, x, ids, weights, 
                       weights.astype(jnp.float32)).astype(x.dtype)
 
 
+def _in_chunks(cfg: ModelConfig, n_shards: int, n_local: int, x, ids, weights, w):
+    """`_dispatch_compute_combine` over the device's n_local tokens in chunks of
+    cfg.moe_chunk_tokens (all at once when 0 or >= n_local): a scan whose body is rematerialised,
+    so one chunk's worst-case exchange buffers live at a time, forward and backward."""
+    chunk = cfg.moe_chunk_tokens
+    if not chunk or chunk >= n_local:
+        return _dispatch_compute_combine(cfg, n_shards, x, ids, weights, w)
+    pad = -n_local % chunk
+    split = lambda a: jnp.pad(a, ((0, pad), (0, 0))).reshape((-1, chunk) + a.shape[1:])
+    # padding tokens route to expert 0 with weight 0: computed, then multiplied away
+    body = jax.checkpoint(lambda _, xs: (None, _dispatch_compute_combine(cfg, n_shards, *xs, w)))
+    _, y = jax.lax.scan(body, None, (split(x), split(ids), split(weights)))
+    return y.reshape((-1,) + y.shape[2:])[:n_local]
+
+
 def _mlp_is_split(w, cfg) -> bool:
     """Inside shard_map: this device holds a slice of the experts' mlp dim (split over tensor)."""
     return TENSOR_AXIS in _current_axes() and w["w_down"].shape[1] != cfg.d_ff_expert
@@ -308,7 +323,7 @@ def moe_experts(cfg: ModelConfig, x, ids, weights, w: dict):
         ids = jnp.pad(ids, ((0, pad), (0, 0)))
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
     tok = P(token_axes, None)
-    body = functools.partial(_dispatch_compute_combine, cfg, n_shards)
+    body = functools.partial(_in_chunks, cfg, n_shards, (n + pad) // token_shards)
     y = jax.shard_map(
         body, mesh=mesh, in_specs=(tok, tok, tok, _weight_specs(cfg, w, mesh)), out_specs=tok,
         check_vma=False,

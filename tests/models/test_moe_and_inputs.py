@@ -141,3 +141,32 @@ def test_top_k_by_argmax_is_lax_top_k_and_keeps_tokens_sharded():
     with jax.set_mesh(mesh):
         hlo = jax.jit(lambda a: route(cfg, a, w)[:2]).lower(xs).compile().as_text()
     assert f",{cfg.n_experts}]" not in "".join(l for l in hlo.splitlines() if "all-gather" in l)
+
+
+@pytest.mark.parametrize("dispatch", ["padded", "ragged", "llep"])
+def test_dispatch_in_token_chunks_is_the_same_function(dispatch):
+    """moe_chunk_tokens: the device's tokens dispatched 4 at a time (7 per device here: a padded
+    last chunk) give the unchunked values and gradients (x and every expert weight)."""
+    cfg = TINY_GPT_OSS.replace(moe_dispatch=dispatch)
+    mesh = S.make_mesh(data=2, expert=4)
+    params = randomize(S.init_params(cfg, mesh, seed=0), seed=5, scale=0.3)
+    w = {k: v[0] for k, v in params["layers"]["moe"].items() if k.startswith(("w_", "b_"))}
+    rng = np.random.RandomState(2)
+    n = 56
+    x = rng.randn(n, cfg.d_model).astype(np.float32)
+    ids = np.stack([rng.choice(cfg.n_experts, cfg.top_k, replace=False, p=[.5] + [.5 / 7] * 7)
+                    for _ in range(n)]).astype(np.int32)
+    weights = rng.dirichlet(np.ones(cfg.top_k), size=n).astype(np.float32)
+    probe = rng.randn(n, cfg.d_model).astype(np.float32)
+    out = {}
+    for chunk in (0, 4):
+        c = cfg.replace(moe_chunk_tokens=chunk)
+        loss = lambda x_, w_, c=c: jnp.sum(moe_lib.moe_experts(c, x_, ids, weights, w_) * probe)
+        with jax.set_mesh(mesh):
+            out[chunk] = jax.device_get(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w))
+    (v0, (gx0, gw0)), (v4, (gx4, gw4)) = out[0], out[4]
+    np.testing.assert_allclose(v4, v0, rtol=1e-5)
+    np.testing.assert_allclose(gx4, gx0, rtol=1e-5, atol=1e-5)
+    for k in gw0:
+        np.testing.assert_allclose(gw4[k], gw0[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    assert np.abs(gw0["w_down"]).max() > 1e-3
