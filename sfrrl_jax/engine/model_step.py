@@ -26,10 +26,15 @@ PAGE_POOL_AXES = (None, None, "kv_heads", "head_dim")
 
 
 def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len,
-           with_routes: bool = False, k_len: int | None = None, logits_at=None):
+           with_routes: bool = False, k_len: int | None = None, logits_at=None, slots=None):
     """Runs `tokens` [b, t] at positions starts[:, None] + 0..t-1 against cache rows.
 
-    cache_k, cache_v: [layers, b, max_len, kv_heads, head_dim] (the rows of the slots involved).
+    cache_k, cache_v: [layers, b, max_len, kv_heads, head_dim] (the rows of the slots involved),
+    or with `slots` [b] int32 the whole caches [layers, slots, max_len, ...], row i of the batch
+    being cache row slots[i]: written in place, each layer's row read by a select and a sum
+    over the slot axis (that axis is split over devices, and XLA partitions a gather or dynamic
+    slice of a split axis by all-gathering every slot's row; the sum is an all-reduce of one).
+    For a few rows (an append, a restore): the select reads [b, slots, k_len] per layer.
     valid_len [b]: cache entries at positions < valid_len are attendable after this write
     (starts + the true number of new tokens; padding beyond it is written but never read).
     k_len (static, default max_len): attention reads only cache positions < k_len, so a decode
@@ -41,14 +46,20 @@ def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len
     Returns (logits [b, t, vocab] fp32, new cache_k, new cache_v); with_routes (static, MoE only):
     also the experts each new token used, routes [b, t, moe layers, top_k] (`routes_dtype`).
     """
-    rows = jnp.arange(tokens.shape[0])[:, None]
+    rows = jnp.arange(tokens.shape[0])[:, None] if slots is None else slots[:, None]
     k_len = cache_k.shape[2] if k_len is None else min(int(k_len), cache_k.shape[2])
 
     def write(c, layer, positions, x):
         return c.at[layer, rows, positions].set(x.astype(c.dtype), mode="drop")
 
-    return _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write,
-                   lambda c, layer, positions, x: c[layer, :, :k_len], with_routes, logits_at)
+    def read(c, layer, positions, x):
+        if slots is None:
+            return c[layer, :, :k_len]
+        mine = (jnp.arange(c.shape[1])[None, :] == slots[:, None])[:, :, None, None, None]   # [b, S]
+        return jnp.sum(jnp.where(mine, c[layer, None, :, :k_len], jnp.zeros((), c.dtype)), axis=1, dtype=c.dtype)
+
+    return _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write, read, with_routes,
+                   logits_at)
 
 
 def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_table, valid_len,

@@ -322,14 +322,12 @@ class EngineSteps:
         with_routes the routes [1, t, moe layers, top_k]; logits_at [1] as `extend`'s. `cast`
         converts the written rows to the cache dtype once more (the restorer's historical form; a
         no-op for values `extend` already wrote in that dtype)."""
-        row = lambda c: _slot_row(c, slot)
-        logits, ck, cv, *routes = extend(self.cfg, params, tokens, jnp.reshape(start, (1,)), row(state.cache_k),
-                                         row(state.cache_v), jnp.reshape(valid_len, (1,)), with_routes,
-                                         logits_at=logits_at)
+        logits, ck, cv, *routes = extend(self.cfg, params, tokens, jnp.reshape(start, (1,)), state.cache_k,
+                                         state.cache_v, jnp.reshape(valid_len, (1,)), with_routes,
+                                         logits_at=logits_at, slots=jnp.reshape(slot, (1,)))
         if cast:
             ck, cv = ck.astype(state.cache_k.dtype), cv.astype(state.cache_v.dtype)
-        state.cache_k = jax.lax.dynamic_update_slice_in_dim(state.cache_k, ck, slot, axis=1)
-        state.cache_v = jax.lax.dynamic_update_slice_in_dim(state.cache_v, cv, slot, axis=1)
+        state.cache_k, state.cache_v = ck, cv
         return (logits, state, *routes)
 
     def _write_prefix(self, state: DecodeState, slot, prefix: Prefix) -> DecodeState:
@@ -389,18 +387,6 @@ class EngineSteps:
         state.lengths = state.lengths.at[slot].set(0)
         state.generated = state.generated.at[slot].set(0)
         return state
-
-
-def _slot_row(cache, slot):
-    """cache [layers, slots, len, kv_heads, head_dim] -> slot's row [layers, 1, len, ...].
-
-    A select and a sum over the slot axis rather than a dynamic slice: the slot axis is split over
-    devices, and XLA partitions a dynamic slice of a split axis by all-gathering the whole cache
-    (every slot's row on every device: 1M-token rows made that terabytes), while the sum is a
-    local reduction plus an all-reduce of the one row. Exact: one term is the row, the others are
-    zeros (a select, so a NaN in another slot's row stays out)."""
-    mine = (jnp.arange(cache.shape[1]) == slot)[None, :, None, None, None]
-    return jnp.sum(jnp.where(mine, cache, jnp.zeros((), cache.dtype)), axis=1, keepdims=True, dtype=cache.dtype)
 
 
 def _check_decode_buckets(decode_buckets, max_len: int) -> tuple[int, ...]:

@@ -1,7 +1,8 @@
-"""An append-prefill (a tool observation into one parked slot) reads that slot's cache row, not
-the whole cache: the slot axis is split over devices, and a dynamic slice of it made XLA
-all-gather every slot's row onto every device (the 1M-token plan's append: 3.2 TB of temp per
-device). Also the LM head runs on the one token an append or prefill samples after."""
+"""An append-prefill (a tool observation into one parked slot) writes that slot's cache row in
+place and reads it a layer at a time, never the whole cache: the slot axis is split over devices,
+and a dynamic slice of it made XLA all-gather every slot's row onto every device (the 1M-token
+plan's append: 3.2 TB of temp per device); a row taken out and written back cost a copy of it.
+Also the LM head runs on the one token an append or prefill samples after."""
 import jax
 import numpy as np
 
@@ -35,7 +36,8 @@ def test_append_temp_is_a_row_not_the_whole_cache():
     temp = compiled.memory_analysis().temp_size_in_bytes
     row_bytes = cache_bytes // SLOTS
     logits_all = BUCKET * cfg.vocab_size * 4          # the LM head over every appended token
-    # measured: temp 2.4 MB (a few rows, the params gathered), 8.95 MB with the whole-cache gather (cache 8.4 MB)
+    # measured: temp 1.5 MB in place (2.4 MB with the row copied out and back; 8.95 MB with the
+    # whole-cache gather; cache 8.4 MB)
     assert temp < cache_bytes / 2, (temp, cache_bytes, row_bytes)
     hlo = compiled.as_text()
     whole = f"[{cfg.n_layers},{SLOTS},{MAX_LEN},"
