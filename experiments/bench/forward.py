@@ -13,8 +13,6 @@ import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -22,16 +20,7 @@ import numpy as np  # noqa: E402
 
 import sfrrl_jax as S  # noqa: E402
 from sfrrl_jax.models import moe as moe_lib, transformer as tfm  # noqa: E402
-
-
-def timed(fn, *args, iters):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from timing import timed  # noqa: E402
 
 
 def dense_loop_moe(cfg, x, ids, weights, w):

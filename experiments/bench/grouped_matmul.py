@@ -13,14 +13,13 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sfrrl_jax.models import grouped_matmul as gm
+from timing import timed
 
 SHAPES = (  # (m, g, k, n)
     (2048, 8, 64, 64),        # tiny-moe at a training micro-batch (what 'auto' keeps on ragged_dot)
@@ -44,16 +43,6 @@ def _step(impl, sizes):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def _time(fn, *args, iters):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=3)
@@ -69,7 +58,7 @@ def main():
         for impl in ("ragged_dot", "tiled"):
             fn = _step(impl, sizes)
             temp = fn.lower(rows, w).compile().memory_analysis().temp_size_in_bytes
-            res[impl] = {"seconds": _time(fn, rows, w, iters=args.iters), "temp_bytes": int(temp),
+            res[impl] = {"seconds": timed(fn, rows, w, iters=args.iters), "temp_bytes": int(temp),
                          "value": fn(rows, w)}
         diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in
                    zip(jax.tree.leaves(res["ragged_dot"].pop("value")), jax.tree.leaves(res["tiled"].pop("value"))))
