@@ -41,6 +41,7 @@ function does).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -79,8 +80,43 @@ def _shard_over_context(fn: Callable, axes: tuple[str, ...], n_in: int, replicat
     seq = P(None, axes)
     specs = (seq,) * n_in + (P(),) * replicated
     out_specs = seq if n_out is None else (seq,) * n_out
-    return jax.shard_map(fn, mesh=_mesh(), in_specs=specs, out_specs=out_specs,
-                         axis_names=frozenset(axes), check_vma=False)
+
+    def call(*args):
+        # A replicated arg's gradient is summed over the shards (a psum in the backward). 16-bit
+        # floats enter widened to f32 and are narrowed back inside (exact), so that sum runs in
+        # f32: more accurate, and XLA:CPU aborts compiling a bf16 all-reduce ("Invalid binary
+        # instruction opcode copy" in its all-reduce promotion).
+        dtypes = [a.dtype for a in args[n_in:]]
+        inner = lambda *xs: fn(*xs[:n_in], *(x.astype(d) for x, d in zip(xs[n_in:], dtypes)))
+        mapped = jax.shard_map(inner, mesh=_mesh(), in_specs=specs, out_specs=out_specs,
+                               axis_names=frozenset(axes), check_vma=False)
+        return mapped(*args[:n_in], *(_widened(a) for a in args[n_in:]))
+
+    return call
+
+
+def _widened(x):
+    """x as f32 when it is a 16-bit float (bf16, f16), else x."""
+    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4 else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_seq(x, axes: tuple[str, ...]):
+    """all_gather of [batch, seq_shard, ...] over the sequence axes into [batch, seq, ...], whose
+    backward reduce-scatters the cotangent in f32 (see `_shard_over_context`'s call)."""
+    return jax.lax.all_gather(x, axes, axis=1, tiled=True)
+
+
+def _gather_seq_fwd(x, axes):
+    return _gather_seq(x, axes), None
+
+
+def _gather_seq_bwd(axes, _, cotangent):
+    summed = jax.lax.psum_scatter(_widened(cotangent), axes, scatter_dimension=1, tiled=True)
+    return (summed.astype(cotangent.dtype),)
+
+
+_gather_seq.defvjp(_gather_seq_fwd, _gather_seq_bwd)
 
 
 def per_context_shard(fn: Callable, seq_args: tuple, replicated_args: tuple = (), n_out: int = 1):
@@ -194,8 +230,9 @@ def context_parallel_attention(core: Callable, q, k, v, positions, segment_ids, 
     """
     axes = context_axes(q.shape[0])
 
-    def gather(x):
-        return jax.lax.all_gather(x, axes, axis=1, tiled=True)
+    def gather(x):  # positions and segment ids have no gradient: a plain all_gather
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        return _gather_seq(x, axes) if floating else jax.lax.all_gather(x, axes, axis=1, tiled=True)
 
     def body(q, k, v, pos, seg, window, *maybe_sinks):
         s = maybe_sinks[0] if maybe_sinks else None
