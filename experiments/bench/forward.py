@@ -1,5 +1,5 @@
 """Benchmark: tiny-moe forward tokens/s for expert=1 vs expert=8 (fake CPU devices), and one MoE
-layer (sort + ragged_dot dispatch) vs a dense loop over experts. Prints a table, writes JSON.
+layer (sort + grouped-matmul dispatch) vs a dense loop over experts. Prints a table, writes JSON.
 
     python experiments/bench/forward.py [--batch 16 --seq 128 --iters 5 --out bench_out/forward.json]
 
@@ -57,13 +57,13 @@ def main():
                          "tokens_per_s": n_tok / sec})
             if label.startswith("expert=1"):
                 break  # one shard: both dispatch paths are the same local code
-    # one MoE layer on one device: dispatch + ragged_dot vs the dense loop over experts
+    # one MoE layer on one device: dispatch + grouped matmul vs the dense loop over experts
     mesh1 = meshes["expert=1 (1 device)"]
     params = S.init_params(cfg, mesh1, seed=0)
     w = {k: v[0] for k, v in params["layers"]["moe"].items() if k.startswith("w_")}
     x = jax.random.normal(jax.random.key(0), (n_tok, cfg.d_model))
     ids, weights, _ = moe_lib.route(cfg, x, params["layers"]["moe"]["router"][0])
-    for name, fn in (("MoE layer: sort + ragged_dot", functools.partial(moe_lib.moe_experts, cfg)),
+    for name, fn in (("MoE layer: sort + grouped matmul", functools.partial(moe_lib.moe_experts, cfg)),
                      ("MoE layer: dense loop over experts", functools.partial(dense_loop_moe, cfg))):
         with jax.set_mesh(mesh1):
             sec = timed(jax.jit(fn), x, ids, weights, w, iters=args.iters)
