@@ -93,7 +93,9 @@ class ExperimentConfig:
 
     model / model_overrides: a `ModelConfig.preset` name and fields to override. With `hf_path`
       the weights and config come from that HF directory; `model` then names the expected preset
-      (its shapes must match the directory's config.json), or None to skip that check.
+      (its shapes must match the directory's config.json), or None to skip that check; the
+      overrides may then set only the fields that change how the model runs, not its weights
+      (`RUNTIME_MODEL_FIELDS`: remat, a longer max_seq_len, kernels, MoE dispatch and chunking).
     mesh_data / mesh_expert / mesh_context / mesh_tensor: the one mesh; the product must equal the
       device count (`num_devices` states it up front, so a config is validated without the
       devices). mesh_context > 1 splits each training sequence over that many devices (context
@@ -138,14 +140,19 @@ class ExperimentConfig:
             raise ValueError(f"{own}.run_dir is empty: set the directory the run writes to")
         if self.model is None and self.hf_path is None:
             raise ValueError(f"{own}: set model (a preset name) or hf_path (an HF directory)")
-        if self.model_overrides and self.hf_path is not None:
-            raise ValueError(f"{own}.model_overrides only apply to presets; with hf_path the "
-                             "config comes from the directory's config.json")
         for k in ("model", "hf_path", "hf_dtype"):
             check_str(f"{own}.{k}", getattr(self, k), optional=True)
         if not isinstance(self.model_overrides, dict):
             raise ValueError(f"{own}.model_overrides must be a dict of ModelConfig fields, got "
                              f"{self.model_overrides!r}")
+        unknown = sorted(set(self.model_overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
+        if unknown:
+            raise ValueError(f"{own}.model_overrides has keys that are no ModelConfig field: {unknown}")
+        fixed = sorted(set(self.model_overrides) - set(RUNTIME_MODEL_FIELDS))
+        if fixed and self.hf_path is not None:
+            raise ValueError(f"{own}.model_overrides sets {fixed}, which the HF directory's config.json "
+                             f"fixes (they shape or define its weights); with hf_path only "
+                             f"{list(RUNTIME_MODEL_FIELDS)} may be overridden")
         check_int_fields(self, ("mesh_data", "mesh_expert", "mesh_context", "mesh_tensor", "num_steps", "keep_checkpoints",
                                 "log_every"), 1)
         check_int(f"{own}.checkpoint_every", self.checkpoint_every, 0)
@@ -172,6 +179,12 @@ class ExperimentConfig:
 
 # -- validation (no devices, no allocation) -----------------------------------------------------
 
+# ModelConfig fields that change how a model runs, not its weights: an HF directory's config
+# takes them from ExperimentConfig.model_overrides (the long-context configs raise max_seq_len
+# past the checkpoint's and set remat and the MoE dispatch's chunking).
+RUNTIME_MODEL_FIELDS = ("max_seq_len", "remat", "attention_impl", "attention_block_q", "attention_block_k",
+                        "moe_dispatch", "llep_threshold", "moe_chunk_tokens", "grouped_matmul",
+                        "router_aux_coef", "router_z_coef")
 _SHAPE_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                  "d_ff_expert", "n_experts", "top_k", "d_ff", "dense_layers")
 
@@ -193,6 +206,7 @@ def resolve_model_config(cfg: ExperimentConfig) -> tuple[ModelConfig, str]:
         return preset, f"preset {cfg.model!r} (standing in for {cfg.hf_path}, not found here)"
     from sfrrl_jax.checkpoints.hf import config_from_hf, read_hf_config
     hf_cfg = config_from_hf(read_hf_config(cfg.hf_path), dtype=cfg.hf_dtype, where=str(config_json))
+    hf_cfg = hf_cfg.replace(**cfg.model_overrides)   # run-time fields only (checked by ExperimentConfig)
     if preset is not None:
         check_same_shapes(preset, hf_cfg, f"ExperimentConfig.model={cfg.model!r}", str(config_json))
     return hf_cfg, str(config_json)
