@@ -93,9 +93,10 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Mapping[str, Any]
 
     A mesh axis is used at most once per spec: a later dimension that maps to an axis already used
     stays replicated on it (e.g. `slots` and `batch` both want `data`). Given the array's `shape`
-    and the `mesh`, a dimension takes an axis only where it divides the dimension (with the
-    axes it already took) and the mesh has it; an axis a dimension could not take stays free for
-    a later one: [1, seq] `("batch", "seq")` on expert=4 splits seq over (expert, context).
+    and the `mesh`, a dimension takes an axis only where the mesh has it and it divides the
+    dimension (with the axes it already took: 2 kv heads over tensor=4 stay replicated); an axis
+    a dimension could not take stays free for a later one: [1, seq] `("batch", "seq")` on
+    expert=4 splits seq over (expert, context).
     """
     rules = LOGICAL_AXIS_RULES if rules is None else rules
     used: set[str] = set()
@@ -132,25 +133,6 @@ def seq_axes(mesh: Any, rows: int) -> tuple[str, ...]:
     entry = tuple(spec)[1] if len(spec) > 1 else None
     axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
     return tuple(a for a in axes if mesh.shape[a] > 1)
-
-
-def fit_spec_to_shape(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
-    """Drops mesh axes from dimensions they don't divide (e.g. 2 kv heads over tensor=4), and
-    axes the mesh does not have (a mesh built by hand without `context`, say)."""
-    fitted = []
-    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        if entry is None:
-            fitted.append(None)
-            continue
-        axes = (entry,) if isinstance(entry, str) else tuple(entry)
-        keep = []
-        for a in axes:
-            if a not in mesh.shape:
-                continue
-            if dim % (math.prod(mesh.shape[k] for k in keep) * mesh.shape[a]) == 0:
-                keep.append(a)
-        fitted.append(None if not keep else (keep[0] if len(keep) == 1 else tuple(keep)))
-    return P(*fitted)
 
 
 def sharding_for(

@@ -28,8 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.mesh import (EXPERT_AXIS, TENSOR_AXIS, TOKEN_AXES, concrete_mesh_in_trace, fit_spec_to_shape,
-                            logical_to_spec)
+from sfrrl_jax.mesh import EXPERT_AXIS, TENSOR_AXIS, TOKEN_AXES, concrete_mesh_in_trace, logical_to_spec
 from sfrrl_jax.models import llep
 from sfrrl_jax.models.grouped_matmul import choose_impl, grouped_matmul
 from sfrrl_jax.models.layers import cdtype, param
@@ -298,7 +297,7 @@ def _weight_specs(cfg: ModelConfig, w: dict, mesh) -> dict:
     axes = {"w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
             "w_down": ("experts", "mlp", "embed"), "b_gate": ("experts", "mlp"),
             "b_up": ("experts", "mlp"), "b_down": ("experts", "embed")}
-    return {n: fit_spec_to_shape(logical_to_spec(axes[n]), v.shape, mesh) for n, v in w.items()}
+    return {n: logical_to_spec(axes[n], shape=v.shape, mesh=mesh) for n, v in w.items()}
 
 
 def moe_experts(cfg: ModelConfig, x, ids, weights, w: dict):
