@@ -66,8 +66,11 @@ def context_axes(rows: int) -> tuple[str, ...]:
 
 def context_size(rows: int) -> int:
     """How many shards a [rows, seq] sequence is split into (1 without sequence axes)."""
-    mesh = _mesh()
-    return math.prod(mesh.shape[a] for a in context_axes(rows))
+    return _shards(context_axes(rows))
+
+
+def _shards(axes: tuple[str, ...]) -> int:
+    return math.prod(_mesh().shape[a] for a in axes)
 
 
 def _shard_over_context(fn: Callable, axes: tuple[str, ...], n_in: int, replicated: int = 0,
@@ -132,7 +135,7 @@ def per_context_shard(fn: Callable, seq_args: tuple, replicated_args: tuple = ()
     axes = context_axes(seq_args[0].shape[0])
     if not axes:
         return fn(*seq_args, *replicated_args)
-    c = context_size(seq_args[0].shape[0])
+    c = _shards(axes)
     t = seq_args[0].shape[1]
     pad = -t % c
 
@@ -180,7 +183,7 @@ def to_zigzag(x: jax.Array) -> jax.Array:
     axes = context_axes(x.shape[0])
     if not axes:
         return x
-    c = context_size(x.shape[0])
+    c = _shards(axes)
     return _shard_over_context(lambda a: _to_zigzag_local(a, c, axes), axes, 1)(x)
 
 
@@ -189,7 +192,7 @@ def from_zigzag(x: jax.Array) -> jax.Array:
     axes = context_axes(x.shape[0])
     if not axes:
         return x
-    c = context_size(x.shape[0])
+    c = _shards(axes)
     return _shard_over_context(lambda a: _from_zigzag_local(a, c, axes), axes, 1)(x)
 
 

@@ -23,8 +23,8 @@ remat policy of `SearchSpace.remats`, every micro-batch row count of `SearchSpac
    Ties go to the lower peak.
    The prior for step 2 is the same quantity guessed without compiling: (devices holding the
    same tokens: data's replicas when the rows do not split over it; `expert` splits the rows or
-   else the sequence, `context` the sequence) x (remat recompute factor: none 1, dots_attention_out 1.1, attention_out 1.25,
-   dots 1.25, dots_no_batch 1.3, full 1.35).
+   else the sequence, `context` the sequence) x (remat recompute factor: none 1,
+   dots_attention_out 1.1, attention_out 1.25, dots 1.25, dots_no_batch 1.3, full 1.35).
 """
 from __future__ import annotations
 
