@@ -186,3 +186,19 @@ def use_mesh_in_trace(mesh: Mesh):
             yield
     finally:
         _CONCRETE_MESH_IN_TRACE.reset(token)
+
+
+HOST_MEMORY = "pinned_host"   # the memory kind of arrays parked in host memory (offload, swaps)
+
+
+def with_memory_kind(shardings: Any, kind: str, asked_by: str) -> Any:
+    """The same shardings in memory `kind` ('device', 'pinned_host', ...); refuses a kind the
+    devices do not have, naming `asked_by` (the switch that asked for it)."""
+    leaves = jax.tree.leaves(shardings)
+    if leaves and kind != "device":
+        device = next(iter(leaves[0].mesh.devices.flat))
+        kinds = {m.kind for m in device.addressable_memories()}
+        if kind not in kinds:
+            raise ValueError(f"{asked_by}: {device.platform} devices have no {kind!r} "
+                             f"memory (they have {sorted(kinds)}); set {asked_by}=False")
+    return jax.tree.map(lambda sh: sh.with_memory_kind(kind), shardings)

@@ -21,6 +21,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.config import check_bool, check_int, check_number, check_str
+from sfrrl_jax.mesh import HOST_MEMORY, with_memory_kind as mesh_with_memory_kind  # noqa: F401  (HOST_MEMORY re-exported)
 
 
 class OptState(NamedTuple):
@@ -57,6 +58,15 @@ class OptimizerConfig:
       device memory (2x the params for AdamW) for activations and the KV cache, at the cost of
       two host<->device copies per optimizer update (not per micro-step). Backends without a
       pinned_host memory refuse it when the train step is built.
+    mu_dtype: the first moment's dtype (e.g. 'float32' beside bf16 params); None: the params'
+      dtype (MaxText's default). Every state leaf keeps the dtype it was initialised with across
+      updates (`learner.train_step`), whatever the update computes it in.
+    offload_accumulator: keep the gradient sums (float32, param-shaped) in host memory between
+      micro-steps; each micro-step (and the update) moves them to the device and back. Frees
+      their device memory (2x bf16 params) while the engine rolls out in 'pipelined' /
+      'one_step_off' mode, where the sums of finished groups wait beside the KV cache, at the
+      cost of two host<->device copies of them per micro-step. Pairs with
+      TrainerConfig.swap_cache (the cache in host memory while a micro-step runs).
     """
 
     learning_rate: float = 1e-6
@@ -71,6 +81,8 @@ class OptimizerConfig:
     decay_matrices_only: bool = True
     state_shard_axis: str | None = "data"
     offload_state: bool = False
+    offload_accumulator: bool = False
+    mu_dtype: str | None = None
 
     def __post_init__(self):
         own = "OptimizerConfig"
@@ -86,6 +98,15 @@ class OptimizerConfig:
         check_bool(f"{own}.decay_matrices_only", self.decay_matrices_only)
         check_str(f"{own}.state_shard_axis", self.state_shard_axis, optional=True)
         check_bool(f"{own}.offload_state", self.offload_state)
+        check_bool(f"{own}.offload_accumulator", self.offload_accumulator)
+        check_str(f"{own}.mu_dtype", self.mu_dtype, optional=True)
+        if self.mu_dtype is not None:
+            try:
+                if not jnp.issubdtype(jnp.dtype(self.mu_dtype), jnp.floating):
+                    raise TypeError
+            except TypeError:
+                raise ValueError(f"{own}.mu_dtype={self.mu_dtype!r} is not a float dtype (e.g. 'float32', "
+                                 "'bfloat16'; None: the params' dtype)") from None
 
 
 def learning_rate_schedule(cfg: OptimizerConfig):
@@ -109,7 +130,7 @@ def build_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     """clip_by_global_norm (optional) -> AdamW with the schedule."""
     mask = (lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)) if cfg.decay_matrices_only else None
     adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=mask)
+                        weight_decay=cfg.weight_decay, mask=mask, mu_dtype=cfg.mu_dtype)
     if cfg.max_grad_norm is None:
         return adamw
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
@@ -135,20 +156,9 @@ def learning_rate_in_state(inner):
     return None
 
 
-HOST_MEMORY = "pinned_host"
-
-
 def with_memory_kind(shardings, kind: str):
-    """The same shardings in memory `kind` ('device', 'pinned_host', ...); refuses a kind the
-    devices do not have, naming the switch that asked for it."""
-    leaves = jax.tree.leaves(shardings)
-    if leaves and kind != "device":
-        device = next(iter(leaves[0].mesh.devices.flat))
-        kinds = {m.kind for m in device.addressable_memories()}
-        if kind not in kinds:
-            raise ValueError(f"OptimizerConfig.offload_state: {device.platform} devices have no {kind!r} "
-                             f"memory (they have {sorted(kinds)}); set offload_state=False")
-    return jax.tree.map(lambda sh: sh.with_memory_kind(kind), shardings)
+    """`mesh.with_memory_kind` for the optimizer state (a missing kind names offload_state)."""
+    return mesh_with_memory_kind(shardings, kind, "OptimizerConfig.offload_state")
 
 
 def _with_extra_axis(sharding: NamedSharding, shape, axis: str | None) -> NamedSharding:

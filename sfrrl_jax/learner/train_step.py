@@ -54,6 +54,7 @@ from sfrrl_jax.learner.accumulator import (
 )
 from sfrrl_jax.learner.deferred import DeferredBuffer, build_deferred_fns
 from sfrrl_jax.learner.objective import ROUTER_METRICS, ForwardFn, microbatch_objective
+from sfrrl_jax.mesh import with_memory_kind as mesh_with_memory_kind
 from sfrrl_jax.learner.optimizer import (
     HOST_MEMORY, OptimizerConfig, OptState, as_opt_state, as_transformation, learning_rate_in_state,
     learning_rate_schedule, opt_state_shardings, with_memory_kind,
@@ -166,8 +167,29 @@ class TrainStep:
 
     # -- state -----------------------------------------------------------------------------------
     def init_accumulator(self, params) -> Accumulator:
-        """Zero gradient sums (float32, sharded like the params) and zero counts/metric sums."""
-        return self._fns(params)["init_acc"](params)
+        """Zero gradient sums (float32, sharded like the params) and zero counts/metric sums;
+        with OptimizerConfig.offload_accumulator the sums are in host memory."""
+        return self._acc_out(params, self._fns(params)["init_acc"](params))
+
+    @property
+    def offloads_accumulator(self) -> bool:
+        """Whether the gradient sums live in host memory between calls (offload_accumulator)."""
+        return bool(self.optimizer_cfg is not None and self.optimizer_cfg.offload_accumulator)
+
+    def _acc_in(self, params, acc: Accumulator, donated: bool = True) -> Accumulator:
+        """acc with its gradient sums on the devices (offload_accumulator: moved in; the host copy
+        deleted where the call donates acc)."""
+        if not self.offloads_accumulator:
+            return acc
+        return acc._replace(grads=_moved(acc.grads, self._layouts[_key(params)]["acc"].grads, donated))
+
+    def _acc_out(self, params, acc: Accumulator) -> Accumulator:
+        """acc with its gradient sums in host memory (offload_accumulator: moved out)."""
+        if not self.offloads_accumulator:
+            return acc
+        host = mesh_with_memory_kind(self._layouts[_key(params)]["acc"].grads, HOST_MEMORY,
+                                     "OptimizerConfig.offload_accumulator")
+        return acc._replace(grads=_moved(acc.grads, host))
 
     def init_opt_state(self, params) -> OptState:
         """OptState(step=0, inner=tx.init(params)); param-shaped state sharded per the module doc."""
@@ -189,13 +211,13 @@ class TrainStep:
         fns = self._fns(params)
         mb = self._prepare(params, microbatch)
         with jax.set_mesh(mesh_of(params)):
-            return fns["micro"](params, acc, mb)
+            return self._acc_out(params, fns["micro"](params, self._acc_in(params, acc), mb))
 
     def apply(self, params, opt_state: OptState, acc: Accumulator):
         """One optimizer update from the accumulated sums -> (params, opt_state, metrics)."""
         fns = self._fns(params)
         with jax.set_mesh(mesh_of(params)):
-            return fns["apply"](params, as_opt_state(opt_state), acc)
+            return fns["apply"](params, as_opt_state(opt_state), self._acc_in(params, acc, donated=False))
 
     def step(self, params, opt_state: OptState, batch: dict):
         """grad_microstep on the whole batch + apply, fused into one jitted function."""
@@ -222,7 +244,8 @@ class TrainStep:
         """acc (donated) + the group buffer's gradient at its final advantages -> acc."""
         fns = self._deferred(params)
         with jax.set_mesh(mesh_of(params)):
-            return fns["merge"](acc, buffer, np.float32(slope), np.float32(reference_advantage))
+            merged = fns["merge"](self._acc_in(params, acc), buffer, np.float32(slope), np.float32(reference_advantage))
+            return self._acc_out(params, merged)
 
     def compile_count(self) -> int:
         """Compiled executables of every jitted train function so far."""
@@ -277,6 +300,8 @@ class TrainStep:
         sums_t, maxes_t, mins_t = self._template
         sum_keys = list(sums_t) + list(ROUTER_METRICS) + list(self.aux_metrics)
         acc_sh = accumulator_shardings(param_sh, rep, sum_keys, list(maxes_t), list(mins_t))
+        if self.offloads_accumulator:   # refused here, naming the switch, without a host memory
+            mesh_with_memory_kind(acc_sh.grads, HOST_MEMORY, "OptimizerConfig.offload_accumulator")
 
         def init_acc(p):
             return zero_accumulator(p, sum_keys, list(maxes_t), list(mins_t))
@@ -326,6 +351,19 @@ class TrainStep:
         }
 
 
+def _moved(tree, shardings, delete: bool = True):
+    """`tree` copied to `shardings` (another memory kind); with `delete` its old buffers are
+    deleted once the copy is done, so one copy is held (device_put cannot donate across kinds)."""
+    moved = jax.device_put(tree, shardings)
+    if not delete:
+        return moved
+    jax.block_until_ready(moved)
+    for old, new in zip(jax.tree.leaves(tree), jax.tree.leaves(moved)):
+        if old is not new:
+            old.delete()
+    return moved
+
+
 def batch_sharding(mesh, shape) -> NamedSharding:
     """Rows over the batch axes of the mesh, a [batch, seq, ...] array's seq over `context`
     (each where it divides), the rest replicated."""
@@ -346,7 +384,11 @@ def _apply_update(tx, schedule, param_sh, params, opt_state: OptState, acc: Accu
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jnp.where(ok, new, old)
     new_params = jax.tree.map(keep, new_params, params)
-    new_inner = jax.tree.map(keep, inner, opt_state.inner)
+    # Each state leaf keeps its dtype: optax keeps what it computes (adam's first moment with
+    # mu_dtype=None comes out float32 from float32 gradient sums), so a bf16 state would turn
+    # float32 at the first update (the update recompiles, a checkpoint no longer matches its
+    # restore target, 1.5x the memory planned).
+    new_inner = jax.tree.map(lambda new, old: jnp.where(ok, new.astype(old.dtype), old), inner, opt_state.inner)
     new_opt = OptState(step=opt_state.step + ok.astype(jnp.int32), inner=new_inner)
     metrics = finalize_metrics(
         {k: v for k, v in acc.sums.items() if "/" in k and k not in forward_metrics}, acc.maxes, acc.mins,

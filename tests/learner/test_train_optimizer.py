@@ -31,3 +31,41 @@ def test_optimizer_config_errors_name_the_field():
         OptimizerConfig(max_grad_norm=0.0)
     with pytest.raises(ValueError, match="end_lr_ratio"):
         OptimizerConfig(end_lr_ratio=2.0)
+
+
+@pytest.mark.parametrize("mu_dtype", [None, "float32"])
+def test_bf16_params_optimizer_state_keeps_its_dtypes_across_updates(mu_dtype):
+    """Each state leaf keeps its init dtype across updates (optax computed the first moment in
+    float32 from float32 gradient sums and kept it so: the update recompiled at the second step
+    and a checkpoint's state no longer matched its restore target). mu_dtype picks mu's dtype."""
+    import jax
+    import numpy as np
+    from sfrrl_jax.config import ModelConfig
+    from sfrrl_jax.learner import make_train_step
+    from sfrrl_jax.models import init_params
+    from sfrrl_jax.rl import LossConfig
+    cfg = ModelConfig.preset("tiny-moe", max_seq_len=32, n_layers=1, param_dtype="bfloat16",
+                             compute_dtype="bfloat16")
+    ts = make_train_step(cfg, LossConfig(), OptimizerConfig(learning_rate=1e-3, mu_dtype=mu_dtype))
+    params = init_params(cfg, make_mesh(data=2, devices=jax.devices()[:2]), seed=0)
+    opt = ts.init_opt_state(params)
+    before = [(x.dtype, x.sharding) for x in jax.tree.leaves(opt)]
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, cfg.vocab_size, (2, 16)).astype(np.int32),
+             "loss_mask": np.ones((2, 16), np.float32), "advantages": np.ones((2, 16), np.float32),
+             "rollout_logprobs": -np.ones((2, 16), np.float32)}
+    start = jax.tree.map(np.asarray, params)
+    for _ in range(2):
+        params, opt, _ = ts.apply(params, opt, ts.grad_microstep(params, ts.init_accumulator(params), batch))
+        assert [(x.dtype, x.sharding) for x in jax.tree.leaves(opt)] == before
+    assert {str(x.dtype) for x in jax.tree.leaves(opt) if x.ndim} == (
+        {"bfloat16"} if mu_dtype is None else {"float32", "bfloat16"})   # mu, nu
+    assert ts.jitted_apply(params)._cache_size() == 1
+    assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(params)))
+
+
+def test_mu_dtype_is_checked():
+    with pytest.raises(ValueError, match="OptimizerConfig.mu_dtype='int8' is not a float dtype"):
+        OptimizerConfig(mu_dtype="int8")
+    with pytest.raises(ValueError, match="OptimizerConfig.mu_dtype='fp33' is not a float dtype"):
+        OptimizerConfig(mu_dtype="fp33")
