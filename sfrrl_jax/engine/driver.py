@@ -22,9 +22,11 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.engine.types import Completion, GenerationRequest
 from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.mesh import HOST_MEMORY, with_memory_kind
 from sfrrl_jax.engine.admission import AdmissionMixin, host_fields
 from sfrrl_jax.engine.page_policy import PagingMixin
 from sfrrl_jax.engine.pages import PageTable, check_paging
@@ -61,6 +63,12 @@ class Engine(AdmissionMixin, PagingMixin):
     `underfull_slots` (`set_idle_work`: device jobs run when decode would idle) and `trace`
     (`set_trace`: where spans of device work go).
 
+    swap_cache: while an idle job runs (a training micro-step), the KV cache waits in pinned host
+    memory and the job has its device memory; it comes back before the next device step. Costs
+    two host transfers of the cache per idle job (`stats.swap_seconds`); what lets a long-context
+    micro-step (77 GB of cache a device for gpt-oss-120b at 16 x 1M tokens) share the devices with
+    a rollout that is still going. Needs devices with 'pinned_host' memory.
+
     record_routes (a MoE model): each `Completion.routes` holds the experts of every token the
     call fed (routing replay in training). It needs max_consecutive_faults=0: a fault's rebuild
     refills slots by recompute and would lose the routes of a running request's fed tokens.
@@ -75,13 +83,19 @@ class Engine(AdmissionMixin, PagingMixin):
                  buckets=None, decode_steps: int = 1, cache_dtype: str | None = None,
                  max_consecutive_faults: int = 3, idle_work: IdleWork | None = None,
                  underfull_slots: int = 0, trace=None, page_size: int | None = None,
-                 num_pages: int | None = None, record_routes: bool = False, decode_buckets=None):
+                 num_pages: int | None = None, record_routes: bool = False, decode_buckets=None,
+                 swap_cache: bool = False):
         if max_consecutive_faults < 0:
             raise ValueError(f"max_consecutive_faults must be >= 0, got {max_consecutive_faults}")
         if record_routes and max_consecutive_faults:
             raise ValueError("record_routes=True needs max_consecutive_faults=0: fault recovery refills "
                              f"slots by recompute and does not record routes (got {max_consecutive_faults})")
         self.record_routes = bool(record_routes)
+        if not isinstance(swap_cache, bool):
+            raise ValueError(f"Engine(swap_cache=...) must be True or False, got {swap_cache!r}")
+        self.swap_cache = swap_cache
+        if swap_cache:   # refuse early, naming the switch, where the devices have no host memory
+            with_memory_kind(NamedSharding(mesh_of(params), P()), HOST_MEMORY, "Engine(swap_cache)")
         paging = check_paging(page_size, num_pages, max_len, max_slots, cfg.layer_windows, decode_steps)
         self.cfg = cfg
         self.params = params
@@ -397,9 +411,35 @@ class Engine(AdmissionMixin, PagingMixin):
         if job is None:
             return False
         t0 = time.perf_counter()
-        await asyncio.to_thread(job)
+        await asyncio.to_thread(self._run_with_cache_away, job)
         self.idle_seconds += time.perf_counter() - t0
         return True
+
+    def _run_with_cache_away(self, job: Callable[[], Any]) -> None:
+        """Runs an idle job (on the worker thread); with swap_cache, the KV cache (dense rows or
+        page pools) waits in host memory meanwhile and is back on the devices when this returns,
+        whether the job succeeded or raised. No device step runs during an idle job (the driver
+        runs one thing at a time), so nothing reads the cache while it is away."""
+        state = self.state
+        if not self.swap_cache or state is None:
+            job()
+            return
+        t0 = time.perf_counter()
+        on_device = (state.cache_k, state.cache_v)
+        shardings = tuple(x.sharding for x in on_device)
+        on_host = jax.device_put(on_device, with_memory_kind(shardings, HOST_MEMORY, "Engine(swap_cache)"))
+        jax.block_until_ready(on_host)
+        for x in on_device:
+            x.delete()   # the job gets this memory now, not when the garbage collector finds it
+        state.cache_k, state.cache_v = on_host
+        swapped = time.perf_counter() - t0
+        try:
+            job()
+        finally:
+            t0 = time.perf_counter()
+            state.cache_k, state.cache_v = jax.block_until_ready(jax.device_put(on_host, shardings))
+            self.stats.cache_swaps += 1
+            self.stats.swap_seconds += swapped + time.perf_counter() - t0
 
     def _decode_chain(self) -> list[dict]:
         """Decode chunks back to back on the worker thread for as long as the loop has nothing to

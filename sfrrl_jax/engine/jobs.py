@@ -75,6 +75,8 @@ class EngineStats:
     restored_slots: int = 0          # slots refilled from their token logs after a fault
     evictions: int = 0               # paged: parked slots evicted to the host (restored on append)
     preemptions: int = 0             # paged: running requests preempted (restored by recompute)
+    cache_swaps: int = 0             # swap_cache: idle jobs run with the KV cache in host memory
+    swap_seconds: float = 0.0        # swap_cache: wall time moving the cache out and back
 
     @property
     def slot_occupancy(self) -> float:

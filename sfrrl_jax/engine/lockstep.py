@@ -300,7 +300,7 @@ class LockstepEngine(Engine):
                 job = self._idle_filler()
         self._tick_idle, self._ran_idle_this_tick = False, True
         t0 = time.perf_counter()
-        await asyncio.to_thread(job)
+        await asyncio.to_thread(self._run_with_cache_away, job)
         self.idle_seconds += time.perf_counter() - t0
         return True
 

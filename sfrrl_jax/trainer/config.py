@@ -25,6 +25,11 @@ class TrainerConfig:
     page_size / num_pages: page the engine's KV cache (`Engine(page_size=, num_pages=)`): None
       (the default) reserves max_slots x max_len tokens; a page size makes slots take pages as
       they grow, from `num_pages` shared pages (None: as many tokens as the dense cache).
+    swap_cache: 'pipelined' / 'one_step_off': the engine's KV cache waits in pinned host memory
+      while a micro-step runs during the rollout, so the micro-step has its device memory
+      (`Engine(swap_cache=True)`; two host transfers of the cache per micro-step). What a long
+      context needs when cache and training do not fit together (docs/plan_gpt_oss_120b_1m.md).
+      'sync' frees the cache before it trains, so there it is refused.
     underfull_slots: in pipelined mode, a gradient micro-step runs before a decode chunk when at
       most this many slots are decoding (0 = only when none is); decode keeps priority above it.
     longest_first: start groups longest expected first: a prompt's expected duration is its
@@ -55,6 +60,7 @@ class TrainerConfig:
     decode_buckets: tuple[int, ...] | None = None
     page_size: int | None = None
     num_pages: int | None = None
+    swap_cache: bool = False
     underfull_slots: int = 0
     longest_first: bool = True
     overprovision_groups: int = 0
@@ -75,7 +81,10 @@ class TrainerConfig:
                                 "groups_per_microbatch", "seq_bucket"), 1)
         check_int_fields(self, ("underfull_slots", "overprovision_groups", "max_refill_groups",
                                 "microbatch_rows", "early_groups"), 0)
-        check_bool_fields(self, ("longest_first", "dynamic_sampling"))
+        check_bool_fields(self, ("longest_first", "dynamic_sampling", "swap_cache"))
+        if self.swap_cache and self.mode == "sync":
+            raise ValueError(f"{own}.swap_cache=True moves the KV cache out while micro-steps run during the "
+                             "rollout; mode='sync' trains after it, with the cache freed: nothing to swap")
         for k in ("page_size", "num_pages"):
             check_int(f"{own}.{k}", getattr(self, k), 1, optional=True)
         check_seed(f"{own}.seed", self.seed)

@@ -150,6 +150,9 @@ class RLTrainer:
         if engine is not None:
             if engine.cfg != model_cfg:
                 raise ValueError("RLTrainer: the prebuilt engine was built for another ModelConfig")
+            if trainer_cfg.swap_cache and not engine.swap_cache:
+                raise ValueError("RLTrainer: TrainerConfig.swap_cache=True but the prebuilt engine was built "
+                                 "without it: build it with Engine(..., swap_cache=True)")
             if engine.steps.max_len != trainer_cfg.max_len:
                 raise ValueError(f"RLTrainer: the prebuilt engine's max_len={engine.steps.max_len} != "
                                  f"TrainerConfig.max_len={trainer_cfg.max_len} (one length budget)")
@@ -172,7 +175,7 @@ class RLTrainer:
             model_cfg, params, max_slots=trainer_cfg.max_slots, max_len=trainer_cfg.max_len,
             buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps,
             decode_buckets=trainer_cfg.decode_buckets,
-            page_size=trainer_cfg.page_size, num_pages=trainer_cfg.num_pages,
+            page_size=trainer_cfg.page_size, num_pages=trainer_cfg.num_pages, swap_cache=trainer_cfg.swap_cache,
             **(dict(record_routes=True, max_consecutive_faults=0) if replay else {}))
         # one process, or N in lockstep (each rolling out its share): `trainer.process_step`
         self.multi_process = isinstance(self.engine, LockstepEngine)
