@@ -13,7 +13,8 @@ compiled for abstract inputs.
 
 XLA:CPU's all-reduce-promotion pass aborts the process on a bf16 all-reduce of the context-
 parallel backward ("Invalid binary instruction opcode copy"); the planner only compiles, and a
-GPU all-reduces bf16 natively, so the pass is disabled here.
+GPU all-reduces bf16 natively, so the pass is disabled here. For the same reason a bfloat16 model
+is compiled as float16 (same bytes; `PlanConfig.bf16_as_f16`, `--keep_bf16` to turn it off).
 Exit status: 0 every phase fits, 1 some phase does not (or no candidate fits, --search),
 2 a bad config or argument.
 """
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_pages", type=int, default=None)
     p.add_argument("--out", default=None, help="write the markdown report here")
     p.add_argument("--json", default=None, help="write the plan as JSON here")
+    p.add_argument("--keep_bf16", action="store_true",
+                   help="compile bfloat16 as XLA:CPU does (f32 copies a GPU never makes); default: as float16 "
+                        "(same bytes; PlanConfig.bf16_as_f16)")
     p.add_argument("--search", action="store_true", help="search meshes, remat policies, micro-batch rows")
     p.add_argument("--search_limit", type=int, default=12, help="--search: candidates to compile at most")
     return p
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             device_memory_gb=args.device_memory_gb, reserve_gb=args.reserve_gb,
             microbatch_rows=args.microbatch_rows, microbatch_len=args.microbatch_len,
             prefill_len=args.prefill_len, page_size=args.page_size, num_pages=args.num_pages,
+            bf16_as_f16=not args.keep_bf16,
             **({"phases": tuple(args.phases.split(","))} if args.phases else {}))
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"sfrrl-plan: config invalid: {e}", file=sys.stderr)

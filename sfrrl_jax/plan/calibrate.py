@@ -71,9 +71,9 @@ def calibrate(rows: int = 2, length: int = 1024, remat: str = "none") -> dict:
     mesh = make_mesh(devices=jax.devices()[:1])
     tc = TrainerConfig(max_len=length, seq_bucket=length, group_size=rows, groups_per_step=1, max_slots=1)
     loss, opt = LossConfig(vocab_chunk=4096, seq_chunk=512), OptimizerConfig()
-    plan = plan_memory(PlanInputs(cfg, mesh, tc, loss, opt), PlanConfig(phases=("train_micro",)))
+    plan = plan_memory(PlanInputs(cfg, mesh, tc, loss, opt), PlanConfig(phases=("train_micro",), bf16_as_f16=False))
     ph = plan.phases[0]
-    predicted = ph.device_arguments + ph.temp + ph.output - ph.alias
+    predicted = ph.device_arguments + ph.temp + ph.device_outputs
 
     from sfrrl_jax.plan.abstract import TrainSetup, microbatch
     setup = TrainSetup.build(cfg, mesh, loss, opt)

@@ -20,9 +20,11 @@ what stays alive on the device between calls without being an argument of this o
 
   optimizer state   always (device part; an offloaded one lives in pinned_host, reported apart)
   accumulator       during the rollout: the trainer allocates it when a step begins, in every mode
-                    (trainer.step_schedule `begin`)
+                    (trainer.step_schedule `begin`); with OptimizerConfig.offload_accumulator it
+                    waits in host memory between micro-steps
   KV cache          during micro-steps in 'pipelined' / 'one_step_off' (they run while the engine
-                    holds its cache); freed before the optimizer update
+                    holds its cache; with TrainerConfig.swap_cache it waits in host memory
+                    then); freed before the optimizer update
   deferred buffers  early_groups x 2-3 param-sized float32 group buffers, rollout and micro-steps
 
 Arguments are split by name with the per-device shard bytes of their abstract inputs; XLA's
@@ -40,7 +42,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from sfrrl_jax.config import ModelConfig, check_int, check_number
+from sfrrl_jax.config import ModelConfig, check_bool, check_int, check_number
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.plan.abstract import (GB, TrainSetup, device_bytes, engine_abstract, host_bytes, microbatch,
                                      request_abstract, shard_bytes)
@@ -65,6 +67,13 @@ class PlanConfig:
     page_size / num_pages: plan a paged KV cache (engine.paged); None = what the trainer builds
       (TrainerConfig.page_size / num_pages: dense unless set).
     phases: which phases to compile (subset of ALL_PHASES; 'deferred' only runs with early_groups).
+    bf16_as_f16: compile a bfloat16 model (params, compute, KV cache) as float16: the same bytes
+      everywhere, planned as a GPU holds them. XLA:CPU has no bf16 arithmetic: its
+      float-normalization pass widens every bf16 dot, scatter and dynamic-update-slice to f32,
+      and loop-invariant code motion then hoists whole f32 copies of the weight stacks, the KV
+      cache and the saved layer inputs out of the layer loops (gpt-oss-120b at 1M: 117 GB of a
+      decode chunk's temp, 7.3 as f16); f16 it runs natively, as a GPU runs bf16. False plans
+      what XLA:CPU itself would allocate (a CPU run: the calibration).
     """
 
     device_memory_gb: float = 141.0
@@ -75,11 +84,13 @@ class PlanConfig:
     page_size: int | None = None
     num_pages: int | None = None
     phases: tuple[str, ...] = ALL_PHASES
+    bf16_as_f16: bool = True
 
     def __post_init__(self):
         own = "PlanConfig"
         check_number(f"{own}.device_memory_gb", self.device_memory_gb, 0, lo_open=True)
         check_number(f"{own}.reserve_gb", self.reserve_gb, 0)
+        check_bool(f"{own}.bf16_as_f16", self.bf16_as_f16)
         for k in ("microbatch_rows", "microbatch_len", "prefill_len", "page_size", "num_pages"):
             check_int(f"{own}.{k}", getattr(self, k), 1, optional=True)
         object.__setattr__(self, "phases", tuple(self.phases))
@@ -115,6 +126,9 @@ class Phase:
     resident: dict           # live on the device between calls, not arguments of this one
     compile_s: float
     flops: float | None = None
+    # output bytes in host memory (an offloaded optimizer state returned by the update): XLA:CPU
+    # counts them among the outputs; they take no device memory
+    host_outputs: int = 0
     compiled: Any = dataclasses.field(default=None, repr=False)   # the executable (calibration runs it)
 
     @property
@@ -124,8 +138,13 @@ class Phase:
         return max(self.argument - self.host_arguments, sum(self.arg_parts.values()))
 
     @property
+    def device_outputs(self) -> int:
+        """Output bytes not aliased to an argument, in device memory."""
+        return max(0, self.output - self.alias - self.host_outputs)
+
+    @property
     def peak(self) -> int:
-        return self.device_arguments + self.temp + (self.output - self.alias) + sum(self.resident.values())
+        return self.device_arguments + self.temp + self.device_outputs + sum(self.resident.values())
 
     def breakdown(self) -> dict:
         """{item: bytes} summing to `peak`."""
@@ -134,8 +153,8 @@ class Phase:
         if other:
             out["other arguments"] = other
         out["XLA temp"] = self.temp
-        if self.output - self.alias:
-            out["outputs (not aliased)"] = self.output - self.alias
+        if self.device_outputs:
+            out["outputs (not aliased)"] = self.device_outputs
         for k, v in self.resident.items():
             out[f"{k} (resident)"] = v
         return out
@@ -203,7 +222,7 @@ def _phase(name, what, compiled, compile_s, args: dict, resident: dict) -> Phase
     return Phase(name, what, int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),
                  int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes),
                  {k: v for k, v in parts.items() if v}, host, {k: v for k, v in resident.items() if v},
-                 compile_s, _flops(compiled), compiled)
+                 compile_s, _flops(compiled), host_bytes(compiled.out_info), compiled)
 
 
 def _paging(tc: TrainerConfig, cfg: PlanConfig) -> tuple:
@@ -219,11 +238,19 @@ def microbatch_shape(trainer: TrainerConfig, cfg: PlanConfig) -> tuple[int, int]
     return rows, length
 
 
+def compiled_model_cfg(model_cfg: ModelConfig, cfg: PlanConfig) -> ModelConfig:
+    """The model config the planner compiles: bfloat16 fields as float16 with cfg.bf16_as_f16."""
+    if not cfg.bf16_as_f16:
+        return model_cfg
+    swap = {k: "float16" for k in ("param_dtype", "compute_dtype") if getattr(model_cfg, k) == "bfloat16"}
+    return model_cfg.replace(**swap) if swap else model_cfg
+
+
 def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callable[[str], None] | None = None) -> Plan:
     """Compiles the phases in `cfg.phases` for `inputs` and returns the Plan (see the module doc)."""
     say = log or (lambda s: None)
     t0 = time.perf_counter()
-    model_cfg, mesh, tc = inputs.model_cfg, inputs.mesh, inputs.trainer
+    model_cfg, mesh, tc = compiled_model_cfg(inputs.model_cfg, cfg), inputs.mesh, inputs.trainer
     setup = TrainSetup.build(model_cfg, mesh, inputs.loss, inputs.optimizer)
     fns = setup.train_step._fns(setup.params)
     rows, length = microbatch_shape(tc, cfg)
@@ -254,15 +281,17 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
     }
     opt_dev, cache, dfr, acc_b = (static["optimizer state (device)"], static["KV cache"],
                                   static["deferred buffers"], static["accumulator (f32 grads)"])
+    # offload_accumulator: between micro-steps (the rollout) the sums wait in host memory
+    acc_between = 0 if inputs.optimizer.offload_accumulator else acc_b
     overlap = tc.mode in ("pipelined", "one_step_off")
     page_size, num_pages = _paging(tc, cfg)
     shapes = {"microbatch": [rows, length], "mode": tc.mode, "max_slots": tc.max_slots, "max_len": tc.max_len,
               "prefill_len": prefill_len, "decode_steps": tc.decode_steps,
               "paging": None if page_size is None else [page_size, num_pages],
-              "mesh": dict(mesh.shape), "early_groups": tc.early_groups}
+              "mesh": dict(mesh.shape), "early_groups": tc.early_groups, "swap_cache": tc.swap_cache}
     setup_s = time.perf_counter() - t0
     phases = []
-    train_resident = {"optimizer state": opt_dev, "KV cache": cache if overlap else 0,
+    train_resident = {"optimizer state": opt_dev, "KV cache": cache if overlap and not tc.swap_cache else 0,
                       "deferred buffers": dfr}
 
     if "train_micro" in want:
@@ -279,7 +308,7 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
         res = dict(train_resident, **{"deferred buffers": dfr - device_bytes(deferred)})
         phases.append(_phase("deferred", f"advantage-deferred micro-step [{rows} x {length}]", c, s,
                              {"params": setup.params, "group buffer": deferred, "micro-batch": mb},
-                             dict(res, accumulator=acc_b)))
+                             dict(res, accumulator=acc_between)))
     if "apply" in want:
         say("compiling apply ...")
         c, s = _compile(fns["apply"], mesh, setup.params, setup.opt_state, setup.acc)
@@ -287,7 +316,7 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
                              {"params": setup.params, "optimizer state": setup.opt_state,
                               "accumulator": setup.acc}, {}))
     if steps is not None:
-        rollout = {"optimizer state": opt_dev, "accumulator": acc_b, "deferred buffers": dfr}
+        rollout = {"optimizer state": opt_dev, "accumulator": acc_between, "deferred buffers": dfr}
         req = request_abstract()
         tokens = jax.ShapeDtypeStruct((1, prefill_len), np.int32)
         scalar = jax.ShapeDtypeStruct((), np.int32)

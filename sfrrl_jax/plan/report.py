@@ -18,7 +18,10 @@ def plan_markdown(plan) -> str:
     budget = plan.budget
     lines = [
         f"**Model** {m.name} ({m.param_count() / 1e9:.1f}B params, {m.param_dtype} params, "
-        f"{m.compute_dtype} compute, remat={m.remat!r}, attention={m.attention_impl!r})  ",
+        f"{m.compute_dtype} compute, remat={m.remat!r}, attention={m.attention_impl!r})"
+        + (" - compiled as float16 (same bytes; XLA:CPU widens bf16 arithmetic to f32, a GPU does not: "
+           "`PlanConfig.bf16_as_f16`)" if cfg.bf16_as_f16 and "bfloat16" in (m.param_dtype, m.compute_dtype) else "")
+        + "  ",
         f"**Mesh** {mesh} ({inp.mesh.size} devices)  ",
         f"**Device memory** {cfg.device_memory_gb:g} GB" + (f" - {cfg.reserve_gb:g} GB reserve" if cfg.reserve_gb else "")
         + f"; **mode** {plan.shapes['mode']}; **micro-batch** {plan.shapes['microbatch'][0]} x "
@@ -26,8 +29,11 @@ def plan_markdown(plan) -> str:
         f"{plan.shapes['max_len']:,} tokens, prefill bucket {plan.shapes['prefill_len']:,}, "
         + ("dense KV cache" if plan.shapes["paging"] is None else
            f"paged KV cache (page {plan.shapes['paging'][0]}, {plan.shapes['paging'][1]} pages)")
+        + (" swapped to pinned_host during micro-steps" if plan.shapes.get("swap_cache") else "")
         + f"; **optimizer state** {'pinned_host' if inp.optimizer.offload_state else 'device'}"
-        + f", split over {inp.optimizer.state_shard_axis!r}  ",
+        + f", split over {inp.optimizer.state_shard_axis!r}"
+        + ("; **gradient sums** pinned_host between micro-steps" if inp.optimizer.offload_accumulator else "")
+        + "  ",
         f"**Compile** {plan.compile_s:.0f} s for {len(plan.phases)} phases (setup {plan.setup_s:.0f} s)"
         + (f"; configs from `{inp.source}`" if inp.source else ""),
         "",

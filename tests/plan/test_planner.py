@@ -94,3 +94,48 @@ def test_search_static_bound_rejects_without_compiling():
     # the prior compiles the policy that recomputes least first
     assert len(compiled) == 1 and compiled[0].remat == "none" and ok[0] is compiled[0]
     assert ok[0].fits and ok[0].flops_per_token > 0
+
+
+def _bf16_plan(**kw):
+    cfg = ModelConfig.preset("tiny-moe", max_seq_len=256, param_dtype="bfloat16", compute_dtype="bfloat16")
+    tc = TrainerConfig(max_len=256, max_slots=8, decode_steps=2, buckets=(64,), seq_bucket=64,
+                       swap_cache=kw.pop("swap_cache", False))
+    opt = OptimizerConfig(state_shard_axis=None, **kw.pop("opt", {}))
+    return plan_memory(PlanInputs(cfg, make_mesh(expert=8), tc, LossConfig(), opt),
+                       PlanConfig(phases=("train_micro", "apply", "append", "decode"), **kw))
+
+
+def test_bf16_is_compiled_as_f16_same_bytes_without_xla_cpu_widening():
+    """XLA:CPU widens bf16 dots, scatters and dynamic-update-slices to f32 (copies of the weight
+    stacks and the KV cache a GPU never makes); the planner compiles bf16 as f16 (same bytes,
+    native on XLA:CPU) unless told not to."""
+    as_f16, as_cpu = _bf16_plan(), _bf16_plan(bf16_as_f16=False)
+    assert "compiled as float16" in as_f16.to_markdown() and "compiled as float16" not in as_cpu.to_markdown()
+    assert as_f16.static == as_cpu.static                  # every buffer between calls: same bytes
+    for a, b in zip(as_f16.phases, as_cpu.phases):
+        assert (a.name, a.argument, a.output) == (b.name, b.argument, b.output)
+        assert "bf16[" not in a.compiled.as_text() and "bf16[" in b.compiled.as_text()
+        assert a.temp <= b.temp, (a.name, a.temp, b.temp)
+    by_f16 = {p.name: p.temp for p in as_f16.phases}
+    by_cpu = {p.name: p.temp for p in as_cpu.phases}
+    # measured (temp, MB, f16 vs bf16): decode 0.28 vs 0.69 (the widened weights hoisted out of
+    # the layer loop), append 0.41 vs 0.63, train_micro 11.0 vs 15.4, apply equal
+    assert by_f16["decode"] < 0.75 * by_cpu["decode"], (by_f16, by_cpu)
+
+
+def test_swapped_cache_and_offloaded_sums_leave_their_phases():
+    """TrainerConfig.swap_cache: no KV cache beside a micro-step; OptimizerConfig.offload_accumulator:
+    no gradient sums beside the rollout; offload_state: the update's host outputs take no device memory."""
+    base = _bf16_plan()
+    swapped = _bf16_plan(swap_cache=True, opt=dict(offload_accumulator=True, offload_state=True))
+    b, s = {p.name: p for p in base.phases}, {p.name: p for p in swapped.phases}
+    assert b["train_micro"].resident["KV cache"] == base.static["KV cache"] > 0
+    assert "KV cache" not in s["train_micro"].resident
+    assert b["decode"].resident["accumulator"] == base.static["accumulator (f32 grads)"] > 0
+    assert "accumulator" not in s["decode"].resident and "accumulator" not in s["append"].resident
+    assert s["apply"].host_outputs == swapped.static["optimizer state (pinned_host)"] > 0
+    assert "outputs (not aliased)" not in s["apply"].breakdown()
+    for name in ("train_micro", "decode", "append"):
+        assert s[name].peak < b[name].peak
+    text = swapped.to_markdown()
+    assert "swapped to pinned_host during micro-steps" in text and "**gradient sums** pinned_host" in text
