@@ -43,6 +43,9 @@ def as_opt_state(state) -> OptState:
     raise TypeError(f"expected an OptState (or a {{'step', 'inner'}} dict), got {type(state).__name__}")
 
 
+PARAM_ROUNDINGS = ("stochastic", "nearest")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW hyper-parameters and the learning-rate schedule.
@@ -61,6 +64,13 @@ class OptimizerConfig:
     mu_dtype: the first moment's dtype (e.g. 'float32' beside bf16 params); None: the params'
       dtype (MaxText's default). Every state leaf keeps the dtype it was initialised with across
       updates (`learner.train_step`), whatever the update computes it in.
+    param_rounding: how an update's float32 result becomes the params' dtype: 'stochastic'
+      (unbiased: rounds up with probability equal to the distance from the lower neighbour, in
+      ulps; `apply_updates_rounded`) or 'nearest' (a plain cast). For bf16 params at RL learning
+      rates a step is far below half an ulp (lr 5e-7 against weights ~1e-2: ~1e-3 ulp), so nearest
+      rounding drops almost every update (measured: 0.8 % of a tiny model's weights moved in 3
+      updates, against 84 % in f32); stochastic rounding keeps the expected step. float32 params
+      are unaffected either way.
     offload_accumulator: keep the gradient sums (float32, param-shaped) in host memory between
       micro-steps; each micro-step (and the update) moves them to the device and back. Frees
       their device memory (2x bf16 params) while the engine rolls out in 'pipelined' /
@@ -83,6 +93,7 @@ class OptimizerConfig:
     offload_state: bool = False
     offload_accumulator: bool = False
     mu_dtype: str | None = None
+    param_rounding: str = "stochastic"
 
     def __post_init__(self):
         own = "OptimizerConfig"
@@ -100,6 +111,8 @@ class OptimizerConfig:
         check_bool(f"{own}.offload_state", self.offload_state)
         check_bool(f"{own}.offload_accumulator", self.offload_accumulator)
         check_str(f"{own}.mu_dtype", self.mu_dtype, optional=True)
+        if self.param_rounding not in PARAM_ROUNDINGS:
+            raise ValueError(f"{own}.param_rounding={self.param_rounding!r}; valid: {list(PARAM_ROUNDINGS)}")
         if self.mu_dtype is not None:
             try:
                 if not jnp.issubdtype(jnp.dtype(self.mu_dtype), jnp.floating):
@@ -107,6 +120,72 @@ class OptimizerConfig:
             except TypeError:
                 raise ValueError(f"{own}.mu_dtype={self.mu_dtype!r} is not a float dtype (e.g. 'float32', "
                                  "'bfloat16'; None: the params' dtype)") from None
+
+
+def _mix32(h):
+    """murmur3's 32-bit finaliser: a bijection of uint32 whose output bits look independent."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _hashed_bits(shape, seed):
+    """uint32 draws, one per element of `shape`: the hashed element index and seed. Elementwise
+    and counter-based (no key splitting, no buffer of draws): XLA fuses it into the rounding, so
+    an update of a 9.6 GB expert stack holds no random array beside it (jax.random's did)."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride & 0xFFFFFFFF)
+        stride *= shape[d]
+    return _mix32(index * jnp.uint32(0x9E3779B1) + _mix32(jnp.asarray(seed, jnp.uint32)))
+
+
+def stochastic_round(x, dtype, seed):
+    """x (float32) in `dtype`, rounded to one of its two neighbours there with probability
+    proportional to closeness (E[result] = x). seed: an int or uint32 scalar (traced is fine);
+    the draws are a hash of (element index, seed). Exact values, infinities and NaN come out as
+    a cast gives them; float32 targets are x itself. Elementwise.
+    bf16: the 16 low bits of x's float32 pattern plus 16 random bits carry into the kept half
+    with probability low/2^16 (sign-magnitude, so |x| is rounded without bias); other 16-bit
+    floats: between the neighbours found by nextafter."""
+    dtype = jnp.dtype(dtype)
+    x = x.astype(jnp.float32)
+    if dtype.itemsize >= 4:
+        return x.astype(dtype)
+    draws = _hashed_bits(x.shape, seed)
+    if dtype == jnp.bfloat16:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        kept = (bits + (draws >> 16)) & jnp.uint32(0xFFFF0000)
+        rounded = jax.lax.bitcast_convert_type(kept, jnp.float32).astype(dtype)   # exact: low half zero
+        return jnp.where(jnp.isnan(x), x.astype(dtype), rounded)
+    near = x.astype(dtype)
+    near32 = near.astype(jnp.float32)
+    lower = jnp.where(near32 <= x, near, jnp.nextafter(near, jnp.asarray(-jnp.inf, dtype)))
+    upper = jnp.where(near32 >= x, near, jnp.nextafter(near, jnp.asarray(jnp.inf, dtype)))
+    lo32, up32 = lower.astype(jnp.float32), upper.astype(jnp.float32)
+    gap = jnp.where(up32 > lo32, up32 - lo32, 1.0)
+    uniform = (draws >> 8).astype(jnp.float32) * (1.0 / (1 << 24))   # [0, 1)
+    rounded = jnp.where(uniform < (x - lo32) / gap, upper, lower)
+    return jnp.where(jnp.isfinite(x) & jnp.isfinite(up32), rounded, near)
+
+
+def apply_updates_rounded(params, updates, seed, rounding: str = "stochastic"):
+    """`optax.apply_updates` (params + updates, in each param's dtype) with the sum formed in
+    float32 and rounded to the param's dtype by `rounding` ('stochastic': `stochastic_round`,
+    leaf i with seed mixed from (seed, i); 'nearest': a cast, what optax does). seed: an int32
+    or uint32 scalar (the update count)."""
+    leaves, treedef = jax.tree.flatten(params)
+    ups = treedef.flatten_up_to(updates)
+    base = _mix32(jnp.asarray(seed).astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + jnp.uint32(0x5EED))
+    out = []
+    for i, (p, u) in enumerate(zip(leaves, ups)):
+        total = p.astype(jnp.float32) + u.astype(jnp.float32)
+        out.append(stochastic_round(total, p.dtype, base + jnp.uint32(i * 0x632BE5AB & 0xFFFFFFFF))
+                   if rounding == "stochastic" else total.astype(p.dtype))
+    return jax.tree.unflatten(treedef, out)
 
 
 def learning_rate_schedule(cfg: OptimizerConfig):

@@ -56,7 +56,7 @@ from sfrrl_jax.learner.deferred import DeferredBuffer, build_deferred_fns
 from sfrrl_jax.learner.objective import ROUTER_METRICS, ForwardFn, microbatch_objective
 from sfrrl_jax.mesh import with_memory_kind as mesh_with_memory_kind
 from sfrrl_jax.learner.optimizer import (
-    HOST_MEMORY, OptimizerConfig, OptState, as_opt_state, as_transformation, learning_rate_in_state,
+    HOST_MEMORY, OptimizerConfig, OptState, apply_updates_rounded, as_opt_state, as_transformation, learning_rate_in_state,
     learning_rate_schedule, opt_state_shardings, with_memory_kind,
 )
 
@@ -324,13 +324,15 @@ class TrainStep:
         # Offloaded optimizer state (OptimizerConfig.offload_state) lives in host memory between
         # updates: moved to the device for the update and back, inside the same jitted function.
         offloaded = any(sh.memory_kind == HOST_MEMORY for sh in jax.tree.leaves(opt_sh))
+        # a raw optax transformation gets the default rounding (OptimizerConfig's)
+        rounding = (self.optimizer_cfg or OptimizerConfig()).param_rounding
         opt_on_device = with_memory_kind(opt_sh, "device") if offloaded else None
 
         def update(p, opt_state, acc):
             if offloaded:
                 opt_state = jax.device_put(opt_state, opt_on_device)
             new_p, new_opt, metrics = _apply_update(self.tx, self.schedule, param_sh, p, opt_state, acc,
-                                                    ROUTER_METRICS + self.aux_metrics)
+                                                    ROUTER_METRICS + self.aux_metrics, rounding)
             if offloaded:
                 new_opt = jax.device_put(new_opt, opt_sh)
             return new_p, new_opt, metrics
@@ -373,7 +375,7 @@ def batch_sharding(mesh, shape) -> NamedSharding:
 
 
 def _apply_update(tx, schedule, param_sh, params, opt_state: OptState, acc: Accumulator,
-                  forward_metrics: tuple[str, ...] = ROUTER_METRICS):
+                  forward_metrics: tuple[str, ...] = ROUTER_METRICS, rounding: str = "stochastic"):
     s = acc.scalars
     den = jnp.maximum(s.denominator, 1.0)
     grads = jax.tree.map(lambda g: g / den, acc.grads)
@@ -381,7 +383,8 @@ def _apply_update(tx, schedule, param_sh, params, opt_state: OptState, acc: Accu
     ok = jnp.isfinite(grad_norm) & jnp.isfinite(s.numerator)
     updates, inner = tx.update(grads, opt_state.inner, params)
     updates = jax.lax.with_sharding_constraint(updates, param_sh)
-    new_params = optax.apply_updates(params, updates)
+    # the rounding draws hash the update count: a resumed run repeats them
+    new_params = apply_updates_rounded(params, updates, opt_state.step, rounding)
     keep = lambda new, old: jnp.where(ok, new, old)
     new_params = jax.tree.map(keep, new_params, params)
     # Each state leaf keeps its dtype: optax keeps what it computes (adam's first moment with
