@@ -139,7 +139,13 @@ class AdmissionMixin:
         # The loop would decode next (unless an underfull batch gives idle work a turn first):
         # start at once rather than after a round trip through the event loop.
         decoding = len(self._running) - sum(bool(f["done"]) for f in firsts if f is not None)
-        return firsts, (self._decode_chain() if decoding > self.underfull_slots else [])
+        if decoding <= self.underfull_slots:
+            return firsts, []
+        self._firsts_in_hand = {job.slot: 1 for job, f in zip(jobs, firsts) if f is not None}
+        try:
+            return firsts, self._decode_chain()
+        finally:
+            self._firsts_in_hand = {}
 
     def _prefill_group(self, group: list[Job]) -> dict[int, dict]:
         """One `prefill_many` call for new prompts of one bucket (one prompt too: the driver

@@ -128,6 +128,8 @@ class Engine(AdmissionMixin, PagingMixin):
         self._underfull_slots = 0
         self.set_idle_work(idle_work, underfull_slots=underfull_slots)
         self.idle_seconds = 0.0  # time idle work took inside the driver
+        self._last_fetch = 0.0   # when the last decode chunk's results reached the host
+        self._firsts_in_hand: dict[int, int] = {}   # see `_may_decode`
         self._trace = None
         self.set_trace(trace)
 
@@ -452,12 +454,41 @@ class Engine(AdmissionMixin, PagingMixin):
         cannot reserve (possibly the first: then the loop makes room, see `engine.page_policy`).
         """
         kicks = self._kicks
+        if self._pt is None and self._overlap_chunks:
+            return self._decode_chain_overlapped(kicks)
         chunks = []
         while (not chunks or (not chunks[-1]["done"].any() and self._kicks == kicks
                               and len(self._running) > self.underfull_slots)):
             if not self._reserve_chunk():
                 break
-            chunks.append(self._decode_on_device(ahead=len(chunks)))
+            chunks.append(self._fetch_decode(self._dispatch_decode(ahead=len(chunks))))
+        return chunks
+
+    @property
+    def _overlap_chunks(self) -> bool:
+        """Whether a decode chain dispatches a chunk before fetching the previous one's tokens:
+        on accelerators, where the host's work per chunk can run while the device computes. Not
+        on CPU: XLA:CPU aborts with two multi-device programs in flight (see `_admit_on_device`),
+        and on one device the host and XLA share the cores (measured 0.92-0.97x the sequential
+        chain at batch 1-32 on 2 cores: `experiments/bench/decode.py`)."""
+        return self.steps.mesh.devices.flat[0].platform != "cpu"
+
+    def _decode_chain_overlapped(self, kicks: int) -> list[dict]:
+        """`_decode_chain` with chunk i+1 dispatched before chunk i's tokens are fetched: the
+        host's share of a chunk (the fetch, the next dispatch, the bookkeeping) runs while the
+        device computes, instead of between chunks. Whether to go on is decided from the chunks
+        fetched so far, so a chunk in which a slot finishes is followed by one more (the other
+        slots' tokens are the same: sampling is keyed per slot; the finished slot's tool call
+        starts one chunk later; a dense cache only: a paged chunk needs its pages reserved
+        from the device's lengths first)."""
+        chunks = []
+        in_flight = self._dispatch_decode(ahead=0)
+        while in_flight is not None:
+            go_on = ((not chunks or not chunks[-1]["done"].any()) and self._kicks == kicks
+                     and len(self._running) > self.underfull_slots and self._may_decode(len(chunks) + 1))
+            following = self._dispatch_decode(ahead=len(chunks) + 1) if go_on else None
+            chunks.append(self._fetch_decode(in_flight))
+            in_flight = following
         return chunks
 
     def _free_on_device(self, slots: list[int]) -> None:
@@ -477,18 +508,38 @@ class Engine(AdmissionMixin, PagingMixin):
         longest = max((len(log.context) for log in logs if log is not None), default=0)
         return self.steps.decode_k_len(longest + (ahead + 1) * self.decode_steps)
 
-    def _decode_on_device(self, ahead: int = 0):
+    def _may_decode(self, ahead: int) -> bool:
+        """Whether some running slot can still decode after `ahead` more chunks of this chain: its
+        max_new_tokens not reached by then (a stop token may end it earlier; a chunk in which
+        every slot has already ended would only compute masked steps)."""
+        reach = ahead * self.decode_steps
+        first = self._firsts_in_hand   # a chain started by an admission: its first tokens not pushed yet
+        return any(len(job.tokens) + first.get(slot, 0) + reach < job.request.max_new_tokens
+                   for slot, job in list(self._running.items()))
+
+    def _dispatch_decode(self, ahead: int = 0):
+        """Starts a decode chunk (asynchronously): the handle `_fetch_decode` takes."""
         t0 = time.perf_counter()
         self._sync_pages()
         k_len = self._decode_k_len(ahead)
         self.state, results = self.steps.generate(self.params, self.state, self.decode_steps, k_len)
+        return results, t0
+
+    def _fetch_decode(self, handle) -> dict:
+        """The chunk's results on the host (waits for it); counts its steps."""
+        results, t0 = handle
         results = jax.device_get(host_fields(results))
-        self._account("decode", t0)
+        # overlapped chunks: device time counted once, from the later of dispatch and last fetch
+        self._account("decode", max(t0, self._last_fetch))
+        self._last_fetch = time.perf_counter()
         # counted here, not when the tokens reach their requests: a chain delivers those at its end
         self.stats.decode_steps += self.decode_steps
         self.stats.slot_steps_total += self.decode_steps * self.steps.max_slots
         self.stats.slot_steps_active += int(np.sum(results["valid"]))
         return results
+
+    def _decode_on_device(self, ahead: int = 0):
+        return self._fetch_decode(self._dispatch_decode(ahead))
 
     def _account(self, name: str, t0: float) -> None:
         t1 = time.perf_counter()
