@@ -32,12 +32,12 @@ def _mesh():
 MAX_LEN = 64
 
 
-def _trainer(mode, agent=None, **kw):
+def _trainer(mode, agent=None, opt=OPT, **kw):
     kw = {"seq_bucket": 32, **kw}
     tc = TrainerConfig(mode=mode, groups_per_step=2, group_size=4, max_slots=8, max_len=MAX_LEN,
                        buckets=(16, 32), **kw)
     params = S.init_params(CFG, _mesh(), seed=0)
-    return RLTrainer(CFG, params, tc, LOSS, OPT, agent or WorkloadAgent(WL), TaskStream(make_tasks(WL), seed=1))
+    return RLTrainer(CFG, params, tc, LOSS, opt, agent or WorkloadAgent(WL), TaskStream(make_tasks(WL), seed=1))
 
 
 def test_pipelined_equals_sync_after_a_step_and_both_are_on_policy(tmp_path):
@@ -71,6 +71,38 @@ def test_pipelined_equals_sync_after_a_step_and_both_are_on_policy(tmp_path):
     assert (tmp_path / "busy_idle.png").stat().st_size > 1000
     assert '"grad_microstep"' in open(out["trace"]).read()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "one_step_off"])
+def test_swapped_cache_and_offloaded_sums_train_as_without(mode):
+    """TrainerConfig.swap_cache + OptimizerConfig.offload_accumulator (what the 1M-token config
+    needs to fit): micro-steps run during the rollout with the KV cache in host memory, the sums
+    wait there between them; two steps train the same trajectories to the same params as
+    without. one_step_off trains step 1's groups as idle work during step 2's rollout (before
+    its first decode chunk, underfull_slots = max_slots): two swaps for certain."""
+    import dataclasses
+    plain = _trainer(mode, underfull_slots=8)
+    swapped = _trainer(mode, underfull_slots=8, swap_cache=True,
+                       opt=dataclasses.replace(OPT, offload_accumulator=True))
+    kinds = []
+    run = swapped.engine._run_with_cache_away
+
+    def watched(job):
+        def wrapped():
+            kinds.append(swapped.engine.state.cache_k.sharding.memory_kind)
+            job()
+        run(wrapped)
+    swapped.engine._run_with_cache_away = watched
+    for _ in range(2):
+        m_plain, m_swapped = plain.step(), swapped.step()
+        for k in ("reward/mean", "rollout/generated_tokens", "train/trained_tokens", "train/microsteps"):
+            assert m_plain[k] == m_swapped[k], k
+    assert set(kinds) <= {"pinned_host"} and len(kinds) == swapped.engine.stats.cache_swaps
+    assert plain.engine.stats.cache_swaps == 0
+    if mode == "one_step_off":
+        assert swapped.engine.stats.cache_swaps >= 2
+    for a, b in zip(jax.tree.leaves(jax.device_get(plain.params)), jax.tree.leaves(jax.device_get(swapped.params))):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
 
 
 def test_row_split_micro_steps_give_the_same_update():
