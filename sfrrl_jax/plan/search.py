@@ -12,10 +12,15 @@ remat policy of `SearchSpace.remats`, every micro-batch row count of `SearchSpac
 1. A static bound, no compile: what the micro-step holds at the least, per device, from the
    shardings (exact): params + float32 accumulator + the gradient pytree in the params' dtype
    (jax.grad returns it whole before it is summed) + optimizer state on the device + the KV
-   cache when micro-steps overlap the rollout. Candidates above the budget are rejected here.
-2. The rest are ordered by a prior (below) and the first `limit` are compiled (the train
-   micro-step only: the phase that decides long-context fits; run `sfrrl-plan` on the winner for
-   every phase). A compiled candidate fits if its micro-step peak is within the budget.
+   cache when micro-steps overlap the rollout (unless TrainerConfig.swap_cache parks it in host
+   memory then). Candidates above the budget are rejected here.
+2. The rest, grouped by (mesh, rows), are compiled group by group in the order of a prior
+   (below), `limit` compiles in all (the train micro-step only: the phase that decides
+   long-context fits; run `sfrrl-plan` on the winner for every phase). In a group remat='full'
+   compiles first: it keeps the least, so where it does not fit no policy does and the group
+   is skipped after one compile; where it fits, the other policies follow from the least
+   recompute up, until one fits. A compiled candidate fits if its micro-step peak is within the
+   budget.
 3. Fitting candidates are ranked by the **estimate: XLA's FLOPs per device per trained token of the
    micro-step** (`compiled.cost_analysis()`), lowest first. It counts remat's recomputation and
    work repeated on devices that hold the same rows (a row count below the batch axes, or
@@ -98,7 +103,8 @@ def search(model_cfg: ModelConfig, n: int, trainer, loss, optimizer, plan_cfg: P
     max_rows, length = microbatch_shape(trainer, plan_cfg)
     rows_list = space.rows or tuple(2 ** i for i in range(int(math.log2(max_rows)) + 1))
     devices = jax.devices()[:n]
-    overlap = trainer.mode in ("pipelined", "one_step_off")
+    # the KV cache beside a micro-step: pipelined / one_step_off, unless swapped out for it
+    overlap = trainer.mode in ("pipelined", "one_step_off") and not trainer.swap_cache
     cands = []
     for mesh_t in (space.meshes or tuple(meshes(model_cfg, n))):
         mesh = make_mesh(*mesh_t[:2], mesh_t[3], devices=devices, context=mesh_t[2])
@@ -117,8 +123,17 @@ def search(model_cfg: ModelConfig, n: int, trainer, loss, optimizer, plan_cfg: P
             if static > budget:
                 cand.status = f"static bound {static / GB:.1f} GB > budget"
             cands.append(cand)
-    todo = sorted((c for c in cands if c.status == "not compiled"), key=lambda c: (c.prior, -c.rows, c.static))
-    for cand in todo[:limit]:
+    # Compile (mesh, rows) groups in prior order; in each, remat='full' first (it saves the least:
+    # where it does not fit, no policy does, and the group costs one compile), then the other
+    # policies from the least recompute up, until one fits (those after it recompute more).
+    groups: dict = {}
+    for cand in cands:
+        if cand.status == "not compiled":
+            groups.setdefault((cand.mesh, cand.rows), []).append(cand)
+    order = sorted(groups.values(), key=lambda g: (min(c.prior for c in g), -g[0].rows, g[0].static))
+    compiled = 0
+
+    def run(cand) -> bool:
         d, e, c, t = cand.mesh
         mesh = make_mesh(d, e, t, devices=devices, context=c)
         cfg = model_cfg.replace(remat=cand.remat)
@@ -128,12 +143,33 @@ def search(model_cfg: ModelConfig, n: int, trainer, loss, optimizer, plan_cfg: P
             plan = plan_memory(PlanInputs(cfg, mesh, trainer, loss, optimizer), pc)
         except Exception as err:  # noqa: BLE001 -- a candidate XLA refuses is reported, not fatal
             cand.status = f"compile failed: {type(err).__name__}: {str(err)[:120]}"
-            continue
+            return False
         ph = plan.phases[0]
         cand.peak, cand.compile_s = ph.peak, ph.compile_s
         cand.flops_per_token = None if ph.flops is None else ph.flops / (cand.rows * cand.length)
         cand.fits = ph.peak <= budget
         cand.status = "fits" if cand.fits else f"peak {ph.peak / GB:.1f} GB > budget"
+        return cand.fits
+
+    for group in order:
+        ladder = sorted(group, key=lambda c: (c.remat != "full", c.prior))
+        if ladder[0].remat != "full":   # 'full' not searched: no floor to test, climb from the cheapest
+            ladder = sorted(group, key=lambda c: c.prior)
+        for i, cand in enumerate(ladder):
+            if compiled >= limit:
+                break
+            compiled += 1
+            ok = run(cand)
+            if i == 0 and cand.remat == "full" and not ok:
+                for rest in ladder[1:]:
+                    rest.status = "skipped: remat='full' does not fit this mesh and row count"
+                break
+            if ok and i > 0:
+                for rest in ladder[i + 1:]:
+                    rest.status = "skipped: a policy that recomputes less fits"
+                break
+        if compiled >= limit:
+            break
     return sorted(cands, key=lambda c: (not c.fits, c.peak is None,
                                         c.flops_per_token if c.flops_per_token is not None else math.inf,
                                         c.peak or 0, c.prior, c.static))

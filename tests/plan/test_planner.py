@@ -89,11 +89,28 @@ def test_search_static_bound_rejects_without_compiling():
                  SearchSpace(remats=("full",), rows=(2,), meshes=((1, 8, 1, 1),)), limit=2)
     assert res and all(r.status.startswith("static bound") for r in res)
     ok = search(cfg, 8, tc, LossConfig(), OptimizerConfig(), PlanConfig(device_memory_gb=1.0),
-                SearchSpace(remats=("full", "none"), rows=(2,), meshes=((2, 4, 1, 1),)), limit=1)
+                SearchSpace(remats=("full", "none"), rows=(2,), meshes=((2, 4, 1, 1),)), limit=2)
     compiled = [r for r in ok if r.peak is not None]
-    # the prior compiles the policy that recomputes least first
-    assert len(compiled) == 1 and compiled[0].remat == "none" and ok[0] is compiled[0]
-    assert ok[0].fits and ok[0].flops_per_token > 0
+    # remat='full' (the floor of the group's memory), then the policy that recomputes least
+    assert sorted(r.remat for r in compiled) == ["full", "none"]
+    assert all(r.fits for r in compiled) and ok[0].remat == "none"   # fewer FLOPs per token: ranked first
+    assert ok[0].flops_per_token < ok[1].flops_per_token
+
+
+def test_search_skips_a_mesh_whose_full_remat_does_not_fit():
+    """remat='full' keeps the least: where it does not fit, the group's other policies are not
+    compiled."""
+    from sfrrl_jax.plan.search import SearchSpace, search
+    cfg = ModelConfig.preset("tiny-moe", max_seq_len=128)
+    tc = TrainerConfig(max_len=128, seq_bucket=64, group_size=2, groups_per_step=2, mode="sync")
+    space = SearchSpace(remats=("full", "none", "dots"), rows=(2,), meshes=((2, 4, 1, 1),))
+    probe = search(cfg, 8, tc, LossConfig(), OptimizerConfig(), PlanConfig(device_memory_gb=1.0), space, limit=1)
+    full = next(r for r in probe if r.remat == "full")
+    budget = full.peak / GB * 0.999   # just below what 'full' needs, above the static bound
+    assert full.static / GB < budget
+    res = search(cfg, 8, tc, LossConfig(), OptimizerConfig(), PlanConfig(device_memory_gb=budget), space, limit=3)
+    assert [r.remat for r in res if r.peak is not None] == ["full"] and not any(r.fits for r in res)
+    assert all(r.status.startswith("skipped: remat='full' does not fit") for r in res if r.remat != "full")
 
 
 def _bf16_plan(**kw):
