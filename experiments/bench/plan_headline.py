@@ -53,8 +53,9 @@ def main() -> int:
         plan = json.loads(out_json.read_text())
         report = proc.stdout[proc.stdout.index("**Model**"):]
         cpu_json = out_json.with_name(out_json.stem + "_keep_bf16.json")
-        cpu = subprocess.run([sys.executable, "-m", "sfrrl_jax.launch.plan_cli", f"--gin_file=experiments/configs/{gin}",
-                              "--keep_bf16", f"--json={cpu_json}"], cwd=ROOT, capture_output=True, text=True)
+        cpu = subprocess.run([sys.executable, "-m", "sfrrl_jax.launch.plan_cli",
+                              f"--gin_file=experiments/configs/{gin}", "--keep_bf16", f"--json={cpu_json}"],
+                             cwd=ROOT, capture_output=True, text=True)
         if cpu.returncode not in (0, 1):
             print(cpu.stderr[-3000:], file=sys.stderr)
             return cpu.returncode

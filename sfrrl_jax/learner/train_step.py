@@ -56,8 +56,8 @@ from sfrrl_jax.learner.deferred import DeferredBuffer, build_deferred_fns
 from sfrrl_jax.learner.objective import ROUTER_METRICS, ForwardFn, microbatch_objective
 from sfrrl_jax.mesh import with_memory_kind as mesh_with_memory_kind
 from sfrrl_jax.learner.optimizer import (
-    HOST_MEMORY, OptimizerConfig, OptState, apply_updates_rounded, as_opt_state, as_transformation, learning_rate_in_state,
-    learning_rate_schedule, opt_state_shardings, with_memory_kind,
+    HOST_MEMORY, OptimizerConfig, OptState, apply_updates_rounded, as_opt_state, as_transformation,
+    learning_rate_in_state, learning_rate_schedule, opt_state_shardings, with_memory_kind,
 )
 
 
