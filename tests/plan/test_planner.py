@@ -118,15 +118,16 @@ def _bf16_plan(**kw):
     tc = TrainerConfig(max_len=256, max_slots=8, decode_steps=2, buckets=(64,), seq_bucket=64,
                        swap_cache=kw.pop("swap_cache", False))
     opt = OptimizerConfig(state_shard_axis=None, **kw.pop("opt", {}))
-    return plan_memory(PlanInputs(cfg, make_mesh(expert=8), tc, LossConfig(), opt),
-                       PlanConfig(phases=("train_micro", "apply", "append", "decode"), **kw))
+    phases = kw.pop("phases", ("train_micro", "apply", "append", "decode"))
+    return plan_memory(PlanInputs(cfg, make_mesh(expert=8), tc, LossConfig(), opt), PlanConfig(phases=phases, **kw))
 
 
 def test_bf16_is_compiled_as_f16_same_bytes_without_xla_cpu_widening():
     """XLA:CPU widens bf16 dots, scatters and dynamic-update-slices to f32 (copies of the weight
     stacks and the KV cache a GPU never makes); the planner compiles bf16 as f16 (same bytes,
     native on XLA:CPU) unless told not to."""
-    as_f16, as_cpu = _bf16_plan(), _bf16_plan(bf16_as_f16=False)
+    phases = ("train_micro", "append", "decode")
+    as_f16, as_cpu = _bf16_plan(phases=phases), _bf16_plan(phases=phases, bf16_as_f16=False)
     assert "compiled as float16" in as_f16.to_markdown() and "compiled as float16" not in as_cpu.to_markdown()
     assert as_f16.static == as_cpu.static                  # every buffer between calls: same bytes
     for a, b in zip(as_f16.phases, as_cpu.phases):
