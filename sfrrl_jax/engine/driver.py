@@ -466,12 +466,13 @@ class Engine(AdmissionMixin, PagingMixin):
 
     @property
     def _overlap_chunks(self) -> bool:
-        """Whether a decode chain dispatches a chunk before fetching the previous one's tokens:
-        on accelerators, where the host's work per chunk can run while the device computes. Not
-        on CPU: XLA:CPU aborts with two multi-device programs in flight (see `_admit_on_device`),
-        and on one device the host and XLA share the cores (measured 0.92-0.97x the sequential
-        chain at batch 1-32 on 2 cores: `experiments/bench/decode.py`)."""
-        return self.steps.mesh.devices.flat[0].platform != "cpu"
+        """Whether a decode chain dispatches a chunk before fetching the previous one's tokens: on
+        accelerators and on a one-device CPU mesh (measured 1.04-1.15x the sequential chain at
+        batch 1-32 there, timed alternately: `experiments/bench/decode.py`). Not on a
+        multi-device CPU mesh: XLA:CPU aborts with two multi-device programs in flight (see
+        `_admit_on_device`)."""
+        devices = self.steps.mesh.devices
+        return devices.size == 1 or devices.flat[0].platform != "cpu"
 
     def _decode_chain_overlapped(self, kicks: int) -> list[dict]:
         """`_decode_chain` with chunk i+1 dispatched before chunk i's tokens are fetched: the

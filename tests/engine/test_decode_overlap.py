@@ -1,8 +1,8 @@
-"""Overlapped decode chains (`Engine._decode_chain_overlapped`, the default on accelerators): chunk
-i+1 is dispatched before chunk i's tokens are fetched, so the host's work per chunk runs while the
-device computes. Forced on here (one CPU device, where it is safe but no faster): the tokens and
-logprobs are those of the sequential chain; a chain whose slots all reach max_new_tokens runs no
-extra chunk; CPU meshes keep one program in flight (XLA:CPU aborts with two multi-device ones)."""
+"""Overlapped decode chains (`Engine._decode_chain_overlapped`, the default on accelerators and on
+one CPU device): chunk i+1 is dispatched before chunk i's tokens are fetched, so the host's work
+per chunk runs while the device computes. The tokens and logprobs are those of the sequential
+chain; a chain whose slots all reach max_new_tokens runs no extra chunk; multi-device CPU meshes
+keep one program in flight (XLA:CPU aborts with two multi-device ones)."""
 import asyncio
 import functools
 
@@ -21,10 +21,10 @@ def _params():
     return cfg, randomize(S.init_params(cfg, S.make_mesh(devices=jax.devices()[:1]), seed=0), seed=11, scale=0.3)
 
 
-class OverlappedEngine(Engine):
+class SequentialEngine(Engine):
     @property
     def _overlap_chunks(self) -> bool:
-        return True
+        return False
 
 
 def _serve(engine_cls, stop_token=None):
@@ -72,10 +72,10 @@ def _serve(engine_cls, stop_token=None):
 
 
 def test_overlapped_chains_give_the_sequential_tokens():
-    reference, chunks_seq, most_seq = _serve(Engine)
+    reference, chunks_seq, most_seq = _serve(SequentialEngine)
     stop = reference[0][0][6]   # a token the parked request generates: it stops there next time
-    reference, chunks_seq, most_seq = _serve(Engine, stop)
-    out, chunks, most = _serve(OverlappedEngine, stop)
+    reference, chunks_seq, most_seq = _serve(SequentialEngine, stop)
+    out, chunks, most = _serve(Engine, stop)   # one CPU device: overlapped by default
     assert out == reference
     assert reference[0][2] == "stop" and len(reference[0][0]) <= 7
     assert most_seq == 1 and most == 2          # chunk i+1 dispatched before chunk i was fetched
@@ -86,7 +86,7 @@ def test_overlapped_chains_give_the_sequential_tokens():
 def test_a_chain_that_ends_on_max_new_tokens_runs_no_extra_chunk():
     cfg, params = _params()
     counts = []
-    for cls in (Engine, OverlappedEngine):
+    for cls in (SequentialEngine, Engine):
         engine = cls(cfg, params, max_slots=2, max_len=96, buckets=(16,), decode_steps=2)
 
         async def main():
@@ -97,8 +97,8 @@ def test_a_chain_that_ends_on_max_new_tokens_runs_no_extra_chunk():
     assert counts[0] == counts[1] and counts[0][1] == 40   # 1 token from the prefill, 40 in 20 chunks
 
 
-def test_cpu_meshes_keep_one_program_in_flight():
+def test_multi_device_cpu_meshes_keep_one_program_in_flight():
     cfg, params = _params()
-    assert not Engine(cfg, params, max_slots=2, max_len=64, buckets=(16,))._overlap_chunks
+    assert Engine(cfg, params, max_slots=2, max_len=64, buckets=(16,))._overlap_chunks
     params8 = S.init_params(cfg, S.make_mesh(data=2, expert=4), seed=0)
     assert not Engine(cfg, params8, max_slots=2, max_len=64, buckets=(16,))._overlap_chunks
