@@ -141,11 +141,8 @@ class AdmissionMixin:
         decoding = len(self._running) - sum(bool(f["done"]) for f in firsts if f is not None)
         if decoding <= self.underfull_slots:
             return firsts, []
-        self._firsts_in_hand = {job.slot: 1 for job, f in zip(jobs, firsts) if f is not None}
-        try:
-            return firsts, self._decode_chain()
-        finally:
-            self._firsts_in_hand = {}
+        # the first tokens reach their jobs after this chain: it counts them itself
+        return firsts, self._decode_chain({job.slot: 1 for job, f in zip(jobs, firsts) if f is not None})
 
     def _prefill_group(self, group: list[Job]) -> dict[int, dict]:
         """One `prefill_many` call for new prompts of one bucket (one prompt too: the driver

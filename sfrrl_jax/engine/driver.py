@@ -129,7 +129,6 @@ class Engine(AdmissionMixin, PagingMixin):
         self.set_idle_work(idle_work, underfull_slots=underfull_slots)
         self.idle_seconds = 0.0  # time idle work took inside the driver
         self._last_fetch = 0.0   # when the last decode chunk's results reached the host
-        self._firsts_in_hand: dict[int, int] = {}   # see `_may_decode`
         self._trace = None
         self.set_trace(trace)
 
@@ -443,7 +442,7 @@ class Engine(AdmissionMixin, PagingMixin):
             self.stats.cache_swaps += 1
             self.stats.swap_seconds += swapped + time.perf_counter() - t0
 
-    def _decode_chain(self) -> list[dict]:
+    def _decode_chain(self, undelivered: dict[int, int] | None = None) -> list[dict]:
         """Decode chunks back to back on the worker thread for as long as the loop has nothing to
         act on: no slot finished (its trajectory's tool call should start), no `_kick` (a request,
         release, cancel or idle work arrived) and the batch is not underfull (idle work's turn).
@@ -452,10 +451,12 @@ class Engine(AdmissionMixin, PagingMixin):
         Returns each chunk's results, in order.
         A paged cache reserves each chunk's pages before it starts; the chain ends at one it
         cannot reserve (possibly the first: then the loop makes room, see `engine.page_policy`).
+        undelivered: slot -> tokens generated but not yet pushed to its job (an admission's first
+        tokens, pushed after the chain it starts; see `_may_decode`).
         """
         kicks = self._kicks
         if self._pt is None and self._overlap_chunks:
-            return self._decode_chain_overlapped(kicks)
+            return self._decode_chain_overlapped(kicks, undelivered or {})
         chunks = []
         while (not chunks or (not chunks[-1]["done"].any() and self._kicks == kicks
                               and len(self._running) > self.underfull_slots)):
@@ -474,7 +475,7 @@ class Engine(AdmissionMixin, PagingMixin):
         devices = self.steps.mesh.devices
         return devices.size == 1 or devices.flat[0].platform != "cpu"
 
-    def _decode_chain_overlapped(self, kicks: int) -> list[dict]:
+    def _decode_chain_overlapped(self, kicks: int, undelivered: dict[int, int]) -> list[dict]:
         """`_decode_chain` with chunk i+1 dispatched before chunk i's tokens are fetched: the
         host's share of a chunk (the fetch, the next dispatch, the bookkeeping) runs while the
         device computes, instead of between chunks. Whether to go on is decided from the chunks
@@ -486,7 +487,8 @@ class Engine(AdmissionMixin, PagingMixin):
         in_flight = self._dispatch_decode(ahead=0)
         while in_flight is not None:
             go_on = ((not chunks or not chunks[-1]["done"].any()) and self._kicks == kicks
-                     and len(self._running) > self.underfull_slots and self._may_decode(len(chunks) + 1))
+                     and len(self._running) > self.underfull_slots
+                     and self._may_decode(len(chunks) + 1, undelivered))
             following = self._dispatch_decode(ahead=len(chunks) + 1) if go_on else None
             chunks.append(self._fetch_decode(in_flight))
             in_flight = following
@@ -509,13 +511,13 @@ class Engine(AdmissionMixin, PagingMixin):
         longest = max((len(log.context) for log in logs if log is not None), default=0)
         return self.steps.decode_k_len(longest + (ahead + 1) * self.decode_steps)
 
-    def _may_decode(self, ahead: int) -> bool:
+    def _may_decode(self, ahead: int, undelivered: dict[int, int]) -> bool:
         """Whether some running slot can still decode after `ahead` more chunks of this chain: its
         max_new_tokens not reached by then (a stop token may end it earlier; a chunk in which
-        every slot has already ended would only compute masked steps)."""
+        every slot has already ended would only compute masked steps). undelivered: slot ->
+        tokens its job has not received yet (see `_decode_chain`)."""
         reach = ahead * self.decode_steps
-        first = self._firsts_in_hand   # a chain started by an admission: its first tokens not pushed yet
-        return any(len(job.tokens) + first.get(slot, 0) + reach < job.request.max_new_tokens
+        return any(len(job.tokens) + undelivered.get(slot, 0) + reach < job.request.max_new_tokens
                    for slot, job in list(self._running.items()))
 
     def _dispatch_decode(self, ahead: int = 0):

@@ -411,9 +411,9 @@ class LockstepEngine(Engine):
                 self._jobs.pop(done, None)
         super()._release_parked(slot_handle)
 
-    def _decode_chain(self) -> list[dict]:
+    def _decode_chain(self, undelivered: dict[int, int] | None = None) -> list[dict]:
         """One decode chunk per tick: a longer chain would end on local events, which differ
-        between processes."""
+        between processes (so `undelivered`, which only bounds a chain's length, is not needed)."""
         if not self._reserve_chunk():
             return []
         return [self._decode_on_device()]

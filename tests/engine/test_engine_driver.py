@@ -138,7 +138,7 @@ def test_decode_chunks_chain_on_the_worker_until_the_loop_has_something_to_do():
     engine = Engine(cfg, params, max_slots=2, max_len=96, buckets=(16,), decode_steps=2)
     chains, admitted_at = [], []
     chain, admit = engine._decode_chain, engine._admit_on_device
-    engine._decode_chain = lambda: chains.append(chain()) or chains[-1]
+    engine._decode_chain = lambda *a: chains.append(chain(*a)) or chains[-1]
     engine._admit_on_device = lambda jobs: admitted_at.append(engine.stats.decode_steps) or admit(jobs)
 
     async def one(tokens, n):
