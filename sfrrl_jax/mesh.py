@@ -202,3 +202,17 @@ def with_memory_kind(shardings: Any, kind: str, asked_by: str) -> Any:
             raise ValueError(f"{asked_by}: {device.platform} devices have no {kind!r} "
                              f"memory (they have {sorted(kinds)}); set {asked_by}=False")
     return jax.tree.map(lambda sh: sh.with_memory_kind(kind), shardings)
+
+
+def moved(tree: Any, shardings: Any, delete: bool = True) -> Any:
+    """`tree` copied to `shardings` (typically another memory kind: pinned_host and back); with
+    `delete` its old buffers are deleted once the copy has landed, so one copy is ever held and
+    the freed memory is usable at once (device_put cannot donate across memory kinds)."""
+    out = jax.device_put(tree, shardings)
+    if not delete:
+        return out
+    jax.block_until_ready(out)
+    for old, new in zip(jax.tree.leaves(tree), jax.tree.leaves(out)):
+        if old is not new:
+            old.delete()
+    return out

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.engine.types import Completion, GenerationRequest
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.mesh import HOST_MEMORY, with_memory_kind
+from sfrrl_jax.mesh import HOST_MEMORY, moved, with_memory_kind
 from sfrrl_jax.engine.admission import AdmissionMixin, host_fields
 from sfrrl_jax.engine.page_policy import PagingMixin
 from sfrrl_jax.engine.pages import PageTable, check_paging
@@ -428,17 +428,15 @@ class Engine(AdmissionMixin, PagingMixin):
         t0 = time.perf_counter()
         on_device = (state.cache_k, state.cache_v)
         shardings = tuple(x.sharding for x in on_device)
-        on_host = jax.device_put(on_device, with_memory_kind(shardings, HOST_MEMORY, "Engine(swap_cache)"))
-        jax.block_until_ready(on_host)
-        for x in on_device:
-            x.delete()   # the job gets this memory now, not when the garbage collector finds it
+        # the device copy deleted once on the host: the job gets its memory now, not at collection
+        on_host = moved(on_device, with_memory_kind(shardings, HOST_MEMORY, "Engine(swap_cache)"))
         state.cache_k, state.cache_v = on_host
         swapped = time.perf_counter() - t0
         try:
             job()
         finally:
             t0 = time.perf_counter()
-            state.cache_k, state.cache_v = jax.block_until_ready(jax.device_put(on_host, shardings))
+            state.cache_k, state.cache_v = moved(on_host, shardings)
             self.stats.cache_swaps += 1
             self.stats.swap_seconds += swapped + time.perf_counter() - t0
 

@@ -54,7 +54,7 @@ from sfrrl_jax.learner.accumulator import (
 )
 from sfrrl_jax.learner.deferred import DeferredBuffer, build_deferred_fns
 from sfrrl_jax.learner.objective import ROUTER_METRICS, ForwardFn, microbatch_objective
-from sfrrl_jax.mesh import with_memory_kind as mesh_with_memory_kind
+from sfrrl_jax.mesh import moved, with_memory_kind as mesh_with_memory_kind
 from sfrrl_jax.learner.optimizer import (
     HOST_MEMORY, OptimizerConfig, OptState, apply_updates_rounded, as_opt_state, as_transformation,
     learning_rate_in_state, learning_rate_schedule, opt_state_shardings, with_memory_kind,
@@ -181,7 +181,7 @@ class TrainStep:
         deleted where the call donates acc)."""
         if not self.offloads_accumulator:
             return acc
-        return acc._replace(grads=_moved(acc.grads, self._layouts[_key(params)]["acc"].grads, donated))
+        return acc._replace(grads=moved(acc.grads, self._layouts[_key(params)]["acc"].grads, donated))
 
     def _acc_out(self, params, acc: Accumulator) -> Accumulator:
         """acc with its gradient sums in host memory (offload_accumulator: moved out)."""
@@ -189,7 +189,7 @@ class TrainStep:
             return acc
         host = mesh_with_memory_kind(self._layouts[_key(params)]["acc"].grads, HOST_MEMORY,
                                      "OptimizerConfig.offload_accumulator")
-        return acc._replace(grads=_moved(acc.grads, host))
+        return acc._replace(grads=moved(acc.grads, host))
 
     def init_opt_state(self, params) -> OptState:
         """OptState(step=0, inner=tx.init(params)); param-shaped state sharded per the module doc."""
@@ -351,19 +351,6 @@ class TrainStep:
             "apply": jax.jit(apply, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, rep)),
             "step": jax.jit(step, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, rep)),
         }
-
-
-def _moved(tree, shardings, delete: bool = True):
-    """`tree` copied to `shardings` (another memory kind); with `delete` its old buffers are
-    deleted once the copy is done, so one copy is held (device_put cannot donate across kinds)."""
-    moved = jax.device_put(tree, shardings)
-    if not delete:
-        return moved
-    jax.block_until_ready(moved)
-    for old, new in zip(jax.tree.leaves(tree), jax.tree.leaves(moved)):
-        if old is not new:
-            old.delete()
-    return moved
 
 
 def batch_sharding(mesh, shape) -> NamedSharding:
