@@ -18,6 +18,8 @@ Dispatch = Literal["padded", "ragged", "llep"]
 Remat = Literal["none", "full", "dots", "dots_no_batch", "attention_out", "dots_attention_out"]
 RopeType = Literal["default", "yarn", "llama3"]
 AttentionImpl = Literal["blockwise", "pallas", "naive"]
+# How a paged KV cache's decode attends (`engine.paged.use_paged_kernel`).
+PagedAttention = Literal["auto", "gather", "pallas"]
 GroupedMatmul = Literal["auto", "ragged_dot", "tiled", "ragged_dot_tiled_wgrad"]
 
 

@@ -57,4 +57,10 @@ def test_gpu_suite_toy_runs_every_section(tmp_path):
         assert "error" not in r and _positive(r["ms"]), r
         assert r["logit_rel"] < 1e-4 and r["grad_diff"] < 1e-4, r
 
+    paged = res["paged"]
+    assert [r["window"] for r in paged] == [0, 8]
+    for r in paged:
+        assert all(_positive(r[k]) for k in ("kernel_ms", "gather_ms", "bandwidth", "kv_bytes")), r
+        assert r["max_rel"] < 1e-5, r   # the kernel (interpret mode) computes the gather path's function
+
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))

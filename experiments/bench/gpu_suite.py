@@ -1,4 +1,5 @@
-"""GPU suite: decode bandwidth, train-step MFU, ragged vs padded MoE dispatch, attention parity.
+"""GPU suite: decode bandwidth, train-step MFU, ragged vs padded MoE dispatch, attention parity,
+paged decode attention.
 
 One script to run whenever a GPU is at hand (its table goes into the closing note); at toy size it
 runs on CPU in well under a minute, and `tests/test_gpu_suite.py` runs it that way.
@@ -72,6 +73,16 @@ Sections and columns (`--sections`, all by default):
              grad diff  max over params of max |impl - naive| / max(1, max |naive|) (as in
                         tests/models/test_attention_blockwise.py).
              ms         median fwd+bwd time.
+  paged      decode attention of one layer over a paged KV cache (`models.paged_attention`'s
+             kernel, Triton on GPU, interpret mode elsewhere) against the engine's gather path
+             (the row's pages copied into a contiguous view, then `attend`), one new token a
+             row; a long tail of row lengths (mean ~ a fifth of the cache), full attention and a
+             window of 128 (gpt-oss' sliding layers). Real size: batch 64, qwen3-moe-30b-a3b's
+             attention shapes (32 / 4 heads of 128), bf16, pages of 16, a 16k-token cache.
+             gather/kernel  the gather path's time over the kernel's.
+             KV GB/s    bytes of the keys and values each row can see (what the kernel must
+                        read) / the kernel's time.
+             max rel    max |kernel - gather| / max |gather|.
 Times are medians over `--iters` calls after warm-up; compare rows of one run only. A section
 (or an attention core) that raises is reported and skipped, so one failure on a scarce GPU does
 not cost the other tables; `errors` in the JSON names it.
@@ -98,10 +109,12 @@ import sfrrl_jax as S  # noqa: E402
 from sfrrl_jax.engine import DecodeState, EngineSteps, SlotRequest  # noqa: E402
 from sfrrl_jax.learner.train_step import batch_sharding  # noqa: E402
 from sfrrl_jax.models import moe as moe_lib  # noqa: E402
+from sfrrl_jax.models.layers import attend, attention_mask  # noqa: E402
+from sfrrl_jax.models.paged_attention import paged_decode_attention  # noqa: E402
 from sfrrl_jax.models.transformer import moe_layer_ids  # noqa: E402
 from sfrrl_jax.trainer.batching import batch_fields, zero_microbatch  # noqa: E402
 
-SECTIONS = ("decode", "train", "moe", "attention")
+SECTIONS = ("decode", "train", "moe", "attention", "paged")
 ATTENTION_IMPLS = ("blockwise", "pallas")  # each against 'naive'
 EXPERT_KEYS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
@@ -118,10 +131,12 @@ DEVICE_PEAKS = (
 SIZES = {
     "real": dict(preset="qwen3-moe-30b-a3b", dtype="bfloat16", batches=(1, 64, 256), context=4096,
                  decode_steps=8, train_rows=8, train_seq=2048, moe_tokens=16384, attn_batch=2,
-                 attn_seq=2048, attn_block={"float32": 64, "bfloat16": 512}, iters=5),
+                 attn_seq=2048, attn_block={"float32": 64, "bfloat16": 512}, iters=5,
+                 paged=dict(batch=64, heads=32, kv_heads=4, head_dim=128, page=16, context=16384,
+                            windows=(0, 128))),
     "toy": dict(preset="tiny-moe", dtype="float32", batches=(1, 4, 8), context=64, decode_steps=4,
                 train_rows=4, train_seq=64, moe_tokens=256, attn_batch=2, attn_seq=48, attn_block={"float32": 16},
-                iters=2),
+                iters=2, paged=dict(batch=4, heads=4, kv_heads=2, head_dim=16, page=4, context=64, windows=(0, 8))),
 }
 
 
@@ -445,6 +460,54 @@ def bench_attention(size: str, base, spec: dict, iters: int, impls) -> list[dict
     return rows
 
 
+# -- 5. paged decode attention ------------------------------------------------------------------
+
+def gather_decode_attention(q, pool_k, pool_v, units, q_pos, k_new, v_new, window, k_len):
+    """What the engine's gather path computes per layer for one new token a row
+    (`engine.model_step.extend_paged`): the row's pages copied into a [k_len] view, the new
+    token overlaid, `attend` with the cache mask. q [b, h, d]; pool [units, page, kv_heads, d]."""
+    b, page = q.shape[0], pool_k.shape[1]
+    pages = -(-k_len // page)
+
+    def view(pool, new):
+        g = pool[units[:, :pages]].reshape((b, pages * page) + pool.shape[2:])[:, :k_len]
+        return g.at[jnp.arange(b)[:, None], q_pos[:, None]].set(new[:, None], mode="drop")
+
+    k_pos = jnp.broadcast_to(jnp.arange(k_len, dtype=jnp.int32), (b, k_len))
+    ones = jnp.ones_like(k_pos)
+    mask = attention_mask(q_pos[:, None], k_pos, ones[:, :1], ones, window, k_pos <= q_pos[:, None])
+    return attend(q[:, None], view(pool_k, k_new), view(pool_v, v_new), mask)[:, 0]
+
+
+def bench_paged(spec: dict, iters: int) -> list[dict]:
+    b, h, kvh, d, page, ctx = (spec["paged"][k] for k in ("batch", "heads", "kv_heads", "head_dim", "page",
+                                                           "context"))
+    dtype = jnp.dtype(spec["dtype"])
+    rng = np.random.RandomState(0)
+    per_row = ctx // page
+    n_units = b * per_row + 1
+    pool_k, pool_v = (jnp.asarray(rng.randn(n_units, page, kvh, d), dtype) for _ in range(2))
+    units = jnp.asarray(rng.permutation(n_units)[:b * per_row].reshape(b, per_row), jnp.int32)
+    # a long tail of lengths: most rows short, a few near the whole cache
+    q_pos = jnp.asarray(np.minimum(ctx - 1, (ctx * rng.beta(0.7, 2.5, b)).astype(np.int32) + 1), jnp.int32)
+    q, k_new, v_new = (jnp.asarray(rng.randn(b, n, d), dtype) for n in (h, kvh, kvh))
+    rows = []
+    for window in spec["paged"]["windows"]:
+        kernel = jax.jit(lambda *a, w=window: paged_decode_attention(*a, w, k_len=ctx))
+        gather = jax.jit(lambda *a, w=window: gather_decode_attention(*a, w, ctx))
+        sec_k, out_k = median_time(lambda: kernel(q, pool_k, pool_v, units, q_pos, q_pos + 1, k_new, v_new), iters)
+        sec_g, out_g = median_time(lambda: gather(q, pool_k, pool_v, units, q_pos, k_new, v_new), iters)
+        ref = np.asarray(out_g, np.float64)
+        seen = np.asarray(q_pos if window <= 0 else np.minimum(q_pos, window - 1))
+        # the keys and values the kernel must read: each row's visible tokens
+        kv_bytes = 2 * int(seen.sum()) * kvh * d * dtype.itemsize
+        rows.append({"batch": b, "context": ctx, "page": page, "window": window, "mean_len": float(np.mean(q_pos)),
+                     "kernel_ms": 1e3 * sec_k, "gather_ms": 1e3 * sec_g, "gather_vs_kernel": sec_g / sec_k,
+                     "kv_bytes": kv_bytes, "bandwidth": kv_bytes / sec_k,
+                     "max_rel": float(np.max(np.abs(np.asarray(out_k, np.float64) - ref)) / np.max(np.abs(ref)))})
+    return rows
+
+
 # -- table ---------------------------------------------------------------------------------------
 
 def fmt(v, spec: str) -> str:
@@ -506,6 +569,13 @@ def print_results(res: dict) -> None:
         for r in res["attention"]:
             if "error" in r:
                 print(f"  {r['dtype']} {r['impl']} failed: {r['error']}")
+    if "paged" in res:
+        r0 = res["paged"][0]
+        print_table(f"paged decode attention, one layer, batch {r0['batch']}, cache {r0['context']} in pages of "
+                    f"{r0['page']}: kernel vs gather ({m['seconds']['paged']:.0f} s)", res["paged"], [
+                        ("window", "window", "d"), ("mean len", "mean_len", ".0f"), ("kernel ms", "kernel_ms", ".3f"),
+                        ("gather ms", "gather_ms", ".3f"), ("gather/kernel", "gather_vs_kernel", ".2f"),
+                        ("KV GB/s", lambda r: r["bandwidth"] / 1e9, ".4g"), ("max rel", "max_rel", ".2e")])
     for name, g in res.get("goals", {}).items():
         verdict = "-" if g["value"] is None else "met" if g["value"] >= g["goal"] else "missed"
         print(f"goal: {name} {fmt(g['value'], '.1f')} % (>= {g['goal']} %: {verdict})")
@@ -557,8 +627,10 @@ def main(argv=None) -> dict:
                 res["train"] = bench_train(model, spec, iters, peak_flops, train_attention)
             elif section == "moe":
                 res["moe"] = bench_moe(cfg, spec, iters)
-            else:
+            elif section == "attention":
                 res["attention"] = bench_attention(size, cfg, spec, iters, args.attention_impls)
+            else:
+                res["paged"] = bench_paged(spec, iters)
         except Exception as e:  # noqa: BLE001 -- device time is scarce: keep the other sections' tables
             errors[section] = "".join(traceback.format_exception_only(e)).strip()
             traceback.print_exc()

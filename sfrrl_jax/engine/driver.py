@@ -24,7 +24,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.engine.types import Completion, GenerationRequest
-from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.config import ModelConfig, PagedAttention
 from sfrrl_jax.mesh import HOST_MEMORY, moved, with_memory_kind
 from sfrrl_jax.engine.admission import AdmissionMixin
 from sfrrl_jax.engine.decode_chain import DecodeChainMixin
@@ -51,7 +51,9 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
     (`page_size` tokens a page, `num_pages` pages shared by all slots; None = as many tokens as
     the dense cache), where a trajectory holds only the pages of its tokens so far and max_slots
     can exceed what the dense cache would fit. See `engine.page_policy` for admission, eviction
-    and preemption.
+    and preemption. paged_attention: how a paged cache's decode attends: 'auto' (the paged
+    kernel on a GPU where the layout allows, else 'gather'), 'gather' or 'pallas'
+    (`engine.paged.use_paged_kernel`).
 
     Fault tolerance: a device step that raises does not fail the requests. The driver drops the
     state, builds a fresh one and refills every occupied slot from the host's token log
@@ -84,7 +86,7 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
                  max_consecutive_faults: int = 3, idle_work: IdleWork | None = None,
                  underfull_slots: int = 0, trace=None, page_size: int | None = None,
                  num_pages: int | None = None, record_routes: bool = False, decode_buckets=None,
-                 swap_cache: bool = False):
+                 swap_cache: bool = False, paged_attention: PagedAttention = "auto"):
         if max_consecutive_faults < 0:
             raise ValueError(f"max_consecutive_faults must be >= 0, got {max_consecutive_faults}")
         if record_routes and max_consecutive_faults:
@@ -101,7 +103,7 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
         self.params = params
         self.steps = engine_steps(cfg, mesh_of(params), max_slots, max_len,
                                   None if buckets is None else tuple(buckets), cache_dtype, paging,
-                                  self.record_routes, decode_buckets)
+                                  self.record_routes, decode_buckets, paged_attention)
         self._pt = None if paging is None else PageTable(max_slots, max_len, *paging)
         self._table_version = -1                    # the page table version the state holds
         self._evicted: dict[int, SlotLog] = {}      # paged: serial -> an evicted trajectory's log

@@ -18,6 +18,7 @@ from sfrrl_jax.mesh import constrain
 from sfrrl_jax.models import transformer as tfm
 from sfrrl_jax.models.attention import blockwise_attention
 from sfrrl_jax.models.layers import attend, attention_mask
+from sfrrl_jax.models.paged_attention import paged_decode_attention
 
 CACHE_AXES = ("layers", "slots", "cache_len", "kv_heads", "head_dim")
 # The page pools are shared by all slots, so they are not split over the slot axes: any slot may
@@ -64,7 +65,7 @@ def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len
 
 def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_table, valid_len,
                  k_len: int, layer_kind, layer_base, layer_scratch, overlay: bool,
-                 with_routes: bool = False, logits_at=None):
+                 with_routes: bool = False, logits_at=None, kernel: bool = False):
     """`extend` against a paged cache (see `engine.pages`, `engine.paged`).
 
     pool_k, pool_v: [units, page_size, kv_heads, head_dim]: every layer's pages, layer l's page p
@@ -79,6 +80,11 @@ def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_
     below it, as the dense engine reads only the positions below it). `overlay` (static; set when a kind has a window): a slot
     holds only the pages later steps read, so the view takes this step's new keys/values from the
     step itself, and an append or a restore needs no page for a position no later query sees.
+    kernel (static): a decode step (t == 1) attends with `models.paged_attention`'s kernel, which
+    reads the pages in place and only those a query sees (a window layer's window, the pages
+    below the slot's length) instead of the gathered view: the same function, summed in another
+    order (equal to the gather path within float rounding, not bit for bit). Prefills and appends
+    keep the gather path.
     Returns (logits [b, t, vocab] fp32, new pool_k, new pool_v), and routes as `extend` with
     with_routes; logits_at as `extend`'s.
     """
@@ -106,8 +112,16 @@ def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_
             return g
         return g.at[rows, positions].set(x.astype(c.dtype), mode="drop")
 
+    def attend_in_place(ck, cv, layer, positions, q, k, v, window, sinks):
+        # the new token's own key/value come from the step (as the overlay read takes them), so a
+        # slot's pending write that landed on the scratch page is never needed
+        out = paged_decode_attention(q[:, 0], ck, cv, units(layer)[:, :read_pages], positions[:, 0], valid_len,
+                                     k[:, 0], v[:, 0], window, sinks, k_len=k_len)
+        return out[:, None]
+
+    in_place = attend_in_place if kernel and tokens.shape[1] == 1 else None
     return _extend(cfg, params, tokens, starts, pool_k, pool_v, valid_len, k_len, write, read, with_routes,
-                   logits_at)
+                   logits_at, in_place)
 
 
 def routes_dtype(cfg: ModelConfig):
@@ -119,11 +133,13 @@ def routes_dtype(cfg: ModelConfig):
 
 
 def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write, read,
-            with_routes=False, logits_at=None):
+            with_routes=False, logits_at=None, attend_cache=None):
     """The layers run against a cache reached through `write(cache, layer, positions [b, t],
     x [b, t, kv_heads, head_dim]) -> cache` and `read(cache, layer, positions, x) -> [b, k_len,
     kv_heads, head_dim]` (key position j of row i is position j of slot i's sequence; read runs
-    after write and gets the same positions and new keys or values). with_routes: see `extend`."""
+    after write and gets the same positions and new keys or values). with_routes: see `extend`.
+    attend_cache (optional): `attend_cache(cache_k, cache_v, layer, positions, q, k, v, window,
+    sinks) -> [b, t, heads, head_dim]` replaces read + the attention core (after the write)."""
     if with_routes and not tfm.moe_layer_ids(cfg):
         raise ValueError("with_routes: this model has no MoE layer to record routes of")
     model = tfm.bind(cfg, params)
@@ -142,9 +158,13 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
         q, k, v = block.attn.project_qkv(h, positions)
         ck_all = write(ck_all, layer, positions, k)
         cv_all = write(cv_all, layer, positions, v)
-        ck = read(ck_all, layer, positions, k).astype(q.dtype)
-        cv = read(cv_all, layer, positions, v).astype(q.dtype)
-        x = x + block.attn.output(core(q, ck, cv, window, block.attn.sink_logits()))
+        if attend_cache is not None:
+            att = attend_cache(ck_all, cv_all, layer, positions, q, k, v, window, block.attn.sink_logits())
+        else:
+            ck = read(ck_all, layer, positions, k).astype(q.dtype)
+            cv = read(cv_all, layer, positions, v).astype(q.dtype)
+            att = core(q, ck, cv, window, block.attn.sink_logits())
+        x = x + block.attn.output(att)
         y, metrics = block.ffn(block.mlp_norm(x), with_ids=with_routes)
         # a MoE layer's experts [b, t, top_k] as the scan's output (a dense layer has none)
         used = metrics.get("expert_ids") if with_routes else None

@@ -17,8 +17,11 @@ table, reads gather a slot's pages into a contiguous [max_len] view and attend t
 same masks and shapes as the dense cache, so tokens and logprobs equal the dense engine's
 bit for bit (the gather moves values, it adds no arithmetic; positions whose pages a window
 layer returned read the scratch page, and the window mask gives them weight exactly 0, as it
-does to the dense cache's stale entries). A GPU paged-attention kernel that reads pages in place,
-and so also reads only a window layer's window, is a follow-up.
+does to the dense cache's stale entries).
+Decode can instead attend with a paged-attention kernel (`paged_attention='pallas'`, the default
+on a GPU: `models.paged_attention`): it reads the pages in place and only those a query sees (a
+window layer's window; nothing past the slot's length), with no gathered copy. The same function
+summed in another order: tokens and logprobs equal the gather path's within float rounding.
 """
 from __future__ import annotations
 
@@ -29,21 +32,46 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.config import ModelConfig, PagedAttention
 from sfrrl_jax.engine.model_step import PAGE_POOL_AXES, extend_paged
 from sfrrl_jax.engine.pages import PageTable, Paging, check_paging, pages_for, pool_units
 from sfrrl_jax.engine.steps import DecodeState, EngineSteps
+from sfrrl_jax.models.paged_attention import check_paged_kernel
 from sfrrl_jax.mesh import sharding_for
+
+
+PAGED_ATTENTION = PagedAttention.__args__
+
+
+def use_paged_kernel(paged_attention: PagedAttention, paging: Paging | None, cfg: ModelConfig) -> bool:
+    """Whether decode attends with the paged kernel: `paged_attention` 'pallas' (an error if the
+    layout cannot have it), 'gather' (never) or 'auto' (on a GPU backend, where the layout
+    allows: page_size and head_dim powers of two, `models.paged_attention.check_paged_kernel`).
+    A dense cache (paging None) has no pages to read: 'pallas' is an error there."""
+    if paged_attention not in PAGED_ATTENTION:
+        raise ValueError(f"paged_attention={paged_attention!r} must be one of {PAGED_ATTENTION}")
+    if paging is None:
+        if paged_attention == "pallas":
+            raise ValueError("paged_attention='pallas' reads a paged cache: set page_size (the cache is dense)")
+        return False
+    why = check_paged_kernel(paging.page_size, cfg.head_dim)
+    if paged_attention == "pallas" and why:
+        raise ValueError(f"paged_attention='pallas': {why}")
+    if paged_attention == "auto":
+        return why is None and jax.default_backend() == "gpu"
+    return paged_attention == "pallas"
 
 
 class PagedEngineSteps(EngineSteps):
     """`EngineSteps` over page pools laid out as `paging` (a `Paging` from
-    `engine.pages.check_paging`) says."""
+    `engine.pages.check_paging`) says; `kernel`: decode attends with the paged kernel
+    (`use_paged_kernel`), else through the gathered view."""
 
     def __init__(self, cfg: ModelConfig, mesh, max_slots: int, max_len: int, buckets=None,
                  cache_dtype: str | None = None, record_routes: bool = False, decode_buckets=None, *,
-                 paging: Paging):
+                 paging: Paging, kernel: bool = False):
         self.paging, self.page_size = paging, paging.page_size
+        self.kernel = bool(kernel)
         self.pages_per_slot = pages_for(max_len, paging.page_size)
         self.layer_kind, self.layer_base, self.layer_scratch, units = pool_units(paging, cfg.n_layers)
         self.kind_scratch = np.asarray(paging.pool_pages or (paging.num_pages,), np.int32)
@@ -87,7 +115,7 @@ class PagedEngineSteps(EngineSteps):
                 logits_at=None):
         return extend_paged(self.cfg, params, tokens, starts, cache_k, cache_v, table, valid_len,
                             k_len or self.max_len, self.layer_kind, self.layer_base, self.layer_scratch,
-                            self.overlay, with_routes, logits_at)
+                            self.overlay, with_routes, logits_at, self.kernel)
 
     def _extend_all(self, params, state: DecodeState, tokens, starts, valid_len, with_routes=False, k_len=None):
         return self._extend(params, tokens, starts, state.cache_k, state.cache_v, state.page_table, valid_len,
@@ -125,26 +153,29 @@ class PagedEngineSteps(EngineSteps):
 
 def engine_steps(cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buckets=None,
                  cache_dtype: str | None = None, paging: Paging | tuple[int, int] | None = None,
-                 record_routes: bool = False, decode_buckets=None) -> EngineSteps:
+                 record_routes: bool = False, decode_buckets=None,
+                 paged_attention: PagedAttention = "auto") -> EngineSteps:
     """A shared `EngineSteps` per configuration, so engines built alike reuse compilations.
     paging: None for the dense cache, or a `Paging` for `engine.paged`'s ((page_size, num_pages)
     means `check_paging`'s layout for cfg's layers and one-token decode chunks). record_routes:
     the steps' results also carry the experts of the tokens fed (`ResultTokens.routes`).
     decode_buckets: the decode chunk's cache-read lengths (`EngineSteps.decode_k_len`; default
-    max_len / 8, / 4, / 2, max_len, none below 128)."""
+    max_len / 8, / 4, / 2, max_len, none below 128). paged_attention: how a paged cache's decode
+    attends ('auto', 'gather' or 'pallas'; `use_paged_kernel`)."""
     buckets = None if buckets is None else tuple(buckets)
     decode_buckets = None if decode_buckets is None else tuple(int(b) for b in decode_buckets)
     if paging is not None and not isinstance(paging, Paging):
         paging = check_paging(*paging, max_len, max_slots, cfg.layer_windows)
     # One cache key per configuration, however the call spelled it (keywords, defaults left out).
+    kernel = use_paged_kernel(paged_attention, paging, cfg)
     return _shared_steps(cfg, mesh, int(max_slots), int(max_len), buckets, cache_dtype, paging, bool(record_routes),
-                         decode_buckets)
+                         decode_buckets, kernel)
 
 
 @functools.lru_cache(maxsize=32)
 def _shared_steps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, paging, record_routes,
-                  decode_buckets) -> EngineSteps:
+                  decode_buckets, kernel) -> EngineSteps:
     if paging is None:
         return EngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, record_routes, decode_buckets)
     return PagedEngineSteps(cfg, mesh, max_slots, max_len, buckets, cache_dtype, record_routes, decode_buckets,
-                            paging=paging)
+                            paging=paging, kernel=kernel)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from sfrrl_jax.config import check_bool_fields, check_int, check_int_fields, check_seed
+from sfrrl_jax.config import PagedAttention, check_bool_fields, check_int, check_int_fields, check_seed
 from sfrrl_jax.rl.config import AdvantageConfig
 
 Mode = Literal["sync", "pipelined", "one_step_off"]
@@ -25,6 +25,10 @@ class TrainerConfig:
     page_size / num_pages: page the engine's KV cache (`Engine(page_size=, num_pages=)`): None
       (the default) reserves max_slots x max_len tokens; a page size makes slots take pages as
       they grow, from `num_pages` shared pages (None: as many tokens as the dense cache).
+    paged_attention: how a paged cache's decode attends (`Engine(paged_attention=)`): 'auto' (the
+      paged kernel on a GPU where page_size and head_dim are powers of two, else 'gather'),
+      'gather' (a slot's pages copied into a contiguous view) or 'pallas' (the kernel; on CPU it
+      runs in Pallas interpret mode, slowly).
     swap_cache: 'pipelined' / 'one_step_off': the engine's KV cache waits in pinned host memory
       while a micro-step runs during the rollout, so the micro-step has its device memory
       (`Engine(swap_cache=True)`; two host transfers of the cache per micro-step). What a long
@@ -60,6 +64,7 @@ class TrainerConfig:
     decode_buckets: tuple[int, ...] | None = None
     page_size: int | None = None
     num_pages: int | None = None
+    paged_attention: PagedAttention = "auto"
     swap_cache: bool = False
     underfull_slots: int = 0
     longest_first: bool = True
@@ -87,6 +92,10 @@ class TrainerConfig:
                              "rollout; mode='sync' trains after it, with the cache freed: nothing to swap")
         for k in ("page_size", "num_pages"):
             check_int(f"{own}.{k}", getattr(self, k), 1, optional=True)
+        if self.paged_attention not in PagedAttention.__args__:
+            raise ValueError(f"{own}.paged_attention={self.paged_attention!r}; valid: {list(PagedAttention.__args__)}")
+        if self.paged_attention == "pallas" and self.page_size is None:
+            raise ValueError(f"{own}.paged_attention='pallas' reads a paged cache: set {own}.page_size")
         check_seed(f"{own}.seed", self.seed)
         for name in ("buckets", "decode_buckets"):
             value = getattr(self, name)

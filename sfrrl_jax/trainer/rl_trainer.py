@@ -175,7 +175,8 @@ class RLTrainer:
             model_cfg, params, max_slots=trainer_cfg.max_slots, max_len=trainer_cfg.max_len,
             buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps,
             decode_buckets=trainer_cfg.decode_buckets,
-            page_size=trainer_cfg.page_size, num_pages=trainer_cfg.num_pages, swap_cache=trainer_cfg.swap_cache,
+            page_size=trainer_cfg.page_size, num_pages=trainer_cfg.num_pages,
+            paged_attention=trainer_cfg.paged_attention, swap_cache=trainer_cfg.swap_cache,
             **(dict(record_routes=True, max_consecutive_faults=0) if replay else {}))
         # one process, or N in lockstep (each rolling out its share): `trainer.process_step`
         self.multi_process = isinstance(self.engine, LockstepEngine)
