@@ -16,6 +16,13 @@ Two exchange paths compute the same function, chosen by `cfg.moe_dispatch`:
   'llep'   -- least-loaded EP (models/llep.py): overloaded experts' excess tokens and weights are
               spilled to the least-loaded devices; the same exchange, fewer rows per device.
 Capacity is the worst case (every assignment to one shard), so no token is ever dropped.
+
+Few tokens on one expert shard (a decode step on CPU): `all_experts_ffn` runs every expert on
+every token and combines with the routing weights (zero for the experts a token did not choose)
+instead of sorting, grouping and scattering rows: the same function summed in another order.
+Chosen by `cfg.grouped_matmul='auto'` on CPU while the all-experts product is within the limit
+under which XLA:CPU's ragged_dot itself is a dense product over every expert (for each of the
+k x more assignment rows): 2.1x faster for one tiny-moe MoE layer at 32 tokens, 1.65x at 64.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import EXPERT_AXIS, TENSOR_AXIS, TOKEN_AXES, concrete_mesh_in_trace, logical_to_spec
 from sfrrl_jax.models import llep
-from sfrrl_jax.models.grouped_matmul import choose_impl, grouped_matmul
+from sfrrl_jax.models.grouped_matmul import AUTO_DENSE_LIMIT, choose_impl, grouped_matmul
 from sfrrl_jax.models.layers import cdtype, param
 
 
@@ -165,13 +172,7 @@ def expert_ffn(cfg: ModelConfig, rows, local_ids, n_local: int, w: dict):
     if cfg.expert_bias:
         gate = gate + w["b_gate"].astype(dt)[gather_ids]
         up = up + w["b_up"].astype(dt)[gather_ids]
-    if cfg.expert_act == "gptoss_swiglu":
-        gate = jnp.minimum(gate, cfg.swiglu_limit)
-        up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
-        hidden = (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
-    else:
-        hidden = jax.nn.silu(gate) * up
-    out = grouped_matmul(hidden, w["w_down"].astype(dt), group_sizes, impl)
+    out = grouped_matmul(_swiglu(cfg, gate, up), w["w_down"].astype(dt), group_sizes, impl)
     if cfg.expert_bias:
         # Down bias is added once per row: only on the first mlp shard when mlp is split.
         bias = w["b_down"].astype(dt)[gather_ids]
@@ -180,6 +181,52 @@ def expert_ffn(cfg: ModelConfig, rows, local_ids, n_local: int, w: dict):
         out = out + bias
     out = jnp.where((sorted_ids < n_local)[:, None], out, 0)
     return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+
+
+def _swiglu(cfg: ModelConfig, gate, up):
+    """The experts' gated activation of gate, up [..., mlp]."""
+    if cfg.expert_act == "gptoss_swiglu":
+        gate = jnp.minimum(gate, cfg.swiglu_limit)
+        up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
+    return jax.nn.silu(gate) * up
+
+
+def all_experts_ffn(cfg: ModelConfig, x, ids, weights, w):
+    """Every expert of `w` on every token, combined by the routing weights: x [n, embed], ids
+    and weights [n, k] (ids index w's experts) -> [n, embed] in x's dtype, summed over the mlp
+    shards. The experts a token did not choose get weight exactly 0 and add nothing, so this is
+    `expert_ffn` + the combine of `_dispatch_compute_combine` with the sums in another order.
+    Work n x experts rows against the sparse path's n x k, but no sort, gather or scatter, and
+    three batched dots: the faster path for a few tokens (see the module docstring)."""
+    dt = cdtype(cfg)
+    xs = x.astype(dt)
+    gate = jnp.einsum("nd,edf->enf", xs, w["w_gate"].astype(dt))
+    up = jnp.einsum("nd,edf->enf", xs, w["w_up"].astype(dt))
+    if cfg.expert_bias:
+        gate = gate + w["b_gate"].astype(dt)[:, None]
+        up = up + w["b_up"].astype(dt)[:, None]
+    out = jnp.einsum("enf,efd->end", _swiglu(cfg, gate, up), w["w_down"].astype(dt))   # [experts, n, embed]
+    if cfg.expert_bias:
+        bias = w["b_down"].astype(dt)[:, None]
+        if _mlp_is_split(w, cfg):   # added once per token: on the first mlp shard only
+            bias = jnp.where(jax.lax.axis_index(TENSOR_AXIS) == 0, bias, 0)
+        out = out + bias
+    n = x.shape[0]
+    dense_weights = jnp.zeros((n, w["w_gate"].shape[0]), jnp.float32).at[
+        jnp.arange(n)[:, None], ids].add(weights.astype(jnp.float32))                  # [n, experts]
+    y = jnp.einsum("end,ne->nd", out.astype(jnp.float32), dense_weights)
+    return _sum_mlp_shards(y, w, cfg).astype(x.dtype)
+
+
+def _all_experts_is_cheaper(cfg: ModelConfig, n: int, w: dict) -> bool:
+    """`all_experts_ffn` for n tokens on one expert shard: with grouped_matmul 'auto' on CPU, while
+    its product [experts, n, max(embed, mlp)] is within `AUTO_DENSE_LIMIT['cpu']` (there XLA:CPU
+    runs ragged_dot as a dense product over every expert for each of the n x k assignment rows;
+    measured: 1.6-2.1x faster per MoE layer at 1-64 tokens of tiny-moe, 0.95x at 128)."""
+    e, d, f = w["w_gate"].shape
+    return (cfg.grouped_matmul == "auto" and jax.default_backend() == "cpu"
+            and e * n * max(d, f) <= AUTO_DENSE_LIMIT["cpu"])
 
 
 def _current_axes() -> tuple[str, ...]:
@@ -221,6 +268,8 @@ def _dispatch_compute_combine(cfg: ModelConfig, n_shards: int, x, ids, weights, 
             return _sum_mlp_shards(expert_ffn(cfg, rows, group_ids, groups, w_), w_, cfg)
         return llep.dispatch_compute_combine(cfg, n_shards, x, ids, weights, w, ffn=ffn,
                                              exchange=_ragged_exchange)
+    if n_shards == 1 and _all_experts_is_cheaper(cfg, x.shape[0], w):
+        return all_experts_ffn(cfg, x, ids, weights, w)
     n, k = ids.shape
     a = n * k
     n_local = cfg.n_experts // n_shards

@@ -170,3 +170,37 @@ def test_dispatch_in_token_chunks_is_the_same_function(dispatch):
     for k in gw0:
         np.testing.assert_allclose(gw4[k], gw0[k], rtol=1e-5, atol=1e-5, err_msg=k)
     assert np.abs(gw0["w_down"]).max() > 1e-3
+
+
+@pytest.mark.parametrize("cfg", [TINY, TINY_GPT_OSS], ids=["swiglu", "gptoss"])
+def test_all_experts_path_is_the_sparse_function_values_and_grads(cfg):
+    """A few tokens on one expert shard take `all_experts_ffn` (every expert, weights zero where
+    not chosen); its values and gradients (x, routing weights, every expert param) equal the
+    sorted sparse path's (grouped_matmul forced) and the per-expert reference, also with the
+    experts' mlp split over tensor=2."""
+    params = randomize(S.init_params(cfg, S.make_mesh(data=8), seed=0), seed=5, scale=0.3)
+    w = {k: host(v[0]) for k, v in params["layers"]["moe"].items() if k.startswith(("w_", "b_"))}
+    rng = np.random.RandomState(1)
+    n = 12
+    x = rng.randn(n, cfg.d_model).astype(np.float32)
+    ids = np.stack([rng.choice(cfg.n_experts, cfg.top_k, replace=False) for _ in range(n)]).astype(np.int32)
+    weights = rng.dirichlet(np.ones(cfg.top_k), size=n).astype(np.float32)
+    cot = rng.randn(n, cfg.d_model).astype(np.float32)
+    assert moe_lib._all_experts_is_cheaper(cfg, n, w)
+    assert not moe_lib._all_experts_is_cheaper(cfg.replace(grouped_matmul="ragged_dot"), n, w)
+    assert not moe_lib._all_experts_is_cheaper(cfg, 4096, w)
+
+    def vjp(cfg, mesh):
+        def f(x, weights, w):
+            return jnp.sum(moe_lib.moe_experts(cfg, x, ids, weights, w) * cot)
+        with jax.set_mesh(mesh):
+            y = jax.jit(functools.partial(moe_lib.moe_experts, cfg))(x, ids, weights, w)
+            return host(y), jax.tree.map(host, jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, weights, w))
+
+    for mesh in (S.make_mesh(data=8), S.make_mesh(data=4, tensor=2)):
+        got, got_grads = vjp(cfg, mesh)
+        want, want_grads = vjp(cfg.replace(grouped_matmul="ragged_dot"), mesh)
+        np.testing.assert_allclose(got, _dense_reference(cfg, x, ids, weights, w), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
