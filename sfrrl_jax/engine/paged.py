@@ -166,8 +166,8 @@ def engine_steps(cfg: ModelConfig, mesh: Mesh, max_slots: int, max_len: int, buc
     decode_buckets = None if decode_buckets is None else tuple(int(b) for b in decode_buckets)
     if paging is not None and not isinstance(paging, Paging):
         paging = check_paging(*paging, max_len, max_slots, cfg.layer_windows)
-    # One cache key per configuration, however the call spelled it (keywords, defaults left out).
     kernel = use_paged_kernel(paged_attention, paging, cfg)
+    # One cache key per configuration, however the call spelled it (keywords, defaults left out).
     return _shared_steps(cfg, mesh, int(max_slots), int(max_len), buckets, cache_dtype, paging, bool(record_routes),
                          decode_buckets, kernel)
 
