@@ -22,7 +22,8 @@ every token and combines with the routing weights (zero for the experts a token 
 instead of sorting, grouping and scattering rows: the same function summed in another order.
 Chosen by `cfg.grouped_matmul='auto'` on CPU while the all-experts product is within the limit
 under which XLA:CPU's ragged_dot itself is a dense product over every expert (for each of the
-k x more assignment rows): 2.1x faster for one tiny-moe MoE layer at 32 tokens, 1.65x at 64.
+k x more assignment rows): one tiny-moe MoE layer 1.3-2.1x faster at 1-64 tokens
+(`experiments/bench/moe_small_batch.py`).
 """
 from __future__ import annotations
 
@@ -195,7 +196,7 @@ def _swiglu(cfg: ModelConfig, gate, up):
 def all_experts_ffn(cfg: ModelConfig, x, ids, weights, w):
     """Every expert of `w` on every token, combined by the routing weights: x [n, embed], ids
     and weights [n, k] (ids index w's experts) -> [n, embed] in x's dtype, summed over the mlp
-    shards. The experts a token did not choose get weight exactly 0 and add nothing, so this is
+    shards. The experts a token did not choose are masked out and add nothing, so this is
     `expert_ffn` + the combine of `_dispatch_compute_combine` with the sums in another order.
     Work n x experts rows against the sparse path's n x k, but no sort, gather or scatter, and
     three batched dots: the faster path for a few tokens (see the module docstring)."""
@@ -212,10 +213,14 @@ def all_experts_ffn(cfg: ModelConfig, x, ids, weights, w):
         if _mlp_is_split(w, cfg):   # added once per token: on the first mlp shard only
             bias = jnp.where(jax.lax.axis_index(TENSOR_AXIS) == 0, bias, 0)
         out = out + bias
-    n = x.shape[0]
-    dense_weights = jnp.zeros((n, w["w_gate"].shape[0]), jnp.float32).at[
-        jnp.arange(n)[:, None], ids].add(weights.astype(jnp.float32))                  # [n, experts]
-    y = jnp.einsum("end,ne->nd", out.astype(jnp.float32), dense_weights)
+    n, e = x.shape[0], w["w_gate"].shape[0]
+    rows = jnp.arange(n)[:, None]
+    dense_weights = jnp.zeros((n, e), jnp.float32).at[rows, ids].add(weights.astype(jnp.float32))  # [n, experts]
+    # an expert a token did not choose is masked out, not multiplied by 0: an inf or nan of its
+    # output (an overflow the sparse path never computes) cannot reach the token
+    chosen = jnp.zeros((e, n), bool).at[ids.T, rows.T].set(True)
+    out = jnp.where(chosen[:, :, None], out.astype(jnp.float32), 0.0)
+    y = jnp.einsum("end,ne->nd", out, dense_weights)
     return _sum_mlp_shards(y, w, cfg).astype(x.dtype)
 
 
@@ -223,7 +228,7 @@ def _all_experts_is_cheaper(cfg: ModelConfig, n: int, w: dict) -> bool:
     """`all_experts_ffn` for n tokens on one expert shard: with grouped_matmul 'auto' on CPU, while
     its product [experts, n, max(embed, mlp)] is within `AUTO_DENSE_LIMIT['cpu']` (there XLA:CPU
     runs ragged_dot as a dense product over every expert for each of the n x k assignment rows;
-    measured: 1.6-2.1x faster per MoE layer at 1-64 tokens of tiny-moe, 0.95x at 128)."""
+    measured on one tiny-moe layer: 1.3-2.1x faster at 1-64 tokens, even at 128, 0.75x at 256)."""
     e, d, f = w["w_gate"].shape
     return (cfg.grouped_matmul == "auto" and jax.default_backend() == "cpu"
             and e * n * max(d, f) <= AUTO_DENSE_LIMIT["cpu"])

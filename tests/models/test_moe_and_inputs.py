@@ -204,3 +204,22 @@ def test_all_experts_path_is_the_sparse_function_values_and_grads(cfg):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
         for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_all_experts_path_masks_an_overflowing_unchosen_expert():
+    """An expert no token chose overflows to inf on these inputs; the all-experts path masks it
+    out (a 0 x inf would be nan) and returns the sparse path's finite result."""
+    cfg = TINY
+    params = randomize(S.init_params(cfg, S.make_mesh(data=8), seed=0), seed=5, scale=0.3)
+    w = {k: host(v[0]) for k, v in params["layers"]["moe"].items() if k.startswith(("w_", "b_"))}
+    w["w_up"] = w["w_up"].copy()
+    w["w_up"][cfg.n_experts - 1] = 3e38   # expert 7 overflows: its output is inf or nan
+    rng = np.random.RandomState(2)
+    x = rng.randn(6, cfg.d_model).astype(np.float32)
+    ids = np.stack([rng.choice(cfg.n_experts - 1, cfg.top_k, replace=False) for _ in range(6)]).astype(np.int32)
+    weights = rng.dirichlet(np.ones(cfg.top_k), size=6).astype(np.float32)
+    got = host(jax.jit(functools.partial(moe_lib.all_experts_ffn, cfg))(x, ids, weights, w))
+    want = host(jax.jit(functools.partial(moe_lib.moe_experts, cfg.replace(grouped_matmul="ragged_dot")))(
+        x, ids, weights, w))
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
