@@ -141,3 +141,17 @@ def test_layout_checks():
     with pytest.raises(ValueError, match="page_size=3"):
         paged_decode_attention(q, pool_k3, pool_k3, units, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
                                k_new, v_new, k_len=4, interpret=True)
+
+
+def test_vmap_over_an_extra_axis():
+    """jax.vmap of the call over a leading axis of q, k_new, v_new equals the calls one by one."""
+    q, pool_k, pool_v, units, k_new, v_new = _case(8, 2, 4, 2, 16, 4, 20, 8)
+    q_pos = jnp.asarray([5, 20], jnp.int32)
+
+    def one(q, k_new, v_new):
+        return paged_decode_attention(q, pool_k, pool_v, units, q_pos, q_pos + 1, k_new, v_new, 0, k_len=32,
+                                      block_k=16, interpret=True)
+    qs, ks, vs = jnp.stack([q, 0.5 * q, -q]), jnp.stack([k_new, -k_new, k_new]), jnp.stack([v_new, v_new, 2 * v_new])
+    got = jax.vmap(one)(qs, ks, vs)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(got[i]), np.asarray(one(qs[i], ks[i], vs[i])), atol=TOL, rtol=TOL)
