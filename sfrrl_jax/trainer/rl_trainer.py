@@ -35,6 +35,7 @@ from sfrrl_jax.learner.deferred import advantage_free_terms, check_deferrable
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.batching import Group, batch_fields, zero_microbatch
 from sfrrl_jax.trainer.config import TrainerConfig
+from sfrrl_jax.trainer.memory_check import check_fits, memory_limit, rollout_resident_bytes
 from sfrrl_jax.trainer.rollout_fn import RolloutFn, check_length_budget
 from sfrrl_jax.trainer.scheduling import LongestFirst
 from sfrrl_jax.trainer.process_step import Agreement, ProcessRLStep
@@ -73,25 +74,15 @@ class TaskStream:
 
 
 def check_memory_fits(engine_cache_bytes: int, params, device=None, param_copies: float = 3.0) -> None:
-    """Up-front check that the KV cache fits next to the params (before any compile).
-
-    param_copies: param-sized arrays alive beside the cache (params, gradient sums, optimizer
-    moments; early-sample group buffers add more)."""
-    device = device or jax.local_devices()[0]  # multi-host: stats exist only for own devices
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        limit = stats["bytes_limit"]
-        n_dev = len(jax.devices())
-    else:  # CPU: host memory, shared by every (fake) device
-        import psutil
-        limit, n_dev = psutil.virtual_memory().available, 1
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) / n_dev
-    per_device_cache = engine_cache_bytes / (len(jax.devices()) if n_dev > 1 else 1)
-    if per_device_cache + param_copies * param_bytes > limit:
-        raise ValueError(
-            f"KV cache of {engine_cache_bytes / 2**30:.2f} GiB (max_slots x max_len) plus params/optimizer "
-            f"(~{param_copies * param_bytes / 2**30:.2f} GiB per device) exceed the {limit / 2**30:.2f} GiB "
-            "available: lower TrainerConfig.max_slots or max_len (or early_groups)")
+    """Up-front check that a KV cache of `engine_cache_bytes` (all slots) fits next to
+    `param_copies` param-sized arrays (params, gradient sums, optimizer moments), before any
+    compile. The trainer itself counts each part from its shapes and shardings
+    (`trainer.memory_check`)."""
+    limit, per_device = memory_limit(device)
+    n = len(jax.devices()) if per_device else 1
+    params_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) / n
+    check_fits({"KV cache": engine_cache_bytes / n, "params and optimizer": param_copies * params_bytes}, limit,
+               per_device, "lower TrainerConfig.max_slots or max_len (or early_groups)")
 
 
 class RLTrainer:
@@ -185,14 +176,17 @@ class RLTrainer:
                              f"{type(self.engine).__name__}): every process must launch the same device steps")
         if self.multi_process:
             self.agreement = Agreement(self.engine.exchange.with_prefix("sfrrl/trainer"))
-        copies = 3.0
+        early_buffers = 0
         if trainer_cfg.early_groups:
             check_deferrable(self.loss)
-            # float32 buffers per early group: h1, hc (+ k), relative to the params' own dtype
-            per_group = 3 if advantage_free_terms(self.train_step) else 2
-            itemsize = max(jax.tree.leaves(params)[0].dtype.itemsize, 1)
-            copies += trainer_cfg.early_groups * per_group * 4 / itemsize
-        check_memory_fits(self.engine.steps.cache_bytes(), params, param_copies=copies)
+            # float32 param-shaped buffers per early group: h1, hc (+ k)
+            early_buffers = trainer_cfg.early_groups * (3 if advantage_free_terms(self.train_step) else 2)
+        limit, per_device = memory_limit()
+        resident = rollout_resident_bytes(self.engine.steps, self.train_step, params, early_buffers, per_device)
+        check_fits(resident, limit, per_device,
+                   "lower TrainerConfig.max_slots or max_len (or early_groups), page the cache "
+                   "(TrainerConfig.page_size), or keep state in host memory (OptimizerConfig.offload_state, "
+                   "offload_accumulator)")
         self.params = params
         self.opt_state = opt_state if opt_state is not None else self.train_step.init_opt_state(params)
         self.params_version = 0
