@@ -454,6 +454,9 @@ class RLStep:
             "rollout/failed_samples": counts["failed_samples"],
             "engine/faults": s.faults - s0.faults,
             "engine/restored_slots": s.restored_slots - s0.restored_slots,
+            # swap_cache: the KV cache's trips to host memory around micro-steps, and their time
+            "engine/cache_swaps": s.cache_swaps - s0.cache_swaps,
+            "time/cache_swap_s": s.swap_seconds - s0.swap_seconds,
             "train/trained_tokens": trained,
             "train/microsteps": self.trained["microsteps"],
             # share of the micro-steps' [rows, width] positions that were padding (0 = perfect packing)

@@ -1,6 +1,7 @@
 """The RL run of tests/trainer/test_rl_processes.py, built alike in 1 process x 8 devices and in
 each of 2 processes x 4 (the workload's seeded tool-bound trajectories, tiny MoE; plain SGD in
-sync mode, Adam in the others)."""
+sync mode, Adam in the others; the early mode also swaps the KV cache and the gradient sums
+through host memory)."""
 import jax
 import numpy as np
 import optax
@@ -35,17 +36,21 @@ def make_trainer(mode: str, engine_cls=None, early_groups: int = 0, overprovisio
     finishes before its group trains early at the next tick (the path under test)."""
     # decode_steps=4: a quarter of the device calls, each one lockstep tick (an exchange and
     # gloo collectives across processes): the same run, a fraction of the wall time
+    # early groups also swap: the KV cache waits in host memory while each micro-step runs and
+    # the gradient sums between micro-steps (global arrays moved across memory kinds, N processes)
+    swap = bool(early_groups)
     tc = TrainerConfig(mode=mode, groups_per_step=2, group_size=4, max_slots=8, max_len=64,
                        buckets=(16, 32), seq_bucket=32, decode_steps=4, early_groups=early_groups,
                        overprovision_groups=overprovision_groups,
-                       underfull_slots=8 if early_groups else 0)
+                       underfull_slots=8 if early_groups else 0, swap_cache=swap)
     mesh = S.make_mesh(data=2, expert=4)
     params = S.init_params(CFG, mesh, seed=0)
     engine = None
     if engine_cls is not None:
         engine = engine_cls(CFG, params, max_slots=tc.max_slots, max_len=tc.max_len, buckets=tc.buckets,
-                            decode_steps=tc.decode_steps)
-    optimizer = optax.sgd(SYNC_SGD_LR) if mode == "sync" else OptimizerConfig(learning_rate=1e-3)
+                            decode_steps=tc.decode_steps, swap_cache=swap)
+    optimizer = (optax.sgd(SYNC_SGD_LR) if mode == "sync"
+                 else OptimizerConfig(learning_rate=1e-3, offload_accumulator=swap))
     return RLTrainer(CFG, params, tc, LossConfig(), optimizer, WorkloadAgent(WL),
                      TaskStream(make_tasks(WL), seed=STREAM_SEED), engine=engine)
 
@@ -65,6 +70,7 @@ def run(mode: str, engine_cls=None) -> tuple[list[dict], dict]:
         m = trainer.step()
         metrics.append({k: float(m[k]) for k in KEYS} | {"hidden": float(m["time/hidden_train_share"]),
                                                          "early": float(m["train/early_microsteps"]),
+                                                         "swaps": float(m["engine/cache_swaps"]),
                                                          "surplus": float(m["rollout/groups_surplus"])})
     params = {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True))
               for p, x in jax.tree_util.tree_flatten_with_path(trainer.params)[0]}

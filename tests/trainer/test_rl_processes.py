@@ -69,6 +69,8 @@ def test_two_processes_train_what_one_process_does(two_processes, mode):
         assert sum(m["hidden"] for m in m2) > 0
     if mode == "early":  # samples trained into their unfinished group's buffer, then merged
         assert sum(m["early"] for m in m2) >= 1
+        # the cache went to host memory and back around micro-steps on both processes' engines
+        assert sum(m["swaps"] for m in m2) >= 1 and sum(m["swaps"] for m in m1) >= 1
 
 
 def test_two_processes_keep_the_first_groups_to_finish_and_stop_the_surplus(two_processes):
