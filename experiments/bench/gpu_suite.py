@@ -486,7 +486,8 @@ def bench_paged(spec: dict, iters: int) -> list[dict]:
     rng = np.random.RandomState(0)
     per_row = ctx // page
     n_units = b * per_row + 1
-    pool_k, pool_v = (jnp.asarray(rng.randn(n_units, page, kvh, d), dtype) for _ in range(2))
+    # drawn on the device: at real size each pool is 0.5 G entries (1 GB in bf16)
+    pool_k, pool_v = (jax.random.normal(jax.random.key(i), (n_units, page, kvh, d), dtype) for i in range(2))
     units = jnp.asarray(rng.permutation(n_units)[:b * per_row].reshape(b, per_row), jnp.int32)
     # a long tail of lengths: most rows short, a few near the whole cache
     q_pos = jnp.asarray(np.minimum(ctx - 1, (ctx * rng.beta(0.7, 2.5, b)).astype(np.int32) + 1), jnp.int32)
