@@ -1,7 +1,9 @@
 """Benchmark: where the engine's decode time goes (issue #23 point 1), by ablation in one run.
 
 Every figure is a median of warm calls on one device, the tiny-moe preset (fp32), every slot
-active: the same executable the engine runs, timed with nothing else around it. Per batch size:
+active: the same executable the engine runs, timed with nothing else around it; the variants are
+called round-robin (one call of each per round), so the machine's drift during a run falls on
+all of them alike. Per batch size:
   chunk      `EngineSteps.generate` of `--decode_steps` tokens (sampling at temperature 1, as in
              RL), cache `--max_len` with `--max_len`/2 tokens live: ms per token step.
   greedy     the same with temperature 0 (no random draw; the sampler's top-k/top-p sort is
@@ -43,17 +45,6 @@ from sfrrl_jax.engine.model_step import extend  # noqa: E402
 from sfrrl_jax.engine.steps import DecodeState, EngineSteps, SlotRequest  # noqa: E402
 
 
-def median_s(fn, iters: int) -> float:
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def active_state(steps: EngineSteps, batch: int, live: int, vocab: int, temperature: float) -> DecodeState:
     """Every slot active with `live` cached tokens (zeros: the work does not depend on them)."""
     init = steps.init_decode_state()
@@ -66,36 +57,49 @@ def active_state(steps: EngineSteps, batch: int, live: int, vocab: int, temperat
     return jax.device_put(state, jax.tree.map(lambda a: a.sharding, init))
 
 
-def chunk_ms(cfg, params, mesh, batch, max_len, k, iters, temperature=1.0) -> float:
-    """ms per token step of `generate(k)` with every slot live at max_len // 2 (the state reset
-    each call, so every timed call runs the same positions)."""
+def chunk_timer(cfg, params, mesh, batch, max_len, k, temperature=1.0):
+    """A warm callable: one `generate(k)` with every slot live at max_len // 2 (the state reset
+    each call, so every call runs the same positions); returns ms per token step."""
     steps = EngineSteps(cfg, mesh, max_slots=batch, max_len=max_len)
     live = max_len // 2 if max_len // 2 + k < max_len else max_len - k - 1
     state = active_state(steps, batch, live, cfg.vocab_size, temperature)
-    times = []
-    for i in range(iters + 2):
+
+    def once() -> float:
         fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))  # generate donates its state
         t0 = time.perf_counter()
         jax.block_until_ready(steps.generate(params, fresh, k)[1].tokens)
-        if i >= 2:   # two warm calls first
-            times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times) / k
+        return 1e3 * (time.perf_counter() - t0) / k
+    once(), once()   # compile, warm
+    return once
 
 
-def model_ms(cfg, params, mesh, batch, max_len, iters) -> float:
-    """ms of the model alone for one token of every slot against a max_len cache."""
+def model_timer(cfg, params, mesh, batch, max_len):
+    """A warm callable: the model alone for one token of every slot against a max_len cache
+    (`extend`, the cache donated and fed back as the engine does); returns ms per call."""
     shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
     tokens = np.zeros((batch, 1), np.int32)
     starts = np.full((batch,), max_len // 2, np.int32)
-    with jax.set_mesh(mesh):
-        # the cache donated and fed back, as the engine does (else every call copies it)
-        fn = jax.jit(functools.partial(extend, cfg), donate_argnums=(3, 4))
-        held = {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
+    fn = jax.jit(functools.partial(extend, cfg), donate_argnums=(3, 4))
+    held = {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
 
-        def call():
+    def once() -> float:
+        with jax.set_mesh(mesh):
+            t0 = time.perf_counter()
             logits, held["k"], held["v"] = fn(params, tokens, starts, held["k"], held["v"], starts + 1)
-            return logits
-        return 1e3 * median_s(call, iters)
+            jax.block_until_ready(logits)
+            return 1e3 * (time.perf_counter() - t0)
+    once(), once()
+    return once
+
+
+def interleaved_medians(timers: dict, iters: int) -> dict:
+    """Median of `iters` calls of each timer, called round-robin (one of each per round), so a
+    drift of the machine's speed during the run falls on every variant alike."""
+    times = {name: [] for name in timers}
+    for _ in range(iters):
+        for name, once in timers.items():
+            times[name].append(once())
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def wall_ms(cfg, params, batch, new, k, max_len) -> tuple[float, float]:
@@ -130,15 +134,16 @@ def main():
     dense_params = S.init_params(dense_cfg, mesh, seed=0)
     rows = []
     for b in args.batches:
-        r = {"batch": b,
-             "chunk": chunk_ms(cfg, params, mesh, b, n, k, args.iters),
-             "greedy": chunk_ms(cfg, params, mesh, b, n, k, args.iters, temperature=0.0),
-             "cache_quarter": chunk_ms(cfg, params, mesh, b, n // 4, k, args.iters),
-             "model": model_ms(cfg, params, mesh, b, n, args.iters),
-             "dense": chunk_ms(dense_cfg, dense_params, mesh, b, n, k, args.iters),
-             }
-        # the wall run's chunks: greedy, reading the max_len / 2 decode bucket
-        r["greedy_half"] = chunk_ms(cfg, params, mesh, b, n // 2, k, args.iters, temperature=0.0)
+        timers = {
+            "chunk": chunk_timer(cfg, params, mesh, b, n, k),
+            "greedy": chunk_timer(cfg, params, mesh, b, n, k, temperature=0.0),
+            "cache_quarter": chunk_timer(cfg, params, mesh, b, n // 4, k),
+            "model": model_timer(cfg, params, mesh, b, n),
+            "dense": chunk_timer(dense_cfg, dense_params, mesh, b, n, k),
+            # the wall run's chunks: greedy, reading the max_len / 2 decode bucket
+            "greedy_half": chunk_timer(cfg, params, mesh, b, n // 2, k, temperature=0.0),
+        }
+        r = {"batch": b, **interleaved_medians(timers, args.iters)}
         r["wall"], r["prefill_ms"] = wall_ms(cfg, params, b, args.new, k, n)
         rows.append(r)
     print(f"tiny-moe fp32, 1 CPU device, {k} tokens per device call, cache {n}; ms per token step "
