@@ -201,9 +201,10 @@ def test_all_experts_path_is_the_sparse_function_values_and_grads(cfg):
         got, got_grads = vjp(cfg, mesh)
         want, want_grads = vjp(cfg.replace(grouped_matmul="ragged_dot"), mesh)
         np.testing.assert_allclose(got, _dense_reference(cfg, x, ids, weights, w), atol=1e-4, rtol=1e-4)
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-        for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+        # fp32 sums in another order, relative to each array's scale (grads reach ~200 here):
+        # measured at most 1e-6 of it
+        for a, b in zip([got] + jax.tree.leaves(got_grads), [want] + jax.tree.leaves(want_grads)):
+            assert np.max(np.abs(a - b)) <= 1e-5 * max(1.0, float(np.max(np.abs(b))))
 
 
 def test_all_experts_path_masks_an_overflowing_unchosen_expert():
