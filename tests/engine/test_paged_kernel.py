@@ -32,6 +32,7 @@ def test_kernel_engine_equals_gather_engine_on_a_long_tail_agentic_batch():
     assert kernel.steps.kernel and not gather.steps.kernel
     want, got = asyncio.run(main(gather)), asyncio.run(main(kernel))
     assert kernel.stats.appends > 0 and kernel.stats.slot_steps_active > 30
+    assert [len(t) for t in got] == [len(t) for t in want]
     for traj_want, traj_got in zip(want, got):
         for (tokens_want, raw_want), (tokens_got, raw_got) in zip(traj_want, traj_got):
             assert tokens_got == tokens_want
