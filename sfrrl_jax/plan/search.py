@@ -41,6 +41,7 @@ from typing import Callable
 import jax
 
 from sfrrl_jax.config import ModelConfig, Remat
+from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.mesh import make_mesh
 from sfrrl_jax.plan.abstract import TrainSetup, device_bytes, engine_abstract
 from sfrrl_jax.plan.planner import GB, PlanConfig, PlanInputs, microbatch_shape, plan_memory
@@ -76,6 +77,8 @@ class Candidate:
     compile_s: float = 0.0
     status: str = "not compiled"
     fits: bool = False
+    # bytes per device that switches this search left off would take off the static bound
+    relief: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "static_gb": self.static / GB,
@@ -110,16 +113,22 @@ def search(model_cfg: ModelConfig, n: int, trainer, loss, optimizer, plan_cfg: P
         mesh = make_mesh(*mesh_t[:2], mesh_t[3], devices=devices, context=mesh_t[2])
         setup = TrainSetup.build(model_cfg, mesh, loss, optimizer)
         grads = device_bytes(setup.params)   # jax.grad's pytree, in the params' dtype
-        static = device_bytes(setup.params) + device_bytes(setup.acc) + grads + device_bytes(setup.opt_state)
+        state = device_bytes(setup.opt_state)
+        static = device_bytes(setup.params) + device_bytes(setup.acc) + grads + state
+        relief = {}
+        if state and isinstance(optimizer, OptimizerConfig):   # not offloaded: on the devices
+            relief["OptimizerConfig.offload_state"] = state
         if overlap:
-            static += device_bytes(engine_abstract(model_cfg, mesh, trainer.max_slots, trainer.max_len,
-                                                   trainer.buckets, plan_cfg.page_size, plan_cfg.num_pages)[1])
+            cache = device_bytes(engine_abstract(model_cfg, mesh, trainer.max_slots, trainer.max_len,
+                                                 trainer.buckets, plan_cfg.page_size, plan_cfg.num_pages)[1])
+            static += cache
+            relief["TrainerConfig.swap_cache"] = cache
         d, e, c, t = mesh_t
         for remat, rows in itertools.product(space.remats, rows_list):
             # rows split over data where they divide (else data holds d replicas of them); expert
             # splits the rows where they divide over it, else the sequence (mesh.seq_axes): no replica
             same_tokens = 1 if rows % d == 0 else d
-            cand = Candidate(mesh_t, remat, rows, length, static, same_tokens * RECOMPUTE[remat])
+            cand = Candidate(mesh_t, remat, rows, length, static, same_tokens * RECOMPUTE[remat], relief=relief)
             if static > budget:
                 cand.status = f"static bound {static / GB:.1f} GB > budget"
             cands.append(cand)
@@ -191,4 +200,21 @@ def search_markdown(results, model_cfg: ModelConfig, n: int, plan_cfg: PlanConfi
         lines.append(f"| {i} | {' x '.join(map(str, r.mesh))} | {r.remat} | {r.rows} x {r.length:,} | "
                      f"{r.static / GB:.1f} | {'-' if r.peak is None else f'{r.peak / GB:.1f}'} | "
                      f"{'-' if r.flops_per_token is None else f'{r.flops_per_token / 1e9:.2f}'} | {r.status} |")
+    if results and not fit:
+        lines += ["", _relief_hint(results, plan_cfg)]
     return "\n".join(lines) + "\n"
+
+
+def _relief_hint(results, plan_cfg: PlanConfig) -> str:
+    """Nothing fits: which switches the search left off, and what they would take off the static
+    bound (the micro-step's floor: they do not lower its temporaries)."""
+    names = sorted({n for r in results for n in r.relief})
+    if not names:
+        return "Nothing fits, and no memory switch is left off (swap_cache, offload_state): a bigger mesh is needed."
+    best = min(results, key=lambda r: r.static - sum(r.relief.values()))
+    parts = ", ".join(f"{n}=True ({best.relief[n] / GB:.1f} GB)" for n in names if n in best.relief)
+    budget = plan_cfg.device_memory_gb - plan_cfg.reserve_gb
+    return (f"Nothing fits. Left off in this search: {parts} off the static bound of mesh "
+            f"{' x '.join(map(str, best.mesh))}: {best.static / GB:.1f} -> "
+            f"{(best.static - sum(best.relief.values())) / GB:.1f} GB against a budget of {budget:g} GB. "
+            "Set them in the config and search again.")

@@ -80,7 +80,7 @@ def test_plan_config_errors_name_the_key():
 
 
 def test_search_static_bound_rejects_without_compiling():
-    from sfrrl_jax.plan.search import SearchSpace, search
+    from sfrrl_jax.plan.search import SearchSpace, search, search_markdown
     cfg = ModelConfig.preset("tiny-moe", max_seq_len=128)
     tc = TrainerConfig(max_len=128, seq_bucket=64, group_size=2, groups_per_step=2, mode="sync")
     setup = TrainSetup.build(cfg, make_mesh(expert=8), LossConfig(), OptimizerConfig())
@@ -88,6 +88,13 @@ def test_search_static_bound_rejects_without_compiling():
     res = search(cfg, 8, tc, LossConfig(), OptimizerConfig(), PlanConfig(device_memory_gb=budget),
                  SearchSpace(remats=("full",), rows=(2,), meshes=((1, 8, 1, 1),)), limit=2)
     assert res and all(r.status.startswith("static bound") for r in res)
+    # nothing fits: the report names the switch left off and what it takes off the bound
+    state = device_bytes(setup.opt_state)
+    assert res[0].relief == {"OptimizerConfig.offload_state": state}
+    text = search_markdown(res, cfg, 8, PlanConfig(device_memory_gb=budget))
+    assert (f"Nothing fits. Left off in this search: OptimizerConfig.offload_state=True ({state / GB:.1f} GB) off "
+            f"the static bound of mesh 1 x 8 x 1 x 1: {res[0].static / GB:.1f} -> "
+            f"{(res[0].static - state) / GB:.1f} GB") in text
     ok = search(cfg, 8, tc, LossConfig(), OptimizerConfig(), PlanConfig(device_memory_gb=1.0),
                 SearchSpace(remats=("full", "none"), rows=(2,), meshes=((2, 4, 1, 1),)), limit=2)
     compiled = [r for r in ok if r.peak is not None]
