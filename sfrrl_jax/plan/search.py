@@ -30,6 +30,9 @@ remat policy of `SearchSpace.remats`, every micro-batch row count of `SearchSpac
    same tokens: data's replicas when the rows do not split over it; `expert` splits the rows or
    else the sequence, `context` the sequence) x (remat recompute factor: none 1,
    dots_attention_out 1.1, attention_out 1.25, dots 1.25, dots_no_batch 1.3, full 1.35).
+4. The memory switches are not searched (each changes the run: transfers per micro-step); when
+   nothing fits, the report names those left off (`TrainerConfig.swap_cache`,
+   `OptimizerConfig.offload_state`) and what they would take off the best static bound.
 """
 from __future__ import annotations
 
