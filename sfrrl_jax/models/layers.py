@@ -260,29 +260,37 @@ def _pallas_block(block: int) -> int:
     return max(16, min(128, 1 << (block.bit_length() - 1)))
 
 
+def kernel_split(n_rows: int, heads: int, kv_heads: int, row_axes=BATCH_AXES):
+    """How a one-device kernel (a Pallas call, which XLA's automatic partitioner cannot split) is
+    split over the current mesh in `shard_map`: (mesh, free axes, rows' axes or None, heads' axis
+    or None), or None when there is nothing to split (no mesh, one device, every axis manual).
+    Rows go over `row_axes` in order while their product divides n_rows; heads over `tensor`
+    where it divides both head counts; mesh axes already manual (the context axis inside context
+    parallelism) stay as they are; any other axis sees the whole input."""
+    mesh = concrete_mesh_in_trace() or jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    free = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual and mesh.shape[a] > 1)
+    if not free:
+        return None
+    kept, n = [], 1
+    for a in row_axes:
+        if a in free and n_rows % (n * mesh.shape[a]) == 0:
+            kept.append(a)
+            n *= mesh.shape[a]
+    t = mesh.shape[TENSOR_AXIS] if TENSOR_AXIS in free else 1
+    h_ax = TENSOR_AXIS if t > 1 and heads % t == 0 and kv_heads % t == 0 else None
+    return mesh, free, tuple(kept) or None, h_ax
+
+
 def per_device(core):
-    """`core` run on each device's own rows and heads inside `shard_map`: a Pallas kernel is one
-    device's program, which XLA's automatic partitioner cannot split. Rows go over the batch
-    axes and heads over `tensor` where they divide; mesh axes already manual (the context axis
-    inside context parallelism) stay as they are; any other axis sees the whole input."""
+    """`core` run on each device's own rows and heads inside `shard_map` (`kernel_split`: rows
+    over the batch axes, heads over `tensor`)."""
     def run(q, k, v, q_pos, k_pos, q_seg, k_seg, window, sinks):
-        mesh = concrete_mesh_in_trace() or jax.sharding.get_abstract_mesh()
-        if mesh.empty or mesh.size == 1:
+        split = kernel_split(q.shape[0], q.shape[2], k.shape[2])
+        if split is None:
             return core(q, k, v, q_pos, k_pos, q_seg, k_seg, window, sinks)
-        manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual}
-        free = tuple(a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1)
-        if not free:
-            return core(q, k, v, q_pos, k_pos, q_seg, k_seg, window, sinks)
-        rows = tuple(a for a in BATCH_AXES if a in free)
-        n_rows = 1
-        kept = []
-        for a in rows:  # the leading axes whose product divides the batch
-            if q.shape[0] % (n_rows * mesh.shape[a]) == 0:
-                kept.append(a)
-                n_rows *= mesh.shape[a]
-        b_ax = tuple(kept) or None
-        t = mesh.shape[TENSOR_AXIS] if TENSOR_AXIS in free else 1
-        h_ax = TENSOR_AXIS if t > 1 and q.shape[2] % t == 0 and k.shape[2] % t == 0 else None
+        mesh, free, b_ax, h_ax = split
         qkv, ids = P(b_ax, None, h_ax, None), P(b_ax, None)
         args = (q, k, v, q_pos, k_pos, q_seg, k_seg, jnp.asarray(window, jnp.int32))
         specs = (qkv, qkv, qkv, ids, ids, ids, ids, P())

@@ -40,9 +40,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from sfrrl_jax.mesh import TENSOR_AXIS, TOKEN_AXES, concrete_mesh_in_trace
+from sfrrl_jax.mesh import TOKEN_AXES
+from sfrrl_jax.models.layers import kernel_split
 
 _F32_MIN = float(jnp.finfo(jnp.float32).min)
 _MIN_TILE = 16   # tl.dot needs every matmul dimension >= 16
@@ -208,19 +209,10 @@ def paged_decode_attention(q, pool_k, pool_v, units, q_pos, valid_len, k_new, v_
     local = functools.partial(_paged_decode_local, k_len=int(k_len), block_k=int(block_k), splits=splits,
                               interpret=bool(interpret))
     args = (q, pool_k, pool_v, units, q_pos, valid_len, k_new, v_new, jnp.asarray(window, jnp.int32))
-    mesh = concrete_mesh_in_trace() or jax.sharding.get_abstract_mesh()
-    free = () if mesh.empty else tuple(
-        a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual and mesh.shape[a] > 1)
-    if not free:
+    split = kernel_split(b, h, kvh, row_axes=TOKEN_AXES)   # rows: the slots' axes
+    if split is None:
         return local(*args, sinks)
-    kept, n_rows = [], 1
-    for a in TOKEN_AXES:  # the slots' axes, in order, while they divide the rows
-        if a in free and b % (n_rows * mesh.shape[a]) == 0:
-            kept.append(a)
-            n_rows *= mesh.shape[a]
-    r_ax = tuple(kept) or None
-    t = mesh.shape[TENSOR_AXIS] if TENSOR_AXIS in free else 1
-    h_ax = TENSOR_AXIS if t > 1 and h % t == 0 and kvh % t == 0 else None
+    mesh, free, r_ax, h_ax = split
     specs = (P(r_ax, h_ax, None), P(None, None, h_ax, None), P(None, None, h_ax, None), P(r_ax, None),
              P(r_ax), P(r_ax), P(r_ax, h_ax, None), P(r_ax, h_ax, None), P())
     if sinks is not None:
