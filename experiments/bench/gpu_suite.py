@@ -109,8 +109,7 @@ import sfrrl_jax as S  # noqa: E402
 from sfrrl_jax.engine import DecodeState, EngineSteps, SlotRequest  # noqa: E402
 from sfrrl_jax.learner.train_step import batch_sharding  # noqa: E402
 from sfrrl_jax.models import moe as moe_lib  # noqa: E402
-from sfrrl_jax.models.layers import attend, attention_mask  # noqa: E402
-from sfrrl_jax.models.paged_attention import paged_decode_attention  # noqa: E402
+from sfrrl_jax.models.paged_attention import paged_decode_attention, paged_decode_reference  # noqa: E402
 from sfrrl_jax.models.transformer import moe_layer_ids  # noqa: E402
 from sfrrl_jax.trainer.batching import batch_fields, zero_microbatch  # noqa: E402
 
@@ -462,23 +461,6 @@ def bench_attention(size: str, base, spec: dict, iters: int, impls) -> list[dict
 
 # -- 5. paged decode attention ------------------------------------------------------------------
 
-def gather_decode_attention(q, pool_k, pool_v, units, q_pos, k_new, v_new, window, k_len):
-    """What the engine's gather path computes per layer for one new token a row
-    (`engine.model_step.extend_paged`): the row's pages copied into a [k_len] view, the new
-    token overlaid, `attend` with the cache mask. q [b, h, d]; pool [units, page, kv_heads, d]."""
-    b, page = q.shape[0], pool_k.shape[1]
-    pages = -(-k_len // page)
-
-    def view(pool, new):
-        g = pool[units[:, :pages]].reshape((b, pages * page) + pool.shape[2:])[:, :k_len]
-        return g.at[jnp.arange(b)[:, None], q_pos[:, None]].set(new[:, None], mode="drop")
-
-    k_pos = jnp.broadcast_to(jnp.arange(k_len, dtype=jnp.int32), (b, k_len))
-    ones = jnp.ones_like(k_pos)
-    mask = attention_mask(q_pos[:, None], k_pos, ones[:, :1], ones, window, k_pos <= q_pos[:, None])
-    return attend(q[:, None], view(pool_k, k_new), view(pool_v, v_new), mask)[:, 0]
-
-
 def bench_paged(spec: dict, iters: int) -> list[dict]:
     b, h, kvh, d, page, ctx = (spec["paged"][k] for k in ("batch", "heads", "kv_heads", "head_dim", "page",
                                                            "context"))
@@ -495,9 +477,11 @@ def bench_paged(spec: dict, iters: int) -> list[dict]:
     rows = []
     for window in spec["paged"]["windows"]:
         kernel = jax.jit(lambda *a, w=window: paged_decode_attention(*a, w, k_len=ctx))
-        gather = jax.jit(lambda *a, w=window: gather_decode_attention(*a, w, ctx))
-        sec_k, out_k = median_time(lambda: kernel(q, pool_k, pool_v, units, q_pos, q_pos + 1, k_new, v_new), iters)
-        sec_g, out_g = median_time(lambda: gather(q, pool_k, pool_v, units, q_pos, k_new, v_new), iters)
+        # the engine's gather path for one token a row
+        gather = jax.jit(lambda *a, w=window: paged_decode_reference(*a, w, k_len=ctx))
+        args = (q, pool_k, pool_v, units, q_pos, q_pos + 1, k_new, v_new)
+        sec_k, out_k = median_time(lambda: kernel(*args), iters)
+        sec_g, out_g = median_time(lambda: gather(*args), iters)
         ref = np.asarray(out_g, np.float64)
         seen = np.asarray(q_pos if window <= 0 else np.minimum(q_pos, window - 1))
         # the keys and values the kernel must read: each row's visible tokens

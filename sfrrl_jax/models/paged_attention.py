@@ -43,7 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from sfrrl_jax.mesh import TOKEN_AXES
-from sfrrl_jax.models.layers import kernel_split
+from sfrrl_jax.models.layers import attend, attention_mask, kernel_split
 
 _F32_MIN = float(jnp.finfo(jnp.float32).min)
 _MIN_TILE = 16   # tl.dot needs every matmul dimension >= 16
@@ -180,6 +180,27 @@ def _paged_decode_local(q, pool_k, pool_v, units, q_pos, valid_len, k_new, v_new
     num = jnp.einsum("bhs,bhsd->bhd", w, acc) + w_self[:, :, None] * v_self.astype(jnp.float32)
     out = jnp.where(den[:, :, None] > 0, num / jnp.where(den > 0, den, 1.0)[:, :, None], 0.0)
     return out.astype(q.dtype)
+
+
+def paged_decode_reference(q, pool_k, pool_v, units, q_pos, valid_len, k_new, v_new, window=0, sinks=None, *,
+                           k_len: int) -> jax.Array:
+    """The function `paged_decode_attention` computes, as the engine's gather path computes it
+    (`engine.model_step.extend_paged`'s read for one new token a row): each row's pages copied
+    into a [k_len] view, the new token's key/value written over position q_pos, `layers.attend`
+    with the cache mask. Same arguments and result; builds the [batch, k_len] views and scores
+    (the reference in tests and benchmarks, not a path to run at length)."""
+    b, page_size = q.shape[0], pool_k.shape[1]
+    pages = -(-k_len // page_size)
+
+    def view(pool, new):
+        g = pool[units[:, :pages]].reshape((b, pages * page_size) + pool.shape[2:])[:, :k_len]
+        g = g.at[jnp.arange(b)[:, None], q_pos[:, None]].set(new[:, None].astype(pool.dtype), mode="drop")
+        return g.astype(q.dtype)
+
+    k_pos = jnp.broadcast_to(jnp.arange(k_len, dtype=jnp.int32), (b, k_len))
+    mask = attention_mask(q_pos[:, None], k_pos, jnp.ones((b, 1), jnp.int32), jnp.ones_like(k_pos), window,
+                          k_pos < valid_len[:, None])
+    return attend(q[:, None], view(pool_k, k_new), view(pool_v, v_new), mask, sinks)[:, 0]
 
 
 def paged_decode_attention(q, pool_k, pool_v, units, q_pos, valid_len, k_new, v_new, window=0,

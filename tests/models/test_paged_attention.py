@@ -1,6 +1,7 @@
-"""The paged decode kernel (Pallas interpret mode on CPU) == the engine's gather path (a slot's
-pages copied into a [k_len] view, the new token's keys/values overlaid, `layers.attend` with the
-cache mask), for every mask the engine's decode uses; it lowers for a GPU (Triton) too."""
+"""The paged decode kernel (Pallas interpret mode on CPU) == the engine's gather path
+(`paged_decode_reference`: a slot's pages copied into a [k_len] view, the new token's keys/values
+overlaid, `layers.attend` with the cache mask), for every mask the engine's decode uses; it
+lowers for a GPU (Triton) too."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,28 +9,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.mesh import make_mesh
-from sfrrl_jax.models.layers import attend, attention_mask
-from sfrrl_jax.models.paged_attention import check_paged_kernel, paged_decode_attention
+from sfrrl_jax.models.paged_attention import check_paged_kernel, paged_decode_attention, paged_decode_reference
 
 TOL = 1e-5
-
-
-def _gather_reference(q, pool_k, pool_v, units, q_pos, valid_len, k_new, v_new, window, sinks, k_len):
-    """What `engine.model_step.extend_paged` computes for one new token per row (overlay read)."""
-    b = q.shape[0]
-    page_size = pool_k.shape[1]
-    read_pages = -(-k_len // page_size)
-
-    def view(pool, new):
-        g = pool[units[:, :read_pages]]
-        g = g.reshape((b, read_pages * page_size) + g.shape[3:])[:, :k_len]
-        g = g.at[jnp.arange(b)[:, None], q_pos[:, None]].set(new[:, None].astype(pool.dtype), mode="drop")
-        return g.astype(q.dtype)
-
-    k_pos = jnp.broadcast_to(jnp.arange(k_len, dtype=jnp.int32), (b, k_len))
-    mask = attention_mask(q_pos[:, None], k_pos, jnp.ones((b, 1), jnp.int32), jnp.ones_like(k_pos), window,
-                          k_pos < valid_len[:, None])
-    return attend(q[:, None], view(pool_k, k_new), view(pool_v, v_new), mask, sinks)[:, 0]
 
 
 def _case(seed, b, h, kvh, d, page_size, n_units, pages_per_row, dtype=jnp.float32, cache_dtype=None):
@@ -70,7 +52,7 @@ def test_kernel_equals_gather_path(name, dims, q_pos, valid_len, window, use_sin
     sinks = jnp.asarray(np.random.default_rng(2).normal(size=(h,)), jnp.float32) if use_sinks else None
     got = paged_decode_attention(q, pool_k, pool_v, units, q_pos, valid_len, k_new, v_new, window, sinks,
                                  k_len=k_len, block_k=block_k, splits=splits, interpret=True)
-    want = _gather_reference(q, pool_k, pool_v, units, q_pos, valid_len, k_new, v_new, window, sinks, k_len)
+    want = paged_decode_reference(q, pool_k, pool_v, units, q_pos, valid_len, k_new, v_new, window, sinks, k_len=k_len)
     live = np.asarray(q_pos < jnp.minimum(valid_len, k_len))   # the rows whose output a caller uses
     assert np.all(np.isfinite(np.asarray(got)))
     np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=TOL, rtol=TOL)
@@ -86,7 +68,7 @@ def test_traced_window_and_jit():
         return paged_decode_attention(q, pool_k, pool_v, units, q_pos, q_pos + 1, k_new, v_new, window,
                                       k_len=32, block_k=16, interpret=True)
     for window in (0, 3, 17):
-        want = _gather_reference(q, pool_k, pool_v, units, q_pos, q_pos + 1, k_new, v_new, window, None, 32)
+        want = paged_decode_reference(q, pool_k, pool_v, units, q_pos, q_pos + 1, k_new, v_new, window, None, k_len=32)
         np.testing.assert_allclose(np.asarray(run(window)), np.asarray(want), atol=TOL, rtol=TOL)
 
 
@@ -96,7 +78,7 @@ def test_bf16_inputs_over_f32_cache():
     q_pos = jnp.asarray([9, 30], jnp.int32)
     got = paged_decode_attention(q, pool_k, pool_v, units, q_pos, q_pos + 1, k_new, v_new, 0, k_len=32,
                                  block_k=16, interpret=True)
-    want = _gather_reference(q, pool_k, pool_v, units, q_pos, q_pos + 1, k_new, v_new, 0, None, 32)
+    want = paged_decode_reference(q, pool_k, pool_v, units, q_pos, q_pos + 1, k_new, v_new, 0, None, k_len=32)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
 
@@ -107,7 +89,7 @@ def test_mesh_rows_and_heads_split():
     q, pool_k, pool_v, units, k_new, v_new = _case(5, 4, 8, 4, 16, 4, 40, 8)
     q_pos = jnp.asarray([3, 12, 20, 31], jnp.int32)
     sinks = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
-    want = _gather_reference(q, pool_k, pool_v, units, q_pos, q_pos + 1, k_new, v_new, 7, sinks, 32)
+    want = paged_decode_reference(q, pool_k, pool_v, units, q_pos, q_pos + 1, k_new, v_new, 7, sinks, k_len=32)
     mesh = make_mesh(data=2, tensor=2, devices=jax.devices()[:4])
     pool_sharding = NamedSharding(mesh, P(None, None, "tensor", None))
     pool_k, pool_v = jax.device_put((pool_k, pool_v), pool_sharding)
