@@ -200,7 +200,7 @@ def with_memory_kind(shardings: Any, kind: str, asked_by: str) -> Any:
         kinds = {m.kind for m in device.addressable_memories()}
         if kind not in kinds:
             raise ValueError(f"{asked_by}: {device.platform} devices have no {kind!r} "
-                             f"memory (they have {sorted(kinds)}); set {asked_by}=False")
+                             f"memory (they have {sorted(kinds)}); turn {asked_by} off")
     return jax.tree.map(lambda sh: sh.with_memory_kind(kind), shardings)
 
 
