@@ -90,3 +90,15 @@ def test_the_trainer_refuses_what_only_fits_with_offloaded_state(monkeypatch):
         build()
     trainer = build(offload_state=True, offload_accumulator=True)
     assert trainer.engine.steps is steps   # the same engine layout the limit was computed for
+
+
+def test_check_memory_fits_counts_the_cache_and_param_copies():
+    """The public one-call form: a cache of all slots plus `param_copies` x the params, per device
+    (8 devices here), against the device's limit."""
+    from sfrrl_jax.trainer.rl_trainer import check_memory_fits
+    params, _, _ = _setup()
+    per_device = sum(a.nbytes for a in jax.tree.leaves(params)) / 8
+    device = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 2**20 + 3 * per_device})
+    check_memory_fits(8 * 2**20, params, device)   # 1 MiB of cache a device: exactly fits
+    with pytest.raises(ValueError, match=r"KV cache 1\.00 MiB, params and optimizer .* lower TrainerConfig.max_slots"):
+        check_memory_fits(8 * 2**20 + 8, params, device)
