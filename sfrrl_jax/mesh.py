@@ -189,6 +189,30 @@ def use_mesh_in_trace(mesh: Mesh):
 
 
 HOST_MEMORY = "pinned_host"   # the memory kind of arrays parked in host memory (offload, swaps)
+HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def in_device_memory(leaf) -> bool:
+    """Whether an array (or a ShapeDtypeStruct with a sharding) lives in device memory: its
+    sharding names no memory kind (the default) or a non-host one."""
+    return (getattr(getattr(leaf, "sharding", None), "memory_kind", None) or "device") not in HOST_KINDS
+
+
+def shard_bytes(leaf) -> int:
+    """Bytes of one device's shard of `leaf` (a ShapeDtypeStruct or array with a sharding)."""
+    sharding = getattr(leaf, "sharding", None)
+    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+    return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+
+
+def device_bytes(tree) -> int:
+    """Per-device bytes of the leaves of `tree` that live in device memory."""
+    return sum(shard_bytes(x) for x in jax.tree.leaves(tree) if in_device_memory(x))
+
+
+def host_bytes(tree) -> int:
+    """Per-device bytes of the leaves of `tree` placed in a host memory kind (pinned_host)."""
+    return sum(shard_bytes(x) for x in jax.tree.leaves(tree) if not in_device_memory(x))
 
 
 def with_memory_kind(shardings: Any, kind: str, asked_by: str) -> Any:

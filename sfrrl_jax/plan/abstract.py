@@ -11,14 +11,13 @@ model exists: gpt-oss-120b's 117B params are shapes, not memory.
     microbatch(setup, rows, length)                     {field: SDS [rows, length]}
     engine_abstract(model_cfg, mesh, ...)               (EngineSteps, DecodeState of SDS)
 
-`device_bytes(tree)` / `host_bytes(tree)` sum the per-device shard bytes (`sharding.shard_shape`)
-of the leaves held in device memory / in a host memory kind: exact arithmetic on shapes, the
-same numbers the allocator would see for these buffers.
+`device_bytes(tree)` / `host_bytes(tree)` (from `sfrrl_jax.mesh`) sum the per-device shard bytes
+(`sharding.shard_shape`) of the leaves held in device memory / in a host memory kind: exact
+arithmetic on shapes, the same numbers the allocator would see for these buffers.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -31,39 +30,18 @@ from sfrrl_jax.engine.steps import EngineSteps, SlotRequest
 from sfrrl_jax.learner.deferred import DeferredBuffer, advantage_free_terms
 from sfrrl_jax.learner.optimizer import OptimizerConfig, OptState
 from sfrrl_jax.learner.train_step import TrainStep, make_train_step
-from sfrrl_jax.mesh import sharding_for
+# the byte counts are mesh.py's; planner and search name them from here
+from sfrrl_jax.mesh import device_bytes, host_bytes, shard_bytes, sharding_for  # noqa: F401
 from sfrrl_jax.models.api import param_shardings
 from sfrrl_jax.models.transformer import param_shapes, route_dims
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.trainer.batching import ROUTE_FIELDS, TRAJECTORY_FIELDS, batch_fields
 
-HOST_KINDS = ("pinned_host", "unpinned_host")
 GB = 1e9   # report unit: the decimal GB of a device's datasheet (H200: 141 GB)
 
 
 def _sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
-def shard_bytes(leaf) -> int:
-    """Bytes of one device's shard of `leaf` (a ShapeDtypeStruct or array with a sharding)."""
-    sharding = getattr(leaf, "sharding", None)
-    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
-    return math.prod(shape) * np.dtype(leaf.dtype).itemsize
-
-
-def _memory_kind(leaf) -> str:
-    return getattr(getattr(leaf, "sharding", None), "memory_kind", None) or "device"
-
-
-def device_bytes(tree) -> int:
-    """Per-device bytes of the leaves of `tree` that live in device memory."""
-    return sum(shard_bytes(x) for x in jax.tree.leaves(tree) if _memory_kind(x) not in HOST_KINDS)
-
-
-def host_bytes(tree) -> int:
-    """Per-device bytes of the leaves of `tree` placed in a host memory kind (pinned_host)."""
-    return sum(shard_bytes(x) for x in jax.tree.leaves(tree) if _memory_kind(x) in HOST_KINDS)
 
 
 @dataclasses.dataclass

@@ -19,24 +19,16 @@ import math
 import jax
 import numpy as np
 
-
-def _on_device(leaf) -> bool:
-    kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None)
-    return kind is None or "host" not in kind
+from sfrrl_jax.mesh import device_bytes, in_device_memory
 
 
 def tree_bytes(tree, per_device: bool) -> int:
     """Bytes of the device-memory leaves of `tree` (arrays, or ShapeDtypeStructs with shardings):
-    one device's shards (per_device) or the logical arrays. Host-memory leaves count 0."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        if not _on_device(leaf):
-            continue
-        shape = tuple(leaf.shape)
-        if per_device and getattr(leaf, "sharding", None) is not None:
-            shape = leaf.sharding.shard_shape(shape)
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-    return total
+    one device's shards (per_device: `mesh.device_bytes`) or the logical arrays. Host-memory
+    leaves count 0."""
+    if per_device:
+        return device_bytes(tree)
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if in_device_memory(x))
 
 
 def rollout_resident_bytes(engine_steps, train_step, params, early_group_buffers: int = 0,
