@@ -187,9 +187,7 @@ class TrainStep:
         """acc with its gradient sums in host memory (offload_accumulator: moved out)."""
         if not self.offloads_accumulator:
             return acc
-        host = mesh_with_memory_kind(self._layouts[_key(params)]["acc"].grads, HOST_MEMORY,
-                                     "OptimizerConfig.offload_accumulator")
-        return acc._replace(grads=moved(acc.grads, host))
+        return acc._replace(grads=moved(acc.grads, self._layouts[_key(params)]["acc_host"]))
 
     def init_opt_state(self, params) -> OptState:
         """OptState(step=0, inner=tx.init(params)); param-shaped state sharded per the module doc."""
@@ -300,8 +298,10 @@ class TrainStep:
         sums_t, maxes_t, mins_t = self._template
         sum_keys = list(sums_t) + list(ROUTER_METRICS) + list(self.aux_metrics)
         acc_sh = accumulator_shardings(param_sh, rep, sum_keys, list(maxes_t), list(mins_t))
-        if self.offloads_accumulator:   # refused here, naming the switch, without a host memory
-            mesh_with_memory_kind(acc_sh.grads, HOST_MEMORY, "OptimizerConfig.offload_accumulator")
+        # where offloaded sums wait between calls (refused here, naming the switch, on devices
+        # without a host memory)
+        acc_host = (mesh_with_memory_kind(acc_sh.grads, HOST_MEMORY, "OptimizerConfig.offload_accumulator")
+                    if self.offloads_accumulator else None)
 
         def init_acc(p):
             return zero_accumulator(p, sum_keys, list(maxes_t), list(mins_t))
@@ -343,7 +343,7 @@ class TrainStep:
         def step(p, opt_state, mb):
             return update(p, opt_state, micro(p, init_acc(p), mb))
 
-        self._layouts[_key(params)] = {"acc": acc_sh, "params": param_sh, "init_acc": init_acc}
+        self._layouts[_key(params)] = {"acc": acc_sh, "acc_host": acc_host, "params": param_sh, "init_acc": init_acc}
         return {
             "init_acc": jax.jit(init_acc, out_shardings=acc_sh),
             "init_opt": jax.jit(init_opt, out_shardings=opt_sh),
