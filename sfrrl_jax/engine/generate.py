@@ -17,8 +17,13 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
              max_len: int | None = None, decode_steps: int = 4) -> list[Completion]:
     """Completions for token-id prompts, in prompt order (`.tokens`, `.logprobs`,
     `.raw_logprobs`, `.finish_reason`). Request i uses seed `seed + i`."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError("prompts must be a list of token-id sequences, got text: tokenize it first")
     if not prompts:
         return []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)):
+            raise ValueError(f"prompts[{i}] is text ({p[:40]!r}), not token ids: tokenize it first")
     longest = max(len(p) for p in prompts)
     # Rounded up to a power of two so calls of similar sizes share compilations.
     max_len = max_len or min(cfg.max_seq_len, 1 << (longest + max_new_tokens).bit_length())

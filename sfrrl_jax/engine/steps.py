@@ -167,11 +167,12 @@ class EngineSteps:
         raise ValueError(f"{n} tokens exceed the engine's max_len={self.max_len}")
 
     def pad(self, tokens) -> np.ndarray:
-        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        tokens = np.asarray(tokens).reshape(-1)
         out = np.zeros((1, self.bucket_for(len(tokens))), np.int32)
-        out[0, : len(tokens)] = tokens
+        # the range is checked before the cast to int32, which would wrap a large id into the vocabulary
         if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got {tokens.min()}..{tokens.max()}")
+        out[0, : len(tokens)] = tokens
         return out
 
     def compile_counts(self) -> dict:

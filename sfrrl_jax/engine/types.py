@@ -19,6 +19,7 @@ Semantics callers (the agent loop) rely on:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -47,8 +48,31 @@ class GenerationRequest:
         check_int(f"{own}.top_k", self.top_k, 0, optional=True)
         check_number(f"{own}.top_p", self.top_p, 0, 1, lo_open=True, optional=True)
         check_seed(f"{own}.seed", self.seed)
-        if not self.tokens:
+        _check_token_ids(f"{own}.tokens", self.tokens)
+        if len(self.tokens) == 0:
             raise ValueError("GenerationRequest.tokens is empty: there is nothing to prefill or append")
+        _check_token_ids(f"{own}.stop_token_ids", self.stop_token_ids)
+
+
+def _check_token_ids(where: str, ids) -> None:
+    """Raises ValueError naming `where` unless `ids` is a flat sequence of integer token ids (a
+    list, tuple, set or integer array; not text, not floats or bools, which int() would silently
+    turn into other tokens). The vocabulary range is the engine's to check: it knows the model."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{where} must be a sequence of token ids, got text {ids[:40]!r}: tokenize it first")
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 and ids.size:
+            raise ValueError(f"{where} must be a flat sequence of token ids, got shape {ids.shape}")
+        if ids.size and ids.dtype.kind not in "iu":
+            raise ValueError(f"{where} must hold integer token ids, got a {ids.dtype} array")
+        return
+    try:
+        items = list(ids)
+    except TypeError:
+        raise ValueError(f"{where} must be a sequence of token ids, got {type(ids).__name__} {ids!r}") from None
+    for i, x in enumerate(items):   # each item: a bool among ints would pass a numpy dtype check
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+            raise ValueError(f"{where}[{i}] is {type(x).__name__} {x!r}, not an integer token id")
 
 
 @dataclasses.dataclass(frozen=True)

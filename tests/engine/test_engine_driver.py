@@ -108,6 +108,47 @@ def test_bad_requests_are_refused_clearly():
     asyncio.run(main())
     with pytest.raises(ValueError, match="tokens is empty"):
         _req([], 2)
+    with pytest.raises(ValueError, match="tokens is empty"):
+        GenerationRequest(tokens=np.zeros(0, np.int32), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("tokens, message", [
+    ([1, 2.5], r"GenerationRequest.tokens\[1\] is float 2.5, not an integer token id"),
+    ([True, 3], r"GenerationRequest.tokens\[0\] is bool True, not an integer token id"),
+    (np.array([1.0, 2.0]), "GenerationRequest.tokens must hold integer token ids, got a float64 array"),
+    ("hello", "GenerationRequest.tokens must be a sequence of token ids, got text 'hello'"),
+    ([[1, 2], [3]], r"GenerationRequest.tokens\[0\] is list \[1, 2\], not an integer token id"),
+    (np.ones((2, 2), np.int32), r"GenerationRequest.tokens must be a flat sequence of token ids, got shape \(2, 2\)"),
+])
+def test_token_ids_that_int_would_turn_into_other_tokens_are_refused(tokens, message):
+    """A float, a bool or a character is not a token id: int() would silently make one of it."""
+    with pytest.raises(ValueError, match=message):
+        GenerationRequest(tokens=tokens, max_new_tokens=2)
+
+
+def test_request_token_ids_keep_their_accepted_forms_and_stop_ids_are_checked():
+    for tokens in ([1, 2], (1, 2), np.array([1, 2], np.int64), np.array([1, 2], np.uint16), [np.int32(1), 2]):
+        GenerationRequest(tokens=tokens, max_new_tokens=2)
+    GenerationRequest(tokens=[1], max_new_tokens=2, stop_token_ids={3, 4})   # a set of stop ids
+    with pytest.raises(ValueError, match=r"GenerationRequest.stop_token_ids\[0\] is float 2.0, not an integer"):
+        GenerationRequest(tokens=[1], max_new_tokens=2, stop_token_ids=(2.0,))
+    with pytest.raises(ValueError, match="GenerationRequest.stop_token_ids must be a sequence of token ids, got int 7"):
+        GenerationRequest(tokens=[1], max_new_tokens=2, stop_token_ids=7)
+
+
+def test_an_id_past_int32_is_refused_at_admission_not_wrapped_into_the_vocabulary():
+    """2**32 + 5 cast to int32 is token 5: the range is checked on the ids as given (a Python int
+    past int64 too)."""
+    cfg, params = _params()
+    engine = Engine(cfg, params, max_slots=1, max_len=32, buckets=(16,))
+    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {cfg.vocab_size}\); got 1..4294967301"):
+        asyncio.run(engine.complete(_req(np.array([1, 2**32 + 5], np.int64), 2)))
+    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {cfg.vocab_size}\); got 1..{2**70}"):
+        asyncio.run(engine.complete(_req([1, 2**70], 2)))
+    with pytest.raises(ValueError, match=r"prompts\[1\] is text \('2 \+ 2'\), not token ids: tokenize it first"):
+        generate(cfg, params, [[1, 2], "2 + 2"], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompts must be a list of token-id sequences, got text"):
+        generate(cfg, params, "2 + 2", max_new_tokens=2)
     with pytest.raises(ValueError, match="engine max_len=256 > ModelConfig.max_seq_len=128"):
         Engine(cfg, params, max_len=256)
 
