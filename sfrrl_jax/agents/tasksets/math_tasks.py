@@ -20,18 +20,19 @@ Other fields go to `Task.metadata`. The prompt is the problem plus `MATH_INSTRUC
 Why math-verify (PyPI `math-verify`, Hugging Face's, used by open-r1 and lighteval): it is the
 well-kept verifier of this job: LaTeX and plain-expression extraction, sympy equivalence with
 float tolerance, unit stripping, tested on MATH/GSM8K answers, one small dependency
-(latex2sympy2_extended). Writing our own would repeat its many cases badly. Its one trap: its
-timeouts use signal.alarm, which raises outside the main thread; we pass the timeouts only on the
-main thread and, elsewhere, cap the text it parses (`MAX_PARSE_CHARS`) to bound the time instead.
+(latex2sympy2_extended). Writing our own would repeat its many cases badly. Its trap: a model's
+answer is hostile input (`2^{2^{2^{2^{20}}}}` is an integer no memory holds) and its timeouts are
+signal.alarm, which works on the main thread only; so it runs in a child process with a memory
+limit that is killed past its time (`math_worker.MathVerifierProcess`: the answer then scores 0),
+and the text it parses is cut to `MAX_PARSE_CHARS`.
 
 `math_environment(sandbox)` is the tool environment: the python tool (jailed `PythonSandbox`) and
 the calculator, reward `answer_correct` (this verifier) unless given other reward functions.
 """
 from __future__ import annotations
 
+import atexit
 import re
-import threading
-from functools import lru_cache
 from typing import Any, Sequence
 
 from sfrrl_jax.agents.environments import ToolEnvironment
@@ -39,6 +40,7 @@ from sfrrl_jax.agents.protocols import RewardFn, Task
 from sfrrl_jax.agents.rewards import extract_answer
 from sfrrl_jax.agents.sandbox import PythonSandbox
 from sfrrl_jax.agents.task_kinds import register_task_kind
+from sfrrl_jax.agents.tasksets.math_worker import MathVerifierProcess
 from sfrrl_jax.agents.tools import CalculatorTool, PythonTool, ToolRunnerConfig
 
 MATH_INSTRUCTION = "Give the final answer as <answer>...</answer> (LaTeX such as \\frac{1}{2} is fine)."
@@ -46,33 +48,13 @@ MATH_SYSTEM_PROMPT = ("You are a careful assistant that solves math problems ste
                       "code with the python tool to compute; check your arithmetic with it.")
 MAX_PARSE_CHARS = 2000  # longer predictions are cut to their tail before parsing (sympy time grows with size)
 _PROBLEM_FIELDS = ("problem", "question", "prompt")
-_LATEX = re.compile(r"[\\^_{}]")
 _WORDS = re.compile(r"[A-Za-z]{2,}([\s'-]+[A-Za-z]+)*\.?")
-INSTALL_HINT = "pip install 'sfrrl_jax[tasks]' (or: pip install math-verify)"
 
 
-def _math_verify():
-    try:
-        import math_verify
-    except ImportError as e:
-        raise ImportError(f"the 'math' task kind needs math-verify: {INSTALL_HINT}") from e
-    return math_verify
-
-
-def _timeouts() -> dict:
-    # math-verify's timeouts are signal.alarm: only usable on the main thread.
-    on_main = threading.current_thread() is threading.main_thread()
-    return {"parsing_timeout": 5 if on_main else None}
-
-
-@lru_cache(maxsize=4096)
-def _parse_gold(answer: str):
-    mv = _math_verify()
-    text = answer.strip()
-    if not ("\\boxed" in text or text.startswith("$")):
-        text = "\\boxed{" + text + "}"
-    return mv.parse(text, extraction_config=[mv.LatexExtractionConfig(), mv.ExprExtractionConfig()],
-                    **_timeouts())
+# math-verify runs in a child process killed past its time (math_worker.py): an answer such as
+# 2^{2^{2^{2^{20}}}} froze the whole process off the main thread, where math-verify has no timeout.
+_VERIFIER = MathVerifierProcess()
+atexit.register(_VERIFIER.close)
 
 
 def _normalize_words(text: str) -> str:
@@ -85,18 +67,10 @@ def math_equal(prediction: str, answer: str, boxed: bool = False) -> bool:
     is read as one expression, as if in \\boxed{}; else the text's \\boxed{} or last number counts."""
     if _WORDS.fullmatch(answer.strip()):
         return _normalize_words(prediction) == _normalize_words(answer)
-    mv = _math_verify()
-    gold = _parse_gold(answer)
-    if not gold:  # not parseable as math either: the text must agree
+    verdict = _VERIFIER.equal(prediction[-MAX_PARSE_CHARS:], answer, boxed)
+    if verdict is None:  # the gold answer is not math either: the text must agree
         return _normalize_words(prediction) == _normalize_words(answer)
-    prediction = prediction[-MAX_PARSE_CHARS:]
-    if boxed and _LATEX.search(prediction) and "\\boxed" not in prediction and "$" not in prediction.replace("\\$", ""):
-        prediction = "\\boxed{" + prediction + "}"  # a bare LaTeX answer, e.g. 1 + x^2: read it whole
-    pred = mv.parse(prediction, **_timeouts())
-    if not pred:
-        return False
-    on_main = threading.current_thread() is threading.main_thread()
-    return bool(mv.verify(gold, pred, timeout_seconds=5 if on_main else None))
+    return verdict
 
 
 def verify_math(task: Task, final_text: str) -> float:

@@ -1,0 +1,66 @@
+"""A model's math answer is hostile input: math-verify runs in a child process that is killed past
+its time, so no answer can freeze the trainer (off the main thread math-verify has no timeout)."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import sfrrl_jax as S
+from sfrrl_jax.agents.tasksets.math_worker import KILL_MARGIN_S, MathVerifierProcess
+
+pytest.importorskip("math_verify")
+
+
+def test_a_runaway_answer_off_the_main_thread_scores_0_and_the_next_answer_is_scored():
+    """2^{2^{2^{2^{20}}}} is an integer no memory holds: in a thread, before, it held the GIL and
+    never returned (the whole process froze). Now it is not equal to the gold, within the limit."""
+    verdicts = []
+
+    def score():
+        verdicts.append(S.math_equal("2^{2^{2^{2^{20}}}}", "2", boxed=True))
+        verdicts.append(S.math_equal("\\frac{4}{2}", "2", boxed=True))
+
+    worker = threading.Thread(target=score, daemon=True)
+    t0 = time.monotonic()
+    worker.start()
+    worker.join(120)   # the child's start (sympy import) + its 5 s timeout, on a loaded 2-core machine
+    assert not worker.is_alive(), "the verifier hung"
+    assert verdicts == [False, True]
+    print(f"runaway answer scored in {time.monotonic() - t0:.1f} s")
+
+
+def test_a_child_that_stops_answering_is_killed_and_replaced():
+    verifier = MathVerifierProcess(timeout_s=1)
+    try:
+        assert verifier.equal("0.5", "\\frac{1}{2}", False) is True
+        os.kill(verifier._proc.pid, signal.SIGSTOP)   # stuck in C code, as a runaway sympy integer is
+        t0 = time.monotonic()
+        assert verifier.equal("0.5", "\\frac{1}{2}", False) is False
+        waited = time.monotonic() - t0
+        assert 1 + KILL_MARGIN_S - 0.5 <= waited < 60 and verifier.kills == 1
+        assert verifier.equal("0.5", "\\frac{1}{2}", False) is True   # a fresh child
+        assert verifier.equal("3", "4", False) is False and verifier.kills == 1
+        assert verifier.equal("anything", "", False) is None   # the gold is not math: the caller compares text
+    finally:
+        verifier.close()
+    assert verifier._proc is None
+
+
+def test_threads_share_one_child_one_request_at_a_time():
+    verifier = MathVerifierProcess()
+    results = {}
+
+    def score(i):
+        results[i] = verifier.equal(f"{i} + 1", str(i + 1), True)
+
+    try:
+        threads = [threading.Thread(target=score, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results == {i: True for i in range(8)} and verifier.kills == 0
+    finally:
+        verifier.close()
