@@ -64,3 +64,28 @@ def test_threads_share_one_child_one_request_at_a_time():
         assert results == {i: True for i in range(8)} and verifier.kills == 0
     finally:
         verifier.close()
+
+
+@pytest.mark.parametrize("text, expanded", [
+    ("6.02e23", "602000000000000000000000"), ("1e-3", "0.001"), ("2.5E3", "2500"), ("3e+2", "300"),
+    (".5e1", "5"), ("1.0e2", "100"), ("the answer is 1e20.", "the answer is 100000000000000000000."),
+    ("1e999", "1 \\times 10^{999}"),
+    # not numbers in E notation: inside a word, a hex literal, a longer number, no exponent digits
+    ("x1e5", "x1e5"), ("0x1e5", "0x1e5"), ("1e20.5", "1e20.5"), ("12e", "12e"), ("e5", "e5"),
+])
+def test_e_notation_is_written_out(text, expanded):
+    from sfrrl_jax.agents.tasksets.math_worker import expand_e_notation
+    assert expand_e_notation(text) == expanded
+
+
+@pytest.mark.parametrize("prediction, answer, equal", [
+    ("6.02e23", "6.02e23", True),                  # was False: the gold read as 6.02 * e * 23 (Euler's e)
+    ("602000000000000000000000", "6.02e23", True),
+    ("0.001", "1e-3", True), ("The mass is 1e-3 kg.", "0.001", True), ("2.5E3", "2500", True),
+    ("1e20", "1", False),                          # was True: read as 1
+    ("6.02e23", "6.02", False),                    # was True
+    ("1", "1e-3", False),
+])
+def test_answers_in_e_notation_are_compared_as_numbers(prediction, answer, equal):
+    assert S.math_equal(prediction, answer) is equal
+    assert S.math_equal(prediction, answer, boxed=True) is equal

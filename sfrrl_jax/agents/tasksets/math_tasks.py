@@ -15,7 +15,9 @@ Other fields go to `Task.metadata`. The prompt is the problem plus `MATH_INSTRUC
     '\\$3', '\\boxed{3 \\text{ apples}}' all equal 3), symbolic expressions (x^2+1 == 1+x^2), sets,
     intervals, tuples and matrices;
   * a gold answer that is plain words ('yes', 'Paris') is compared as normalized text instead, as
-    math-verify would read 'yes' as the product e*s*y.
+    math-verify would read 'yes' as the product e*s*y;
+  * numbers in E notation, in either, are written out first ('6.02e23', '1e-3' -> 0.001): math-verify
+    reads a predicted '1e20' as 1 and a gold '6.02e23' as 6.02 * e * 23.
 
 Why math-verify (PyPI `math-verify`, Hugging Face's, used by open-r1 and lighteval): it is the
 well-kept verifier of this job: LaTeX and plain-expression extraction, sympy equivalence with

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from decimal import Decimal
 from functools import lru_cache
 
 VERIFY_TIMEOUT_S = 5.0        # math-verify's own parse and verify timeouts in the child (default)
@@ -38,6 +39,26 @@ _LATEX = re.compile(r"[\\^_{}]")
 
 
 # -- the child ---------------------------------------------------------------------------------
+# A number in E notation, not inside a word or a longer number: math-verify reads a predicted
+# '6.02e23' as 6.02 (so '1e20' equalled 1) and a gold one, as LaTeX, as 6.02 * e * 23 (Euler's e:
+# it matched nothing, itself included).
+_E_NUMBER = re.compile(r"(?<![\w.])(\d+\.?\d*|\.\d+)[eE]([+-]?\d+)(?!\w|\.\d)")
+MAX_EXPANDED_EXPONENT = 40   # beyond: written as m \times 10^{n}, not as that many digits
+
+
+def expand_e_notation(text: str) -> str:
+    """`text` with each E-notation number written out: '6.02e23' -> '602000000000000000000000',
+    '1e-3' -> '0.001', '2.5E3' -> '2500'; an exponent past +-MAX_EXPANDED_EXPONENT as LaTeX
+    ('1e999' -> '1 \\times 10^{999}')."""
+    def expand(m):
+        mantissa, exponent = m.group(1), int(m.group(2))
+        if abs(exponent) > MAX_EXPANDED_EXPONENT:
+            return f"{mantissa} \\times 10^{{{exponent}}}"
+        digits = format(Decimal(mantissa).scaleb(exponent), "f")
+        return digits.rstrip("0").rstrip(".") if "." in digits else digits
+    return _E_NUMBER.sub(expand, text)
+
+
 @lru_cache(maxsize=4096)
 def _parse_gold(mv, answer: str, timeout):
     text = answer.strip()
@@ -50,9 +71,10 @@ def _parse_gold(mv, answer: str, timeout):
 def equal_here(mv, prediction: str, answer: str, boxed: bool, timeout=VERIFY_TIMEOUT_S):
     """math-verify's verdict in this process: True / False, or None when the gold answer does not
     parse as math (the caller compares the texts). timeout: math-verify's (main thread only)."""
-    gold = _parse_gold(mv, answer, timeout)
+    gold = _parse_gold(mv, expand_e_notation(answer), timeout)
     if not gold:
         return None
+    prediction = expand_e_notation(prediction)
     if boxed and _LATEX.search(prediction) and "\\boxed" not in prediction and "$" not in prediction.replace("\\$", ""):
         prediction = "\\boxed{" + prediction + "}"  # a bare LaTeX answer, e.g. 1 + x^2: read it whole
     pred = mv.parse(prediction, parsing_timeout=timeout)
