@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from sfrrl_jax.agents import (AgentConfig, DatasetError, SandboxConfig, Trajectory, answer_correct, load_tasks, run_agent,
-                              save_tasks_jsonl, task_reward)
+from sfrrl_jax.agents import (AgentConfig, DatasetError, SandboxConfig, Task, Trajectory, answer_correct, load_tasks,
+                              run_agent, save_tasks_jsonl, task_reward)
 from sfrrl_jax.agents.tasksets import (FunctionCallingEnvironment, bfcl_tasks, code_tests_reward, function_call_match,
                                        humaneval_tasks, math_environment, match_calls, math_task, parse_python_calls,
                                        reasoning_gym_tasks, verify_math)
-from sfrrl_jax.agents.tasksets.function_calling import ground_truth_calls
+from sfrrl_jax.agents.tasksets.function_calling import ground_truth_calls, message_tool_calls
 from sfrrl_jax.testing import ScriptedEngine
 from sfrrl_jax.tokenizer import load_tokenizer
 
@@ -212,6 +212,23 @@ def test_bfcl_ground_truth_scores_1_and_a_wrong_argument_0():
     assert function_call_match(task, _traj("The area is 25.")) == 0.0
     schema = task.metadata["tools"][0]["function"]["parameters"]
     assert schema["type"] == "object" and schema["properties"]["base"]["type"] == "integer"
+
+
+@pytest.mark.parametrize("text", [
+    "-" * 100_000 + "1",                       # MemoryError in the parser
+    "f(a=" + "1+" * 200_000 + "1)",           # RecursionError building the AST
+    "f(a=" + "7" * 5_000 + ")",                # ValueError: past Python's int digit limit
+    "[f(a=1), 2]", "f(1)", "f(a=g())",         # not calls with literal keyword arguments
+])
+def test_a_hostile_final_text_is_not_a_call_list_and_scores_0(text):
+    """A model's text: deep nesting or a huge literal is 'not calls' (reward 0, a sample that
+    trains), not an exception that fails the trajectory."""
+    assert parse_python_calls(text) is None
+    task = Task(task_id="t", kind="function_call", prompt="p", metadata={
+        "ground_truth": [{"f": {"a": [1]}}], "functions": [{"name": "f", "parameters": {"properties": {}}}]})
+    assert function_call_match(task, _traj(text)) == 0.0
+    native = [{"id": "c0", "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]
+    assert message_tool_calls({"role": "assistant", "tool_calls": native}) == [("c0", ("f", {}))]
 
 
 @needs_bfcl

@@ -252,9 +252,12 @@ def parse_python_calls(text: str) -> list[Call] | None:
     answer = extract_answer(text)
     if answer is not None:
         text = answer
+    # A model's text is hostile input: deep nesting is a MemoryError or RecursionError in the
+    # parser, a long digit string a ValueError; each means "not a call list" (reward 0), not a
+    # failed trajectory.
     try:
         tree = ast.parse(text, mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
     nodes = tree.elts if isinstance(tree, (ast.List, ast.Tuple)) else [tree]
     calls: list[Call] = []
@@ -264,7 +267,7 @@ def parse_python_calls(text: str) -> list[Call] | None:
         try:
             calls.append((_call_name(node.func), {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords
                                                   if kw.arg is not None}))
-        except ValueError:
+        except (ValueError, TypeError, MemoryError, RecursionError):
             return None
     return calls
 
@@ -279,7 +282,7 @@ def message_tool_calls(message: Message) -> list[tuple[str, Call]]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):   # JSONDecodeError, an over-long integer, deep nesting
                 arguments = {}
         calls.append((entry.get("id"), (function.get("name", ""), arguments if isinstance(arguments, dict) else {})))
     return calls
