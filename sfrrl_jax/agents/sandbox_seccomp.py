@@ -56,6 +56,16 @@ SYSCALLS = {
         "shmget": 29, "shmat": 30, "shmdt": 67, "shmctl": 31, "msgget": 68, "msgsnd": 69, "msgrcv": 70,
         "msgctl": 71, "semget": 64, "semop": 65, "semtimedop": 220, "semctl": 66,
         "socket": 41, "socketpair": 53, "clone": 56, "clone3": 435,
+        # the compute-only filter's (`build_compute_filter`)
+        "execve": 59, "execveat": 322, "fork": 57, "vfork": 58, "connect": 42, "bind": 49, "listen": 50,
+        "accept": 43, "accept4": 288, "kill": 62, "tkill": 200, "tgkill": 234, "pidfd_open": 434,
+        "pidfd_send_signal": 424, "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297, "unlink": 87, "unlinkat": 263,
+        "rename": 82, "renameat": 264, "renameat2": 316, "mkdir": 83, "mkdirat": 258, "rmdir": 84, "link": 86,
+        "linkat": 265, "symlink": 88, "symlinkat": 266, "chmod": 90, "fchmod": 91, "fchmodat": 268, "chown": 92,
+        "fchown": 93, "lchown": 94, "fchownat": 260, "truncate": 76, "ftruncate": 77, "mknod": 133,
+        "mknodat": 259, "utime": 132, "utimes": 235, "utimensat": 280, "futimesat": 261, "setxattr": 188,
+        "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199,
+        "creat": 85, "memfd_create": 319, "process_madvise": 440, "open": 2, "openat": 257, "openat2": 437,
     },
     "aarch64": {
         "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "mount": 40, "umount2": 39,
@@ -71,6 +81,13 @@ SYSCALLS = {
         "shmget": 194, "shmat": 196, "shmdt": 197, "shmctl": 195, "msgget": 186, "msgsnd": 189, "msgrcv": 188,
         "msgctl": 187, "semget": 190, "semop": 193, "semtimedop": 192, "semctl": 191,
         "socket": 198, "socketpair": 199, "clone": 220, "clone3": 435,
+        "execve": 221, "execveat": 281, "connect": 203, "bind": 200, "listen": 201, "accept": 202, "accept4": 242,
+        "kill": 129, "tkill": 130, "tgkill": 131, "pidfd_open": 434, "pidfd_send_signal": 424,
+        "rt_sigqueueinfo": 138, "rt_tgsigqueueinfo": 240, "unlinkat": 35, "renameat": 38, "renameat2": 276,
+        "mkdirat": 34, "linkat": 37, "symlinkat": 36, "fchmod": 52, "fchmodat": 53, "fchown": 55, "fchownat": 54,
+        "truncate": 45, "ftruncate": 46, "mknodat": 33, "utimensat": 88, "setxattr": 5, "lsetxattr": 6,
+        "fsetxattr": 7, "removexattr": 14, "lremovexattr": 15, "fremovexattr": 16, "memfd_create": 279,
+        "process_madvise": 440, "openat": 56, "openat2": 437,
     },
 }
 
@@ -96,6 +113,93 @@ def denied_syscalls(arch: str, sysv_ipc: bool) -> list[str]:
     return names + ([] if sysv_ipc else _SYSV_IPC)
 
 
+# The compute-only filter's extra denials: no new program, process or thread, no network, no signal
+# to another process, no change to any file (opens for writing are caught by their flags).
+_COMPUTE_DENIED = ("execve execveat fork vfork clone socket socketpair connect bind listen accept accept4 kill "
+                   "tkill tgkill pidfd_open pidfd_send_signal rt_sigqueueinfo rt_tgsigqueueinfo unlink unlinkat "
+                   "rename renameat renameat2 mkdir mkdirat rmdir link linkat symlink symlinkat chmod fchmod "
+                   "fchmodat chown fchown lchown fchownat truncate ftruncate mknod mknodat utime utimes utimensat "
+                   "futimesat setxattr lsetxattr fsetxattr removexattr lremovexattr fremovexattr creat "
+                   "memfd_create process_madvise").split()
+# open flags that write or create: O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND (same on both)
+OPEN_WRITE_FLAGS = 0o1 | 0o2 | 0o100 | 0o1000 | 0o2000
+
+
+def build_compute_filter(arch: str | None = None) -> bytes:
+    """A filter for a process that only computes on what it already holds (a reward scorer fed a
+    model's text, which some scorers eval): everything `build_filter` denies, SysV IPC, and every
+    syscall in `_COMPUTE_DENIED` fail with EPERM; open/openat with any of `OPEN_WRITE_FLAGS` fail
+    with EPERM (reading, e.g. a lazy import, still works); clone3 and openat2 (arguments in
+    memory BPF cannot read) fail with ENOSYS. Packed as `build_filter`'s."""
+    arch = arch or platform.machine()
+    if arch not in SYSCALLS:
+        raise RuntimeError(f"seccomp filter: unsupported architecture {arch!r} (x86_64 and aarch64 only)")
+    nr = SYSCALLS[arch]
+    prog: list[tuple] = []
+
+    def ins(code, k, jt=0, jf=0):
+        prog.append((code, jt, jf, k))
+
+    ins(_LD_ABS_W, _ARCH)
+    ins(_JEQ, AUDIT_ARCH[arch], 0, "kill")
+    ins(_LD_ABS_W, _NR)
+    if arch == "x86_64":
+        ins(_JGE, X32_SYSCALL_BIT, "eperm", 0)
+        ins(_JEQ, nr["open"], "open", 0)
+    ins(_JEQ, nr["openat"], "openat", 0)
+    ins(_JEQ, nr["clone3"], "enosys", 0)
+    ins(_JEQ, nr["openat2"], "enosys", 0)
+    for name in denied_syscalls(arch, sysv_ipc=False) + [n for n in _COMPUTE_DENIED if n in nr]:
+        ins(_JEQ, nr[name], "eperm", 0)
+    ins(_RET, RET_ALLOW)
+    if arch == "x86_64":
+        prog.append(("label", "open"))
+        ins(_LD_ABS_W, _arg(1))
+        ins(_JSET, OPEN_WRITE_FLAGS, "eperm", "allow")
+    prog.append(("label", "openat"))
+    ins(_LD_ABS_W, _arg(2))
+    ins(_JSET, OPEN_WRITE_FLAGS, "eperm", "allow")
+    _shared_returns(ins, prog)
+    return _assemble(prog)
+
+
+def _shared_returns(ins, prog) -> None:
+    # classic BPF only jumps forward: the shared returns come last
+    prog.append(("label", "enosys"))
+    ins(_RET, RET_ERRNO | ENOSYS)
+    prog.append(("label", "eperm"))
+    ins(_RET, RET_ERRNO | EPERM)
+    prog.append(("label", "kill"))
+    ins(_RET, RET_KILL_PROCESS)
+    prog.append(("label", "allow"))
+    ins(_RET, RET_ALLOW)
+
+
+def _assemble(prog: list[tuple]) -> bytes:
+    """(code, jt, jf, k) instructions with jt/jf label names (or 0) and ('label', name) markers ->
+    packed `struct sock_filter`s with relative jump offsets (counted from the next instruction)."""
+    where, index = {}, 0
+    for item in prog:
+        if item[0] == "label":
+            where[item[1]] = index
+        else:
+            index += 1
+    out, index = [], 0
+    for item in prog:
+        if item[0] == "label":
+            continue
+        code, jt, jf, k = item
+        offsets = []
+        for target in (jt, jf):
+            off = 0 if target == 0 else where[target] - index - 1
+            if not 0 <= off <= 255:
+                raise AssertionError(f"BPF jump out of range: {off}")
+            offsets.append(off)
+        out.append(struct.pack("=HBBI", code, offsets[0], offsets[1], k))
+        index += 1
+    return b"".join(out)
+
+
 def build_filter(sysv_ipc: bool, arch: str | None = None) -> bytes:
     """The filter as packed `struct sock_filter` instructions (8 bytes each, native order).
 
@@ -113,7 +217,6 @@ def build_filter(sysv_ipc: bool, arch: str | None = None) -> bytes:
     def label(name):
         prog.append(("label", name))
 
-    eperm, enosys = RET_ERRNO | EPERM, RET_ERRNO | ENOSYS
     ins(_LD_ABS_W, _ARCH)
     ins(_JEQ, AUDIT_ARCH[arch], 0, "kill")
     ins(_LD_ABS_W, _NR)
@@ -140,33 +243,5 @@ def build_filter(sysv_ipc: bool, arch: str | None = None) -> bytes:
     label("clone")
     ins(_LD_ABS_W, _arg(0))
     ins(_JSET, CLONE_NEW_ANY, "eperm", "allow")
-    label("enosys")
-    ins(_RET, enosys)
-    label("eperm")
-    ins(_RET, eperm)
-    label("kill")
-    ins(_RET, RET_KILL_PROCESS)
-    label("allow")
-    ins(_RET, RET_ALLOW)
-
-    # Resolve labels into relative jump offsets (counted from the next instruction).
-    where, index = {}, 0
-    for item in prog:
-        if item[0] == "label":
-            where[item[1]] = index
-        else:
-            index += 1
-    out, index = [], 0
-    for item in prog:
-        if item[0] == "label":
-            continue
-        code, jt, jf, k = item
-        offsets = []
-        for target in (jt, jf):
-            off = 0 if target == 0 else where[target] - index - 1
-            if not 0 <= off <= 255:
-                raise AssertionError(f"BPF jump out of range: {off}")
-            offsets.append(off)
-        out.append(struct.pack("=HBBI", code, offsets[0], offsets[1], k))
-        index += 1
-    return b"".join(out)
+    _shared_returns(ins, prog)
+    return _assemble(prog)

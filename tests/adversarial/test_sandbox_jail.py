@@ -356,6 +356,36 @@ def test_seccomp_filter_decisions(arch):
         sandbox_seccomp.build_filter(sysv_ipc=True, arch="riscv64")
 
 
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+def test_compute_only_filter_decisions(arch):
+    """The reward scorers' filter (`build_compute_filter`): reads and computes, never writes a
+    file, starts a program, a process or a thread, opens a socket or signals a process."""
+    allow, eperm, enosys, kill = 0x7FFF0000, 0x50001, 0x50026, 0x80000000
+    audit, nr = sandbox_seccomp.AUDIT_ARCH[arch], sandbox_seccomp.SYSCALLS[arch]
+    prog = sandbox_seccomp.build_compute_filter(arch=arch)
+    assert _run_bpf(prog, 0x40000003, nr["ptrace"]) == kill
+    o_rdonly, o_cloexec, o_directory = 0, 0o2000000, 0o200000
+    assert _run_bpf(prog, audit, nr["openat"], (0xFFFFFF9C, 0, o_rdonly | o_cloexec, 0, 0, 0)) == allow
+    assert _run_bpf(prog, audit, nr["openat"], (0xFFFFFF9C, 0, o_directory | o_cloexec, 0, 0, 0)) == allow
+    for flags in (0o1, 0o2, 0o100 | 0o1, 0o1000, 0o2000 | 0o1, 0o20200000 | 0o2):   # ..., O_TMPFILE
+        assert _run_bpf(prog, audit, nr["openat"], (0xFFFFFF9C, 0, flags, 0, 0, 0)) == eperm, oct(flags)
+    for name in ("execve", "execveat", "clone", "socket", "socketpair", "connect", "kill", "tgkill", "unlinkat",
+                 "renameat2", "mkdirat", "fchmodat", "ftruncate", "memfd_create", "ptrace", "unshare", "shmget"):
+        assert _run_bpf(prog, audit, nr[name]) == eperm, name
+    assert _run_bpf(prog, audit, nr["clone"], (0x01200011, 0, 0, 0, 0, 0)) == eperm   # glibc's fork too
+    assert _run_bpf(prog, audit, nr["clone3"]) == enosys and _run_bpf(prog, audit, nr["openat2"]) == enosys
+    if arch == "x86_64":
+        for name in ("fork", "vfork", "unlink", "rename", "mkdir", "creat"):
+            assert _run_bpf(prog, audit, nr[name]) == eperm, name
+        assert _run_bpf(prog, audit, nr["open"], (0, 0, 0, 0, 0, 0)) == allow
+        assert _run_bpf(prog, audit, nr["open"], (0, 0o101, 0, 0, 0, 0)) == eperm
+        for allowed in (0, 1, 3, 9, 11, 202, 231):   # read write close mmap munmap futex exit_group
+            assert _run_bpf(prog, audit, allowed) == allow, allowed
+    else:
+        for allowed in (63, 64, 57, 222, 215, 98, 94):   # read write close mmap munmap futex exit_group
+            assert _run_bpf(prog, audit, allowed) == allow, allowed
+
+
 def test_seccomp_syscall_numbers_match_libseccomp():
     path = ctypes.util.find_library("seccomp")
     if path is None:

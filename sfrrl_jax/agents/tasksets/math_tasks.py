@@ -25,7 +25,7 @@ float tolerance, unit stripping, tested on MATH/GSM8K answers, one small depende
 (latex2sympy2_extended). Writing our own would repeat its many cases badly. Its trap: a model's
 answer is hostile input (`2^{2^{2^{2^{20}}}}` is an integer no memory holds) and its timeouts are
 signal.alarm, which works on the main thread only; so it runs in a child process with a memory
-limit that is killed past its time (`math_worker.MathVerifierProcess`: the answer then scores 0),
+limit that is killed past its time (`isolated.MathVerifierProcess`: the answer then scores 0),
 and the text it parses is cut to `MAX_PARSE_CHARS`.
 
 `math_environment(sandbox)` is the tool environment: the python tool (jailed `PythonSandbox`) and
@@ -42,7 +42,7 @@ from sfrrl_jax.agents.protocols import RewardFn, Task
 from sfrrl_jax.agents.rewards import extract_answer
 from sfrrl_jax.agents.sandbox import PythonSandbox
 from sfrrl_jax.agents.task_kinds import register_task_kind
-from sfrrl_jax.agents.tasksets.math_worker import MathVerifierProcess
+from sfrrl_jax.agents.tasksets.isolated import MathVerifierProcess
 from sfrrl_jax.agents.tools import CalculatorTool, PythonTool, ToolRunnerConfig
 
 MATH_INSTRUCTION = "Give the final answer as <answer>...</answer> (LaTeX such as \\frac{1}{2} is fine)."
@@ -53,7 +53,7 @@ _PROBLEM_FIELDS = ("problem", "question", "prompt")
 _WORDS = re.compile(r"[A-Za-z]{2,}([\s'-]+[A-Za-z]+)*\.?")
 
 
-# math-verify runs in a child process killed past its time (math_worker.py): an answer such as
+# math-verify runs in a child process killed past its time (isolated.py): an answer such as
 # 2^{2^{2^{2^{20}}}} froze the whole process off the main thread, where math-verify has no timeout.
 _VERIFIER = MathVerifierProcess()
 atexit.register(_VERIFIER.close)

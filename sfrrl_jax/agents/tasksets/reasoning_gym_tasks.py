@@ -8,7 +8,9 @@ plus `RG_INSTRUCTION`; the whole entry metadata is kept in `Task.metadata['entry
 
 `verify_reasoning_gym(task, final_text)`: the last `<answer>...</answer>` block (reasoning-gym's
 own convention, `reasoning_gym.utils.extract_answer`), scored by the generator's `score_answer(answer,
-entry)`; no block scores 0.0. The value is the scorer's own, in [0, 1]: most give 1.0 for a correct
+entry)` in a fresh confined fork per answer (`isolated.ReasoningGymScorer`: some scorers eval the
+answer, e.g. countdown's `sympy.parse_expr`); no block scores 0.0, and neither does an answer that
+runs past the scorer's time or memory or makes it raise. The value is the scorer's own, in [0, 1]: most give 1.0 for a correct
 answer and 0.0 otherwise, but some give partial credit (gsm_symbolic gives 0.01 to a wrong number,
 its reward for the format), which we keep so rewards match reasoning-gym's published numbers.
 
@@ -17,14 +19,19 @@ its reward for the format), which we keep so rewards match reasoning-gym's publi
 """
 from __future__ import annotations
 
+import atexit
 from functools import lru_cache
 from typing import Any
 
 from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.agents.rewards import extract_answer
 from sfrrl_jax.agents.task_kinds import register_task_kind
+from sfrrl_jax.agents.tasksets.isolated import ReasoningGymScorer
 
 RG_INSTRUCTION = "Give the final answer as <answer>...</answer>."
+# The answer is scored in a confined fork (isolated.ReasoningGymScorer): countdown's scorer evals it.
+_SCORER = ReasoningGymScorer()
+atexit.register(_SCORER.close)
 INSTALL_HINT = "pip install 'sfrrl_jax[tasks]' (or: pip install reasoning-gym)"
 
 
@@ -55,7 +62,9 @@ def verify_reasoning_gym(task: Task, final_text: str) -> float:
     answer = extract_answer(final_text)
     if answer is None:
         return 0.0
-    return float(_scorer(task.metadata["dataset"])(answer, _entry(task)))
+    dataset = task.metadata["dataset"]
+    _scorer(dataset)   # an unknown dataset is the task's error, named here
+    return _SCORER.score(dataset, answer, _entry(task))
 
 
 def reasoning_gym_task(entry: dict, task_id: str, dataset: str | None = None) -> Task:
