@@ -1,4 +1,5 @@
 """The sandbox's seccomp filter: a classic-BPF program built here, installed by the launcher.
+(Also `build_compute_filter`, stricter, for the reward scorers' forks: `tasksets/rg_worker.py`.)
 
 Hand-assembled rather than through libseccomp on purpose: the launcher must stay stdlib-only and
 start in ~10 ms, and the filter is built once per sandbox in the host (`build_filter`), then handed

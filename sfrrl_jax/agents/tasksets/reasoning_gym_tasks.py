@@ -10,9 +10,10 @@ plus `RG_INSTRUCTION`; the whole entry metadata is kept in `Task.metadata['entry
 own convention, `reasoning_gym.utils.extract_answer`), scored by the generator's `score_answer(answer,
 entry)` in a fresh confined fork per answer (`isolated.ReasoningGymScorer`: some scorers eval the
 answer, e.g. countdown's `sympy.parse_expr`); no block scores 0.0, and neither does an answer that
-runs past the scorer's time or memory or makes it raise. The value is the scorer's own, in [0, 1]: most give 1.0 for a correct
-answer and 0.0 otherwise, but some give partial credit (gsm_symbolic gives 0.01 to a wrong number,
-its reward for the format), which we keep so rewards match reasoning-gym's published numbers.
+runs past the scorer's time or memory or makes it raise. The value is the scorer's own, in [0, 1]:
+most give 1.0 for a correct answer and 0.0 otherwise, but some give partial credit (gsm_symbolic
+gives 0.01 to a wrong number, its reward for the format), which we keep so rewards match
+reasoning-gym's published numbers.
 
 `reasoning_gym_tasks(name, size, seed, **config)` generates tasks with `reasoning_gym.create_dataset`
 (e.g. 'gsm_symbolic': GSM8K-style templated word problems; 'basic_arithmetic', 'chain_sum', ...).
@@ -29,10 +30,10 @@ from sfrrl_jax.agents.task_kinds import register_task_kind
 from sfrrl_jax.agents.tasksets.isolated import ReasoningGymScorer
 
 RG_INSTRUCTION = "Give the final answer as <answer>...</answer>."
+INSTALL_HINT = "pip install 'sfrrl_jax[tasks]' (or: pip install reasoning-gym)"
 # The answer is scored in a confined fork (isolated.ReasoningGymScorer): countdown's scorer evals it.
 _SCORER = ReasoningGymScorer()
 atexit.register(_SCORER.close)
-INSTALL_HINT = "pip install 'sfrrl_jax[tasks]' (or: pip install reasoning-gym)"
 
 
 def _reasoning_gym():

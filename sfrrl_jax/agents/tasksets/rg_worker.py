@@ -4,7 +4,7 @@
 Some scorers eval the model's answer (countdown: `sympy.parse_expr`, which runs Python), so an
 answer `__import__('os').system(...)` ran in the trainer, and `9**9**9**9` froze it. This process
 imports reasoning-gym once, then forks one child per answer. The child, before it reads the
-answer: stdin and stdout are /dev/null, every other descriptor but its result pipe and stderr is
+answer: stdin, stdout and stderr are /dev/null, every other descriptor but its result pipe is
 closed, rlimits cap its memory, CPU seconds and file size (0: no file can grow), no_new_privs, and
 a seccomp filter (`sandbox_seccomp.build_compute_filter`, sent by the parent) denies exec, fork,
 threads, sockets, signals to other processes and every change to a file. A fresh fork per answer:
@@ -39,8 +39,10 @@ class _SockFprog(ctypes.Structure):
 def _lock_down(cfg: dict, result_fd: int) -> None:
     """The child's confinement, in this order (the filter last: it denies what the rest needs)."""
     devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
+    # stderr too: where it is a file (a redirected log), RLIMIT_FSIZE 0 would kill the child with
+    # SIGXFSZ at the scorer's first warning, scoring a right answer 0
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
     keep = {0, 1, 2, result_fd}
     for fd in map(int, os.listdir("/proc/self/fd")):
         if fd not in keep:
