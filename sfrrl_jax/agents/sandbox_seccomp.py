@@ -132,20 +132,8 @@ def build_compute_filter(arch: str | None = None) -> bytes:
     syscall in `_COMPUTE_DENIED` fail with EPERM; open/openat with any of `OPEN_WRITE_FLAGS` fail
     with EPERM (reading, e.g. a lazy import, still works); clone3 and openat2 (arguments in
     memory BPF cannot read) fail with ENOSYS. Packed as `build_filter`'s."""
-    arch = arch or platform.machine()
-    if arch not in SYSCALLS:
-        raise RuntimeError(f"seccomp filter: unsupported architecture {arch!r} (x86_64 and aarch64 only)")
-    nr = SYSCALLS[arch]
-    prog: list[tuple] = []
-
-    def ins(code, k, jt=0, jf=0):
-        prog.append((code, jt, jf, k))
-
-    ins(_LD_ABS_W, _ARCH)
-    ins(_JEQ, AUDIT_ARCH[arch], 0, "kill")
-    ins(_LD_ABS_W, _NR)
+    arch, nr, prog, ins = _start(arch)
     if arch == "x86_64":
-        ins(_JGE, X32_SYSCALL_BIT, "eperm", 0)
         ins(_JEQ, nr["open"], "open", 0)
     ins(_JEQ, nr["openat"], "openat", 0)
     ins(_JEQ, nr["clone3"], "enosys", 0)
@@ -162,6 +150,26 @@ def build_compute_filter(arch: str | None = None) -> bytes:
     ins(_JSET, OPEN_WRITE_FLAGS, "eperm", "allow")
     _shared_returns(ins, prog)
     return _assemble(prog)
+
+
+def _start(arch: str | None):
+    """(arch, its syscall numbers, the program so far, ins(code, k, jt=0, jf=0) appending to it):
+    a program that kills a syscall of a foreign ABI, fails an x32 one, and holds the syscall
+    number in the accumulator. Instructions are (code, jt, jf, k), jt/jf label names or 0."""
+    arch = arch or platform.machine()
+    if arch not in SYSCALLS:
+        raise RuntimeError(f"sandbox seccomp filter: unsupported architecture {arch!r} (x86_64 and aarch64 only)")
+    prog: list[tuple] = []
+
+    def ins(code, k, jt=0, jf=0):
+        prog.append((code, jt, jf, k))
+
+    ins(_LD_ABS_W, _ARCH)
+    ins(_JEQ, AUDIT_ARCH[arch], 0, "kill")
+    ins(_LD_ABS_W, _NR)
+    if arch == "x86_64":
+        ins(_JGE, X32_SYSCALL_BIT, "eperm", 0)
+    return arch, SYSCALLS[arch], prog, ins
 
 
 def _shared_returns(ins, prog) -> None:
@@ -206,23 +214,11 @@ def build_filter(sysv_ipc: bool, arch: str | None = None) -> bytes:
 
     `sysv_ipc`: allow SysV IPC (only when the call has its own IPC namespace).
     """
-    arch = arch or platform.machine()
-    if arch not in SYSCALLS:
-        raise RuntimeError(f"sandbox seccomp filter: unsupported architecture {arch!r} (x86_64 and aarch64 only)")
-    nr = SYSCALLS[arch]
-    prog: list[tuple] = []  # (code, jt, jf, k) with jt/jf as label names or 0
-
-    def ins(code, k, jt=0, jf=0):
-        prog.append((code, jt, jf, k))
+    arch, nr, prog, ins = _start(arch)
 
     def label(name):
         prog.append(("label", name))
 
-    ins(_LD_ABS_W, _ARCH)
-    ins(_JEQ, AUDIT_ARCH[arch], 0, "kill")
-    ins(_LD_ABS_W, _NR)
-    if arch == "x86_64":
-        ins(_JGE, X32_SYSCALL_BIT, "eperm", 0)
     ins(_JEQ, nr["socket"], "socket", 0)
     ins(_JEQ, nr["socketpair"], "socketpair", 0)
     ins(_JEQ, nr["clone"], "clone", 0)
