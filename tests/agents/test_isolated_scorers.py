@@ -129,7 +129,8 @@ def test_an_answer_cannot_rig_the_scorer_for_the_answers_after_it(countdown):
     own process leaves the next wrong answer wrong (in the trainer's process, before, every later
     countdown answer that used the right numbers scored 1.0)."""
     task, _ = countdown
-    rig = "__import__('numpy').__setattr__('isclose', __import__('unittest.mock').mock.MagicMock(return_value=True)) or 1"
+    always_true = "__import__('unittest.mock').mock.MagicMock(return_value=True)"
+    rig = f"__import__('numpy').__setattr__('isclose', {always_true}) or 1"
     numbers = task.metadata["entry_metadata"]["numbers"]
     wrong = " + ".join(map(str, numbers))   # every number once, the target missed (checked below)
     assert sum(numbers) != task.metadata["entry_metadata"]["target"]

@@ -1,12 +1,14 @@
 """reasoning-gym's scorers in forked children that may only compute: the child program of
-`isolated.ReasoningGymScorer` (run as a script; it imports nothing from `sfrrl_jax`).
+`isolated.ReasoningGymScorer` (run as a script; it imports nothing from `sfrrl_jax`, and loads the
+stdlib-only `agents/sandbox_launcher.py` by path for its `_lock_down`).
 
 Some scorers eval the model's answer (countdown: `sympy.parse_expr`, which runs Python), so an
 answer `__import__('os').system(...)` ran in the trainer, and `9**9**9**9` froze it. This process
 imports reasoning-gym once, then forks one child per answer. The child, before it reads the
 answer: stdin, stdout and stderr are /dev/null, every other descriptor but its result pipe is
-closed, rlimits cap its memory, CPU seconds and file size (0: no file can grow), no_new_privs, and
-a seccomp filter (`sandbox_seccomp.build_compute_filter`, sent by the parent) denies exec, fork,
+closed, rlimits cap its memory, CPU seconds and file size (0: no file can grow), then the sandbox
+launcher's `_lock_down` sets no_new_privs and installs a seccomp filter
+(`sandbox_seccomp.build_compute_filter`, sent by the parent) that denies exec, fork,
 threads, sockets, signals to other processes and every change to a file. A fresh fork per answer:
 whatever an answer's code changes in its child's memory (the scorer itself) is gone with it. The
 child past `timeout_s` is killed; no result, a result outside [0, 1] or a scorer that raised
@@ -18,7 +20,7 @@ missing, or the lock-down failed in a probe child). Then per request one line of
 `(dataset, answer, entry)` from the parent (trusted), one line back: the score as JSON.
 """
 import base64
-import ctypes
+import importlib.util
 import json
 import math
 import os
@@ -28,12 +30,21 @@ import select
 import signal
 import sys
 import time
+from pathlib import Path
 
-PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS, SECCOMP_MODE_FILTER = 22, 38, 2
+
+def _launcher():
+    """The sandbox's launcher module (`agents/sandbox_launcher.py`, stdlib-only like this file),
+    loaded by path: its `_lock_down(seccomp_hex)` sets no_new_privs and installs the filter (on a
+    failure it exits the process, and the fork then has no result)."""
+    path = Path(__file__).resolve().parents[1] / "sandbox_launcher.py"
+    spec = importlib.util.spec_from_file_location("sfrrl_sandbox_launcher", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+_install_filter = _launcher()._lock_down   # loaded once here, before any fork reads an answer
 
 
 def _lock_down(cfg: dict, result_fd: int) -> None:
@@ -56,14 +67,7 @@ def _lock_down(cfg: dict, result_fd: int) -> None:
                          (resource.RLIMIT_CPU, cfg["cpu_seconds"]), (resource.RLIMIT_FSIZE, 0),
                          (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(which, (value, value))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, None, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    program = ctypes.create_string_buffer(bytes.fromhex(cfg["filter"]))
-    fprog = _SockFprog(len(program.raw) // 8, ctypes.addressof(program))
-    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+    _install_filter(cfg["filter"])
 
 
 def _in_child(cfg: dict, work, read_fd: int, result_fd: int):
@@ -84,19 +88,17 @@ def _in_child(cfg: dict, work, read_fd: int, result_fd: int):
             finally:
                 os._exit(0)
     os.close(result_fd)
-    chunks, deadline = [], time.monotonic() + cfg["timeout_s"]
+    received, deadline = b"", time.monotonic() + cfg["timeout_s"]
     try:
-        while (left := deadline - time.monotonic()) > 0:
-            if not select.select([read_fd], [], [], left)[0]:
+        while len(received) <= 1 << 16:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_fd], [], [], left)[0]:
+                received = b""   # past its time: no result, whatever it wrote so far
                 break
             chunk = os.read(read_fd, 1 << 16)
-            if not chunk:
+            if not chunk:   # it wrote its result and exited
                 break
-            chunks.append(chunk)
-            if sum(map(len, chunks)) > 1 << 16:
-                break
-        else:
-            chunks = None
+            received += chunk
     finally:
         os.close(read_fd)
         try:
@@ -105,8 +107,8 @@ def _in_child(cfg: dict, work, read_fd: int, result_fd: int):
             pass
         os.waitpid(pid, 0)
     try:
-        return json.loads(b"".join(chunks)) if chunks else None
-    except ValueError:
+        return json.loads(received) if received else None
+    except ValueError:   # over 64 KiB, or not JSON
         return None
 
 
@@ -126,7 +128,8 @@ def main() -> None:
     read_fd, result_fd = os.pipe()
     probe = _in_child(cfg, lambda: "confined", read_fd, result_fd)
     if probe != "confined":
-        print(f"E the scoring child could not be confined: {probe}", flush=True)
+        why = probe if probe is not None else "it exited in its lock-down (rlimits, no_new_privs or seccomp refused)"
+        print(f"E the scoring child could not be confined: {why}", flush=True)
         return
     print("ready", flush=True)
     scorers = {}
