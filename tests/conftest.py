@@ -16,13 +16,14 @@ os.environ["XLA_FLAGS"] = (
 # a tiny-model test's time is compiling, and most of a compile is LLVM optimising machine code
 # (measured: the suite ~30 % shorter). The programs are the same HLO, only their machine code is
 # less optimised, so a test whose work runs long (the quickstart's learning run) runs it in a
-# subprocess at XLA's default level (process_run.default_opt_env). SFRRL_TEST_XLA_OPT=default
-# keeps XLA's level throughout; the suite passes either way.
+# subprocess at XLA's default level (process_run.default_opt_env). They also compile fusions with
+# XLA:CPU's loop emitters (process_run.TEST_FUSION_FLAG), about half the backend time again.
+# SFRRL_TEST_XLA_OPT=default keeps XLA's defaults throughout; the suite passes either way.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from process_run import TEST_OPT_FLAG  # noqa: E402
+from process_run import TEST_XLA_FLAGS  # noqa: E402
 
-if os.environ.get("SFRRL_TEST_XLA_OPT", "0") != "default" and TEST_OPT_FLAG not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " " + TEST_OPT_FLAG
+if os.environ.get("SFRRL_TEST_XLA_OPT", "0") != "default":
+    os.environ["XLA_FLAGS"] += "".join(f" {f}" for f in TEST_XLA_FLAGS if f not in os.environ["XLA_FLAGS"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent XLA compilation cache for the whole test run: its pytest workers, the processes

@@ -56,7 +56,12 @@ def test_expert_parallel_matches_single_device(family, dispatch):
     np.testing.assert_allclose(v8, v1, rtol=1e-5)
     flat1 = dict(jax.tree_util.tree_flatten_with_path(g1)[0])
     for path, a in jax.tree_util.tree_flatten_with_path(g8)[0]:
-        np.testing.assert_allclose(a, flat1[path], atol=1e-5, rtol=1e-5, err_msg=str(path))
+        # a gradient entry is a sum over every token's contribution, and one that nearly cancels
+        # (-0.46 among entries of +-65) keeps the rounding of its large terms: the absolute bound
+        # scales with the leaf's largest entry (a wrong dispatch errs by the order of the entries)
+        want = flat1[path]
+        np.testing.assert_allclose(a, want, atol=max(1e-5, 1e-6 * float(np.abs(want).max())), rtol=1e-5,
+                                   err_msg=str(path))
     # the router and the experts both receive gradient (the comparison is not of zeros)
     assert np.abs(g8["layers"]["moe"]["w_down"]).max() > 1e-3
     assert np.abs(g8["layers"]["moe"]["router"]).max() > 1e-3
@@ -107,7 +112,9 @@ def test_remat_policies_change_memory_not_results(remat):
 
 def test_attention_out_remat_keeps_the_attention_forward_from_rerunning():
     """'attention_out' saves the blockwise core's output and log-sum-exp: the backward then has
-    as many loops as without remat, while 'full' re-runs each layer's attention forward loops."""
+    as many loops as without remat, while 'full' re-runs each layer's attention forward loops.
+    Counted in the program jax lowers (where remat acts), not in XLA's compiled one: XLA:CPU's
+    loop emitters (the tests' compile flags) expand other ops into loops of their own."""
     import re
 
     mesh = single_device_mesh()
@@ -120,6 +127,6 @@ def test_attention_out_remat_keeps_the_attention_forward_from_rerunning():
         tokens = np.zeros((1, 64), np.int32)
         loss = lambda p: jnp.sum(tfm.forward_hidden(cfg, p, tokens)[0] ** 2)  # noqa: E731
         with jax.set_mesh(mesh):
-            hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
-        counts[remat] = len(re.findall(r" while\(", hlo))
+            lowered = jax.jit(jax.grad(loss)).lower(params).as_text()
+        counts[remat] = len(re.findall(r"stablehlo\.while", lowered))
     assert counts["attention_out"] == counts["none"] < counts["full"], counts
