@@ -22,7 +22,8 @@ from sfrrl_jax.agents import (AgentConfig, CalculatorTool, Environment, Function
                               RewardError, RewardFn, RewardSum, SandboxConfig, Task, TaskKind, Tool, ToolEnvironment,
                               ToolRunnerConfig, Trajectory, UnknownTaskKindError, answer_correct, answer_format,
                               calculator_environment, countdown_environment, generate_arithmetic_tasks,
-                              generate_countdown_tasks, get_task_kind, load_tasks_jsonl, named, qa_environment,
+                              generate_countdown_tasks, get_task_kind, in_thread, load_tasks_jsonl, named,
+                              qa_environment,
                               register_task_kind, registered_task_kinds, reward_component_means, run_agent,
                               run_many, save_tasks_jsonl, tool_error_penalty, unregister_task_kind)
 from sfrrl_jax.agents import (BFCL_CATEGORIES, CodeTestsVerifier, FunctionCallingEnvironment, bfcl_tasks,
@@ -56,7 +57,7 @@ __all__ = [
     "RewardFn", "RewardSum", "SandboxConfig", "Task", "TaskKind", "Tool", "ToolEnvironment", "ToolRunnerConfig",
     "Trajectory", "UnknownTaskKindError", "answer_correct", "answer_format", "calculator_environment",
     "countdown_environment", "extract_answer", "generate_arithmetic_tasks", "generate_countdown_tasks",
-    "get_task_kind", "load_tasks_jsonl", "named", "qa_environment", "register_task_kind", "registered_task_kinds",
+    "get_task_kind", "in_thread", "load_tasks_jsonl", "named", "qa_environment", "register_task_kind", "registered_task_kinds",
     "reward_component_means", "run_agent", "run_many", "save_tasks_jsonl", "tool_error_penalty",
     "unregister_task_kind",
     # task sets from files and packages (math, reasoning-gym, HumanEval code, BFCL function calling)

@@ -7,7 +7,7 @@ from sfrrl_jax.agents.formats import CompactFormat, HarmonyFormat, ParsedTurn, Q
 from sfrrl_jax.agents.loop import AgentConfig, run_agent, run_many
 from sfrrl_jax.agents.protocols import (Completion, EngineProtocol, Environment, GenerationRequest, RewardFn, Task,
                                         Tool, ToolCall, ToolCallError, ToolResult)
-from sfrrl_jax.agents.reward_fns import (RewardError, RewardSum, answer_correct, answer_format, named,
+from sfrrl_jax.agents.reward_fns import (RewardError, RewardSum, answer_correct, answer_format, in_thread, named,
                                          reward_component_means, tool_error_penalty)
 from sfrrl_jax.agents.rewards import task_reward
 from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig, SandboxResult, probe_capabilities
@@ -25,8 +25,8 @@ __all__ = [
     "Tool", "ToolCall", "ToolCallError", "ToolEnvironment", "ToolError", "ToolResult", "ToolRunner",
     "ToolRunnerConfig", "Trajectory", "Turn", "UnknownTaskKindError", "answer_correct", "answer_format",
     "calculator_demonstration", "calculator_environment", "calculator_tool_schemas", "countdown_environment",
-    "generate_arithmetic_tasks", "generate_countdown_tasks", "get_format", "get_task_kind", "load_tasks_jsonl",
-    "named", "probe_capabilities", "qa_environment", "register_task_kind", "registered_task_kinds",
+    "generate_arithmetic_tasks", "generate_countdown_tasks", "get_format", "get_task_kind", "in_thread",
+    "load_tasks_jsonl", "named", "probe_capabilities", "qa_environment", "register_task_kind", "registered_task_kinds",
     "render_sft_example", "reward_component_means", "run_agent", "run_many", "save_tasks_jsonl", "task_reward",
     "tool_error_penalty", "unregister_task_kind",
 ]

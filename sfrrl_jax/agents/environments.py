@@ -5,7 +5,7 @@ the verifier of `task.kind`), each component recorded in `trajectory.metadata["r
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Awaitable, Sequence
 
 from sfrrl_jax.agents.protocols import Message, RewardFn, Task, Tool, ToolCall, ToolCallError, ToolResult
 from sfrrl_jax.agents.reward_fns import RewardSum, answer_correct
@@ -26,6 +26,7 @@ class ToolEnvironment:
     `reward(task, trajectory)` is `sum(w * fn(task, trajectory))` over `reward_fns` and
     `reward_weights` (default: `[answer_correct]`, weight 1 each), checked here (see
     `reward_fns.RewardSum`); each fn's unweighted value goes to `trajectory.metadata["rewards"]`.
+    With an async reward function among them, `reward` returns an awaitable (the loop awaits it).
     """
 
     def __init__(self, tools: Sequence[Tool], system_prompt: str | None,
@@ -53,7 +54,7 @@ class ToolEnvironment:
     async def step(self, calls: Sequence[ToolCall | ToolCallError]) -> list[ToolResult]:
         return await self.runner.run(calls)
 
-    def reward(self, task: Task, trajectory: Trajectory) -> float:
+    def reward(self, task: Task, trajectory: Trajectory) -> float | Awaitable[float]:
         return self.rewards(task, trajectory)
 
     def close(self) -> None:

@@ -236,7 +236,10 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
     traj.wall_s = time.perf_counter() - start
     if failure is None:
         try:
-            reward = float(env.reward(task, traj))
+            reward = env.reward(task, traj)
+            if inspect.isawaitable(reward):  # an async reward: the loop serves the others meanwhile
+                reward = await reward
+            reward = float(reward)
             if not math.isfinite(reward):  # one NaN would poison its whole group's advantages
                 raise ValueError(f"the environment's reward is {reward}, not a finite number")
             traj.reward = reward

@@ -78,8 +78,9 @@ class Environment(Protocol):
 
     `reset(task)` gives the initial messages; `step(calls)` runs the parsed calls and returns one
     result per item, in order (unparseable items included, as errors); `reward(task, trajectory)`
-    is a pure function of the task and the finished trajectory: a finite float (anything else, or
-    an exception, makes that sample an error). It may record its components (unweighted, by name)
+    is a pure function of the task and the finished trajectory: a finite float, or an awaitable of
+    one (an `async def reward`, awaited by the loop, which serves the other trajectories meanwhile);
+    anything else, or an exception, makes that sample an error. It may record its components (unweighted, by name)
     in `trajectory.metadata["rewards"]`, as `ToolEnvironment` does: see `reward_fns.RewardSum`
     (`RLTrainer` logs each component's mean over a step as `reward/<name>`).
     An environment whose tools differ per task may also define `task_tool_schemas(task)`: the
@@ -99,8 +100,9 @@ class Environment(Protocol):
 
 @runtime_checkable
 class RewardFn(Protocol):
-    """A reward function is a plain callable value: `fn(task, trajectory) -> float` (finite).
-    Defined here only; `reward_fns` (with the built-ins) and `sfrrl_jax.agents` re-export it.
+    """A reward function is a plain callable value: `fn(task, trajectory) -> float` (finite), or an
+    `async def` one (awaited). Defined here only; `reward_fns` (with the built-ins, and `in_thread`
+    for a blocking one) and `sfrrl_jax.agents` re-export it.
 
     Its log name (`reward/<name>`) is its `__name__`; give a lambda, a `functools.partial` or a
     callable object one with `reward_fns.named(fn, name)`. Environments take a list of them and

@@ -14,21 +14,31 @@ are taken by the summed reward's metrics. A function's name is its `__name__`; `
 partial or a callable object. A function that raises, or returns something that is not a finite
 number, makes that sample an error (`Trajectory.error` names the function); the batch goes on.
 
+A reward function may also be `async def` (its result awaited): the sum is then awaitable, and the
+agent loop awaits it, so the loop's other trajectories decode and run tools meanwhile. A plain
+function runs on the loop and holds it while it runs; `in_thread(fn)` runs a blocking one (a
+verifier that waits on a process, a sandbox or a server) in a worker thread instead, for functions
+safe to call from several threads at once (the built-in verifiers are: `answer_correct`'s math,
+reasoning-gym and code verifiers each serve their callers through a locked child process or the
+sandbox's own loop).
+
 Built-in: `answer_correct` (the verifier of `task.kind` from the task-kind registry: the default,
 what `ToolEnvironment` did before), `answer_format` (1 if the final text has an <answer> block),
 `tool_error_penalty` (minus the fraction of tool calls that errored).
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
-from typing import Iterable, Sequence
+from typing import Awaitable, Iterable, Sequence
 
 from sfrrl_jax.agents.protocols import RewardFn, Task
 from sfrrl_jax.agents.rewards import extract_answer, task_reward
 from sfrrl_jax.agents.trajectory import Trajectory
 
-__all__ = ["RESERVED_NAMES", "REWARDS_KEY", "RewardError", "RewardFn", "RewardSum", "answer_correct", "answer_format", "named",
-           "reward_component_means", "reward_name", "tool_error_penalty"]
+__all__ = ["RESERVED_NAMES", "REWARDS_KEY", "RewardError", "RewardFn", "RewardSum", "answer_correct", "answer_format", "in_thread",
+           "named", "reward_component_means", "reward_name", "tool_error_penalty"]
 
 REWARDS_KEY = "rewards"  # Trajectory.metadata[REWARDS_KEY] = {name: unweighted value}
 # reward/mean and reward/success_rate are the trainer's metrics of the summed reward
@@ -62,6 +72,24 @@ def named(fn: RewardFn, name: str) -> RewardFn:
         return fn(task, trajectory)
 
     reward.__name__ = reward.__qualname__ = name
+    reward.__wrapped__ = fn  # type: ignore[attr-defined]
+    reward_name(reward)  # refuse a bad name here, not when the environment is built
+    return reward
+
+
+def in_thread(fn: RewardFn, name: str | None = None) -> RewardFn:
+    """`fn` as an async reward function that runs it in a worker thread (`asyncio.to_thread`),
+    under `fn`'s log name (or `name`). For a blocking `fn` that is safe to call from several
+    threads at once: the agent loop goes on with the other trajectories while it runs."""
+    if not callable(fn):
+        raise TypeError(f"in_thread: fn must be callable, got {fn!r}")
+    if inspect.iscoroutinefunction(fn):
+        raise TypeError(f"in_thread: {fn!r} is already async (the loop awaits it without a thread)")
+
+    async def reward(task: Task, trajectory: Trajectory) -> float:
+        return await asyncio.to_thread(fn, task, trajectory)
+
+    reward.__name__ = reward.__qualname__ = reward_name(fn) if name is None else name
     reward.__wrapped__ = fn  # type: ignore[attr-defined]
     reward_name(reward)  # refuse a bad name here, not when the environment is built
     return reward
@@ -122,14 +150,36 @@ class RewardSum:
     def __repr__(self) -> str:
         return f"RewardSum({dict(zip(self.names, self.weights))})"
 
-    def __call__(self, task: Task, trajectory: Trajectory) -> float:
-        components: dict[str, float] = {}
-        total = 0.0
-        for name, fn, weight in zip(self.names, self.fns, self.weights):
+    def __call__(self, task: Task, trajectory: Trajectory) -> float | Awaitable[float]:
+        """The weighted sum, or, where a reward function is async, an awaitable of it (the async
+        functions' results awaited together)."""
+        raws = []
+        for name, fn in zip(self.names, self.fns):
             try:
-                raw = fn(task, trajectory)
+                raws.append(fn(task, trajectory))
+            except Exception as e:
+                for pending in raws:  # never awaited: closed, so they warn of nothing
+                    if inspect.iscoroutine(pending):
+                        pending.close()
+                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        if any(inspect.isawaitable(raw) for raw in raws):
+            return self._settle(task, trajectory, raws)
+        return self._total(task, trajectory, raws)
+
+    async def _settle(self, task: Task, trajectory: Trajectory, raws: list) -> float:
+        async def value(name: str, raw):
+            if not inspect.isawaitable(raw):
+                return raw
+            try:
+                return await raw
             except Exception as e:
                 raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        return self._total(task, trajectory, await asyncio.gather(*map(value, self.names, raws)))
+
+    def _total(self, task: Task, trajectory: Trajectory, raws: Sequence) -> float:
+        components: dict[str, float] = {}
+        total = 0.0
+        for name, raw, weight in zip(self.names, raws, self.weights):
             try:
                 value = float(raw) if not isinstance(raw, (str, bytes)) else None
             except (TypeError, ValueError):

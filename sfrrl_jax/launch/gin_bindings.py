@@ -32,7 +32,7 @@ from sfrrl_jax.launch.recipes import (BUILTIN_KINDS, get_recipe, recipe_kinds, r
 from sfrrl_jax.testing.workload import WorkloadConfig
 from sfrrl_jax.agents.environments import calculator_environment, qa_environment
 from sfrrl_jax.agents.loop import AgentConfig
-from sfrrl_jax.agents.reward_fns import answer_correct, answer_format, tool_error_penalty
+from sfrrl_jax.agents.reward_fns import answer_correct, answer_format, in_thread, tool_error_penalty
 from sfrrl_jax.agents.tasksets.function_calling import function_call_match
 from sfrrl_jax.agents.tasksets.function_calling import FunctionCallingEnvironment
 from sfrrl_jax.agents.tasksets.bfcl_multi_turn import BfclMultiTurnEnvironment, multi_turn_match, multi_turn_progress
@@ -123,9 +123,10 @@ def register() -> None:
         for fn in (code_environment, math_tool_environment, countdown_tool_environment, calculator_environment,
                    qa_environment, FunctionCallingEnvironment, BfclMultiTurnEnvironment):
             gin.external_configurable(fn, module="sfrrl")
-        # reward functions, passed as values: `qa_environment.reward_fns = [@answer_correct, @answer_format]`
+        # reward functions, passed as values: `qa_environment.reward_fns = [@answer_correct, @answer_format]`;
+        # a blocking one off the agent loop: `[@judge/in_thread()]` with `judge/in_thread.fn = @my_judge`
         for fn in (answer_correct, answer_format, tool_error_penalty, function_call_match, multi_turn_match,
-                   multi_turn_progress):
+                   multi_turn_progress, in_thread):
             gin.external_configurable(fn, module="sfrrl")
         gin.external_configurable(make_job, name="Job", module="sfrrl")
         _REGISTERED.add(Job)

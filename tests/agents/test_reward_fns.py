@@ -3,14 +3,17 @@ function and a new task kind, each added in one place by the test, through `Tool
 `run_agent` with a scripted engine; weighted sums, recorded components, their means, the errors."""
 import asyncio
 import functools
+import inspect
 import json
 import math
+import threading
+import time
 
 import pytest
 
 from sfrrl_jax.agents import (AgentConfig, CalculatorTool, Completion, DatasetError, RewardError, RewardFn, RewardSum,
                               Task, ToolEnvironment, Trajectory, UnknownTaskKindError, answer_correct, answer_format,
-                              get_task_kind, load_tasks_jsonl, named, register_task_kind, registered_task_kinds,
+                              get_task_kind, in_thread, load_tasks_jsonl, named, register_task_kind, registered_task_kinds,
                               reward_component_means, run_agent, run_many, save_tasks_jsonl, task_reward,
                               tool_error_penalty, unregister_task_kind)
 from sfrrl_jax.agents.rewards import extract_answer
@@ -295,3 +298,98 @@ def test_a_finite_components_overflowing_sum_and_a_custom_environments_nan_are_e
     traj = _run(tok, NanEnvironment([], None), arithmetic_task("2 + 3", "t"), ["<answer>5</answer><|end|>"])
     assert traj.error == "ValueError: the environment's reward is nan, not a finite number"
     assert (traj.finish_reason, traj.reward) == ("error", 0.0)
+
+
+# ----------------------------------------------------------------------------- async and threaded rewards
+
+def test_async_reward_functions_are_awaited_with_the_sync_ones(tok):
+    async def judged(task, trajectory):  # e.g. a reward model served elsewhere
+        await asyncio.sleep(0)
+        return 0.25 if task.task_id == "t0" else 0.0
+
+    env = ToolEnvironment([], None, reward_fns=[answer_correct, judged], reward_weights=[1.0, 4.0])
+    traj = _run(tok, env, arithmetic_task("2 + 3", "t0"), ["<answer>5</answer><|end|>"])
+    assert (traj.error, traj.reward, traj.metadata["rewards"]) == (None, 2.0, {"answer_correct": 1.0, "judged": 0.25})
+    # called outside a loop, a sum with an async function is awaitable; one without stays a float
+    outside = Trajectory("t", "t", 0, 0, [], [], [], final_text="<answer>5</answer>")
+    pending = env.rewards(arithmetic_task("2 + 3", "t0"), outside)
+    assert asyncio.run(pending) == 2.0
+    assert RewardSum([answer_correct])(arithmetic_task("2 + 3", "t0"), outside) == 1.0
+
+
+def test_an_async_reward_that_raises_or_returns_nan_is_that_samples_error(tok):
+    async def flaky(task, trajectory):
+        if task.task_id == "raises":
+            raise ConnectionError("judge unreachable")
+        return math.nan
+
+    def strict(task, trajectory):  # a sync fn that raises after the async one was called
+        if task.task_id == "both":
+            raise KeyError("strict")
+        return 1.0
+
+    tasks = [arithmetic_task("2 + 3", name) for name in ("raises", "nan", "both")]
+    env = ToolEnvironment([], None, reward_fns=[flaky, strict])
+    engine = _PerTaskEngine(tok, {"2 + 3": ["<answer>5</answer><|end|>"]})
+    trajs = {t.task_id: t for t in asyncio.run(run_many(engine, env, tasks, tok, CFG))}
+    env.close()
+    assert trajs["raises"].error == ("RewardError: reward function 'flaky' raised ConnectionError: "
+                                     "judge unreachable")
+    assert trajs["nan"].error == "RewardError: reward function 'flaky' returned nan for task nan: rewards must be finite"
+    assert trajs["both"].error == "RewardError: reward function 'strict' raised KeyError: 'strict'"
+    assert all(t.reward == 0.0 and t.finish_reason == "error" for t in trajs.values())
+    # the coroutine of an async function called before a sync one raised is closed, not dropped
+    # unawaited (which warns "never awaited" whenever it is collected)
+    made = []
+
+    def recording(task, trajectory):
+        made.append(flaky(task, trajectory))
+        return made[-1]
+    with pytest.raises(RewardError, match="'strict' raised KeyError"):
+        RewardSum([named(recording, "flaky"), strict])(arithmetic_task("2 + 3", "both"), trajs["both"])
+    assert inspect.getcoroutinestate(made[0]) == inspect.CORO_CLOSED
+
+
+def _waits_for_the_other(other_done: threading.Event, wait_s: float):
+    """A blocking reward: 'slow' holds its thread until 'fast' has been rewarded (1.0), or gives
+    up after wait_s (0.0). 'fast' is rewarded by setting the event."""
+    def reward(task, trajectory):
+        if task.task_id == "fast":
+            other_done.set()
+            return 1.0
+        return float(other_done.wait(wait_s))
+    return reward
+
+
+def test_in_thread_keeps_the_loop_serving_other_trajectories_while_a_reward_blocks(tok):
+    tasks = [arithmetic_task("2 + 3", "slow"), arithmetic_task("2 + 3", "fast")]
+    script = {"2 + 3": ["<answer>5</answer><|end|>"]}
+    # in a thread: 'slow' (started first) waits while the loop finishes and rewards 'fast'
+    done = threading.Event()
+    env = ToolEnvironment([], None, reward_fns=[in_thread(named(_waits_for_the_other(done, 60.0), "waits"))])
+    start = time.perf_counter()
+    trajs = {t.task_id: t for t in asyncio.run(run_many(_PerTaskEngine(tok, script), env, tasks, tok, CFG))}
+    assert time.perf_counter() - start < 30  # measured: milliseconds
+    assert {k: (t.error, t.reward) for k, t in trajs.items()} == {"slow": (None, 1.0), "fast": (None, 1.0)}
+    assert trajs["slow"].metadata["rewards"] == {"waits": 1.0}
+    # the control: the same function on the loop holds it, so 'fast' cannot run until it gives up
+    done = threading.Event()
+    env = ToolEnvironment([], None, reward_fns=[named(_waits_for_the_other(done, 0.5), "waits")])
+    trajs = {t.task_id: t for t in asyncio.run(run_many(_PerTaskEngine(tok, script), env, tasks, tok, CFG))}
+    assert {k: t.reward for k, t in trajs.items()} == {"slow": 0.0, "fast": 1.0}
+
+
+def test_in_thread_checks_what_it_wraps():
+    assert in_thread(answer_correct).__name__ == "answer_correct"
+    assert in_thread(answer_correct, "correct").__name__ == "correct"
+    with pytest.raises(ValueError, match="has no usable name"):
+        in_thread(lambda task, trajectory: 1.0)
+    with pytest.raises(ValueError, match="reward/mean"):
+        in_thread(answer_correct, "mean")
+
+    async def already(task, trajectory):
+        return 1.0
+    with pytest.raises(TypeError, match="already async"):
+        in_thread(already)
+    with pytest.raises(TypeError, match="must be callable"):
+        in_thread(3.0)

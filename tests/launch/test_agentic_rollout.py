@@ -1,6 +1,7 @@
 """The real experiment path in gin (issue #22 point 3): `ExperimentConfig.rollout = @AgenticRollout()`
 trains agentic RL from an HF directory (weights, tokenizer and its own tool-calling chat template)
 on a task file, and refuses mismatched parts by name before anything compiles."""
+import inspect
 import json
 import shutil
 import sys
@@ -117,10 +118,12 @@ def test_a_package_task_set_gets_its_kinds_environment(model_dir, tmp_path):
 
 
 def test_the_environment_is_a_gin_value_and_the_run_fingerprint_is_stable(model_dir, tasks_file, tmp_path):
-    """`@qa_environment()` with its own reward bindings; the rollout's repr (part of the resume
-    fingerprint) names functions, never addresses, so a resumed run in a new process matches."""
+    """`@qa_environment()` with its own reward bindings (one run off the agent loop, `in_thread`);
+    the rollout's repr (part of the resume fingerprint) names functions, never addresses, so a
+    resumed run in a new process matches."""
     extra = {"AgenticRollout.environment": "@qa_environment()",
-             "qa_environment.reward_fns": "[@answer_correct, @answer_format]",
+             "qa_environment.reward_fns": "[@correct/in_thread(), @answer_format]",
+             "correct/in_thread.fn": "@answer_correct",
              "qa_environment.reward_weights": "[1.0, 0.2]"}
     reprs = []
     for _ in range(2):
@@ -132,3 +135,4 @@ def test_the_environment_is_a_gin_value_and_the_run_fingerprint_is_stable(model_
     env = source.rollout_fn.env
     assert env.tool_schemas() == [] and list(env.rewards.weights) == [1.0, 0.2]
     assert list(env.rewards.names) == ["answer_correct", "answer_format"]
+    assert [inspect.iscoroutinefunction(fn) for fn in env.rewards.fns] == [True, False]
