@@ -3,7 +3,8 @@ registry, reward functions, the agent loop."""
 from sfrrl_jax.agents.demos import calculator_demonstration, calculator_tool_schemas, render_sft_example
 from sfrrl_jax.agents.environments import (ToolEnvironment, calculator_environment, countdown_environment,
                                            qa_environment)
-from sfrrl_jax.agents.formats import CompactFormat, HarmonyFormat, ParsedTurn, Qwen3Format, get_format
+from sfrrl_jax.agents.formats import (CompactFormat, HarmonyFormat, Llama3JsonFormat, MistralFormat, ParsedTurn,
+                                      Qwen3Format, ToolCallFormat, get_format, infer_format)
 from sfrrl_jax.agents.loop import AgentConfig, run_agent, run_many
 from sfrrl_jax.agents.protocols import (Completion, EngineProtocol, Environment, GenerationRequest, RewardFn, Task,
                                         Tool, ToolCall, ToolCallError, ToolResult)
@@ -20,12 +21,13 @@ from sfrrl_jax.agents.trajectory import Trajectory, Turn
 
 __all__ = [
     "AgentConfig", "CalculatorTool", "CompactFormat", "Completion", "DatasetError", "EngineProtocol", "Environment",
-    "FunctionTool", "GenerationRequest", "HarmonyFormat", "ParsedTurn", "PythonSandbox", "PythonTool",
-    "Qwen3Format", "RewardError", "RewardFn", "RewardSum", "SandboxConfig", "SandboxResult", "Task", "TaskKind",
-    "Tool", "ToolCall", "ToolCallError", "ToolEnvironment", "ToolError", "ToolResult", "ToolRunner",
+    "FunctionTool", "GenerationRequest", "HarmonyFormat", "Llama3JsonFormat", "MistralFormat", "ParsedTurn",
+    "PythonSandbox", "PythonTool", "Qwen3Format", "RewardError", "RewardFn", "RewardSum", "SandboxConfig",
+    "SandboxResult", "Task", "TaskKind",
+    "Tool", "ToolCall", "ToolCallError", "ToolCallFormat", "ToolEnvironment", "ToolError", "ToolResult", "ToolRunner",
     "ToolRunnerConfig", "Trajectory", "Turn", "UnknownTaskKindError", "answer_correct", "answer_format",
     "calculator_demonstration", "calculator_environment", "calculator_tool_schemas", "countdown_environment",
-    "generate_arithmetic_tasks", "generate_countdown_tasks", "get_format", "get_task_kind", "in_thread",
+    "generate_arithmetic_tasks", "generate_countdown_tasks", "get_format", "get_task_kind", "in_thread", "infer_format",
     "load_tasks_jsonl", "named", "probe_capabilities", "qa_environment", "register_task_kind", "registered_task_kinds",
     "render_sft_example", "reward_component_means", "run_agent", "run_many", "save_tasks_jsonl", "task_reward",
     "tool_error_penalty", "unregister_task_kind",

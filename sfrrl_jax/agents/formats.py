@@ -1,4 +1,10 @@
-"""Parse tool calls out of generated assistant text: compact (ours), Qwen3, GPT-OSS harmony.
+"""Parse tool calls out of generated assistant text: compact (ours), Qwen3 / Hermes, GPT-OSS
+harmony, Llama 3 JSON, Mistral.
+
+A format is a value (`AgentConfig.tool_format` takes one, or a built-in's name): `parse(text)`
+plus the tokens that end its turns (`turn_ends`, added to the tokenizer's stops) and those that
+only end a message inside a turn (`message_ends`, removed from them): see `turn_stop_ids`.
+`infer_format(chat_template)` names the built-in format a chat template writes.
 
 Parsing never raises on model output. Anything unusable (bad JSON, unterminated markup, a call
 without a name, arguments that are not an object) becomes a `ToolCallError` at its place in the
@@ -35,9 +41,47 @@ class ParsedTurn:
 
 
 class ToolCallFormat(Protocol):
+    """`parse(text)`: one generated assistant turn (special tokens kept) -> ParsedTurn, never
+    raising. Optional: `turn_ends` / `message_ends`, token strings (see `turn_stop_ids`)."""
+
     name: str
 
     def parse(self, text: str) -> ParsedTurn: ...
+
+
+class _Format:
+    """Shared by the built-ins: no extra stop tokens, and a repr without an address (the run's
+    fingerprint holds the agent config)."""
+
+    turn_ends: tuple[str, ...] = ()
+    message_ends: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+
+def turn_stop_ids(fmt: ToolCallFormat, tokenizer) -> tuple[int, ...]:
+    """The ids a turn of `fmt` stops on: the tokenizer's `stop_token_ids` without the format's
+    `message_ends`, plus its `turn_ends` (those the vocabulary has). gpt-oss's template closes
+    past turns with <|end|>, but a live turn writes <|end|> between its messages (analysis, then
+    final) and stops on <|return|> or <|call|>."""
+    ids = list(tokenizer.stop_token_ids)
+    to_id = getattr(tokenizer, "token_to_id", None)
+    if to_id is None:  # a protocol tokenizer without token lookups: its stops as they are
+        return tuple(ids)
+    dropped = {to_id(t) for t in getattr(fmt, "message_ends", ())}
+    added = [to_id(t) for t in getattr(fmt, "turn_ends", ())]
+    stops = tuple(dict.fromkeys([i for i in ids if i not in dropped] + [i for i in added if i is not None]))
+    if not stops:
+        raise ValueError(f"tool-call format {getattr(fmt, 'name', fmt)!r} leaves the tokenizer no stop token "
+                         f"(its stops {ids} minus the format's message ends): set AgentConfig.stop_token_ids")
+    return stops
 
 
 def _decode_object(payload: str, what: str) -> dict | ToolCallError:
@@ -117,7 +161,7 @@ def _tagged_calls(text: str, open_tag: str, close_tag: str, decode_body, stop_su
     return ParsedTurn(content=_strip_suffixes("".join(content), stop_suffixes).strip(), calls=tuple(calls))
 
 
-class CompactFormat:
+class CompactFormat(_Format):
     """Ours: `<|call|>NAME{json arguments}<|/call|>`, any number per turn; turn ends `<|end|>`."""
 
     name = "compact"
@@ -155,12 +199,13 @@ def split_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</th
     return "", text
 
 
-class Qwen3Format:
+class Qwen3Format(_Format):
     """Qwen3 / Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, after an
     optional `<think>...</think>` block that goes to `reasoning` and is never parsed for calls
     (a thought may mention `<tool_call>` without making one)."""
 
     name = "qwen3"
+    turn_ends = ("<|im_end|>",)
 
     def parse(self, text: str) -> ParsedTurn:
         def decode(body: str, index: int, raw: str):
@@ -179,7 +224,7 @@ _RECIPIENT = re.compile(r"to=(\S+?)(?=\s|<\||$)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
 
-class HarmonyFormat:
+class HarmonyFormat(_Format):
     """GPT-OSS harmony: a turn is a run of messages
     `[<|start|>assistant]<|channel|>CH[ to=functions.NAME][ <|constrain|>json]<|message|>BODY TERM`
     where TERM is <|end|>, <|call|> (a tool call) or <|return|> (the final answer). The first
@@ -188,6 +233,10 @@ class HarmonyFormat:
     """
 
     name = "harmony"
+    # a turn stops on <|return|> (final answer) or <|call|> (a tool call); <|end|> ends one of its
+    # messages (gpt-oss's generation_config.json stops on the same two)
+    turn_ends = ("<|return|>", "<|call|>")
+    message_ends = ("<|end|>",)
 
     def parse(self, text: str) -> ParsedTurn:
         final, other, reasoning, calls = [], [], [], []
@@ -224,10 +273,121 @@ class HarmonyFormat:
         return ParsedTurn(content=content.strip(), calls=tuple(calls), reasoning="".join(reasoning).strip())
 
 
-FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "harmony": HarmonyFormat}
+def _json_objects(text: str, what: str) -> list[tuple[object | ToolCallError, str]]:
+    """(value, its text) for the JSON values of `text` one after another, separated by ';' or
+    whitespace (Llama 3 writes parallel calls so); what cannot be read becomes one error, and
+    reading stops there."""
+    decoder, values, pos = json.JSONDecoder(), [], 0
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
+            pos += 1
+        if pos >= len(text):
+            return values
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            error = f"malformed tool call JSON in {what}: {e.msg} at char {e.pos}"
+        except ValueError as e:  # an integer literal past Python's int digit limit
+            error = f"unparsable tool call JSON in {what}: {e}"
+        except RecursionError:
+            error = f"tool call JSON in {what} is nested too deeply"
+        else:
+            values.append((value, text[pos:end]))
+            pos = end
+            continue
+        values.append((ToolCallError(error, raw=text[pos:]), text[pos:]))
+        return values
 
 
-def get_format(name: str) -> ToolCallFormat:
-    if name not in FORMATS:
-        raise ValueError(f"unknown tool-call format {name!r}; known: {sorted(FORMATS)}")
-    return FORMATS[name]()
+def _named_call(obj: object, index: int, raw: str, arguments_keys: tuple[str, ...]) -> ToolCall | ToolCallError:
+    if not isinstance(obj, dict):
+        return ToolCallError(f"a tool call must be a JSON object with a name, got {type(obj).__name__}", raw=raw)
+    arguments = next((obj[k] for k in arguments_keys if k in obj), None)
+    return _call(obj.get("name"), arguments, index, raw)
+
+
+class Llama3JsonFormat(_Format):
+    """Llama 3.1 / 3.2 / 3.3 JSON tool calling: a turn that is a call is the JSON object
+    `{"name": ..., "parameters": {...}}` ("arguments" too), optionally after <|python_tag|>;
+    parallel calls follow one another, separated by ';'. A turn whose text (after that tag) does
+    not start with '{' is an answer. Turns end with <|eot_id|>, or <|eom_id|> after a call."""
+
+    name = "llama3_json"
+    turn_ends = ("<|eot_id|>", "<|eom_id|>")
+    _SUFFIXES = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+
+    def parse(self, text: str) -> ParsedTurn:
+        body = _strip_suffixes(text, self._SUFFIXES).strip()
+        tagged = body.startswith("<|python_tag|>")
+        if tagged:
+            body = body[len("<|python_tag|>"):].strip()
+        if not body.startswith("{"):
+            return ParsedTurn(content=body if not tagged else "",
+                              calls=(ToolCallError("<|python_tag|> without a JSON tool call", raw=text),)
+                              if tagged else ())
+        calls = tuple(item if isinstance(item, ToolCallError)
+                      else _named_call(item, i, raw, ("parameters", "arguments"))
+                      for i, (item, raw) in enumerate(_json_objects(body, "the tool call")))
+        return ParsedTurn(content="", calls=calls)
+
+
+class MistralFormat(_Format):
+    """Mistral / Mixtral tool calling: text, then `[TOOL_CALLS]` and either a JSON list of
+    `{"name": ..., "arguments": {...}}` (tokenizer v3: Mistral 7B v0.3, Mixtral 8x22B) or
+    `NAME[ARGS]{...}` (v11 and later: Mistral Small 3.2, Devstral; `NAME[CALL_ID]ID[ARGS]{...}`
+    too), one `[TOOL_CALLS]` per call. The text before the first `[TOOL_CALLS]` is the content."""
+
+    name = "mistral"
+    _SUFFIXES = ("</s>",)
+
+    def parse(self, text: str) -> ParsedTurn:
+        content, *segments = _strip_suffixes(text, self._SUFFIXES).split("[TOOL_CALLS]")
+        calls: list[ToolCall | ToolCallError] = []
+        for segment in segments:
+            raw = "[TOOL_CALLS]" + segment
+            head, has_args, arguments = segment.partition("[ARGS]")
+            if has_args:
+                name = head.partition("[CALL_ID]")[0].strip()
+                decoded = _decode_object(arguments, f"arguments of {name!r}")
+                calls.append(dataclasses.replace(decoded, raw=raw, name=name or None)
+                             if isinstance(decoded, ToolCallError) else _call(name, decoded, len(calls), raw))
+                continue
+            items = _json_objects(segment, "[TOOL_CALLS]")
+            if not items:
+                calls.append(ToolCallError("[TOOL_CALLS] without a call", raw=raw))
+            for item, _ in items:
+                for one in (item if isinstance(item, list) else [item]):
+                    calls.append(one if isinstance(one, ToolCallError)
+                                 else _named_call(one, len(calls), raw, ("arguments", "parameters")))
+        return ParsedTurn(content=content.strip(), calls=tuple(calls))
+
+
+FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "harmony": HarmonyFormat,
+           "llama3_json": Llama3JsonFormat, "mistral": MistralFormat}
+
+# What each built-in format's chat templates write, most specific first (harmony's templates
+# also write <|call|>, which is the compact format's call tag).
+_TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("qwen3", ("<tool_call>",)), ("mistral", ("[TOOL_CALLS]",)),
+                     ("llama3_json", ("<|python_tag|>", "ipython")), ("compact", ("<|call|>",)))
+
+
+def infer_format(chat_template: str | None) -> str | None:
+    """The built-in format whose markup `chat_template` writes (None: none recognised)."""
+    if not chat_template:
+        return None
+    for name, markers in _TEMPLATE_MARKERS:
+        if any(m in chat_template for m in markers):
+            return name
+    return None
+
+
+def get_format(fmt: "str | ToolCallFormat") -> ToolCallFormat:
+    """A built-in format by name, or `fmt` itself when it is a format value (has `parse`)."""
+    if not isinstance(fmt, str):
+        if callable(getattr(fmt, "parse", None)):
+            return fmt
+        raise TypeError(f"a tool-call format is a built-in's name {sorted(FORMATS)} or a value with "
+                        f"parse(text) -> ParsedTurn, got {fmt!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown tool-call format {fmt!r}; known: {sorted(FORMATS)}")
+    return FORMATS[fmt]()

@@ -27,7 +27,7 @@ import math
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
-from sfrrl_jax.agents.formats import get_format
+from sfrrl_jax.agents.formats import get_format, turn_stop_ids
 from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment, Episode, GenerationRequest,
                                        Message, Task, ToolCall, ToolCallError, ToolResult)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
@@ -47,9 +47,12 @@ class AgentConfig:
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
-    tool_format: str = "compact"  # 'compact' | 'qwen3' | 'harmony'
+    # a built-in's name ('compact' | 'qwen3' | 'harmony' | 'llama3_json' | 'mistral') or a format
+    # value (formats.ToolCallFormat: parse(text) -> ParsedTurn)
+    tool_format: Any = "compact"
     max_tool_calls_per_turn: int = 32  # calls past it are not run: one error observation says so
-    stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-turn and eos
+    # None: the tokenizer's stops as the tool format refines them (formats.turn_stop_ids)
+    stop_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         # Checked here, not per request: a bad value would otherwise fail every sample one by one.
@@ -120,7 +123,7 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
     start = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + cfg.wall_budget_s
     fmt = get_format(cfg.tool_format)
-    stops = cfg.stop_token_ids if cfg.stop_token_ids is not None else tokenizer.stop_token_ids
+    stops = cfg.stop_token_ids if cfg.stop_token_ids is not None else turn_stop_ids(fmt, tokenizer)
     # an environment whose tools differ per task (BFCL items) says so with `task_tool_schemas`
     per_task = getattr(env, "task_tool_schemas", None)
     tools = (per_task(task) if per_task is not None else env.tool_schemas()) or None

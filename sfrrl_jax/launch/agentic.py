@@ -9,9 +9,10 @@
 `AgenticRollout(cfg, model_cfg)` is an `ExperimentConfig.rollout` factory: it loads the tasks
 (`agents.tasksets.load_tasks`), the tokenizer and chat template from the model's own directory
 (`tokenizer.load_tokenizer`; `tokenizer_path` overrides), picks the tool-call format from the
-model family (`ModelConfig.family`: Qwen2/Qwen3 -> 'qwen3', gpt-oss -> 'harmony';
-`tool_format` overrides), builds the environment (a value: `environment`, a zero-argument factory
-such as `@math_environment` in gin; by default the one of the task kind, `KIND_ENVIRONMENTS`) and
+markup its chat template writes (`agents.formats.infer_format`: <tool_call> -> 'qwen3',
+harmony channels -> 'harmony', <|python_tag|> / ipython -> 'llama3_json', [TOOL_CALLS] ->
+'mistral'), else from the model family (`FAMILY_FORMATS`; `tool_format` overrides), builds
+the environment (a value: `environment`, a zero-argument factory such as `@math_environment` in gin; by default the one of the task kind, `KIND_ENVIRONMENTS`) and
 returns an `AgentRollout` over them.
 
 Checked before anything is allocated or compiled (`validate`, also run by `--validate_only`):
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sfrrl_jax.agents.environments import ToolEnvironment, calculator_environment, countdown_environment
+from sfrrl_jax.agents.formats import FORMATS, infer_format
 from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.protocols import Environment, Task
 from sfrrl_jax.agents.sandbox import PythonSandbox
@@ -70,9 +72,10 @@ KIND_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
     "countdown": countdown_tool_environment,
 }
 
-#: Tool-call format of a model family (`ModelConfig.family`, from config.json's model_type):
-#: Qwen2.5/Qwen3 write Hermes-style <tool_call> JSON, gpt-oss the harmony channels. Llama 3 and
-#: Mixtral templates differ per checkpoint: those runs name `AgenticRollout.tool_format`.
+#: Tool-call format of a model family (`ModelConfig.family`, from config.json's model_type), for a
+#: chat template whose markup names none: Qwen2.5/Qwen3 write Hermes-style <tool_call> JSON,
+#: gpt-oss the harmony channels. Llama and Mixtral checkpoints differ (Llama 3.1's template writes
+#: JSON calls, SmolLM2's none): their template decides, or `AgenticRollout.tool_format`.
 FAMILY_FORMATS = {"qwen2": "qwen3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "gpt_oss": "harmony"}
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "sfrrl_probe_tool", "description": "probe",
@@ -89,7 +92,8 @@ class AgenticRollout:
     environment: the `Environment` (in gin `@qa_environment()`, built with its own bindings), or a
       zero-argument factory of it; None: `KIND_ENVIRONMENTS` by the tasks' kind.
     tokenizer_path: the tokenizer and chat template's directory (None: `ExperimentConfig.hf_path`).
-    tool_format: 'qwen3' | 'harmony' | 'compact' (None: from the model family).
+    tool_format: a built-in format's name ('qwen3', 'harmony', 'llama3_json', 'mistral', 'compact')
+      or a format value (None: the one the chat template writes, else the model family's).
     agent: limits and sampling of each trajectory (its `tool_format` is replaced by the above).
     """
 
@@ -99,7 +103,7 @@ class AgenticRollout:
     task_options: dict = dataclasses.field(default_factory=dict)
     environment: Environment | Callable[[], Environment] | None = None
     tokenizer_path: str | None = None
-    tool_format: str | None = None
+    tool_format: Any = None
     agent: AgentConfig = AgentConfig()
 
     def __repr__(self) -> str:
@@ -134,24 +138,29 @@ class AgenticRollout:
         if path is None:
             raise ValueError("AgenticRollout needs a tokenizer directory: set ExperimentConfig.hf_path (the model's "
                              "own directory) or AgenticRollout.tokenizer_path")
-        fmt = self.tool_format or FAMILY_FORMATS.get(model_cfg.family)
-        if fmt is None:
-            raise ValueError(f"no tool-call format is known for the model family {model_cfg.family!r}; set "
-                             f"AgenticRollout.tool_format (known formats: 'qwen3', 'harmony', 'compact')")
         if not isinstance(self.agent, AgentConfig):
             raise TypeError(f"AgenticRollout.agent must be an AgentConfig (@AgentConfig() in gin), got "
                             f"{type(self.agent).__name__}")
-        try:
-            agent = dataclasses.replace(self.agent, tool_format=fmt)   # checks the name
-        except ValueError as e:
-            raise ValueError(f"AgenticRollout.tool_format={fmt!r}: {e}") from e
+        tokenizer = None
+        if not (tokenizer_optional and not Path(path).exists()):
+            tokenizer = load_tokenizer(path)
+        fmt = (self.tool_format or (infer_format(tokenizer.chat_template_source) if tokenizer else None)
+               or FAMILY_FORMATS.get(model_cfg.family))
+        agent = self.agent
+        if fmt is not None:
+            try:
+                agent = dataclasses.replace(self.agent, tool_format=fmt)   # checks the name
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"AgenticRollout.tool_format={fmt!r}: {e}") from e
+        elif tokenizer is not None:   # (validated without the tokenizer: decided where it is)
+            raise ValueError(f"the chat template in {path} writes no tool-call markup this library reads, and no "
+                             f"format is known for the model family {model_cfg.family!r}: set "
+                             f"AgenticRollout.tool_format (built-ins: {sorted(FORMATS)}, or a format value)")
         if agent.max_total_tokens > cfg.trainer.max_len:
             raise ValueError(f"AgentConfig.max_total_tokens={agent.max_total_tokens} > TrainerConfig.max_len="
                              f"{cfg.trainer.max_len}: a trajectory must fit its KV-cache slot and a train row")
         env = self._environment(tasks)
-        tokenizer = None
-        if not (tokenizer_optional and not Path(path).exists()):
-            tokenizer = load_tokenizer(path)
+        if tokenizer is not None:
             _check_tokenizer(tokenizer, path, model_cfg, _offers_tools(env, tasks))
         return tasks, tokenizer, agent, env
 

@@ -45,14 +45,17 @@ class TokenizerProtocol(Protocol):
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """The ids that end an assistant turn (end-of-turn, then eos; no duplicates). The engine
-        stops a turn on any of them and the stop token stays in the turn's generated tokens."""
+        """The ids that end an assistant turn (end-of-turn, then eos, then any the model's
+        generation_config.json adds; no duplicates). The engine stops a turn on any of them and the
+        stop token stays in the turn's generated tokens. The agent loop lets the tool-call format
+        refine them (`agents.formats.turn_stop_ids`)."""
         ...
 
     @property
     def end_of_turn_token(self) -> str | None:
         """The text of the token that closes an assistant turn in the chat template (e.g.
-        '<|im_end|>'); its id is in `stop_token_ids`."""
+        '<|im_end|>'); its id is in `stop_token_ids`. (gpt-oss's template closes past turns with
+        <|end|>, which inside a turn ends a message: the harmony format drops it from the stops.)"""
         ...
 
     def encode(self, text: str) -> list[int]:

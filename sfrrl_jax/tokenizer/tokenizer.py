@@ -38,8 +38,11 @@ class Tokenizer:
     """A tokenizer plus its chat template. Ids are plain Python ints."""
 
     def __init__(self, hf_tokenizer: HFTokenizer, config: Mapping[str, Any], chat_template: str | None,
-                 name: str = "<memory>"):
+                 name: str = "<memory>", generation_eos_ids: Sequence[int] = ()):
         self.hf = hf_tokenizer
+        # generation_config.json's eos_token_id (what HF `generate` stops on): Llama 3.1's list
+        # holds <|eom_id|>, gpt-oss's <|call|>, neither of which the tokenizer config names
+        self.generation_eos_ids = tuple(generation_eos_ids)
         self.config = dict(config)
         self.name = name
         self.chat_template_source = chat_template
@@ -79,9 +82,11 @@ class Tokenizer:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """Tokens that end an assistant turn: end-of-turn, then eos (deduplicated)."""
+        """Tokens that end an assistant turn: end-of-turn, eos, then generation_config.json's eos
+        ids (deduplicated). A tool-call format may refine them (`agents.formats.turn_stop_ids`:
+        gpt-oss's <|end|> closes a message inside a turn)."""
         ids = [i for i in (self.end_of_turn_id, self.eos_id) if i is not None]
-        return tuple(dict.fromkeys(ids))
+        return tuple(dict.fromkeys(ids + list(self.generation_eos_ids)))
 
     @property
     def vocab_size(self) -> int:
@@ -196,4 +201,28 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     jinja_file = directory / "chat_template.jinja"
     if template is None and jinja_file.is_file():
         template = jinja_file.read_text()
-    return Tokenizer(HFTokenizer.from_file(str(tokenizer_file)), config, template, name=str(directory))
+    hf = HFTokenizer.from_file(str(tokenizer_file))
+    return Tokenizer(hf, config, template, name=str(directory),
+                     generation_eos_ids=_generation_eos_ids(directory / "generation_config.json",
+                                                            hf.get_vocab_size(with_added_tokens=True)))
+
+
+def _generation_eos_ids(path: Path, vocab_size: int) -> tuple[int, ...]:
+    """`eos_token_id` of a generation_config.json (an id or a list of ids; absent or null: none)."""
+    if not path.is_file():
+        return ()
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    value = config.get("eos_token_id")
+    if value is None:
+        return ()
+    ids = value if isinstance(value, list) else [value]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise ValueError(f"{path}: eos_token_id {value!r} must be a token id or a list of them, each in "
+                             f"[0, {vocab_size}) (the tokenizer's vocabulary)")
+    return tuple(ids)

@@ -15,6 +15,8 @@ from sfrrl_jax.launch import gin_bindings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checkpoints"))
 from hf_tokenizer_fixtures import CORPUS, build_qwen3_style_tokenizer  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agents"))
+from family_tokenizer_fixtures import build_llama3_style_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,12 +96,15 @@ def test_mismatched_parts_are_refused_by_name_before_anything_compiles(model_dir
     build_qwen3_style_tokenizer(none, template=None)
     assert "no chat template" in _refusal(model_dir, tasks_file, tmp_path,
                                           **{"AgenticRollout.tokenizer_path": repr(str(none))})
-    # a family without a known tool-call format must be told one
+    # a template whose tool markup this library does not read, of a family without a default
+    # format, must be told one (Llama checkpoints differ: SmolLM2's template writes no calls)
     llama = tmp_path / "llama_like"
     shutil.copytree(model_dir, llama)
     (llama / "config.json").write_text(json.dumps({**cfg, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    build_qwen3_style_tokenizer(llama, template="{% for m in messages %}{{ m.content }}{% endfor %}"
+                                                "{% if tools %}Tools: {{ tools | tojson }}{% endif %}")
     msg = _refusal(llama, tasks_file, tmp_path, **{"ExperimentConfig.hf_path": repr(str(llama))})
-    assert "AgenticRollout.tool_format" in msg and "'llama'" in msg
+    assert "AgenticRollout.tool_format" in msg and "'llama'" in msg and "writes no tool-call markup" in msg
     # the agent's budget must fit the train rows
     msg = _refusal(model_dir, tasks_file, tmp_path, **{"AgentConfig.max_total_tokens": "4096"})
     assert "AgentConfig.max_total_tokens=4096" in msg and "TrainerConfig.max_len=1024" in msg
@@ -115,6 +120,21 @@ def test_a_package_task_set_gets_its_kinds_environment(model_dir, tmp_path):
     assert len(source.tasks) == 3 and {t.kind for t in source.tasks} == {"function_call"}
     assert type(source.rollout_fn.env).__name__ == "FunctionCallingEnvironment"
     assert source.rollout_fn.agent_cfg.tool_format == "qwen3"   # from config.json's model_type
+
+
+def test_the_tool_format_is_the_one_the_chat_template_writes(model_dir, tasks_file, tmp_path):
+    """A Llama-family directory whose template writes Llama 3 JSON calls gets 'llama3_json'; the
+    Qwen3 one's <tool_call> template 'qwen3'; a bound AgenticRollout.tool_format wins."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    llama = tmp_path / "llama3_like"
+    shutil.copytree(model_dir, llama)
+    (llama / "config.json").write_text(json.dumps({**cfg, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    build_llama3_style_tokenizer(llama)
+    for directory, extra, want in ((llama, {}, "llama3_json"), (model_dir, {}, "qwen3"),
+                                   (model_dir, {"AgenticRollout.tool_format": "'mistral'"}, "mistral")):
+        job = gin_bindings.load_job([], _bindings(directory, tasks_file, tmp_path / "run", **extra))
+        source = job.experiment.rollout(job.experiment, gin_bindings.validate_job(job))
+        assert source.rollout_fn.agent_cfg.tool_format == want, directory
 
 
 def test_the_environment_is_a_gin_value_and_the_run_fingerprint_is_stable(model_dir, tasks_file, tmp_path):

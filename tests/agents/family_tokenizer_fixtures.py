@@ -1,0 +1,98 @@
+"""Small HF tokenizer directories in the style of Llama 3.1 and gpt-oss, built offline for the
+tool-call format tests: a byte-level BPE trained on a few lines, the family's control tokens,
+a chat template written here after the family's published prompt format (tools in the system
+turn, tool results under Llama's `ipython` header / gpt-oss's `functions.NAME` author), and a
+generation_config.json whose eos list is the family's (Llama: <|end_of_text|>, <|eom_id|>,
+<|eot_id|>; gpt-oss: <|return|>, <|endoftext|>, <|call|>).
+"""
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CORPUS = [
+    "What is 2 + 3? Use the calculator tool.",
+    '{"name": "calculator", "parameters": {"expression": "2 + 3"}}',
+    "The answer is <answer>5</answer>. You are a careful assistant.",
+    "Environment: ipython. Given the following functions, respond with a JSON for a function call.",
+] * 10
+
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                   "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+LLAMA3_STYLE_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set rest = messages[1:] %}"
+    "{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}"
+    "<|start_header_id|>system<|end_header_id|>\n\n"
+    "{%- if tools %}Environment: ipython\n\n{% endif %}{{ system }}"
+    "{%- if tools %}\n\nGiven the following functions, respond with a JSON for a function call with its proper "
+    "arguments, in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}."
+    "{%- for t in tools %}\n\n{{ t | tojson }}{%- endfor %}{%- endif %}<|eot_id|>"
+    "{%- for m in rest %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{%- for tc in m.tool_calls %}{%- if not loop.first %}; {% endif %}"
+    "{\"name\": \"{{ tc.function.name }}\", \"parameters\": {{ tc.function.arguments | tojson }}}"
+    "{%- endfor %}<|eot_id|>"
+    "{%- elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{%- else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                    "<|constrain|>", "<|return|>", "<|call|>"]
+HARMONY_STYLE_TEMPLATE = (
+    "<|start|>system<|message|>You are a helpful assistant.\nReasoning: medium\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "{%- if tools %}\nCalls to these tools must go to the commentary channel: 'functions'.{% endif %}<|end|>"
+    "{%- if tools %}<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n"
+    "{%- for t in tools %}\n// {{ t.function.description }}\ntype {{ t.function.name }} = "
+    "(_: {{ t.function.parameters | tojson }}) => any;{% endfor %}\n} // namespace functions<|end|>{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' %}"
+    "{%- if m.reasoning_content %}<|start|>assistant<|channel|>analysis<|message|>{{ m.reasoning_content }}<|end|>"
+    "{%- endif %}"
+    "{%- if m.tool_calls %}{%- for tc in m.tool_calls %}<|start|>assistant<|channel|>commentary "
+    "to=functions.{{ tc.function.name }} <|constrain|>json<|message|>{{ tc.function.arguments | tojson }}<|call|>"
+    "{%- endfor %}"
+    "{%- else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif %}"
+    "{%- elif m.role == 'tool' %}<|start|>functions.{{ m.name }} to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content }}<|end|>"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def _build(directory: Path, specials: list[str], config: dict, eos_list: list[str] | None) -> Path:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096, **config}))
+    if eos_list is not None:
+        (directory / "generation_config.json").write_text(json.dumps(
+            {"eos_token_id": [tok.token_to_id(t) for t in eos_list]}))
+    return directory
+
+
+def build_llama3_style_tokenizer(directory: Path, generation_config: bool = True) -> Path:
+    """Llama 3.1 Instruct's layout: eos <|eot_id|> in tokenizer_config.json; <|eom_id|> (the end of
+    a turn that calls a tool) only in generation_config.json."""
+    return _build(directory, LLAMA3_SPECIALS,
+                  {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA3_STYLE_TEMPLATE},
+                  ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"] if generation_config else None)
+
+
+def build_harmony_style_tokenizer(directory: Path, generation_config: bool = True) -> Path:
+    """gpt-oss's layout: eos <|return|>; its template closes past turns with <|end|>; <|call|>
+    (the end of a turn that calls a tool) only in generation_config.json."""
+    return _build(directory, HARMONY_SPECIALS,
+                  {"eos_token": "<|return|>", "pad_token": "<|endoftext|>", "chat_template": HARMONY_STYLE_TEMPLATE},
+                  ["<|return|>", "<|endoftext|>", "<|call|>"] if generation_config else None)

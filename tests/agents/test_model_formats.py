@@ -1,0 +1,217 @@
+"""Tool-call formats of the model families (Llama 3 JSON, Mistral, gpt-oss harmony) end to end:
+the turn's stop tokens (generation_config.json's, refined by the format), the parse, the format
+read from the chat template, and a multi-turn tool loop over each family's template."""
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sfrrl_jax.agents import AgentConfig, ParsedTurn, calculator_environment, run_agent
+from sfrrl_jax.agents.formats import (HarmonyFormat, Llama3JsonFormat, MistralFormat, Qwen3Format, get_format,
+                                      infer_format, turn_stop_ids)
+from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
+from sfrrl_jax.agents.tasks import arithmetic_task
+from sfrrl_jax.testing.scripted_engine import ScriptedEngine
+from sfrrl_jax.tokenizer import load_tokenizer
+
+from family_tokenizer_fixtures import build_harmony_style_tokenizer, build_llama3_style_tokenizer
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoints"))
+from hf_tokenizer_fixtures import build_qwen3_style_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return build_llama3_style_tokenizer(tmp_path_factory.mktemp("llama3_style"))
+
+
+@pytest.fixture(scope="module")
+def harmony_dir(tmp_path_factory):
+    return build_harmony_style_tokenizer(tmp_path_factory.mktemp("harmony_style"))
+
+
+def _ids(tok, *tokens):
+    return [tok.token_to_id(t) for t in tokens]
+
+
+# ----------------------------------------------------------------------------- stop tokens
+
+def test_generation_config_eos_ids_join_the_stops(llama_dir, tmp_path):
+    tok = load_tokenizer(llama_dir)
+    eot, eom, end = _ids(tok, "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+    assert tok.end_of_turn_token == "<|eot_id|>"
+    assert tok.stop_token_ids == (eot, end, eom)   # end-of-turn (= eos), then the config's others
+    (tmp_path / "bare").mkdir()
+    bare = build_llama3_style_tokenizer(tmp_path / "bare", generation_config=False)
+    assert load_tokenizer(bare).stop_token_ids == (eot,)
+    # Llama 3's format stops on <|eom_id|> with or without the file
+    assert eom in turn_stop_ids(Llama3JsonFormat(), load_tokenizer(bare))
+
+
+@pytest.mark.parametrize("content,match", [
+    ("{not json", "not valid JSON"),
+    ('["eos"]', "expected a JSON object, got list"),
+    ('{"eos_token_id": "2"}', "eos_token_id '2' must be a token id"),
+    ('{"eos_token_id": [1, true]}', r"eos_token_id \[1, True\] must be a token id"),
+    ('{"eos_token_id": 100000}', r"in \[0, \d+\)"),
+    ('{"eos_token_id": -1}', "must be a token id"),
+])
+def test_a_bad_generation_config_is_refused_naming_the_file_and_field(llama_dir, tmp_path, content, match):
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((llama_dir / name).read_bytes())
+    (directory / "generation_config.json").write_text(content)
+    with pytest.raises(ValueError, match=match) as info:
+        load_tokenizer(directory)
+    assert "generation_config.json" in str(info.value)
+    (directory / "generation_config.json").write_text('{"eos_token_id": null, "do_sample": true}')
+    assert load_tokenizer(directory).stop_token_ids == (load_tokenizer(directory).token_to_id("<|eot_id|>"),)
+
+
+@pytest.mark.parametrize("with_generation_config", [True, False])
+def test_harmony_turns_stop_on_return_and_call_never_on_end(tmp_path, with_generation_config):
+    """gpt-oss closes past turns with <|end|> (so its tokenizer's end-of-turn is <|end|>), but a
+    live turn writes <|end|> between its analysis and its final message: stopping there would cut
+    every turn after its reasoning. With or without generation_config.json."""
+    tok = load_tokenizer(build_harmony_style_tokenizer(tmp_path, generation_config=with_generation_config))
+    ret, call, end = _ids(tok, "<|return|>", "<|call|>", "<|end|>")
+    assert tok.end_of_turn_token == "<|end|>" and end in tok.stop_token_ids
+    stops = turn_stop_ids(HarmonyFormat(), tok)
+    assert ret in stops and call in stops and end not in stops
+    # other formats leave the tokenizer's stops as they are (plus their own turn ends)
+    assert set(tok.stop_token_ids) <= set(turn_stop_ids(Qwen3Format(), tok))
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def test_llama3_json_calls_answers_and_broken_calls():
+    parse = Llama3JsonFormat().parse
+    one = parse('{"name": "calculator", "parameters": {"expression": "2 + 3"}}<|eom_id|>')
+    assert one == ParsedTurn("", (ToolCall("calculator", {"expression": "2 + 3"}, "call_0",
+                                           raw='{"name": "calculator", "parameters": {"expression": "2 + 3"}}'),))
+    two = parse('<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": 1}}<|eot_id|>')
+    assert [(c.name, c.arguments, c.call_id) for c in two.calls] == [("f", {}, "call_0"), ("g", {"x": 1}, "call_1")]
+    assert parse("The answer is <answer>5</answer><|eot_id|>") == ParsedTurn("The answer is <answer>5</answer>")
+    # a turn that starts a call is one: what cannot be read is its error observation
+    broken = parse('{"name": "f", "parameters": {"a": 1}')
+    assert broken.content == "" and "malformed tool call JSON" in broken.errors[0].message
+    assert "no valid tool name" in parse('{"answer": 5}<|eot_id|>').errors[0].message
+    assert "must be a JSON object" in parse('{"name": "f", "parameters": [1]}').errors[0].message
+    assert "without a JSON tool call" in parse('<|python_tag|>brave_search.call(query="x")<|eom_id|>').errors[0].message
+    first_ok = parse('{"name": "f", "parameters": {}}; {"name": ')
+    assert isinstance(first_ok.calls[0], ToolCall) and isinstance(first_ok.calls[1], ToolCallError)
+
+
+def test_mistral_both_call_layouts_and_errors():
+    parse = MistralFormat().parse
+    v3 = parse('Let me compute.[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "2 + 3"}}, '
+               '{"name": "g", "arguments": "{\\"x\\": 1}"}]</s>')
+    assert v3.content == "Let me compute."
+    assert [(c.name, c.arguments) for c in v3.calls] == [("calculator", {"expression": "2 + 3"}), ("g", {"x": 1})]
+    v11 = parse('[TOOL_CALLS]calculator[ARGS]{"expression": "2 + 3"}[TOOL_CALLS]g[CALL_ID]a1b2c3d4e[ARGS]{}</s>')
+    assert [(c.name, c.arguments, c.call_id) for c in v11.calls] == [("calculator", {"expression": "2 + 3"}, "call_0"),
+                                                                       ("g", {}, "call_1")]
+    assert parse("5</s>") == ParsedTurn("5")
+    assert "without a call" in parse("[TOOL_CALLS]").errors[0].message
+    bad_args = parse("[TOOL_CALLS]f[ARGS]{bad")
+    assert bad_args.errors[0].name == "f" and "malformed tool call JSON" in bad_args.errors[0].message
+    assert "must be a JSON object with a name, got int" in parse("[TOOL_CALLS][1]").errors[0].message
+
+
+def test_parsing_hostile_turns_never_raises_and_stays_linear():
+    texts = ['{"name":"f","parameters":{}};' * 20000, "[TOOL_CALLS]" * 50000, "[TOOL_CALLS]" + "[" * 100000,
+             "{" * 100000, "[TOOL_CALLS]f[ARGS]" + '{"a":' * 5000, '{"name": "f", "parameters": {"n": ' + "9" * 5000 + "}}",
+             "<|python_tag|>" * 1000, "[TOOL_CALLS]" + '{"name": "f", "arguments": {}}' * 20000]
+    for fmt in (Llama3JsonFormat(), MistralFormat()):
+        for text in texts:
+            start = time.perf_counter()
+            turn = fmt.parse(text)
+            assert time.perf_counter() - start < 10, (fmt, len(text))   # measured: well under 1 s
+            assert isinstance(turn, ParsedTurn)
+
+
+# ----------------------------------------------------------------------------- the format of a template
+
+def test_the_format_is_read_from_the_chat_template(llama_dir, harmony_dir, tok_dir, tmp_path):
+    qwen = build_qwen3_style_tokenizer(tmp_path)
+    assert infer_format(load_tokenizer(llama_dir).chat_template_source) == "llama3_json"
+    assert infer_format(load_tokenizer(harmony_dir).chat_template_source) == "harmony"
+    assert infer_format(load_tokenizer(qwen).chat_template_source) == "qwen3"
+    assert infer_format(load_tokenizer(tok_dir).chat_template_source) == "compact"
+    assert infer_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert infer_format("{{ '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
+    assert infer_format(None) is None
+
+
+def test_a_format_value_is_used_as_given_and_checked():
+    class Shouting:
+        name = "shouting"
+
+        def parse(self, text):
+            return ParsedTurn(text.upper())
+
+    fmt = Shouting()
+    assert get_format(fmt) is fmt and AgentConfig(tool_format=fmt).tool_format is fmt
+    assert get_format("llama3_json") == Llama3JsonFormat() and repr(MistralFormat()) == "MistralFormat()"
+    with pytest.raises(TypeError, match="parse"):
+        AgentConfig(tool_format=42)
+    with pytest.raises(ValueError, match="unknown tool-call format 'llama'.*llama3_json"):
+        AgentConfig(tool_format="llama")
+
+
+# ----------------------------------------------------------------------------- the loop over each family
+
+CFG = AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048, temperature=0.0)
+
+
+def _roll(tok, turns, fmt):
+    engine = ScriptedEngine(turns, tokenizer=tok)
+    env = calculator_environment()
+    try:
+        traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
+                                     dataclasses.replace(CFG, tool_format=fmt)))
+    finally:
+        env.close()
+    return traj, engine
+
+
+def test_llama3_tool_loop_stops_on_eom_runs_the_call_and_answers(llama_dir):
+    tok = load_tokenizer(llama_dir)
+    fmt = infer_format(tok.chat_template_source)
+    traj, engine = _roll(tok, ['{"name": "calculator", "parameters": {"expression": "2 + 3"}}<|eom_id|>',
+                               "<answer>5</answer><|eot_id|>"], fmt)
+    assert (traj.error, traj.finish_reason, traj.reward, len(traj.turns)) == (None, "answer", 1.0, 2)
+    assert traj.turns[0].engine_finish_reason == "stop" and traj.turns[0].num_tool_calls == 1
+    assert tok.token_to_id("<|eom_id|>") in engine.requests[0].stop_token_ids
+    tool = [m for m in traj.messages if m["role"] == "tool"]
+    assert [m["content"] for m in tool] == ["5"]
+    # the observation appended after the call is the template's ipython turn, then the next prompt
+    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    assert observation == ("<|start_header_id|>ipython<|end_header_id|>\n\n5<|eot_id|>"
+                           "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_harmony_tool_loop_reasons_calls_and_answers_on_the_final_channel(harmony_dir):
+    tok = load_tokenizer(harmony_dir)
+    fmt = infer_format(tok.chat_template_source)
+    call = ('<|channel|>analysis<|message|>Add them with the tool.<|end|><|start|>assistant<|channel|>commentary '
+            'to=functions.calculator <|constrain|>json<|message|>{"expression": "2 + 3"}<|call|>')
+    traj, engine = _roll(tok, [call, "<|channel|>final<|message|><answer>5</answer><|return|>"], fmt)
+    assert (traj.error, traj.finish_reason, traj.reward, len(traj.turns)) == (None, "answer", 1.0, 2)
+    stops = engine.requests[0].stop_token_ids
+    assert tok.token_to_id("<|call|>") in stops and tok.token_to_id("<|end|>") not in stops
+    assistant = [m for m in traj.messages if m["role"] == "assistant"]
+    assert assistant[0]["reasoning_content"] == "Add them with the tool." and assistant[1]["content"] == "<answer>5</answer>"
+    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    assert observation == ("<|start|>functions.calculator to=assistant<|channel|>commentary<|message|>5<|end|>"
+                           "<|start|>assistant")
+    # prompt + the call turn as generated + the observation is the template's own render
+    upto = traj.tokens[:traj.turns[0].obs_end]
+    assert upto == tok.apply_chat_template(traj.messages[:-1], calculator_environment().tool_schemas(),
+                                           add_generation_prompt=True)
+    assert json.loads(json.dumps(traj.metadata["rewards"])) == {"answer_correct": 1.0}
