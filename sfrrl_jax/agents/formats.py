@@ -1,9 +1,11 @@
-"""Parse tool calls out of generated assistant text: compact (ours), Qwen3 / Hermes, GPT-OSS
-harmony, Llama 3 JSON, Mistral.
+"""Parse tool calls out of generated assistant text: compact (ours), Qwen3 / Hermes JSON,
+Qwen3-Coder / Qwen3.5 XML, GPT-OSS harmony, Llama 3 JSON, Mistral.
 
 A format is a value (`AgentConfig.tool_format` takes one, or a built-in's name): `parse(text)`
 plus the tokens that end its turns (`turn_ends`, added to the tokenizer's stops) and those that
-only end a message inside a turn (`message_ends`, removed from them): see `turn_stop_ids`.
+only end a message inside a turn (`message_ends`, removed from them): see `turn_stop_ids`. A
+format that reads values by the tools' schemas also has `with_tools(tool_schemas)`, which the
+agent loop calls once per trajectory.
 `infer_format(chat_template)` names the built-in format a chat template writes.
 
 Parsing never raises on model output. Anything unusable (bad JSON, unterminated markup, a call
@@ -16,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Protocol
+from typing import Any, Mapping, Protocol
 
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 
@@ -362,13 +364,108 @@ class MistralFormat(_Format):
         return ParsedTurn(content=content.strip(), calls=tuple(calls))
 
 
-FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "harmony": HarmonyFormat,
+def _schema_properties(tools) -> dict[str, dict]:
+    """{tool name: its parameters' JSON-schema properties} of OpenAI-style tool schemas."""
+    out = {}
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+        props = (fn.get("parameters") or {}).get("properties") if isinstance(fn, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(props, dict):
+            out[fn["name"]] = props
+    return out
+
+
+def _xml_value(text: str, schema: object) -> object:
+    """A parameter's text as its schema's type (the template wrote strings raw, the rest as JSON
+    or Python's str of it); text that does not read as that type stays text, for the tool's own
+    argument check to refuse."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = [k for k in (kinds if isinstance(kinds, list) else [kinds]) if k not in (None, "null")]
+    kind = kinds[0] if kinds else None
+    if kind == "string":
+        return text
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(text.strip().lower(), text)
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    if kind == "integer":
+        return value if isinstance(value, int) and not isinstance(value, bool) else text
+    if kind == "number":
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else text
+    if kind == "object":
+        return value if isinstance(value, dict) else text
+    if kind == "array":
+        return value if isinstance(value, list) else text
+    return value if not isinstance(value, str) else text   # no schema: what the JSON says
+
+
+class Qwen3XmlFormat(_Format):
+    """Qwen3-Coder / Qwen3.5 XML tool calls, after an optional `<think>` block:
+    `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`.
+    Values are text: each is read as the type its tool's schema declares (`with_tools`, which the
+    agent loop calls with the trajectory's tool schemas)."""
+
+    name = "qwen3_xml"
+    turn_ends = ("<|im_end|>",)
+
+    def __init__(self, properties: Mapping[str, Mapping[str, Any]] | None = None):
+        self._properties = dict(properties or {})
+
+    def with_tools(self, tools) -> "Qwen3XmlFormat":
+        return Qwen3XmlFormat(_schema_properties(tools))
+
+    def _decode(self, body: str, index: int, raw: str) -> ToolCall | ToolCallError:
+        body = body.strip()
+        if not body.startswith("<function="):
+            return ToolCallError("a tool call must start with <function=NAME>", raw=raw)
+        close = body.find(">")
+        if close < 0:
+            return ToolCallError("unterminated <function=NAME> tag", raw=raw)
+        name = body[len("<function="):close].strip()
+        rest = body[close + 1:].strip()
+        if rest.endswith("</function>"):
+            rest = rest[:-len("</function>")]
+        props = self._properties.get(name, {})
+        arguments, pos = {}, 0
+        while (start := rest.find("<parameter=", pos)) >= 0:
+            if rest[pos:start].strip():
+                return ToolCallError(f"unexpected text in the call of {name!r}: {rest[pos:start].strip()[:30]!r}",
+                                     raw=raw, name=name or None)
+            head_end = rest.find(">", start)
+            end = rest.find("</parameter>", head_end + 1) if head_end >= 0 else -1
+            if end < 0:
+                return ToolCallError(f"unterminated <parameter=...> in the call of {name!r}", raw=raw,
+                                     name=name or None)
+            key = rest[start + len("<parameter="):head_end].strip()
+            value = rest[head_end + 1:end]
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            if key in arguments:
+                return ToolCallError(f"parameter {key!r} given twice in the call of {name!r}", raw=raw,
+                                     name=name or None)
+            arguments[key] = _xml_value(value, props.get(key))
+            pos = end + len("</parameter>")
+        if rest[pos:].strip():
+            return ToolCallError(f"unexpected text in the call of {name!r}: {rest[pos:].strip()[:30]!r}",
+                                 raw=raw, name=name or None)
+        return _call(name, arguments, index, raw)
+
+    def parse(self, text: str) -> ParsedTurn:
+        reasoning, rest = split_reasoning(text)
+        turn = _tagged_calls(rest, "<tool_call>", "</tool_call>", self._decode, ("<|im_end|>", "<|endoftext|>"))
+        return dataclasses.replace(turn, reasoning=reasoning)
+
+
+FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "qwen3_xml": Qwen3XmlFormat, "harmony": HarmonyFormat,
            "llama3_json": Llama3JsonFormat, "mistral": MistralFormat}
 
 # What each built-in format's chat templates write, most specific first (harmony's templates
-# also write <|call|>, which is the compact format's call tag).
-_TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("qwen3", ("<tool_call>",)), ("mistral", ("[TOOL_CALLS]",)),
-                     ("llama3_json", ("<|python_tag|>", "ipython")), ("compact", ("<|call|>",)))
+# also write <|call|>, the compact format's call tag; Qwen3-Coder's write <tool_call> around XML).
+_TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("qwen3_xml", ("<function=",)), ("qwen3", ("<tool_call>",)),
+                     ("mistral", ("[TOOL_CALLS]",)), ("llama3_json", ("<|python_tag|>", "ipython")),
+                     ("compact", ("<|call|>",)))
 
 
 def infer_format(chat_template: str | None) -> str | None:

@@ -47,7 +47,7 @@ class AgentConfig:
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
-    # a built-in's name ('compact' | 'qwen3' | 'harmony' | 'llama3_json' | 'mistral') or a format
+    # a built-in's name ('compact' | 'qwen3' | 'qwen3_xml' | 'harmony' | 'llama3_json' | 'mistral') or a format
     # value (formats.ToolCallFormat: parse(text) -> ParsedTurn)
     tool_format: Any = "compact"
     max_tool_calls_per_turn: int = 32  # calls past it are not run: one error observation says so
@@ -127,6 +127,9 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
     # an environment whose tools differ per task (BFCL items) says so with `task_tool_schemas`
     per_task = getattr(env, "task_tool_schemas", None)
     tools = (per_task(task) if per_task is not None else env.tool_schemas()) or None
+    bind = getattr(fmt, "with_tools", None)   # a format that reads values by the tools' schemas
+    if bind is not None:
+        fmt = bind(tools or [])
     episode = open_episode(env, task)
     try:
         messages = episode.reset()

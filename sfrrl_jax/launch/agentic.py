@@ -10,10 +10,11 @@
 (`agents.tasksets.load_tasks`), the tokenizer and chat template from the model's own directory
 (`tokenizer.load_tokenizer`; `tokenizer_path` overrides), picks the tool-call format from the
 markup its chat template writes (`agents.formats.infer_format`: <tool_call> -> 'qwen3',
-harmony channels -> 'harmony', <|python_tag|> / ipython -> 'llama3_json', [TOOL_CALLS] ->
-'mistral'), else from the model family (`FAMILY_FORMATS`; `tool_format` overrides), builds
-the environment (a value: `environment`, a zero-argument factory such as `@math_environment` in gin; by default the one of the task kind, `KIND_ENVIRONMENTS`) and
-returns an `AgentRollout` over them.
+<function=...> XML -> 'qwen3_xml', harmony channels -> 'harmony', <|python_tag|> / ipython ->
+'llama3_json', [TOOL_CALLS] -> 'mistral'), else from the model family (`FAMILY_FORMATS`;
+`tool_format` overrides), builds the environment (a value: `environment`, a zero-argument
+factory such as `@math_environment` in gin; by default the one of the task kind,
+`KIND_ENVIRONMENTS`) and returns an `AgentRollout` over them.
 
 Checked before anything is allocated or compiled (`validate`, also run by `--validate_only`):
 the task set loads; the tokenizer's vocabulary fits the model's embedding; the chat template
@@ -92,8 +93,8 @@ class AgenticRollout:
     environment: the `Environment` (in gin `@qa_environment()`, built with its own bindings), or a
       zero-argument factory of it; None: `KIND_ENVIRONMENTS` by the tasks' kind.
     tokenizer_path: the tokenizer and chat template's directory (None: `ExperimentConfig.hf_path`).
-    tool_format: a built-in format's name ('qwen3', 'harmony', 'llama3_json', 'mistral', 'compact')
-      or a format value (None: the one the chat template writes, else the model family's).
+    tool_format: a built-in format's name ('qwen3', 'qwen3_xml', 'harmony', 'llama3_json', 'mistral',
+      'compact') or a format value (None: the one the chat template writes, else the family's).
     agent: limits and sampling of each trajectory (its `tool_format` is replaced by the above).
     """
 

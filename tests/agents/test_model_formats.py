@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from sfrrl_jax.agents import AgentConfig, ParsedTurn, calculator_environment, run_agent
-from sfrrl_jax.agents.formats import (HarmonyFormat, Llama3JsonFormat, MistralFormat, Qwen3Format, get_format,
-                                      infer_format, turn_stop_ids)
+from sfrrl_jax.agents.formats import (HarmonyFormat, Llama3JsonFormat, MistralFormat, Qwen3Format, Qwen3XmlFormat,
+                                      get_format, infer_format, turn_stop_ids)
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 from sfrrl_jax.agents.tasks import arithmetic_task
 from sfrrl_jax.testing.scripted_engine import ScriptedEngine
@@ -123,11 +123,49 @@ def test_mistral_both_call_layouts_and_errors():
     assert "must be a JSON object with a name, got int" in parse("[TOOL_CALLS][1]").errors[0].message
 
 
+SCHEMAS = [{"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+    "room": {"type": "string"}, "nights": {"type": "integer"}, "price": {"type": "number"},
+    "breakfast": {"type": "boolean"}, "guests": {"type": "array"}, "extras": {"type": ["object", "null"]}}}}}]
+
+
+def _xml(name, **params):
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def test_qwen3_xml_calls_read_each_value_as_its_schemas_type():
+    fmt = Qwen3XmlFormat().with_tools(SCHEMAS)
+    turn = fmt.parse("<think>\nBook it.\n</think>\n\nBooking." + _xml(
+        "book", room="007", nights="3", price="99.5", breakfast="True", guests='["ann", "bo"]',
+        extras='{"crib": true}') + _xml("other", n="2", text="two\nlines") + "<|im_end|>")
+    assert (turn.reasoning, turn.content) == ("Book it.", "Booking.")
+    assert [(c.name, c.arguments, c.call_id) for c in turn.calls] == [
+        ("book", {"room": "007", "nights": 3, "price": 99.5, "breakfast": True, "guests": ["ann", "bo"],
+                  "extras": {"crib": True}}, "call_0"),
+        ("other", {"n": 2, "text": "two\nlines"}, "call_1")]   # no schema: what the JSON says, else the text
+    # a value that is not its declared type stays text (the tool's own check refuses it)
+    assert fmt.parse(_xml("book", nights="three")).calls[0].arguments == {"nights": "three"}
+    # without the schemas every value that reads as JSON is JSON
+    assert Qwen3XmlFormat().parse(_xml("book", room="12")).calls[0].arguments == {"room": 12}
+    for text, message in (("<tool_call>\n{\"name\": \"book\"}\n</tool_call>", "must start with <function=NAME>"),
+                          ("<tool_call><function=book><parameter=room>1</tool_call>", "unterminated <parameter"),
+                          ("<tool_call><function=book>junk<parameter=room>1</parameter></function></tool_call>",
+                           "unexpected text"),
+                          (_xml("book", room="a").replace("</function>",
+                                                          "<parameter=room>\nb\n</parameter>\n</function>"),
+                           "given twice"),
+                          ("<tool_call><function=book", "unterminated tool call")):
+        assert message in fmt.parse(text).errors[0].message, text
+
+
 def test_parsing_hostile_turns_never_raises_and_stays_linear():
     texts = ['{"name":"f","parameters":{}};' * 20000, "[TOOL_CALLS]" * 50000, "[TOOL_CALLS]" + "[" * 100000,
              "{" * 100000, "[TOOL_CALLS]f[ARGS]" + '{"a":' * 5000, '{"name": "f", "parameters": {"n": ' + "9" * 5000 + "}}",
              "<|python_tag|>" * 1000, "[TOOL_CALLS]" + '{"name": "f", "arguments": {}}' * 20000]
-    for fmt in (Llama3JsonFormat(), MistralFormat()):
+    texts += ["<tool_call><function=f>" + "<parameter=a>" * 20000 + "</tool_call>",
+              "<tool_call><function=f>" + "<parameter=a>1</parameter>" * 20000 + "</function></tool_call>",
+              "<tool_call>" * 20000, "<tool_call><function=f><parameter=a>" + "[" * 100000 + "</parameter></tool_call>"]
+    for fmt in (Llama3JsonFormat(), MistralFormat(), Qwen3XmlFormat().with_tools(SCHEMAS)):
         for text in texts:
             start = time.perf_counter()
             turn = fmt.parse(text)
@@ -145,6 +183,7 @@ def test_the_format_is_read_from_the_chat_template(llama_dir, harmony_dir, tok_d
     assert infer_format(load_tokenizer(tok_dir).chat_template_source) == "compact"
     assert infer_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert infer_format("{{ '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
+    assert infer_format("{{- '<tool_call>\\n<function=' + tc.name + '>\\n' }}") == "qwen3_xml"
     assert infer_format(None) is None
 
 
@@ -215,3 +254,11 @@ def test_harmony_tool_loop_reasons_calls_and_answers_on_the_final_channel(harmon
     assert upto == tok.apply_chat_template(traj.messages[:-1], calculator_environment().tool_schemas(),
                                            add_generation_prompt=True)
     assert json.loads(json.dumps(traj.metadata["rewards"])) == {"answer_correct": 1.0}
+
+
+def test_qwen3_xml_tool_loop_over_a_qwen_template(tmp_path):
+    tok = load_tokenizer(build_qwen3_style_tokenizer(tmp_path))
+    traj, _ = _roll(tok, [_xml("calculator", expression="2 + 3") + "<|im_end|>", "<answer>5</answer><|im_end|>"],
+                    "qwen3_xml")
+    assert (traj.error, traj.finish_reason, traj.reward, len(traj.turns)) == (None, "answer", 1.0, 2)
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
