@@ -56,13 +56,14 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
     tokens = tokenizer.apply_chat_template(messages[:first], tools, add_generation_prompt=True)
     mask = [0] * len(tokens)
     eot = tokenizer.end_of_turn_token
+    stops = [s for s in dict.fromkeys(tokenizer.decode([t]) for t in tokenizer.stop_token_ids) if s and s != eot]
     i = first
     while i < len(messages):
         history = list(messages[:i])
         prompt_text = tokenizer.render(history, tools, add_generation_prompt=True)
         with_turn = tokenizer.render(history + [messages[i]], tools, add_generation_prompt=False)
-        cut = with_turn.rfind(eot) + len(eot)
-        if cut < len(eot) or not with_turn[:cut].startswith(prompt_text):
+        cut, stop = _turn_end(with_turn, eot, stops)
+        if stop is None or not with_turn[:cut].startswith(prompt_text):
             raise TemplateDeltaError(f"message {i}: the assistant turn does not extend its generation prompt")
         generated = tokenizer.encode(with_turn[len(prompt_text):cut])
         tokens += generated
@@ -71,8 +72,21 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
         while j < len(messages) and messages[j]["role"] != "assistant":
             j += 1
         if j < len(messages):
-            delta = tokenizer.render_delta(messages[:i + 1], messages[i + 1:j], tools)
+            delta = tokenizer.render_delta(messages[:i + 1], messages[i + 1:j], tools, stop_text=stop)
             tokens += delta
             mask += [0] * len(delta)
         i = j
     return tokens, mask
+
+
+def _turn_end(text: str, eot: str, stops: Sequence[str]) -> tuple[int, str | None]:
+    """(end, stop) of the assistant turn that closes `text`: right after its last end-of-turn,
+    unless another stop token comes later with more than whitespace between (gpt-oss ends the
+    conversation's last answer with <|return|>, the token the model generates, and earlier turns
+    with <|end|>); an eos a template appends after the closed turn is not part of it."""
+    end, stop = (text.rfind(eot) + len(eot), eot) if eot and eot in text else (-1, None)
+    for s in stops:
+        at = text.rfind(s)
+        if at >= 0 and at + len(s) > end and (stop is None or text[end:at].strip()):
+            end, stop = at + len(s), s
+    return end, stop

@@ -8,7 +8,7 @@ these members. Who calls what:
       render_delta (the tool results + the next generation prompt, appended to the parked slot),
       stop_token_ids (unless `AgentConfig.stop_token_ids` is set)
   SFT demonstrations (`agents.demos.render_sft_example`): apply_chat_template, render,
-      render_delta, encode, end_of_turn_token
+      render_delta, encode, decode, end_of_turn_token, stop_token_ids
   recipes and checks: vocab_size (must not exceed `ModelConfig.vocab_size`), encode / decode
 
 Messages are OpenAI-style dicts (`role` in system/user/assistant/tool, `content`; an assistant

@@ -162,21 +162,36 @@ class Tokenizer:
             raise TemplateDeltaError(f"{self.name}: the rendered history has no {stop_text!r} to cut after")
         prefix = before[:cut + len(stop_text)]
         after = self.render(list(history) + list(new_messages), tools, add_generation_prompt, **template_kwargs)
-        if not after.startswith(prefix):
+        start = self._delta_start(prefix, before[:cut], after)
+        if start is None:
             at = next((i for i, (a, b) in enumerate(zip(prefix, after)) if a != b), min(len(prefix), len(after)))
             raise TemplateDeltaError(
                 f"{self.name}: chat template re-renders history differently once new messages follow "
                 f"(first difference at char {at}: {prefix[at:at + 40]!r} vs {after[at:at + 40]!r})")
         marked = mark_untrusted(new_messages, untrusted_roles) if untrusted_roles else None
         if marked is None or not self._untrusted.might_forge(marked.contents):
-            return self.encode(after[len(prefix):])
+            return self.encode(after[start:])
         # Rendered again with the untrusted contents between markers, to know where they lie.
         after = self.render(list(history) + marked.messages, tools, add_generation_prompt, **template_kwargs)
-        if not after.startswith(prefix):
+        start = self._delta_start(prefix, before[:cut], after)
+        if start is None:
             raise TemplateDeltaError(f"{self.name}: chat template renders history differently once "
                                      "untrusted contents are marked")
-        text, spans = marked.unmark(after[len(prefix):])
+        text, spans = marked.unmark(after[start:])
         return self._untrusted.encode(_without_surrogates(text), spans)
+
+    def _delta_start(self, prefix: str, body: str, after: str) -> int | None:
+        """Where the delta starts in `after`: right after `prefix` (the history up to and with the
+        turn's stop) when `after` repeats it, or right after the template's own end-of-turn where
+        it closes the turn with that instead once the turn is not the last: gpt-oss's template
+        ends the conversation's last answer with <|return|> (the stop the model generated) and
+        an earlier one with <|end|>. The trajectory keeps the stop it generated either way."""
+        if after.startswith(prefix):
+            return len(prefix)
+        eot = self.end_of_turn_token
+        if eot and after.startswith(body + eot):
+            return len(body) + len(eot)
+        return None
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -3,7 +3,9 @@ tool-call format tests: a byte-level BPE trained on a few lines, the family's co
 a chat template written here after the family's published prompt format (tools in the system
 turn, tool results under Llama's `ipython` header / gpt-oss's `functions.NAME` author), and a
 generation_config.json whose eos list is the family's (Llama: <|end_of_text|>, <|eom_id|>,
-<|eot_id|>; gpt-oss: <|return|>, <|endoftext|>, <|call|>).
+<|eot_id|>; gpt-oss: <|return|>, <|endoftext|>, <|call|>). As gpt-oss's, the harmony-style
+template ends the conversation's last answer with <|return|> (what the model generates, so SFT
+learns it) and earlier answers with <|end|>.
 """
 import json
 from pathlib import Path
@@ -57,6 +59,8 @@ HARMONY_STYLE_TEMPLATE = (
     "{%- if m.tool_calls %}{%- for tc in m.tool_calls %}<|start|>assistant<|channel|>commentary "
     "to=functions.{{ tc.function.name }} <|constrain|>json<|message|>{{ tc.function.arguments | tojson }}<|call|>"
     "{%- endfor %}"
+    "{%- elif loop.last and not add_generation_prompt %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|return|>"
     "{%- else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif %}"
     "{%- elif m.role == 'tool' %}<|start|>functions.{{ m.name }} to=assistant<|channel|>commentary<|message|>"
     "{{ m.content }}<|end|>"

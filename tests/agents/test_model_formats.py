@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from sfrrl_jax.agents import AgentConfig, ParsedTurn, calculator_environment, run_agent
+from sfrrl_jax.agents import AgentConfig, ParsedTurn, calculator_environment, render_sft_example, run_agent
 from sfrrl_jax.agents.formats import (HarmonyFormat, Llama3JsonFormat, MistralFormat, Qwen3Format, Qwen3XmlFormat,
                                       get_format, infer_format, turn_stop_ids)
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 from sfrrl_jax.agents.tasks import arithmetic_task
 from sfrrl_jax.testing.scripted_engine import ScriptedEngine
-from sfrrl_jax.tokenizer import load_tokenizer
+from sfrrl_jax.tokenizer import TemplateDeltaError, load_tokenizer
 
 from family_tokenizer_fixtures import build_harmony_style_tokenizer, build_llama3_style_tokenizer
 
@@ -262,3 +262,58 @@ def test_qwen3_xml_tool_loop_over_a_qwen_template(tmp_path):
                     "qwen3_xml")
     assert (traj.error, traj.finish_reason, traj.reward, len(traj.turns)) == (None, "answer", 1.0, 2)
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
+
+
+# ----------------------------------------------------------------------------- a turn's close that changes
+
+HARMONY_CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}]}
+
+
+def test_a_next_user_turn_after_a_harmony_answer_appends_only_the_new_messages(harmony_dir):
+    """gpt-oss's template ends the last answer with <|return|> (the model's stop) and an earlier
+    one with <|end|>, so the history is not append-only at that token; the delta after the
+    generated <|return|> starts after the template's own close."""
+    tok = load_tokenizer(harmony_dir)
+    history = [{"role": "user", "content": "What is 2 + 3?"},
+               {"role": "assistant", "content": "<answer>5</answer>"}]
+    assert tok.render(history).endswith("<answer>5</answer><|return|>")
+    delta = tok.render_delta(history, [{"role": "user", "content": "And 2 + 4?"}], stop_text="<|return|>")
+    assert tok.decode(delta) == "<|start|>user<|message|>And 2 + 4?<|end|><|start|>assistant"
+    # a template that changes the history otherwise is still refused
+    class Rewriting(type(tok)):
+        def render(self, messages, *args, **kwargs):   # another answer once something follows it
+            if len(messages) > 2:
+                messages = [messages[0], {"role": "assistant", "content": "<answer>6</answer>"}, *messages[2:]]
+            return super().render(messages, *args, **kwargs)
+
+    rewriting = Rewriting(tok.hf, tok.config, tok.chat_template_source, generation_eos_ids=tok.generation_eos_ids)
+    with pytest.raises(TemplateDeltaError, match="re-renders history differently"):
+        rewriting.render_delta(history, [{"role": "user", "content": "x"}], stop_text="<|return|>")
+
+
+def test_sft_demonstrations_of_harmony_end_their_answer_with_return_and_their_call_with_call(harmony_dir):
+    tok = load_tokenizer(harmony_dir)
+    tools = calculator_environment().tool_schemas()
+    demo = [{"role": "user", "content": "What is 2 + 3?"}, HARMONY_CALL,
+            {"role": "tool", "name": "calculator", "tool_call_id": "call_0", "content": "5"},
+            {"role": "assistant", "content": "<answer>5</answer>"}]
+    tokens, mask = render_sft_example(tok, demo, tools)
+    assert tokens == tok.apply_chat_template(demo, tools)   # the template's own render, token for token
+    learned = [tok.decode([t for t, m in zip(tokens, mask) if m])]
+    assert learned[0].endswith("<|constrain|>json<|message|>{\"expression\": \"2 + 3\"}<|call|>"
+                               "<|channel|>final<|message|><answer>5</answer><|return|>")
+    # a user who speaks again: each answer is learned with the stop the model generates
+    chat = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "<answer>5</answer>"},
+            {"role": "user", "content": "And 2 + 4?"}, {"role": "assistant", "content": "<answer>6</answer>"}]
+    tokens, mask = render_sft_example(tok, chat)
+    spans, current = [], []
+    for t, m in zip(tokens, mask):
+        if m:
+            current.append(t)
+        elif current:
+            spans, current = spans + [current], []
+    spans.append(current)
+    assert [tok.decode(s) for s in spans] == ["<|channel|>final<|message|><answer>5</answer><|return|>",
+                                               "<|channel|>final<|message|><answer>6</answer><|return|>"]
+    assert "<|start|>user<|message|>And 2 + 4?<|end|><|start|>assistant" in tok.decode(tokens)
