@@ -104,7 +104,8 @@ def _decode_object(payload: str, what: str) -> dict | ToolCallError:
     return value
 
 
-def _call(name: object, arguments: object, index: int, raw: str) -> ToolCall | ToolCallError:
+def _call(name: object, arguments: object, index: int, raw: str,
+          call_id: str | None = None) -> ToolCall | ToolCallError:
     if not isinstance(name, str) or not _NAME.match(name):
         return ToolCallError(f"tool call has no valid tool name (got {name!r})", raw=raw)
     if isinstance(arguments, str):  # some models emit arguments as a JSON string
@@ -117,7 +118,7 @@ def _call(name: object, arguments: object, index: int, raw: str) -> ToolCall | T
     if not isinstance(arguments, dict):
         return ToolCallError(f"arguments of {name!r} must be a JSON object, got {type(arguments).__name__}",
                              raw=raw, name=name)
-    return ToolCall(name=name, arguments=arguments, call_id=f"call_{index}", raw=raw)
+    return ToolCall(name=name, arguments=arguments, call_id=call_id or f"call_{index}", raw=raw)
 
 
 def _strip_suffixes(text: str, suffixes: tuple[str, ...]) -> str:
@@ -301,11 +302,20 @@ def _json_objects(text: str, what: str) -> list[tuple[object | ToolCallError, st
         return values
 
 
-def _named_call(obj: object, index: int, raw: str, arguments_keys: tuple[str, ...]) -> ToolCall | ToolCallError:
+def _named_call(obj: object, index: int, raw: str, arguments_keys: tuple[str, ...],
+                call_id: str | None = None) -> ToolCall | ToolCallError:
     if not isinstance(obj, dict):
         return ToolCallError(f"a tool call must be a JSON object with a name, got {type(obj).__name__}", raw=raw)
     arguments = next((obj[k] for k in arguments_keys if k in obj), None)
-    return _call(obj.get("name"), arguments, index, raw)
+    return _call(obj.get("name"), arguments, index, raw, call_id)
+
+
+def _mistral_id(given: object, index: int) -> str:
+    """Mistral's templates refuse any tool-call id but 9 letters or digits (and render it back):
+    the model's own where it wrote one, else `call` and 5 digits."""
+    if isinstance(given, str) and len(given) == 9 and given.isascii() and given.isalnum():
+        return given
+    return f"call{index:05d}"
 
 
 class Llama3JsonFormat(_Format):
@@ -337,7 +347,9 @@ class MistralFormat(_Format):
     """Mistral / Mixtral tool calling: text, then `[TOOL_CALLS]` and either a JSON list of
     `{"name": ..., "arguments": {...}}` (tokenizer v3: Mistral 7B v0.3, Mixtral 8x22B) or
     `NAME[ARGS]{...}` (v11 and later: Mistral Small 3.2, Devstral; `NAME[CALL_ID]ID[ARGS]{...}`
-    too), one `[TOOL_CALLS]` per call. The text before the first `[TOOL_CALLS]` is the content."""
+    too), one `[TOOL_CALLS]` per call. The text before the first `[TOOL_CALLS]` is the content.
+    Call ids are the model's own (an "id" key, or [CALL_ID]) where they are 9 letters or digits,
+    else `call00000`, `call00001`, ...: Mistral's templates refuse any other id."""
 
     name = "mistral"
     _SUFFIXES = ("</s>",)
@@ -349,18 +361,21 @@ class MistralFormat(_Format):
             raw = "[TOOL_CALLS]" + segment
             head, has_args, arguments = segment.partition("[ARGS]")
             if has_args:
-                name = head.partition("[CALL_ID]")[0].strip()
+                name, _, given_id = (part.strip() for part in head.partition("[CALL_ID]"))
                 decoded = _decode_object(arguments, f"arguments of {name!r}")
                 calls.append(dataclasses.replace(decoded, raw=raw, name=name or None)
-                             if isinstance(decoded, ToolCallError) else _call(name, decoded, len(calls), raw))
+                             if isinstance(decoded, ToolCallError)
+                             else _call(name, decoded, len(calls), raw, _mistral_id(given_id, len(calls))))
                 continue
             items = _json_objects(segment, "[TOOL_CALLS]")
             if not items:
                 calls.append(ToolCallError("[TOOL_CALLS] without a call", raw=raw))
             for item, _ in items:
                 for one in (item if isinstance(item, list) else [item]):
+                    given_id = one.get("id") if isinstance(one, dict) else None
                     calls.append(one if isinstance(one, ToolCallError)
-                                 else _named_call(one, len(calls), raw, ("arguments", "parameters")))
+                                 else _named_call(one, len(calls), raw, ("arguments", "parameters"),
+                                                  _mistral_id(given_id, len(calls))))
         return ParsedTurn(content=content.strip(), calls=tuple(calls))
 
 

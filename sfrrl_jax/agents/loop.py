@@ -116,6 +116,30 @@ def _without_reasoning(messages: Sequence[Message]) -> list[Message]:
             for m in messages]
 
 
+def _observation(tokenizer: TokenizerProtocol, messages: list[Message], calls: Sequence[ToolCall | ToolCallError],
+                 results: Sequence[ToolResult], tools, stop_text: str) -> tuple[list[Message], list[int]]:
+    """(the messages of a turn's results, the delta that appends them). Results are tool messages.
+    A template that refuses a tool message for a call it never saw (a call that did not parse is
+    not in the assistant message: gpt-oss's template raises on such a tool message, Mistral's on
+    its empty call id) gets the unparsed calls' errors as one user message after the others, so
+    the model still reads them; its contents are untrusted (no control tokens) like tool output."""
+    tool_messages = [r.as_message() for r in results]
+    try:
+        return tool_messages, tokenizer.render_delta(messages, tool_messages, tools, stop_text=stop_text)
+    except Exception as refused:
+        unparsed = [i for i, c in enumerate(calls) if isinstance(c, ToolCallError)]
+        if not unparsed:
+            raise
+        kept = [m for i, m in enumerate(tool_messages) if i not in unparsed]
+        errors = {"role": "user", "content": "\n".join(results[i].content for i in unparsed)}
+        try:
+            delta = tokenizer.render_delta(messages, kept + [errors], tools, stop_text=stop_text,
+                                           untrusted_roles=("tool", "user"))
+        except Exception:
+            raise refused from None
+        return kept + [errors], delta
+
+
 async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokenizer: TokenizerProtocol, cfg: AgentConfig,
                     sample_index: int = 0, group_id: str | None = None) -> Trajectory:
     """Roll out one trajectory of `task`; the reward is set from `env.reward` at the end (which may
@@ -216,9 +240,8 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                 tools_s = time.perf_counter() - tools_start
                 if len(results) != len(calls):
                     raise RuntimeError(f"environment returned {len(results)} results for {len(calls)} calls")
-                tool_messages = [r.as_message() for r in results]
-                delta = tokenizer.render_delta(messages, tool_messages, tools,
-                                               stop_text=tokenizer.decode([completion.tokens[-1]]))
+                tool_messages, delta = _observation(tokenizer, messages, calls, results, tools,
+                                                    tokenizer.decode([completion.tokens[-1]]))
                 messages.extend(tool_messages)
                 errors = sum(r.is_error for r in results)
                 if len(builder) + len(delta) >= cfg.max_total_tokens:  # no room to append and still generate

@@ -151,15 +151,7 @@ class Tokenizer:
         """
         stop_text = stop_text or self.end_of_turn_token
         before = self.render(history, tools, add_generation_prompt=False, **template_kwargs)
-        cut = before.rfind(stop_text)
-        if cut < 0 and stop_text != self.end_of_turn_token:
-            # The turn stopped on a token the template never renders (e.g. EOS where the template
-            # closes assistant turns with end-of-turn): what follows the turn is the same as after
-            # the template's own close of it.
-            stop_text = self.end_of_turn_token
-            cut = before.rfind(stop_text)
-        if cut < 0:
-            raise TemplateDeltaError(f"{self.name}: the rendered history has no {stop_text!r} to cut after")
+        cut, stop_text = self._turn_close(history, before, stop_text, tools, template_kwargs)
         prefix = before[:cut + len(stop_text)]
         after = self.render(list(history) + list(new_messages), tools, add_generation_prompt, **template_kwargs)
         start = self._delta_start(prefix, before[:cut], after)
@@ -179,6 +171,33 @@ class Tokenizer:
                                      "untrusted contents are marked")
         text, spans = marked.unmark(after[start:])
         return self._untrusted.encode(_without_surrogates(text), spans)
+
+    def _turn_close(self, history, before: str, stop_text: str, tools, template_kwargs) -> tuple[int, str]:
+        """(where the close of the assistant turn that ends `history` starts in `before`, its text).
+
+        The turn's own stop where the template renders it there; else the last close the template
+        writes for that turn (its end-of-turn, eos, a generation_config stop): a turn that stopped
+        on EOS where the template writes end-of-turn, or gpt-oss's turn whose call did not parse
+        (the template renders the message as an answer, closed by <|return|>). Never a close
+        before the turn starts (the render of the history before it, with the generation prompt):
+        cutting there would append the turn a second time."""
+        floor = 0
+        if history and history[-1].get("role") == "assistant":
+            try:
+                opened = self.render(history[:-1], tools, add_generation_prompt=True, **template_kwargs)
+                floor = len(os.path.commonprefix([opened, before]))
+            except Exception:  # a template that cannot render the shorter history: no floor
+                floor = 0
+        at = before.rfind(stop_text)
+        if at >= floor:
+            return at, stop_text
+        closes = dict.fromkeys(t for t in (self.end_of_turn_token, self.eos_token,
+                                           *(self.hf.id_to_token(i) for i in self.generation_eos_ids)) if t)
+        found = [(before.rfind(t), t) for t in closes if before.rfind(t) >= floor]
+        if not found:
+            raise TemplateDeltaError(f"{self.name}: the rendered history has no {stop_text!r} (nor another close "
+                                     f"of the turn, {list(closes)}) after the last assistant turn starts")
+        return max(found, key=lambda pair: pair[0] + len(pair[1]))
 
     def _delta_start(self, prefix: str, body: str, after: str) -> int | None:
         """Where the delta starts in `after`: right after `prefix` (the history up to and with the

@@ -5,7 +5,8 @@ turn, tool results under Llama's `ipython` header / gpt-oss's `functions.NAME` a
 generation_config.json whose eos list is the family's (Llama: <|end_of_text|>, <|eom_id|>,
 <|eot_id|>; gpt-oss: <|return|>, <|endoftext|>, <|call|>). As gpt-oss's, the harmony-style
 template ends the conversation's last answer with <|return|> (what the model generates, so SFT
-learns it) and earlier answers with <|end|>.
+learns it) and earlier answers with <|end|>; as gpt-oss's, it refuses a tool message that follows
+no assistant tool call.
 """
 import json
 from pathlib import Path
@@ -45,6 +46,7 @@ LLAMA3_STYLE_TEMPLATE = (
 HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
                     "<|constrain|>", "<|return|>", "<|call|>"]
 HARMONY_STYLE_TEMPLATE = (
+    "{%- set last_call = namespace(name=none) %}"
     "<|start|>system<|message|>You are a helpful assistant.\nReasoning: medium\n\n"
     "# Valid channels: analysis, commentary, final. Channel must be included for every message."
     "{%- if tools %}\nCalls to these tools must go to the commentary channel: 'functions'.{% endif %}<|end|>"
@@ -58,11 +60,13 @@ HARMONY_STYLE_TEMPLATE = (
     "{%- endif %}"
     "{%- if m.tool_calls %}{%- for tc in m.tool_calls %}<|start|>assistant<|channel|>commentary "
     "to=functions.{{ tc.function.name }} <|constrain|>json<|message|>{{ tc.function.arguments | tojson }}<|call|>"
-    "{%- endfor %}"
+    "{%- set last_call.name = tc.function.name %}{%- endfor %}"
     "{%- elif loop.last and not add_generation_prompt %}"
     "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|return|>"
     "{%- else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif %}"
-    "{%- elif m.role == 'tool' %}<|start|>functions.{{ m.name }} to=assistant<|channel|>commentary<|message|>"
+    "{%- elif m.role == 'tool' %}{%- if last_call.name is none %}"
+    "{{- raise_exception('Message has tool role, but there was no previous assistant message with a tool call!') }}"
+    "{%- endif %}<|start|>functions.{{ last_call.name }} to=assistant<|channel|>commentary<|message|>"
     "{{ m.content }}<|end|>"
     "{%- endif %}"
     "{%- endfor %}"

@@ -114,8 +114,13 @@ def test_mistral_both_call_layouts_and_errors():
     assert v3.content == "Let me compute."
     assert [(c.name, c.arguments) for c in v3.calls] == [("calculator", {"expression": "2 + 3"}), ("g", {"x": 1})]
     v11 = parse('[TOOL_CALLS]calculator[ARGS]{"expression": "2 + 3"}[TOOL_CALLS]g[CALL_ID]a1b2c3d4e[ARGS]{}</s>')
-    assert [(c.name, c.arguments, c.call_id) for c in v11.calls] == [("calculator", {"expression": "2 + 3"}, "call_0"),
-                                                                       ("g", {}, "call_1")]
+    # Mistral's templates refuse ids that are not 9 letters or digits: the model's own, else call00000, ...
+    assert [(c.name, c.arguments, c.call_id) for c in v11.calls] == [
+        ("calculator", {"expression": "2 + 3"}, "call00000"), ("g", {}, "a1b2c3d4e")]
+    assert [c.call_id for c in v3.calls] == ["call00000", "call00001"]
+    own = parse('[TOOL_CALLS] [{"name": "f", "arguments": {}, "id": "Ab3dE6gH9"}, {"name": "f", "arguments": {}, '
+                '"id": "call_1"}]</s>')
+    assert [c.call_id for c in own.calls] == ["Ab3dE6gH9", "call00001"]
     assert parse("5</s>") == ParsedTurn("5")
     assert "without a call" in parse("[TOOL_CALLS]").errors[0].message
     bad_args = parse("[TOOL_CALLS]f[ARGS]{bad")
@@ -317,3 +322,33 @@ def test_sft_demonstrations_of_harmony_end_their_answer_with_return_and_their_ca
     assert [tok.decode(s) for s in spans] == ["<|channel|>final<|message|><answer>5</answer><|return|>",
                                                "<|channel|>final<|message|><answer>6</answer><|return|>"]
     assert "<|start|>user<|message|>And 2 + 4?<|end|><|start|>assistant" in tok.decode(tokens)
+
+
+def test_an_unparsed_harmony_call_is_an_error_the_model_reads_even_where_the_template_refuses_it(harmony_dir):
+    """A call whose JSON does not parse is not in the assistant message; gpt-oss's template
+    refuses a tool message that follows no call, so its error goes to the model as a user message
+    (its text untrusted) and the trajectory goes on."""
+    tok = load_tokenizer(harmony_dir)
+    bad = ('<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": 2 +<|call|>')
+    good = ('<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "2 + 3"}<|call|>')
+    traj, _ = _roll(tok, [bad, good, "<|channel|>final<|message|><answer>5</answer><|return|>"], "harmony")
+    assert (traj.error, traj.finish_reason, traj.reward, len(traj.turns)) == (None, "answer", 1.0, 3)
+    assert traj.turns[0].num_tool_errors == 1
+    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    assert observation.startswith("<|start|>user<|message|>error: malformed tool call JSON")
+    assert observation.endswith("<|end|><|start|>assistant")
+    assert [m["role"] for m in traj.messages][-5:] == ["assistant", "user", "assistant", "tool", "assistant"]
+
+
+def test_a_delta_never_cuts_before_the_turn_it_follows(tmp_path):
+    """A template that writes no close for an assistant turn: the last close in the history is the
+    user's, and cutting there would append the assistant turn a second time; refused instead."""
+    from sfrrl_jax.tokenizer import Tokenizer
+    base = load_tokenizer(build_qwen3_style_tokenizer(tmp_path))
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                "{% if m.role != 'assistant' %}<|im_end|>\n{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    open_ended = Tokenizer(base.hf, base.config, template)
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    with pytest.raises(TemplateDeltaError, match="after the last assistant turn starts"):
+        open_ended.render_delta(history, [{"role": "user", "content": "again"}], stop_text="<|im_end|>")
