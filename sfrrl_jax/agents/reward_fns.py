@@ -174,7 +174,12 @@ class RewardSum:
                 return await raw
             except Exception as e:
                 raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-        return self._total(task, trajectory, await asyncio.gather(*map(value, self.names, raws)))
+        # every one settles before the first error (in list order) is raised: none is left running
+        values = await asyncio.gather(*map(value, self.names, raws), return_exceptions=True)
+        for v in values:
+            if isinstance(v, BaseException):
+                raise v
+        return self._total(task, trajectory, values)
 
     def _total(self, task: Task, trajectory: Trajectory, raws: Sequence) -> float:
         components: dict[str, float] = {}
