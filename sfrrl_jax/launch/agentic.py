@@ -32,6 +32,7 @@ from sfrrl_jax.agents.environments import ToolEnvironment, calculator_environmen
 from sfrrl_jax.agents.formats import FORMATS, infer_format
 from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.protocols import Environment, Task
+from sfrrl_jax.agents.reward_fns import in_thread
 from sfrrl_jax.agents.sandbox import PythonSandbox
 from sfrrl_jax.agents.tasksets.bfcl_multi_turn import BfclMultiTurnEnvironment
 from sfrrl_jax.agents.tasksets.code_tasks import code_tests_reward
@@ -49,8 +50,11 @@ CODE_SYSTEM_PROMPT = ("You are a careful Python programmer. You may run Python t
 
 
 def code_environment() -> ToolEnvironment:
-    """A jailed Python tool; reward: the task's unit tests run in the sandbox (`code_tests_reward`)."""
-    return ToolEnvironment([PythonTool(PythonSandbox())], CODE_SYSTEM_PROMPT, reward_fns=[code_tests_reward()])
+    """A jailed Python tool; reward: the task's unit tests run in the sandbox (`code_tests_reward`),
+    in a worker thread (`in_thread`: a test run takes a sandbox process, and the agent loop goes
+    on with the other trajectories meanwhile), so `reward` returns an awaitable."""
+    return ToolEnvironment([PythonTool(PythonSandbox())], CODE_SYSTEM_PROMPT,
+                           reward_fns=[in_thread(code_tests_reward())])
 
 
 def math_tool_environment() -> ToolEnvironment:

@@ -156,3 +156,23 @@ def test_the_environment_is_a_gin_value_and_the_run_fingerprint_is_stable(model_
     assert env.tool_schemas() == [] and list(env.rewards.weights) == [1.0, 0.2]
     assert list(env.rewards.names) == ["answer_correct", "answer_format"]
     assert [inspect.iscoroutinefunction(fn) for fn in env.rewards.fns] == [True, False]
+
+
+def test_the_code_environment_runs_its_tests_off_the_agent_loop():
+    """code_environment's reward (the task's tests in the sandbox) is awaited in a worker thread."""
+    import asyncio
+
+    from sfrrl_jax.agents import Trajectory
+    from sfrrl_jax.agents.tasksets.code_tasks import code_task
+    from sfrrl_jax.launch.agentic import code_environment
+    env = code_environment()
+    try:
+        assert [inspect.iscoroutinefunction(fn) for fn in env.rewards.fns] == [True]
+        assert env.rewards.names == ("tests_passed",)
+        task = code_task("def add(a, b):\n", "add", "def check(candidate):\n    assert candidate(2, 3) == 5\n", "t")
+        answer = "```python\ndef add(a, b):\n    return a {} b\n```"
+        for text, want in ((answer.format("+"), 1.0), (answer.format("-"), 0.0)):
+            traj = Trajectory("t", "t", 0, 0, [], [], [], final_text=text)
+            assert asyncio.run(env.reward(task, traj)) == want and traj.metadata["rewards"] == {"tests_passed": want}
+    finally:
+        env.close()
