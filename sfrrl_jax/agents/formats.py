@@ -320,9 +320,11 @@ def _mistral_id(given: object, index: int) -> str:
 
 class Llama3JsonFormat(_Format):
     """Llama 3.1 / 3.2 / 3.3 JSON tool calling: a turn that is a call is the JSON object
-    `{"name": ..., "parameters": {...}}` ("arguments" too), optionally after <|python_tag|>;
-    parallel calls follow one another, separated by ';'. A turn whose text (after that tag) does
-    not start with '{' is an answer. Turns end with <|eot_id|>, or <|eom_id|> after a call."""
+    `{"name": ..., "parameters": {...}}` ("arguments" too), optionally after <|python_tag|>. A turn
+    whose text (after that tag) does not start with '{' is an answer. Turns end with <|eot_id|>,
+    or <|eom_id|> after a call. One call per turn, as Llama's templates render (they refuse an
+    assistant message with more): calls written after the first (';'-separated) are not run, each
+    an error observation saying so."""
 
     name = "llama3_json"
     turn_ends = ("<|eot_id|>", "<|eom_id|>")
@@ -337,10 +339,14 @@ class Llama3JsonFormat(_Format):
             return ParsedTurn(content=body if not tagged else "",
                               calls=(ToolCallError("<|python_tag|> without a JSON tool call", raw=text),)
                               if tagged else ())
-        calls = tuple(item if isinstance(item, ToolCallError)
-                      else _named_call(item, i, raw, ("parameters", "arguments"))
-                      for i, (item, raw) in enumerate(_json_objects(body, "the tool call")))
-        return ParsedTurn(content="", calls=calls)
+        calls = [item if isinstance(item, ToolCallError)
+                 else _named_call(item, i, raw, ("parameters", "arguments"))
+                 for i, (item, raw) in enumerate(_json_objects(body, "the tool call"))]
+        for i in range(1, len(calls)):
+            if isinstance(calls[i], ToolCall):
+                calls[i] = ToolCallError("Llama 3 calls one tool per turn: this call, after the first, was not run; "
+                                         "call it in the next turn", raw=calls[i].raw, name=calls[i].name)
+        return ParsedTurn(content="", calls=tuple(calls))
 
 
 class MistralFormat(_Format):

@@ -1,7 +1,8 @@
 """Small HF tokenizer directories in the style of Llama 3.1 and gpt-oss, built offline for the
 tool-call format tests: a byte-level BPE trained on a few lines, the family's control tokens,
 a chat template written here after the family's published prompt format (tools in the system
-turn, tool results under Llama's `ipython` header / gpt-oss's `functions.NAME` author), and a
+turn, tool results under Llama's `ipython` header / gpt-oss's `functions.NAME` author; as
+Llama 3.1's, one call per assistant message, more refused), and a
 generation_config.json whose eos list is the family's (Llama: <|end_of_text|>, <|eom_id|>,
 <|eot_id|>; gpt-oss: <|return|>, <|endoftext|>, <|call|>). As gpt-oss's, the harmony-style
 template ends the conversation's last answer with <|return|> (what the model generates, so SFT
@@ -32,10 +33,10 @@ LLAMA3_STYLE_TEMPLATE = (
     "arguments, in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}."
     "{%- for t in tools %}\n\n{{ t | tojson }}{%- endfor %}{%- endif %}<|eot_id|>"
     "{%- for m in rest %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
-    "{%- for tc in m.tool_calls %}{%- if not loop.first %}; {% endif %}"
-    "{\"name\": \"{{ tc.function.name }}\", \"parameters\": {{ tc.function.arguments | tojson }}}"
-    "{%- endfor %}<|eot_id|>"
+    "{%- if m.role == 'assistant' and m.tool_calls %}"
+    "{%- if m.tool_calls | length != 1 %}{{ raise_exception('This model only supports single tool-calls at once!') }}"
+    "{%- endif %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- set tc = m.tool_calls[0] %}"
+    "{\"name\": \"{{ tc.function.name }}\", \"parameters\": {{ tc.function.arguments | tojson }}}<|eot_id|>"
     "{%- elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
     "{%- else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>"
     "{%- endif %}"

@@ -94,8 +94,11 @@ def test_llama3_json_calls_answers_and_broken_calls():
     one = parse('{"name": "calculator", "parameters": {"expression": "2 + 3"}}<|eom_id|>')
     assert one == ParsedTurn("", (ToolCall("calculator", {"expression": "2 + 3"}, "call_0",
                                            raw='{"name": "calculator", "parameters": {"expression": "2 + 3"}}'),))
+    # one call per turn (Llama's templates refuse a message with more): the second is an error
     two = parse('<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": 1}}<|eot_id|>')
-    assert [(c.name, c.arguments, c.call_id) for c in two.calls] == [("f", {}, "call_0"), ("g", {"x": 1}, "call_1")]
+    assert [(c.name, c.arguments, c.call_id) for c in two.tool_calls] == [("f", {}, "call_0")]
+    assert [(e.name, e.raw) for e in two.errors] == [("g", '{"name": "g", "arguments": {"x": 1}}')]
+    assert "one tool per turn" in two.errors[0].message
     assert parse("The answer is <answer>5</answer><|eot_id|>") == ParsedTurn("The answer is <answer>5</answer>")
     # a turn that starts a call is one: what cannot be read is its error observation
     broken = parse('{"name": "f", "parameters": {"a": 1}')
@@ -104,7 +107,7 @@ def test_llama3_json_calls_answers_and_broken_calls():
     assert "must be a JSON object" in parse('{"name": "f", "parameters": [1]}').errors[0].message
     assert "without a JSON tool call" in parse('<|python_tag|>brave_search.call(query="x")<|eom_id|>').errors[0].message
     first_ok = parse('{"name": "f", "parameters": {}}; {"name": ')
-    assert isinstance(first_ok.calls[0], ToolCall) and isinstance(first_ok.calls[1], ToolCallError)
+    assert isinstance(first_ok.calls[0], ToolCall) and "malformed" in first_ok.calls[1].message
 
 
 def test_mistral_both_call_layouts_and_errors():
@@ -352,3 +355,13 @@ def test_a_delta_never_cuts_before_the_turn_it_follows(tmp_path):
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     with pytest.raises(TemplateDeltaError, match="after the last assistant turn starts"):
         open_ended.render_delta(history, [{"role": "user", "content": "again"}], stop_text="<|im_end|>")
+
+
+def test_llama3_parallel_calls_run_the_first_and_tell_the_model_of_the_rest(llama_dir):
+    tok = load_tokenizer(llama_dir)
+    traj, _ = _roll(tok, ['{"name": "calculator", "parameters": {"expression": "2 + 3"}}; '
+                          '{"name": "calculator", "parameters": {"expression": "1 + 1"}}<|eom_id|>',
+                          "<answer>5</answer><|eot_id|>"], "llama3_json")
+    assert (traj.error, traj.reward, traj.turns[0].num_tool_calls, traj.turns[0].num_tool_errors) == (None, 1.0, 2, 1)
+    results = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert results[0] == "5" and "one tool per turn" in results[1]
