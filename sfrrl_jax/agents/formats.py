@@ -355,7 +355,8 @@ class MistralFormat(_Format):
     `NAME[ARGS]{...}` (v11 and later: Mistral Small 3.2, Devstral; `NAME[CALL_ID]ID[ARGS]{...}`
     too), one `[TOOL_CALLS]` per call. The text before the first `[TOOL_CALLS]` is the content.
     Call ids are the model's own (an "id" key, or [CALL_ID]) where they are 9 letters or digits,
-    else `call00000`, `call00001`, ...: Mistral's templates refuse any other id."""
+    else `call00000`, `call00001`, ... (errors too: their observations carry them): Mistral's
+    templates refuse any other id."""
 
     name = "mistral"
     _SUFFIXES = ("</s>",)
@@ -382,6 +383,9 @@ class MistralFormat(_Format):
                     calls.append(one if isinstance(one, ToolCallError)
                                  else _named_call(one, len(calls), raw, ("arguments", "parameters"),
                                                   _mistral_id(given_id, len(calls))))
+        # an error's observation is a tool message too, and the template checks its id as well
+        calls = [dataclasses.replace(c, call_id=_mistral_id(None, i)) if isinstance(c, ToolCallError) else c
+                 for i, c in enumerate(calls)]
         return ParsedTurn(content=content.strip(), calls=tuple(calls))
 
 

@@ -29,11 +29,13 @@ class ToolCall:
 
 @dataclasses.dataclass(frozen=True)
 class ToolCallError:
-    """A call that could not be parsed (bad JSON, unterminated markup): becomes an error observation."""
+    """A call that could not be parsed (bad JSON, unterminated markup): becomes an error observation.
+    `call_id`: the id its observation carries (a format whose template checks ids gives one)."""
 
     message: str
     raw: str = ""
     name: str | None = None
+    call_id: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

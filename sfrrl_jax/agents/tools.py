@@ -147,7 +147,7 @@ class ToolRunner:
         """One call, against `tools` ({name: tool}; default: the runner's own), e.g. an episode's
         tools bound to its state, under this runner's pool, timeout and checks."""
         if isinstance(call, ToolCallError):
-            return self._error(call.name or "invalid", call.message)
+            return self._error(call.name or "invalid", call.message, call.call_id)
         tools = self.tools if tools is None else tools
         tool = tools.get(call.name)
         if tool is None:

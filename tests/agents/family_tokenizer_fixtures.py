@@ -1,4 +1,4 @@
-"""Small HF tokenizer directories in the style of Llama 3.1 and gpt-oss, built offline for the
+"""Small HF tokenizer directories in the style of Llama 3.1, gpt-oss and Mistral, built offline for the
 tool-call format tests: a byte-level BPE trained on a few lines, the family's control tokens,
 a chat template written here after the family's published prompt format (tools in the system
 turn, tool results under Llama's `ipython` header / gpt-oss's `functions.NAME` author; as
@@ -75,6 +75,32 @@ HARMONY_STYLE_TEMPLATE = (
 )
 
 
+MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                    "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+MISTRAL_STYLE_TEMPLATE = (
+    "{%- set user_turns = messages | selectattr('role', 'equalto', 'user') | list %}"
+    "{{- bos_token }}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}"
+    "{%- if tools and m == user_turns[-1] %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST] {{ m.content }}[/INST]"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS] ["
+    "{%- for tc in m.tool_calls %}"
+    "{%- if tc.id is not defined or tc.id | length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{\"name\": \"{{ tc.function.name }}\", \"arguments\": {{ tc.function.arguments | tojson }}, "
+    "\"id\": \"{{ tc.id }}\"}{%- if not loop.last %}, {% endif %}"
+    "{%- endfor %}]{{ eos_token }}"
+    "{%- elif m.role == 'assistant' %} {{ m.content }}{{ eos_token }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if m.tool_call_id is not defined or m.tool_call_id | length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "[TOOL_RESULTS] {\"content\": {{ m.content | tojson }}, \"call_id\": \"{{ m.tool_call_id }}\"}[/TOOL_RESULTS]"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
+
 def _build(directory: Path, specials: list[str], config: dict, eos_list: list[str] | None) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -105,3 +131,13 @@ def build_harmony_style_tokenizer(directory: Path, generation_config: bool = Tru
     return _build(directory, HARMONY_SPECIALS,
                   {"eos_token": "<|return|>", "pad_token": "<|endoftext|>", "chat_template": HARMONY_STYLE_TEMPLATE},
                   ["<|return|>", "<|endoftext|>", "<|call|>"] if generation_config else None)
+
+
+def build_mistral_style_tokenizer(directory: Path) -> Path:
+    """Mistral 7B v0.3's layout (tokenizer v3): tools before the last user turn, calls as a JSON
+    list after [TOOL_CALLS] with 9-character ids the template checks, results in [TOOL_RESULTS];
+    turns end with eos </s>; no generation prompt."""
+    return _build(directory, MISTRAL_SPECIALS,
+                  {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                   "chat_template": MISTRAL_STYLE_TEMPLATE},
+                  None)

@@ -17,7 +17,8 @@ from sfrrl_jax.agents.tasks import arithmetic_task
 from sfrrl_jax.testing.scripted_engine import ScriptedEngine
 from sfrrl_jax.tokenizer import TemplateDeltaError, load_tokenizer
 
-from family_tokenizer_fixtures import build_harmony_style_tokenizer, build_llama3_style_tokenizer
+from family_tokenizer_fixtures import (build_harmony_style_tokenizer, build_llama3_style_tokenizer,
+                                      build_mistral_style_tokenizer)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoints"))
 from hf_tokenizer_fixtures import build_qwen3_style_tokenizer  # noqa: E402
@@ -364,3 +365,19 @@ def test_llama3_parallel_calls_run_the_first_and_tell_the_model_of_the_rest(llam
     assert (traj.error, traj.reward, traj.turns[0].num_tool_calls, traj.turns[0].num_tool_errors) == (None, 1.0, 2, 1)
     results = [m["content"] for m in traj.messages if m["role"] == "tool"]
     assert results[0] == "5" and "one tool per turn" in results[1]
+
+
+def test_mistral_tool_loop_with_ids_its_template_accepts_and_an_unparsed_call_between(tmp_path):
+    """Mistral's template refuses a call id or a result id that is not 9 letters or digits: the
+    format's ids (the model's own, else call00000...) pass it, for the results of calls that did
+    not parse too; the loop runs a broken call, a good one, then the answer."""
+    tok = load_tokenizer(build_mistral_style_tokenizer(tmp_path))
+    assert infer_format(tok.chat_template_source) == "mistral" and tok.end_of_turn_token == "</s>"
+    traj, _ = _roll(tok, ['[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": 2 +}}]</s>',
+                          '[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "2 + 3"}, '
+                          '"id": "Ab3dE6gH9"}]</s>',
+                          "<answer>5</answer></s>"], "mistral")
+    assert (traj.error, traj.finish_reason, traj.reward, len(traj.turns)) == (None, "answer", 1.0, 3)
+    assert [m["tool_call_id"] for m in traj.messages if m["role"] == "tool"] == ["call00000", "Ab3dE6gH9"]
+    observation = tok.decode(traj.tokens[traj.turns[1].gen_end:traj.turns[1].obs_end])
+    assert observation == '[TOOL_RESULTS] {"content": "5", "call_id": "Ab3dE6gH9"}[/TOOL_RESULTS]'
