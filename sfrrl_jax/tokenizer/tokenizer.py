@@ -191,12 +191,11 @@ class Tokenizer:
         at = before.rfind(stop_text)
         if at >= floor:
             return at, stop_text
-        closes = dict.fromkeys(t for t in (self.end_of_turn_token, self.eos_token,
-                                           *(self.hf.id_to_token(i) for i in self.generation_eos_ids)) if t)
+        closes = [self.hf.id_to_token(i) for i in self.stop_token_ids]
         found = [(before.rfind(t), t) for t in closes if before.rfind(t) >= floor]
         if not found:
             raise TemplateDeltaError(f"{self.name}: the rendered history has no {stop_text!r} (nor another close "
-                                     f"of the turn, {list(closes)}) after the last assistant turn starts")
+                                     f"of the turn, {closes}) after the last assistant turn starts")
         return max(found, key=lambda pair: pair[0] + len(pair[1]))
 
     def _delta_start(self, prefix: str, body: str, after: str) -> int | None:
