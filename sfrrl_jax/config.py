@@ -10,7 +10,7 @@ import math
 import numbers
 from typing import Iterable, Literal, Sequence
 
-Family = Literal["qwen3_moe", "gpt_oss", "mixtral", "llama", "qwen2", "qwen3"]
+Family = Literal["qwen3_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3"]
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 LayerType = Literal["full", "sliding"]

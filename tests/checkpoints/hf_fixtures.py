@@ -18,6 +18,7 @@ FAMILY_CLASSES = {
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 }
@@ -91,6 +92,15 @@ CONFIGS = {
         head_dim=16, intermediate_size=24, max_position_embeddings=512,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    # Mistral v0.1: a window on every layer, GQA 4:1, rope theta 1e4.
+    "mistral_window": ("mistral", dict(
+        vocab_size=73, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=8, intermediate_size=26, sliding_window=3, rope_theta=10000.0)),
+    # Mistral v0.3 / Nemo: no window (sliding_window null), head_dim * heads != hidden, theta 1e6.
+    "mistral_nemo_like": ("mistral", dict(
+        vocab_size=69, hidden_size=30, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=12, intermediate_size=22, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     # Qwen3 dense: q/k norms, GQA 3:1, head_dim != hidden/heads.
     "qwen3_dense": ("qwen3", dict(
         vocab_size=70, hidden_size=36, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,

@@ -64,3 +64,38 @@ def test_dense_layers_export_as_mlp_only_layers_and_only_for_qwen3_moe():
     assert "intermediate_size" not in config_to_hf(ModelConfig.preset("tiny-moe"))   # as before
     with pytest.raises(HFConfigError, match=r"dense_layers=\(0, 3\); HF MixtralForCausalLM has no dense"):
         config_to_hf(cfg.replace(family="mixtral", qk_norm=False, router="topk_softmax"))
+
+
+# Mistral-7B-Instruct-v0.3's and Mistral-Nemo-Instruct-2407's config.json (the architecture's
+# fields, as published), and v0.1's window.
+MISTRAL_V03 = {
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32768,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "hidden_act": "silu", "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16"}
+MISTRAL_NEMO = {**MISTRAL_V03, "vocab_size": 131072, "hidden_size": 5120, "num_hidden_layers": 40,
+                "head_dim": 128, "max_position_embeddings": 1024000}
+
+
+def test_published_mistral_configs_read_as_dense_llama_shapes_with_the_window_on_every_layer():
+    v03 = config_from_hf(MISTRAL_V03)
+    assert (v03.family, v03.n_experts, v03.d_ff, v03.head_dim, v03.n_kv_heads) == ("mistral", 0, 14336, 128, 8)
+    assert (v03.rope_theta, v03.sliding_window, v03.layer_types, v03.attention_bias) == (1e6, None, None, False)
+    assert v03.param_dtype == "bfloat16" and not v03.tie_embeddings
+    nemo = config_from_hf(MISTRAL_NEMO)
+    assert (nemo.head_dim, nemo.n_heads * nemo.head_dim, nemo.d_model) == (128, 4096, 5120)
+    v01 = config_from_hf({**MISTRAL_V03, "vocab_size": 32000, "rope_theta": 10000.0, "sliding_window": 4096})
+    assert v01.sliding_window == 4096 and v01.layer_types == ("sliding",) * 32
+    assert config_to_hf(v01)["sliding_window"] == 4096 and config_to_hf(v03)["sliding_window"] is None
+
+
+def test_mistral_refuses_what_hf_mistral_cannot_hold():
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    with pytest.raises(HFConfigError, match="attention_bias=True is not supported for mistral"):
+        config_from_hf({**MISTRAL_V03, "attention_bias": True})
+    with pytest.raises(HFConfigError, match="sliding_window=0"):
+        config_from_hf({**MISTRAL_V03, "sliding_window": 0})
+    mixed = config_from_hf({**MISTRAL_V03, "sliding_window": 8}).replace(layer_types=("sliding", "full") * 16)
+    with pytest.raises(HFConfigError, match="mixes kinds"):
+        config_to_hf(mixed)

@@ -13,10 +13,11 @@ from typing import Any, Mapping
 
 from sfrrl_jax.config import ModelConfig
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "gpt_oss", "mixtral", "llama", "qwen2", "qwen3")
-DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("qwen3_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
 _HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 _TO_HF_LAYER_TYPES = {ours: theirs for theirs, ours in _HF_LAYER_TYPES.items()}
@@ -187,8 +188,10 @@ def _layer_types(hf_types, n_layers: int, where: str) -> tuple[str, ...]:
 
 
 def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) -> ModelConfig:
-    """Llama / Qwen2 / Qwen3: a SwiGLU MLP in every layer. Llama's optional q/k/v/o bias is one
-    switch (attention_bias); Qwen2 has q/k/v biases and none on the output; Qwen3 has q/k norms."""
+    """Llama / Mistral / Qwen2 / Qwen3: a SwiGLU MLP in every layer. Llama's optional q/k/v/o bias
+    is one switch (attention_bias); Mistral is Llama without biases, its `sliding_window` (when
+    not null: v0.1) on every layer; Qwen2 has q/k/v biases and none on the output; Qwen3 has q/k
+    norms."""
     _require(hf, "hidden_act", ("silu",), where)
     if hf.get("mlp_bias"):
         raise HFConfigError(f"{where}: mlp_bias=True is not supported (the MLP has no biases)")
@@ -204,6 +207,15 @@ def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) 
         kinds = () if hf_types is None else _layer_types(hf_types, n_layers, where)
         if "sliding" in kinds:
             window, layer_types = int(_get(hf, "sliding_window", where)), kinds
+    if family == "mistral":
+        if hf.get("attention_bias"):  # MistralAttention builds its projections without biases
+            raise HFConfigError(f"{where}: attention_bias=True is not supported for mistral (HF Mistral "
+                                "has no attention biases)")
+        if hf.get("sliding_window") is not None:
+            window = int(hf["sliding_window"])
+            if window < 1:
+                raise HFConfigError(f"{where}: sliding_window={window} must be >= 1 (or null)")
+            layer_types = ("sliding",) * n_layers
     extra: dict = {}
     if family == "qwen2":
         extra = dict(attention_bias=True, attention_out_bias=False)
@@ -232,6 +244,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     dense = dict(n_experts=0, attn_sinks=False, router_bias=False, expert_bias=False)
     want = {
         "llama": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
+        "mistral": dict(dense, qk_norm=False, attention_bias=False, out_bias=False),
         "qwen2": dict(dense, qk_norm=False, attention_bias=True, out_bias=False),
         "qwen3": dict(dense, qk_norm=True, out_bias=cfg.attention_bias),
         "qwen3_moe": dict(router="softmax_topk", qk_norm=True, attn_sinks=False, router_bias=False,
@@ -255,7 +268,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     if cfg.family == "llama" and "sliding" in types:
         raise HFConfigError(f"ModelConfig(family='llama') has sliding layers (layer_types={cfg.layer_types}); "
                             "HF Llama has no sliding window")
-    if cfg.is_moe and cfg.family in ("qwen3_moe", "mixtral") and types and types != {"sliding"}:
+    if cfg.family in ("qwen3_moe", "mixtral", "mistral") and types and types != {"sliding"}:
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}): HF applies sliding_window to every layer; "
                             f"layer_types={cfg.layer_types} mixes kinds")
 
@@ -276,7 +289,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     if cfg.family in DENSE_FAMILIES:
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
         hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, mlp_bias=False)
-        if cfg.family != "llama":
+        if cfg.family == "mistral":
+            del hf["attention_bias"], hf["mlp_bias"]   # not MistralConfig fields: it has neither
+            hf["sliding_window"] = window
+        elif cfg.family != "llama":
             types = cfg.layer_types or ("full",) * cfg.n_layers
             hf.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=cfg.n_layers,
                       layer_types=[_TO_HF_LAYER_TYPES[t] for t in types])
