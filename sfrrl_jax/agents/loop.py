@@ -74,11 +74,14 @@ def turn_seed(seed: int, task_id: str, sample_index: int, turn: int) -> int:
 
 def capped_calls(calls: Sequence[ToolCall | ToolCallError], cap: int) -> tuple[ToolCall | ToolCallError, ...]:
     """The first `cap` calls, then (if any were cut) one `ToolCallError` naming how many were not
-    run: a turn of thousands of calls costs the tools and the context nothing past the cap."""
+    run: a turn of thousands of calls costs the tools and the context nothing past the cap. The
+    error carries the first cut call's id, which its format made (Mistral's template refuses a
+    result whose id is not one of its 9-character ones)."""
     if len(calls) <= cap:
         return tuple(calls)
     return tuple(calls[:cap]) + (ToolCallError(
-        f"{len(calls) - cap} more tool calls in this turn were not run: at most {cap} per turn"),)
+        f"{len(calls) - cap} more tool calls in this turn were not run: at most {cap} per turn",
+        call_id=calls[cap].call_id),)
 
 
 class _SharedEpisode:

@@ -381,3 +381,22 @@ def test_mistral_tool_loop_with_ids_its_template_accepts_and_an_unparsed_call_be
     assert [m["tool_call_id"] for m in traj.messages if m["role"] == "tool"] == ["call00000", "Ab3dE6gH9"]
     observation = tok.decode(traj.tokens[traj.turns[1].gen_end:traj.turns[1].obs_end])
     assert observation == '[TOOL_RESULTS] {"content": "5", "call_id": "Ab3dE6gH9"}[/TOOL_RESULTS]'
+
+
+def test_mistral_calls_past_the_per_turn_cap_get_an_error_with_an_id_its_template_accepts(tmp_path):
+    """The loop's own error for the calls past `max_tool_calls_per_turn` carries the first cut
+    call's id (call00002 here), so Mistral's template renders it instead of failing the run."""
+    tok = load_tokenizer(build_mistral_style_tokenizer(tmp_path))
+    call = '{"name": "calculator", "arguments": {"expression": "2 + 3"}}'
+    engine = ScriptedEngine([f"[TOOL_CALLS] [{', '.join([call] * 5)}]</s>", "<answer>5</answer></s>"], tokenizer=tok)
+    env = calculator_environment()
+    try:
+        traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
+                                     dataclasses.replace(CFG, tool_format="mistral", max_tool_calls_per_turn=2,
+                                                         max_new_tokens_per_turn=1024)))
+    finally:
+        env.close()
+    assert (traj.error, traj.finish_reason, traj.reward) == (None, "answer", 1.0)
+    tool = [m for m in traj.messages if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in tool] == ["call00000", "call00001", "call00002"]
+    assert [m["content"] for m in tool[:2]] == ["5", "5"] and "3 more tool calls" in tool[2]["content"]
