@@ -10,7 +10,8 @@ agent loop calls once per trajectory.
 
 Parsing never raises on model output. Anything unusable (bad JSON, unterminated markup, a call
 without a name, arguments that are not an object) becomes a `ToolCallError` at its place in the
-call order; the loop turns it into an error observation the policy reads on its next turn.
+call order; the loop turns it into an error observation the policy reads on its next turn. The
+readers the formats share are in `call_text`.
 Unknown tools and schema violations are checked later, by the tool runner, which knows the tools.
 """
 from __future__ import annotations
@@ -20,26 +21,9 @@ import json
 import re
 from typing import Any, Mapping, Protocol
 
+from sfrrl_jax.agents.call_text import (ParsedTurn, decode_object, json_objects, make_call, named_call,
+                                        strip_suffixes, tagged_calls)
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
-
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
-
-
-@dataclasses.dataclass(frozen=True)
-class ParsedTurn:
-    """One assistant turn: visible text, and the calls in the order they were written."""
-
-    content: str
-    calls: tuple[ToolCall | ToolCallError, ...] = ()
-    reasoning: str = ""
-
-    @property
-    def tool_calls(self) -> list[ToolCall]:
-        return [c for c in self.calls if isinstance(c, ToolCall)]
-
-    @property
-    def errors(self) -> list[ToolCallError]:
-        return [c for c in self.calls if isinstance(c, ToolCallError)]
 
 
 class ToolCallFormat(Protocol):
@@ -86,84 +70,6 @@ def turn_stop_ids(fmt: ToolCallFormat, tokenizer) -> tuple[int, ...]:
     return stops
 
 
-def _decode_object(payload: str, what: str) -> dict | ToolCallError:
-    """The single JSON object in `payload` (surrounding whitespace allowed), or an error."""
-    text = payload.strip()
-    try:
-        value, end = json.JSONDecoder().raw_decode(text)
-    except json.JSONDecodeError as e:
-        return ToolCallError(f"malformed tool call JSON in {what}: {e.msg} at char {e.pos}", raw=payload)
-    except ValueError as e:  # an integer literal past Python's int digit limit (4300 by default)
-        return ToolCallError(f"unparsable tool call JSON in {what}: {e}", raw=payload)
-    except RecursionError:  # JSON nested deeper than the interpreter's recursion limit
-        return ToolCallError(f"tool call JSON in {what} is nested too deeply", raw=payload)
-    if text[end:].strip():
-        return ToolCallError(f"unexpected text after the JSON object in {what}: {text[end:end + 30]!r}", raw=payload)
-    if not isinstance(value, dict):
-        return ToolCallError(f"{what} must be a JSON object, got {type(value).__name__}", raw=payload)
-    return value
-
-
-def _call(name: object, arguments: object, index: int, raw: str,
-          call_id: str | None = None) -> ToolCall | ToolCallError:
-    if not isinstance(name, str) or not _NAME.match(name):
-        return ToolCallError(f"tool call has no valid tool name (got {name!r})", raw=raw)
-    if isinstance(arguments, str):  # some models emit arguments as a JSON string
-        decoded = _decode_object(arguments, "arguments")
-        if isinstance(decoded, ToolCallError):
-            return dataclasses.replace(decoded, name=name, raw=raw)
-        arguments = decoded
-    if arguments is None:
-        arguments = {}
-    if not isinstance(arguments, dict):
-        return ToolCallError(f"arguments of {name!r} must be a JSON object, got {type(arguments).__name__}",
-                             raw=raw, name=name)
-    return ToolCall(name=name, arguments=arguments, call_id=call_id or f"call_{index}", raw=raw)
-
-
-def _strip_suffixes(text: str, suffixes: tuple[str, ...]) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for s in suffixes:
-            if text.endswith(s):
-                text, changed = text[: -len(s)], True
-    return text
-
-
-def _tagged_calls(text: str, open_tag: str, close_tag: str, decode_body, stop_suffixes) -> ParsedTurn:
-    """Shared scanner for formats that wrap each call in open/close tags inside the turn's text."""
-    content, calls, pos = [], [], 0
-    while (start := text.find(open_tag, pos)) >= 0:
-        content.append(text[pos:start])
-        body_start = start + len(open_tag)
-        # At most 16 candidate close tags: collecting every later one made a turn of n calls
-        # cost O(n^2) (16,000 calls: 18 s on the event loop).
-        ends = []
-        end = text.find(close_tag, body_start)
-        while end >= 0 and len(ends) < 16:
-            ends.append(end)
-            end = text.find(close_tag, end + len(close_tag))
-        if not ends:
-            calls.append(ToolCallError(f"unterminated tool call: missing {close_tag}", raw=text[start:]))
-            pos = len(text)
-            break
-        # The nearest close tag, unless it sits inside the JSON (e.g. in a string) and a later one
-        # closes a body that decodes.
-        first, chosen = None, None
-        for e in ends:
-            item = decode_body(text[body_start:e], len(calls), text[start:e + len(close_tag)])
-            first = first or (item, e)
-            if isinstance(item, ToolCall):
-                chosen = (item, e)
-                break
-        item, end = chosen or first
-        calls.append(item)
-        pos = end + len(close_tag)
-    content.append(text[pos:])
-    return ParsedTurn(content=_strip_suffixes("".join(content), stop_suffixes).strip(), calls=tuple(calls))
-
-
 class CompactFormat(_Format):
     """Ours: `<|call|>NAME{json arguments}<|/call|>`, any number per turn; turn ends `<|end|>`."""
 
@@ -175,12 +81,12 @@ class CompactFormat(_Format):
             if brace < 0:
                 return ToolCallError("tool call has no JSON arguments object: expected NAME{...}", raw=raw)
             name = body[:brace].strip()
-            arguments = _decode_object(body[brace:], f"arguments of {name!r}")
+            arguments = decode_object(body[brace:], f"arguments of {name!r}")
             if isinstance(arguments, ToolCallError):
                 return dataclasses.replace(arguments, raw=raw, name=name or None)
-            return _call(name, arguments, index, raw)
+            return make_call(name, arguments, index, raw)
 
-        return _tagged_calls(text, "<|call|>", "<|/call|>", decode, ("<|end|>", "<|eos|>"))
+        return tagged_calls(text, "<|call|>", "<|/call|>", decode, ("<|end|>", "<|eos|>"))
 
 
 def split_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</think>") -> tuple[str, str]:
@@ -212,13 +118,13 @@ class Qwen3Format(_Format):
 
     def parse(self, text: str) -> ParsedTurn:
         def decode(body: str, index: int, raw: str):
-            obj = _decode_object(body, "<tool_call>")
+            obj = decode_object(body, "<tool_call>")
             if isinstance(obj, ToolCallError):
                 return dataclasses.replace(obj, raw=raw)
-            return _call(obj.get("name"), obj.get("arguments", obj.get("parameters")), index, raw)
+            return make_call(obj.get("name"), obj.get("arguments", obj.get("parameters")), index, raw)
 
         reasoning, rest = split_reasoning(text)
-        turn = _tagged_calls(rest, "<tool_call>", "</tool_call>", decode, ("<|im_end|>", "<|endoftext|>"))
+        turn = tagged_calls(rest, "<tool_call>", "</tool_call>", decode, ("<|im_end|>", "<|endoftext|>"))
         return dataclasses.replace(turn, reasoning=reasoning)
 
 
@@ -261,11 +167,11 @@ class HarmonyFormat(_Format):
                 if term_at < 0:
                     calls.append(ToolCallError("unterminated tool call: missing <|call|>", raw=chunk, name=name))
                     continue
-                arguments = _decode_object(body, f"arguments of {name!r}")
+                arguments = decode_object(body, f"arguments of {name!r}")
                 if isinstance(arguments, ToolCallError):
                     calls.append(dataclasses.replace(arguments, raw=chunk, name=name))
                 else:
-                    calls.append(_call(name, arguments, len(calls), chunk))
+                    calls.append(make_call(name, arguments, len(calls), chunk))
             elif channel == "analysis":
                 reasoning.append(body)
             elif channel == "final":
@@ -274,40 +180,6 @@ class HarmonyFormat(_Format):
                 other.append(body)
         content = "".join(final) if final else "".join(other)
         return ParsedTurn(content=content.strip(), calls=tuple(calls), reasoning="".join(reasoning).strip())
-
-
-def _json_objects(text: str, what: str) -> list[tuple[object | ToolCallError, str]]:
-    """(value, its text) for the JSON values of `text` one after another, separated by ';' or
-    whitespace (Llama 3 writes parallel calls so); what cannot be read becomes one error, and
-    reading stops there."""
-    decoder, values, pos = json.JSONDecoder(), [], 0
-    while True:
-        while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
-            pos += 1
-        if pos >= len(text):
-            return values
-        try:
-            value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            error = f"malformed tool call JSON in {what}: {e.msg} at char {e.pos}"
-        except ValueError as e:  # an integer literal past Python's int digit limit
-            error = f"unparsable tool call JSON in {what}: {e}"
-        except RecursionError:
-            error = f"tool call JSON in {what} is nested too deeply"
-        else:
-            values.append((value, text[pos:end]))
-            pos = end
-            continue
-        values.append((ToolCallError(error, raw=text[pos:]), text[pos:]))
-        return values
-
-
-def _named_call(obj: object, index: int, raw: str, arguments_keys: tuple[str, ...],
-                call_id: str | None = None) -> ToolCall | ToolCallError:
-    if not isinstance(obj, dict):
-        return ToolCallError(f"a tool call must be a JSON object with a name, got {type(obj).__name__}", raw=raw)
-    arguments = next((obj[k] for k in arguments_keys if k in obj), None)
-    return _call(obj.get("name"), arguments, index, raw, call_id)
 
 
 def _mistral_id(given: object, index: int) -> str:
@@ -331,7 +203,7 @@ class Llama3JsonFormat(_Format):
     _SUFFIXES = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
 
     def parse(self, text: str) -> ParsedTurn:
-        body = _strip_suffixes(text, self._SUFFIXES).strip()
+        body = strip_suffixes(text, self._SUFFIXES).strip()
         tagged = body.startswith("<|python_tag|>")
         if tagged:
             body = body[len("<|python_tag|>"):].strip()
@@ -340,8 +212,8 @@ class Llama3JsonFormat(_Format):
                               calls=(ToolCallError("<|python_tag|> without a JSON tool call", raw=text),)
                               if tagged else ())
         calls = [item if isinstance(item, ToolCallError)
-                 else _named_call(item, i, raw, ("parameters", "arguments"))
-                 for i, (item, raw) in enumerate(_json_objects(body, "the tool call"))]
+                 else named_call(item, i, raw, ("parameters", "arguments"))
+                 for i, (item, raw) in enumerate(json_objects(body, "the tool call"))]
         for i in range(1, len(calls)):
             if isinstance(calls[i], ToolCall):
                 calls[i] = ToolCallError("Llama 3 calls one tool per turn: this call, after the first, was not run; "
@@ -362,26 +234,26 @@ class MistralFormat(_Format):
     _SUFFIXES = ("</s>",)
 
     def parse(self, text: str) -> ParsedTurn:
-        content, *segments = _strip_suffixes(text, self._SUFFIXES).split("[TOOL_CALLS]")
+        content, *segments = strip_suffixes(text, self._SUFFIXES).split("[TOOL_CALLS]")
         calls: list[ToolCall | ToolCallError] = []
         for segment in segments:
             raw = "[TOOL_CALLS]" + segment
             head, has_args, arguments = segment.partition("[ARGS]")
             if has_args:
                 name, _, given_id = (part.strip() for part in head.partition("[CALL_ID]"))
-                decoded = _decode_object(arguments, f"arguments of {name!r}")
+                decoded = decode_object(arguments, f"arguments of {name!r}")
                 calls.append(dataclasses.replace(decoded, raw=raw, name=name or None)
                              if isinstance(decoded, ToolCallError)
-                             else _call(name, decoded, len(calls), raw, _mistral_id(given_id, len(calls))))
+                             else make_call(name, decoded, len(calls), raw, _mistral_id(given_id, len(calls))))
                 continue
-            items = _json_objects(segment, "[TOOL_CALLS]")
+            items = json_objects(segment, "[TOOL_CALLS]")
             if not items:
                 calls.append(ToolCallError("[TOOL_CALLS] without a call", raw=raw))
             for item, _ in items:
                 for one in (item if isinstance(item, list) else [item]):
                     given_id = one.get("id") if isinstance(one, dict) else None
                     calls.append(one if isinstance(one, ToolCallError)
-                                 else _named_call(one, len(calls), raw, ("arguments", "parameters"),
+                                 else named_call(one, len(calls), raw, ("arguments", "parameters"),
                                                   _mistral_id(given_id, len(calls))))
         # an error's observation is a tool message too, and the template checks its id as well
         calls = [dataclasses.replace(c, call_id=_mistral_id(None, i)) if isinstance(c, ToolCallError) else c
@@ -475,11 +347,11 @@ class Qwen3XmlFormat(_Format):
         if rest[pos:].strip():
             return ToolCallError(f"unexpected text in the call of {name!r}: {rest[pos:].strip()[:30]!r}",
                                  raw=raw, name=name or None)
-        return _call(name, arguments, index, raw)
+        return make_call(name, arguments, index, raw)
 
     def parse(self, text: str) -> ParsedTurn:
         reasoning, rest = split_reasoning(text)
-        turn = _tagged_calls(rest, "<tool_call>", "</tool_call>", self._decode, ("<|im_end|>", "<|endoftext|>"))
+        turn = tagged_calls(rest, "<tool_call>", "</tool_call>", self._decode, ("<|im_end|>", "<|endoftext|>"))
         return dataclasses.replace(turn, reasoning=reasoning)
 
 

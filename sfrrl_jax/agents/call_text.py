@@ -1,0 +1,145 @@
+"""Reading tool calls out of generated text: the pieces every tool-call format shares.
+
+`ParsedTurn` is what a format's `parse` returns. The readers here never raise on model output:
+what cannot be used (bad JSON, an unterminated tag, a call without a valid name, arguments that
+are not an object) becomes a `ToolCallError` at its place in the call order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
+
+#: A tool name a call may carry (dotted and dashed names too: `functions.get_weather`).
+TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedTurn:
+    """One assistant turn: visible text, and the calls in the order they were written."""
+
+    content: str
+    calls: tuple[ToolCall | ToolCallError, ...] = ()
+    reasoning: str = ""
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [c for c in self.calls if isinstance(c, ToolCall)]
+
+    @property
+    def errors(self) -> list[ToolCallError]:
+        return [c for c in self.calls if isinstance(c, ToolCallError)]
+
+
+def decode_object(payload: str, what: str) -> dict | ToolCallError:
+    """The single JSON object in `payload` (surrounding whitespace allowed), or an error."""
+    text = payload.strip()
+    try:
+        value, end = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError as e:
+        return ToolCallError(f"malformed tool call JSON in {what}: {e.msg} at char {e.pos}", raw=payload)
+    except ValueError as e:  # an integer literal past Python's int digit limit (4300 by default)
+        return ToolCallError(f"unparsable tool call JSON in {what}: {e}", raw=payload)
+    except RecursionError:  # JSON nested deeper than the interpreter's recursion limit
+        return ToolCallError(f"tool call JSON in {what} is nested too deeply", raw=payload)
+    if text[end:].strip():
+        return ToolCallError(f"unexpected text after the JSON object in {what}: {text[end:end + 30]!r}", raw=payload)
+    if not isinstance(value, dict):
+        return ToolCallError(f"{what} must be a JSON object, got {type(value).__name__}", raw=payload)
+    return value
+
+
+def make_call(name: object, arguments: object, index: int, raw: str,
+          call_id: str | None = None) -> ToolCall | ToolCallError:
+    if not isinstance(name, str) or not TOOL_NAME.match(name):
+        return ToolCallError(f"tool call has no valid tool name (got {name!r})", raw=raw)
+    if isinstance(arguments, str):  # some models emit arguments as a JSON string
+        decoded = decode_object(arguments, "arguments")
+        if isinstance(decoded, ToolCallError):
+            return dataclasses.replace(decoded, name=name, raw=raw)
+        arguments = decoded
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        return ToolCallError(f"arguments of {name!r} must be a JSON object, got {type(arguments).__name__}",
+                             raw=raw, name=name)
+    return ToolCall(name=name, arguments=arguments, call_id=call_id or f"call_{index}", raw=raw)
+
+
+def strip_suffixes(text: str, suffixes: tuple[str, ...]) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for s in suffixes:
+            if text.endswith(s):
+                text, changed = text[: -len(s)], True
+    return text
+
+
+def tagged_calls(text: str, open_tag: str, close_tag: str, decode_body, stop_suffixes) -> ParsedTurn:
+    """Shared scanner for formats that wrap each call in open/close tags inside the turn's text."""
+    content, calls, pos = [], [], 0
+    while (start := text.find(open_tag, pos)) >= 0:
+        content.append(text[pos:start])
+        body_start = start + len(open_tag)
+        # At most 16 candidate close tags: collecting every later one made a turn of n calls
+        # cost O(n^2) (16,000 calls: 18 s on the event loop).
+        ends = []
+        end = text.find(close_tag, body_start)
+        while end >= 0 and len(ends) < 16:
+            ends.append(end)
+            end = text.find(close_tag, end + len(close_tag))
+        if not ends:
+            calls.append(ToolCallError(f"unterminated tool call: missing {close_tag}", raw=text[start:]))
+            pos = len(text)
+            break
+        # The nearest close tag, unless it sits inside the JSON (e.g. in a string) and a later one
+        # closes a body that decodes.
+        first, chosen = None, None
+        for e in ends:
+            item = decode_body(text[body_start:e], len(calls), text[start:e + len(close_tag)])
+            first = first or (item, e)
+            if isinstance(item, ToolCall):
+                chosen = (item, e)
+                break
+        item, end = chosen or first
+        calls.append(item)
+        pos = end + len(close_tag)
+    content.append(text[pos:])
+    return ParsedTurn(content=strip_suffixes("".join(content), stop_suffixes).strip(), calls=tuple(calls))
+
+
+def json_objects(text: str, what: str) -> list[tuple[object | ToolCallError, str]]:
+    """(value, its text) for the JSON values of `text` one after another, separated by ';' or
+    whitespace (Llama 3 writes parallel calls so); what cannot be read becomes one error, and
+    reading stops there."""
+    decoder, values, pos = json.JSONDecoder(), [], 0
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
+            pos += 1
+        if pos >= len(text):
+            return values
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            error = f"malformed tool call JSON in {what}: {e.msg} at char {e.pos}"
+        except ValueError as e:  # an integer literal past Python's int digit limit
+            error = f"unparsable tool call JSON in {what}: {e}"
+        except RecursionError:
+            error = f"tool call JSON in {what} is nested too deeply"
+        else:
+            values.append((value, text[pos:end]))
+            pos = end
+            continue
+        values.append((ToolCallError(error, raw=text[pos:]), text[pos:]))
+        return values
+
+
+def named_call(obj: object, index: int, raw: str, arguments_keys: tuple[str, ...],
+                call_id: str | None = None) -> ToolCall | ToolCallError:
+    if not isinstance(obj, dict):
+        return ToolCallError(f"a tool call must be a JSON object with a name, got {type(obj).__name__}", raw=raw)
+    arguments = next((obj[k] for k in arguments_keys if k in obj), None)
+    return make_call(obj.get("name"), arguments, index, raw, call_id)
