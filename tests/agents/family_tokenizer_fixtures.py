@@ -1,5 +1,5 @@
-"""Small HF tokenizer directories in the style of Llama 3.1, gpt-oss and Mistral, built offline for the
-tool-call format tests: a byte-level BPE trained on a few lines, the family's control tokens,
+"""Small HF tokenizer directories in the style of Llama 3.1, Llama 4 (pythonic calls), gpt-oss and
+Mistral, built offline for the tool-call format tests: a byte-level BPE trained on a few lines, the family's control tokens,
 a chat template written here after the family's published prompt format (tools in the system
 turn, tool results under Llama's `ipython` header / gpt-oss's `functions.NAME` author; as
 Llama 3.1's, one call per assistant message, more refused), and a
@@ -42,6 +42,30 @@ LLAMA3_STYLE_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+LLAMA4_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>",
+                   "<|eom|>", "<|python_start|>", "<|python_end|>"]
+# Llama 4's pythonic tool prompt: the tools as JSON in the system turn, calls as a Python list of
+# keyword calls after the message's content, results under the ipython header as JSON strings.
+LLAMA4_PYTHONIC_STYLE_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set rest = messages[1:] %}"
+    "{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}"
+    "{%- if system or tools %}<|header_start|>system<|header_end|>\n\n{{ system }}"
+    "{%- if tools %}\nCall functions in the exact format [func_name1(param1=value1, param2=value2), "
+    "func_name2(...)]. The functions:\n{{ tools | tojson }}{%- endif %}<|eot|>{%- endif %}"
+    "{%- for m in rest %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|header_start|>assistant<|header_end|>\n\n"
+    "{{- m.content or '' }}["
+    "{%- for tc in m.tool_calls %}{{ tc.function.name }}("
+    "{%- for k, v in tc.function.arguments.items() %}{{ k }}={{ v | tojson }}{% if not loop.last %}, {% endif %}"
+    "{%- endfor %}){% if not loop.last %}, {% endif %}{%- endfor %}]<|eot|>"
+    "{%- elif m.role == 'tool' %}<|header_start|>ipython<|header_end|>\n\n{{ m.content | tojson }}<|eot|>"
+    "{%- else %}<|header_start|>{{ m.role }}<|header_end|>\n\n{{ m.content | trim }}<|eot|>"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|header_start|>assistant<|header_end|>\n\n{% endif %}"
 )
 
 HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
@@ -123,6 +147,15 @@ def build_llama3_style_tokenizer(directory: Path, generation_config: bool = True
     return _build(directory, LLAMA3_SPECIALS,
                   {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA3_STYLE_TEMPLATE},
                   ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"] if generation_config else None)
+
+
+def build_llama4_pythonic_style_tokenizer(directory: Path) -> Path:
+    """Llama 4 Instruct's layout: eos <|eot|> in tokenizer_config.json; <|eom|> (the end of a turn
+    that calls a tool) and <|end_of_text|> in generation_config.json."""
+    return _build(directory, LLAMA4_SPECIALS,
+                  {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>",
+                   "chat_template": LLAMA4_PYTHONIC_STYLE_TEMPLATE},
+                  ["<|end_of_text|>", "<|eom|>", "<|eot|>"])
 
 
 def build_harmony_style_tokenizer(directory: Path, generation_config: bool = True) -> Path:

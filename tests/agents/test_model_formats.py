@@ -1,4 +1,5 @@
-"""Tool-call formats of the model families (Llama 3 JSON, Mistral, gpt-oss harmony) end to end:
+"""Tool-call formats of the model families (Llama 3 JSON, Llama 3.2 / 4 pythonic, Mistral, gpt-oss
+harmony) end to end:
 the turn's stop tokens (generation_config.json's, refined by the format), the parse, the format
 read from the chat template, and a multi-turn tool loop over each family's template."""
 import asyncio
@@ -10,14 +11,15 @@ from pathlib import Path
 import pytest
 
 from sfrrl_jax.agents import AgentConfig, ParsedTurn, calculator_environment, render_sft_example, run_agent
-from sfrrl_jax.agents.formats import (HarmonyFormat, Llama3JsonFormat, MistralFormat, Qwen3Format, Qwen3XmlFormat,
-                                      get_format, infer_format, turn_stop_ids)
+from sfrrl_jax.agents.formats import (HarmonyFormat, Llama3JsonFormat, MistralFormat, PythonicFormat, Qwen3Format,
+                                      Qwen3XmlFormat, get_format, infer_format, turn_stop_ids)
 from sfrrl_jax.agents.protocols import ToolCall
 from sfrrl_jax.agents.tasks import arithmetic_task
 from sfrrl_jax.testing.scripted_engine import ScriptedEngine
 from sfrrl_jax.tokenizer import TemplateDeltaError, load_tokenizer
 
-from family_tokenizer_fixtures import (build_harmony_style_tokenizer, build_llama3_style_tokenizer,
+from family_tokenizer_fixtures import (LLAMA4_PYTHONIC_STYLE_TEMPLATE, build_harmony_style_tokenizer,
+                                      build_llama3_style_tokenizer, build_llama4_pythonic_style_tokenizer,
                                       build_mistral_style_tokenizer)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoints"))
@@ -400,3 +402,73 @@ def test_mistral_calls_past_the_per_turn_cap_get_an_error_with_an_id_its_templat
     tool = [m for m in traj.messages if m["role"] == "tool"]
     assert [m["tool_call_id"] for m in tool] == ["call00000", "call00001", "call00002"]
     assert [m["content"] for m in tool[:2]] == ["5", "5"] and "3 more tool calls" in tool[2]["content"]
+
+
+# ----------------------------------------------------------------------------- pythonic calls (Llama 3.2 / 4)
+
+def test_pythonic_calls_are_read_as_literals_never_evaluated():
+    parse = PythonicFormat().parse
+    one = parse('[calculator(expression="2 + 3")]<|eot_id|>')
+    assert one == ParsedTurn("", (ToolCall("calculator", {"expression": "2 + 3"}, "call_0",
+                                           raw='calculator(expression="2 + 3")'),))
+    many = parse('<|python_start|>[get_weather(city="Paris", days=3), functions.add(a=-1, b=2.5, '
+                 'flags=[true, None, (1, 2)], opts={"x": False})]<|python_end|><|eom|>')
+    assert [(c.name, c.arguments, c.call_id) for c in many.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 3}, "call_0"),
+        ("functions.add", {"a": -1, "b": 2.5, "flags": [True, None, [1, 2]], "opts": {"x": False}}, "call_1")]
+    # Llama 4's template writes the content, then the list: text before a list that ends the turn
+    after_text = parse('Let me compute that.[calculator(expression="2+3")]<|eot|>')
+    assert after_text.content == "Let me compute that." and after_text.tool_calls[0].arguments == {"expression": "2+3"}
+    # prose that mentions a call is prose
+    for prose in ("The list [f(x)] is not a call.", "Use [f(a=1)] and say hi", "<answer>5</answer>"):
+        assert parse(prose + "<|eot|>") == ParsedTurn(prose)
+    # each bad call is its own error, in place; the good ones still run
+    mixed = parse('[f(1, a=2), g(**k), h(a=__import__("os").system("ls")), k(a={1: 2}), ok(a=1)]')
+    assert [getattr(c, "name", None) for c in mixed.calls] == ["f", "g", "h", "k", "ok"]
+    assert [type(c).__name__ for c in mixed.calls] == ["ToolCallError"] * 4 + ["ToolCall"]
+    assert "positional" in mixed.calls[0].message and "**" in mixed.calls[1].message
+    assert "call where a literal value belongs" in mixed.calls[2].message and "string" in mixed.calls[3].message
+    # a turn that starts a call list and does not parse is one error observation
+    for broken, why in (('[calculator(expression="2 + 3"', "must end with its closing ]"),
+                        ('[calculator(expression="2 +)]', "malformed pythonic tool call list"),
+                        ("[f(a=1)] and more", "must end with its closing ]"),
+                        ("[f(a=" + "[" * 5000 + "]", "too many nested")):
+        turn = parse(broken)
+        assert turn.content == "" and why in turn.errors[0].message, broken
+    # a "\\d" escape is a SyntaxWarning to Python (an error under -W error): the value still stands
+    assert parse('[grep(pattern="\\d+")]').tool_calls[0].arguments == {"pattern": "\\d+"}
+    assert infer_format(LLAMA4_PYTHONIC_STYLE_TEMPLATE) == "pythonic" and get_format("pythonic") == PythonicFormat()
+
+
+def test_pythonic_parsing_of_hostile_turns_never_raises():
+    texts = ["[f(a=1), " * 20000 + "]", "[" * 100000, "[f(" * 50000, "[f(a=" + "[" * 100000 + "]",
+             "[f(a=1)]" * 20000, "x [f(a=1)]" * 20000 + "]", "[f(a='" + "\\" * 100000 + "')]",
+             "[f(a=" + "9" * 5000 + ")]", "[f(" + ", ".join(f"a{i}={i}" for i in range(20000)) + ")]"]
+    for text in texts:
+        start = time.perf_counter()
+        turn = PythonicFormat().parse(text)
+        assert time.perf_counter() - start < 10, len(text)   # measured: under 0.5 s
+        assert isinstance(turn, ParsedTurn)
+
+
+def test_pythonic_tool_loop_over_a_llama4_style_template(tmp_path):
+    """Llama 4's layout: the format is read from the template; a call turn stops on <|eom|> (from
+    generation_config.json), a broken list and two calls in one turn come back as observations,
+    then the answer."""
+    tok = load_tokenizer(build_llama4_pythonic_style_tokenizer(tmp_path))
+    assert infer_format(tok.chat_template_source) == "pythonic"
+    engine = ScriptedEngine(['[calculator(expression="2 + 3")]<|eom|>', '[calculator(expression="2 +)]<|eom|>',
+                             '[calculator(expression="1 + 1"), calculator(expression="2 + 3")]<|eom|>',
+                             "<answer>5</answer><|eot|>"], tokenizer=tok)
+    env = calculator_environment()
+    try:
+        traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
+                                     dataclasses.replace(CFG, tool_format="pythonic", max_turns=4)))
+    finally:
+        env.close()
+    assert (traj.error, traj.finish_reason, traj.reward, len(traj.turns)) == (None, "answer", 1.0, 4)
+    assert tok.token_to_id("<|eom|>") in engine.requests[0].stop_token_ids
+    results = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert results[0] == "5" and "malformed pythonic tool call list" in results[1] and results[2:] == ["2", "5"]
+    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    assert observation == '<|header_start|>ipython<|header_end|>\n\n"5"<|eot|><|header_start|>assistant<|header_end|>\n\n'
