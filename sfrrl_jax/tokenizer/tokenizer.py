@@ -151,10 +151,11 @@ class Tokenizer:
         """
         stop_text = stop_text or self.end_of_turn_token
         before = self.render(history, tools, add_generation_prompt=False, **template_kwargs)
-        cut, stop_text = self._turn_close(history, before, stop_text, tools, template_kwargs)
+        floor = self._turn_start(history, before, tools, template_kwargs)
+        cut, stop_text = self._turn_close(before, stop_text, floor)
         prefix = before[:cut + len(stop_text)]
         after = self.render(list(history) + list(new_messages), tools, add_generation_prompt, **template_kwargs)
-        start = self._delta_start(prefix, before[:cut], after)
+        start = self._delta_start(prefix, before[:cut], after, floor, stop_text)
         if start is None:
             at = next((i for i, (a, b) in enumerate(zip(prefix, after)) if a != b), min(len(prefix), len(after)))
             raise TemplateDeltaError(
@@ -165,50 +166,76 @@ class Tokenizer:
             return self.encode(after[start:])
         # Rendered again with the untrusted contents between markers, to know where they lie.
         after = self.render(list(history) + marked.messages, tools, add_generation_prompt, **template_kwargs)
-        start = self._delta_start(prefix, before[:cut], after)
+        start = self._delta_start(prefix, before[:cut], after, floor, stop_text)
         if start is None:
             raise TemplateDeltaError(f"{self.name}: chat template renders history differently once "
                                      "untrusted contents are marked")
         text, spans = marked.unmark(after[start:])
         return self._untrusted.encode(_without_surrogates(text), spans)
 
-    def _turn_close(self, history, before: str, stop_text: str, tools, template_kwargs) -> tuple[int, str]:
-        """(where the close of the assistant turn that ends `history` starts in `before`, its text).
+    def _turn_start(self, history, before: str, tools, template_kwargs) -> int:
+        """Where the assistant turn that ends `history` starts in `before` (its render): the end
+        of the render of the history before it, with the generation prompt (0 where there is no
+        such turn or the shorter history cannot be rendered)."""
+        if not history or history[-1].get("role") != "assistant":
+            return 0
+        try:
+            opened = self.render(history[:-1], tools, add_generation_prompt=True, **template_kwargs)
+        except Exception:  # a template that cannot render the shorter history: no floor
+            return 0
+        return len(os.path.commonprefix([opened, before]))
+
+    def _turn_close(self, before: str, stop_text: str, floor: int) -> tuple[int, str]:
+        """(where the close of the assistant turn that ends `before` starts, its text).
 
         The turn's own stop where the template renders it there; else the last close the template
         writes for that turn (its end-of-turn, eos, a generation_config stop): a turn that stopped
         on EOS where the template writes end-of-turn, or gpt-oss's turn whose call did not parse
         (the template renders the message as an answer, closed by <|return|>). Never a close
-        before the turn starts (the render of the history before it, with the generation prompt):
-        cutting there would append the turn a second time."""
-        floor = 0
-        if history and history[-1].get("role") == "assistant":
-            try:
-                opened = self.render(history[:-1], tools, add_generation_prompt=True, **template_kwargs)
-                floor = len(os.path.commonprefix([opened, before]))
-            except Exception:  # a template that cannot render the shorter history: no floor
-                floor = 0
+        before the turn starts (`floor`, `_turn_start`): cutting there would append the turn a
+        second time."""
         at = before.rfind(stop_text)
         if at >= floor:
             return at, stop_text
-        closes = [self.hf.id_to_token(i) for i in self.stop_token_ids]
+        closes = self._closes()
         found = [(before.rfind(t), t) for t in closes if before.rfind(t) >= floor]
         if not found:
             raise TemplateDeltaError(f"{self.name}: the rendered history has no {stop_text!r} (nor another close "
                                      f"of the turn, {closes}) after the last assistant turn starts")
         return max(found, key=lambda pair: pair[0] + len(pair[1]))
 
-    def _delta_start(self, prefix: str, body: str, after: str) -> int | None:
-        """Where the delta starts in `after`: right after `prefix` (the history up to and with the
-        turn's stop) when `after` repeats it, or right after the template's own end-of-turn where
-        it closes the turn with that instead once the turn is not the last: gpt-oss's template
-        ends the conversation's last answer with <|return|> (the stop the model generated) and
-        an earlier one with <|end|>. The trajectory keeps the stop it generated either way."""
+    def _closes(self) -> list[str]:
+        """The texts of the tokens that may close a turn (`stop_token_ids`)."""
+        return [self.hf.id_to_token(i) for i in self.stop_token_ids]
+
+    def _delta_start(self, prefix: str, body: str, after: str, floor: int, stop_text: str) -> int | None:
+        """Where the delta starts in `after` (the render with the new messages), or None.
+
+        Right after `prefix` (the history up to and with the turn's stop) when `after` repeats
+        it. Else right after the template's own end-of-turn where it closes the turn with that
+        once the turn is not the last (gpt-oss ends the conversation's last answer with
+        <|return|>, the stop the model generated, and an earlier one with <|end|>). Else the
+        template renders the turn itself otherwise once it is not the last (Qwen3's writes an
+        empty <think></think> block into the last assistant turn only): the turn starts at the
+        same place (`floor`) and holds as many of its close as before, so the delta starts after
+        the next one. The trajectory keeps the tokens the model generated in every case."""
         if after.startswith(prefix):
             return len(prefix)
         eot = self.end_of_turn_token
         if eot and after.startswith(body + eot):
             return len(body) + len(eot)
+        if not 0 < floor <= len(body) or after[:floor] != prefix[:floor]:
+            return None
+        for close in dict.fromkeys([stop_text, *([eot] if eot else []), *self._closes()]):
+            inside = body.count(close, floor)   # closes of the turn's messages before its last
+            at = floor
+            for _ in range(inside + 1):
+                at = after.find(close, at)
+                if at < 0:
+                    break
+                at += len(close)
+            else:
+                return at
         return None
 
 

@@ -119,16 +119,32 @@ def test_loader_reads_other_directories_and_infers_end_of_turn(tok_dir, tmp_path
                                   "<|im_start|>assistant\n"
 
 
-def test_delta_refuses_non_append_only_template(tok_dir):
+def test_delta_refuses_a_template_that_rewrites_the_history_before_the_turn(tok_dir):
     base = load_tokenizer(tok_dir)
-    # Re-renders the last assistant turn differently once anything follows it.
-    template = ("{% for m in messages %}{% if loop.last and m.role == 'assistant' %}<|assistant|>{{ m.content }}"
-                "<|end|>{% elif m.role == 'assistant' %}<|assistant|>[old]<|end|>{% else %}<|user|>{{ m.content }}"
+    # Re-renders the first user turn differently once more than two messages are rendered.
+    template = ("{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{{ m.content }}<|end|>"
+                "{% elif loop.length > 2 and loop.first %}<|user|>[old]<|end|>{% else %}<|user|>{{ m.content }}"
                 "<|end|>{% endif %}{% endfor %}")
     weird = Tokenizer(base.hf, base.config, template)
     with pytest.raises(TemplateDeltaError, match="first difference"):
         weird.render_delta([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
                            [{"role": "user", "content": "c"}])
+
+
+def test_delta_follows_a_template_that_renders_the_last_turn_otherwise_once_it_is_not_last(tok_dir):
+    """Qwen3's template writes an empty <think></think> block into the last assistant turn only:
+    the history before the turn is the same, so the delta is what follows the turn's close in the
+    new render (the trajectory keeps the tokens the model generated)."""
+    base = load_tokenizer(tok_dir)
+    template = ("{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>"
+                "{% if loop.last %}<think></think>{% endif %}{{ m.content }}<|end|>"
+                "{% else %}<|user|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    thinking = Tokenizer(base.hf, base.config, template)
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert thinking.render(history).endswith("<|assistant|><think></think>b<|end|>")
+    delta = thinking.render_delta(history, [{"role": "user", "content": "c"}])
+    assert thinking.decode(delta) == "<|user|>c<|end|><|assistant|>"
 
 
 def test_loader_errors(tmp_path, tok_dir):

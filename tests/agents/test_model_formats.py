@@ -23,7 +23,7 @@ from family_tokenizer_fixtures import (LLAMA4_PYTHONIC_STYLE_TEMPLATE, build_har
                                       build_mistral_style_tokenizer)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoints"))
-from hf_tokenizer_fixtures import build_qwen3_style_tokenizer  # noqa: E402
+from hf_tokenizer_fixtures import QWEN3_STYLE_TEMPLATE, build_qwen3_style_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +274,28 @@ def test_qwen3_xml_tool_loop_over_a_qwen_template(tmp_path):
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
 
 
+def test_qwen3_call_turns_without_reasoning_under_a_template_that_thinks_in_the_last_turn_only(tmp_path):
+    """As Qwen3's own template, this one writes a <think> block into an assistant turn that is the
+    last message or has reasoning: a call turn without reasoning renders otherwise once its
+    result follows. The loop goes on (the delta is what follows the turn's close), with the
+    model's own tokens kept; a turn with reasoning renders alike either way."""
+    call_turn = "<|im_start|>assistant\n{% if m.content %}"
+    assert call_turn in QWEN3_STYLE_TEMPLATE
+    template = QWEN3_STYLE_TEMPLATE.replace(call_turn, "<|im_start|>assistant\n{% if loop.last or m.reasoning_content %}"
+                                            "<think>\n{{ m.reasoning_content or '' }}\n</think>\n\n{% endif %}"
+                                            "{% if m.content %}")
+    tok = load_tokenizer(build_qwen3_style_tokenizer(tmp_path, template))
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call><|im_end|>'
+    traj, _ = _roll(tok, [call, "<think>\nadd\n</think>\n\n" + call.replace("2 + 3", "1 + 4"),
+                          "<answer>5</answer><|im_end|>"], "qwen3")
+    assert (traj.error, traj.finish_reason, traj.reward, len(traj.turns)) == (None, "answer", 1.0, 3)
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5", "5"]
+    generated = tok.decode(traj.tokens[traj.turns[0].gen_start:traj.turns[0].gen_end])
+    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    assert generated == call and observation == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                                                 "<|im_start|>assistant\n")
+
+
 # ----------------------------------------------------------------------------- a turn's close that changes
 
 HARMONY_CALL = {"role": "assistant", "content": "", "tool_calls": [
@@ -290,11 +312,11 @@ def test_a_next_user_turn_after_a_harmony_answer_appends_only_the_new_messages(h
     assert tok.render(history).endswith("<answer>5</answer><|return|>")
     delta = tok.render_delta(history, [{"role": "user", "content": "And 2 + 4?"}], stop_text="<|return|>")
     assert tok.decode(delta) == "<|start|>user<|message|>And 2 + 4?<|end|><|start|>assistant"
-    # a template that changes the history otherwise is still refused
+    # a template that changes the history before the turn is still refused
     class Rewriting(type(tok)):
-        def render(self, messages, *args, **kwargs):   # another answer once something follows it
+        def render(self, messages, *args, **kwargs):   # another question once the answer is followed
             if len(messages) > 2:
-                messages = [messages[0], {"role": "assistant", "content": "<answer>6</answer>"}, *messages[2:]]
+                messages = [{"role": "user", "content": "What is 2 + 4?"}, *messages[1:]]
             return super().render(messages, *args, **kwargs)
 
     rewriting = Rewriting(tok.hf, tok.config, tok.chat_template_source, generation_eos_ids=tok.generation_eos_ids)
