@@ -1,5 +1,5 @@
 """Parse tool calls out of generated assistant text: compact (ours), Qwen3 / Hermes JSON,
-Qwen3-Coder / Qwen3.5 XML, GPT-OSS harmony, Llama 3 JSON, Mistral, pythonic (Llama 3.2 / 4).
+Qwen3-Coder / Qwen3.5 XML, GPT-OSS harmony, Llama 3 / 4 JSON, Mistral, pythonic (Llama 3.2 / 4).
 
 A format is a value (`AgentConfig.tool_format` takes one, or a built-in's name): `parse(text)`
 plus the tokens that end its turns (`turn_ends`, added to the tokenizer's stops) and those that
@@ -203,24 +203,38 @@ class Llama3JsonFormat(_Format):
     name = "llama3_json"
     turn_ends = ("<|eot_id|>", "<|eom_id|>")
     _SUFFIXES = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+    _TAG = "<|python_tag|>"
+    _ONE_CALL = True
 
     def parse(self, text: str) -> ParsedTurn:
         body = strip_suffixes(text, self._SUFFIXES).strip()
-        tagged = body.startswith("<|python_tag|>")
+        tagged = body.startswith(self._TAG)
         if tagged:
-            body = body[len("<|python_tag|>"):].strip()
+            body = body[len(self._TAG):].strip()
         if not body.startswith("{"):
             return ParsedTurn(content=body if not tagged else "",
-                              calls=(ToolCallError("<|python_tag|> without a JSON tool call", raw=text),)
+                              calls=(ToolCallError(f"{self._TAG} without a JSON tool call", raw=text),)
                               if tagged else ())
         calls = [item if isinstance(item, ToolCallError)
                  else named_call(item, i, raw, ("parameters", "arguments"))
                  for i, (item, raw) in enumerate(json_objects(body, "the tool call"))]
-        for i in range(1, len(calls)):
+        for i in range(1, len(calls) if self._ONE_CALL else 0):
             if isinstance(calls[i], ToolCall):
                 calls[i] = ToolCallError("Llama 3 calls one tool per turn: this call, after the first, was not run; "
                                          "call it in the next turn", raw=calls[i].raw, name=calls[i].name)
         return ParsedTurn(content="", calls=tuple(calls))
+
+
+class Llama4JsonFormat(Llama3JsonFormat):
+    """Llama 4's JSON tool calling: Llama 3's call objects, any number per turn (its template
+    writes them one after another), optionally inside <|python_start|> ... <|python_end|>; turns
+    end with <|eot|> or <|eom|>."""
+
+    name = "llama4_json"
+    turn_ends = ("<|eot|>", "<|eom|>")
+    _SUFFIXES = ("<|eot|>", "<|eom|>", "<|end_of_text|>", "<|python_end|>")
+    _TAG = "<|python_start|>"
+    _ONE_CALL = False
 
 
 class MistralFormat(_Format):
@@ -491,14 +505,16 @@ class PythonicFormat(_Format):
 
 
 FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "qwen3_xml": Qwen3XmlFormat, "harmony": HarmonyFormat,
-           "llama3_json": Llama3JsonFormat, "mistral": MistralFormat, "pythonic": PythonicFormat}
+           "llama3_json": Llama3JsonFormat, "llama4_json": Llama4JsonFormat, "mistral": MistralFormat,
+           "pythonic": PythonicFormat}
 
 # What each built-in format's chat templates write, most specific first (harmony's templates
 # also write <|call|>, the compact format's call tag; Qwen3-Coder's write <tool_call> around XML;
-# the pythonic ones (Llama 3.2 / 4) keep Llama's ipython role, and show the list's shape).
+# the pythonic ones (Llama 3.2 / 4) keep Llama's ipython role, and show the list's shape; Llama
+# 4's headers are <|header_start|>, Llama 3's <|start_header_id|>).
 _TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("qwen3_xml", ("<function=",)), ("qwen3", ("<tool_call>",)),
                      ("mistral", ("[TOOL_CALLS]",)), ("pythonic", ("[func_name1(",)),
-                     ("llama3_json", ("<|python_tag|>", "ipython")),
+                     ("llama4_json", ("<|header_start|>",)), ("llama3_json", ("<|python_tag|>", "ipython")),
                      ("compact", ("<|call|>",)))
 
 

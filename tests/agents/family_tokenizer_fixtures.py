@@ -149,12 +149,26 @@ def build_llama3_style_tokenizer(directory: Path, generation_config: bool = True
                   ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"] if generation_config else None)
 
 
-def build_llama4_pythonic_style_tokenizer(directory: Path) -> Path:
+# Llama 4's JSON tool prompt: the same turns, each call a {"name": ..., "parameters": ...} object,
+# one after another.
+LLAMA4_JSON_STYLE_TEMPLATE = (
+    LLAMA4_PYTHONIC_STYLE_TEMPLATE
+    .replace("Call functions in the exact format [func_name1(param1=value1, param2=value2), func_name2(...)].",
+             'Call a function with a JSON object {"name": function name, "parameters": its arguments}.')
+    .replace("{{- m.content or '' }}["
+             "{%- for tc in m.tool_calls %}{{ tc.function.name }}("
+             "{%- for k, v in tc.function.arguments.items() %}{{ k }}={{ v | tojson }}{% if not loop.last %}, {% endif %}"
+             "{%- endfor %}){% if not loop.last %}, {% endif %}{%- endfor %}]<|eot|>",
+             "{{- m.content or '' }}{%- for tc in m.tool_calls %}{\"name\": \"{{ tc.function.name }}\", "
+             "\"parameters\": {{ tc.function.arguments | tojson }}}{%- endfor %}<|eot|>"))
+
+
+def build_llama4_pythonic_style_tokenizer(directory: Path, template: str = LLAMA4_PYTHONIC_STYLE_TEMPLATE) -> Path:
     """Llama 4 Instruct's layout: eos <|eot|> in tokenizer_config.json; <|eom|> (the end of a turn
-    that calls a tool) and <|end_of_text|> in generation_config.json."""
+    that calls a tool) and <|end_of_text|> in generation_config.json. `template`: the pythonic
+    prompt, or LLAMA4_JSON_STYLE_TEMPLATE."""
     return _build(directory, LLAMA4_SPECIALS,
-                  {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>",
-                   "chat_template": LLAMA4_PYTHONIC_STYLE_TEMPLATE},
+                  {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>", "chat_template": template},
                   ["<|end_of_text|>", "<|eom|>", "<|eot|>"])
 
 

@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 from sfrrl_jax.agents import AgentConfig, ParsedTurn, calculator_environment, render_sft_example, run_agent
-from sfrrl_jax.agents.formats import (HarmonyFormat, Llama3JsonFormat, MistralFormat, PythonicFormat, Qwen3Format,
-                                      Qwen3XmlFormat, get_format, infer_format, turn_stop_ids)
+from sfrrl_jax.agents.formats import (HarmonyFormat, Llama3JsonFormat, Llama4JsonFormat, MistralFormat, PythonicFormat,
+                                      Qwen3Format, Qwen3XmlFormat, get_format, infer_format, turn_stop_ids)
 from sfrrl_jax.agents.protocols import ToolCall
 from sfrrl_jax.agents.tasks import arithmetic_task
 from sfrrl_jax.testing.scripted_engine import ScriptedEngine
 from sfrrl_jax.tokenizer import TemplateDeltaError, load_tokenizer
 
-from family_tokenizer_fixtures import (LLAMA4_PYTHONIC_STYLE_TEMPLATE, build_harmony_style_tokenizer,
+from family_tokenizer_fixtures import (LLAMA4_JSON_STYLE_TEMPLATE, LLAMA4_PYTHONIC_STYLE_TEMPLATE,
+                                      build_harmony_style_tokenizer,
                                       build_llama3_style_tokenizer, build_llama4_pythonic_style_tokenizer,
                                       build_mistral_style_tokenizer)
 
@@ -175,7 +176,7 @@ def test_parsing_hostile_turns_never_raises_and_stays_linear():
     texts += ["<tool_call><function=f>" + "<parameter=a>" * 20000 + "</tool_call>",
               "<tool_call><function=f>" + "<parameter=a>1</parameter>" * 20000 + "</function></tool_call>",
               "<tool_call>" * 20000, "<tool_call><function=f><parameter=a>" + "[" * 100000 + "</parameter></tool_call>"]
-    for fmt in (Llama3JsonFormat(), MistralFormat(), Qwen3XmlFormat().with_tools(SCHEMAS)):
+    for fmt in (Llama3JsonFormat(), Llama4JsonFormat(), MistralFormat(), Qwen3XmlFormat().with_tools(SCHEMAS)):
         for text in texts:
             start = time.perf_counter()
             turn = fmt.parse(text)
@@ -494,3 +495,31 @@ def test_pythonic_tool_loop_over_a_llama4_style_template(tmp_path):
     assert results[0] == "5" and "malformed pythonic tool call list" in results[1] and results[2:] == ["2", "5"]
     observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
     assert observation == '<|header_start|>ipython<|header_end|>\n\n"5"<|eot|><|header_start|>assistant<|header_end|>\n\n'
+
+
+# ----------------------------------------------------------------------------- Llama 4 JSON calls
+
+def test_llama4_json_calls_end_on_llama4_tokens_and_may_be_several():
+    parse = Llama4JsonFormat().parse
+    one = parse('{"name": "calculator", "parameters": {"expression": "2 + 3"}}<|eot|>')
+    assert [(type(c).__name__, c.name, c.arguments) for c in one.calls] == [("ToolCall", "calculator",
+                                                                             {"expression": "2 + 3"})]
+    two = parse('<|python_start|>{"name": "f", "parameters": {}}{"name": "g", "parameters": {"x": 1}}'
+                '<|python_end|><|eom|>')
+    assert [(c.name, c.arguments, c.call_id) for c in two.calls] == [("f", {}, "call_0"), ("g", {"x": 1}, "call_1")]
+    assert parse("<answer>5</answer><|eot|>") == ParsedTurn("<answer>5</answer>")
+    assert "<|python_start|> without a JSON tool call" in parse("<|python_start|>hi<|eom|>").errors[0].message
+    assert infer_format(LLAMA4_JSON_STYLE_TEMPLATE) == "llama4_json" and get_format("llama4_json") == Llama4JsonFormat()
+    assert Llama4JsonFormat() != Llama3JsonFormat()
+
+
+def test_llama4_json_tool_loop_runs_two_calls_in_a_turn(tmp_path):
+    tok = load_tokenizer(build_llama4_pythonic_style_tokenizer(tmp_path, LLAMA4_JSON_STYLE_TEMPLATE))
+    fmt = infer_format(tok.chat_template_source)
+    traj, engine = _roll(tok, ['{"name": "calculator", "parameters": {"expression": "1 + 1"}}'
+                               '{"name": "calculator", "parameters": {"expression": "2 + 3"}}<|eom|>',
+                               "<answer>5</answer><|eot|>"], fmt)
+    assert (fmt, traj.error, traj.finish_reason, traj.reward) == ("llama4_json", None, "answer", 1.0)
+    assert (traj.turns[0].num_tool_calls, traj.turns[0].num_tool_errors) == (2, 0)
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["2", "5"]
+    assert tok.token_to_id("<|eom|>") in engine.requests[0].stop_token_ids
