@@ -27,6 +27,7 @@ import math
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
+from sfrrl_jax.agents.call_text import TOOL_NAME
 from sfrrl_jax.agents.formats import get_format, turn_stop_ids
 from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment, Episode, GenerationRequest,
                                        Message, Task, ToolCall, ToolCallError, ToolResult)
@@ -120,27 +121,70 @@ def _without_reasoning(messages: Sequence[Message]) -> list[Message]:
 
 
 def _observation(tokenizer: TokenizerProtocol, messages: list[Message], calls: Sequence[ToolCall | ToolCallError],
-                 results: Sequence[ToolResult], tools, stop_text: str) -> tuple[list[Message], list[int]]:
-    """(the messages of a turn's results, the delta that appends them). Results are tool messages.
-    A template that refuses a tool message for a call it never saw (a call that did not parse is
-    not in the assistant message: gpt-oss's template raises on such a tool message, Mistral's on
-    its empty call id) gets the unparsed calls' errors as one user message after the others, so
-    the model still reads them; its contents are untrusted (no control tokens) like tool output."""
+                 results: Sequence[ToolResult], tools, stop_text: str
+                 ) -> tuple[list[Message], list[int], Message | None]:
+    """(the messages of a turn's results, the delta that appends them, the assistant message the
+    template is to render from now on in place of `messages[-1]`, or None: the same).
+
+    Results are tool messages. A call that did not parse is not in the assistant message, and
+    some templates refuse a tool message for a call they never saw: gpt-oss's raises on it at
+    once; Mistral's and Gemma's count roles without tool messages, so the next assistant turn
+    would break their user / assistant alternation (checked here by rendering one). For those,
+    in this order, the first that renders:
+      - the unparsed calls' errors go as one user message after the other results (untrusted
+        contents, like tool output: no control tokens);
+      - the template renders the assistant message with a stand-in call for each unparsed one
+        (its id, the name it gave or 'invalid_tool_call', no arguments), which Mistral's needs:
+        its tools block moves to the last user message. The stand-ins are for the template
+        only: the trajectory's messages keep the calls the model made (`tool_calls` holds the
+        parsed ones), and its tokens the ones it generated.
+    """
     tool_messages = [r.as_message() for r in results]
+    unparsed = [i for i, c in enumerate(calls) if isinstance(c, ToolCallError)]
+    first: tuple | None = None
+    first_error: Exception | None = None
     try:
-        return tool_messages, tokenizer.render_delta(messages, tool_messages, tools, stop_text=stop_text)
-    except Exception as refused:
-        unparsed = [i for i, c in enumerate(calls) if isinstance(c, ToolCallError)]
+        delta = tokenizer.render_delta(messages, tool_messages, tools, stop_text=stop_text)
+        first = (tool_messages, delta, None)
+        if not unparsed or _takes_an_assistant_turn_after(tokenizer, messages + tool_messages, tools):
+            return first
+    except Exception as e:
         if not unparsed:
             raise
-        kept = [m for i, m in enumerate(tool_messages) if i not in unparsed]
-        errors = {"role": "user", "content": "\n".join(results[i].content for i in unparsed)}
+        first_error = e
+    kept = [m for i, m in enumerate(tool_messages) if i not in unparsed]
+    errors = {"role": "user", "content": "\n".join(results[i].content for i in unparsed)}
+    stand_ins = dict(messages[-1], tool_calls=[_stand_in(c, i) for i, c in enumerate(calls)])
+    candidates = ((messages, kept + [errors], ("tool", "user"), None),
+                  (messages[:-1] + [stand_ins], tool_messages, ("tool",), stand_ins))
+    for history, new, untrusted, shown in candidates:
         try:
-            delta = tokenizer.render_delta(messages, kept + [errors], tools, stop_text=stop_text,
-                                           untrusted_roles=("tool", "user"))
+            if _takes_an_assistant_turn_after(tokenizer, history + new, tools):
+                return new, tokenizer.render_delta(history, new, tools, stop_text=stop_text,
+                                                   untrusted_roles=untrusted), shown
         except Exception:
-            raise refused from None
-        return kept + [errors], delta
+            continue
+    if first is not None:   # nothing renders better: the tool messages as they were
+        return first
+    raise first_error
+
+
+def _stand_in(call: ToolCall | ToolCallError, index: int) -> dict:
+    """A `tool_calls` entry for the template: the call itself, or for one that did not parse a
+    call of its name (or 'invalid_tool_call') without arguments, under its id."""
+    if isinstance(call, ToolCall):
+        return call.as_message_entry()
+    name = call.name if call.name and TOOL_NAME.match(call.name) else "invalid_tool_call"
+    return {"id": call.call_id or f"call_{index}", "type": "function", "function": {"name": name, "arguments": {}}}
+
+
+def _takes_an_assistant_turn_after(tokenizer: TokenizerProtocol, messages: list[Message], tools) -> bool:
+    """Whether the chat template renders `messages` followed by an assistant answer."""
+    try:
+        tokenizer.render(messages + [{"role": "assistant", "content": "ok"}], tools, add_generation_prompt=False)
+    except Exception:
+        return False
+    return True
 
 
 async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokenizer: TokenizerProtocol, cfg: AgentConfig,
@@ -166,6 +210,9 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
         raise
     builder = TrajectoryBuilder(task.task_id, group_id or task.task_id, sample_index, prompt)
     traj = builder.trajectory
+    # what the template renders: `messages`, but with stand-in calls where a template needs them
+    # for calls that did not parse (`_observation`); the trajectory keeps `messages`
+    shown = list(messages)
     traj.finish_reason = "max_turns"
     handle: Any = None
     pending = prompt
@@ -201,6 +248,7 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                 if parsed.tool_calls:
                     assistant["tool_calls"] = [c.as_message_entry() for c in parsed.tool_calls]
                 messages.append(assistant)
+                shown.append(assistant)
                 traj.final_text = parsed.content
 
                 def record(obs_end: int, tools_s: float = 0.0, errors: int = 0, calls: int = 0) -> None:
@@ -217,9 +265,10 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                         record(gen_hi)
                         traj.finish_reason = "answer" if not user_turn else "max_turns"
                         break
-                    delta = tokenizer.render_delta(_without_reasoning(messages), user_turn, tools,
+                    delta = tokenizer.render_delta(_without_reasoning(shown), user_turn, tools,
                                                    stop_text=tokenizer.decode([completion.tokens[-1]]))
                     messages.extend(user_turn)
+                    shown.extend(user_turn)
                     if len(builder) + len(delta) >= cfg.max_total_tokens:
                         record(gen_hi)
                         traj.finish_reason = "max_tokens"
@@ -243,9 +292,12 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                 tools_s = time.perf_counter() - tools_start
                 if len(results) != len(calls):
                     raise RuntimeError(f"environment returned {len(results)} results for {len(calls)} calls")
-                tool_messages, delta = _observation(tokenizer, messages, calls, results, tools,
-                                                    tokenizer.decode([completion.tokens[-1]]))
+                tool_messages, delta, stand_in = _observation(tokenizer, shown, calls, results, tools,
+                                                              tokenizer.decode([completion.tokens[-1]]))
+                if stand_in is not None:
+                    shown[-1] = stand_in
                 messages.extend(tool_messages)
+                shown.extend(tool_messages)
                 errors = sum(r.is_error for r in results)
                 if len(builder) + len(delta) >= cfg.max_total_tokens:  # no room to append and still generate
                     record(gen_hi, tools_s, errors, len(calls))

@@ -103,6 +103,14 @@ MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]",
                     "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 MISTRAL_STYLE_TEMPLATE = (
     "{%- set user_turns = messages | selectattr('role', 'equalto', 'user') | list %}"
+    # as Mistral's: user and assistant turns alternate, tool results and call turns not counted
+    "{%- set ns = namespace(index=0) %}"
+    "{%- for m in messages %}"
+    "{%- if not (m.role in ('tool', 'system') or (m.tool_calls is defined and m.tool_calls is not none)) %}"
+    "{%- if (m.role == 'user') != (ns.index % 2 == 0) %}"
+    "{{- raise_exception('After the optional system message, conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{%- endif %}"
+    "{%- set ns.index = ns.index + 1 %}{%- endif %}{%- endfor %}"
     "{{- bos_token }}"
     "{%- for m in messages %}"
     "{%- if m.role == 'user' %}"
@@ -182,7 +190,8 @@ def build_harmony_style_tokenizer(directory: Path, generation_config: bool = Tru
 
 def build_mistral_style_tokenizer(directory: Path) -> Path:
     """Mistral 7B v0.3's layout (tokenizer v3): tools before the last user turn, calls as a JSON
-    list after [TOOL_CALLS] with 9-character ids the template checks, results in [TOOL_RESULTS];
+    list after [TOOL_CALLS] with 9-character ids the template checks, results in [TOOL_RESULTS],
+    user and assistant turns checked to alternate (tool results and call turns not counted);
     turns end with eos </s>; no generation prompt."""
     return _build(directory, MISTRAL_SPECIALS,
                   {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",

@@ -219,12 +219,12 @@ def test_a_format_value_is_used_as_given_and_checked():
 CFG = AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048, temperature=0.0)
 
 
-def _roll(tok, turns, fmt):
+def _roll(tok, turns, fmt, **config):
     engine = ScriptedEngine(turns, tokenizer=tok)
     env = calculator_environment()
     try:
         traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
-                                     dataclasses.replace(CFG, tool_format=fmt)))
+                                     dataclasses.replace(CFG, tool_format=fmt, **config)))
     finally:
         env.close()
     return traj, engine
@@ -406,6 +406,27 @@ def test_mistral_tool_loop_with_ids_its_template_accepts_and_an_unparsed_call_be
     assert [m["tool_call_id"] for m in traj.messages if m["role"] == "tool"] == ["call00000", "Ab3dE6gH9"]
     observation = tok.decode(traj.tokens[traj.turns[1].gen_end:traj.turns[1].obs_end])
     assert observation == '[TOOL_RESULTS] {"content": "5", "call_id": "Ab3dE6gH9"}[/TOOL_RESULTS]'
+
+
+def test_calls_that_do_not_parse_keep_a_template_that_checks_role_alternation_rendering(tmp_path):
+    """Mistral's template counts user and assistant turns without tool results and call turns: a
+    turn whose call did not parse (no `tool_calls`), then its result, then the next assistant turn
+    would be two assistant turns in a row. The template renders a stand-in call for it instead
+    (the user-message fallback cannot serve: Mistral's tools block moves to the last user turn);
+    the trajectory's messages keep what the model made."""
+    tok = load_tokenizer(build_mistral_style_tokenizer(tmp_path))
+    bad = '[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": 2 +}}]</s>'
+    traj, _ = _roll(tok, [bad, bad, '[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "2 + 3"}}]</s>',
+                          "<answer>5</answer></s>"], "mistral", max_turns=4)
+    assert (traj.error, traj.finish_reason, traj.reward, len(traj.turns)) == (None, "answer", 1.0, 4)
+    assistant = [m for m in traj.messages if m["role"] == "assistant"]
+    assert ["tool_calls" in m for m in assistant] == [False, False, True, False]
+    tool = [m for m in traj.messages if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in tool] == ["call00000"] * 3
+    assert "malformed tool call JSON" in tool[0]["content"] and tool[2]["content"] == "5"
+    # the second broken turn's observation is the template's render of its result, after a stand-in call
+    observation = tok.decode(traj.tokens[traj.turns[1].gen_end:traj.turns[1].obs_end])
+    assert observation.startswith("[TOOL_RESULTS] {") and '"call_id": "call00000"}[/TOOL_RESULTS]' in observation
 
 
 def test_mistral_calls_past_the_per_turn_cap_get_an_error_with_an_id_its_template_accepts(tmp_path):
