@@ -7,6 +7,7 @@ rollout trajectory: mask 1 on the assistant turns (their end-of-turn token inclu
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 from sfrrl_jax.agents.environments import CALCULATOR_SYSTEM_PROMPT
@@ -63,9 +64,10 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
         prompt_text = tokenizer.render(history, tools, add_generation_prompt=True)
         with_turn = tokenizer.render(history + [messages[i]], tools, add_generation_prompt=False)
         cut, stop = _turn_end(with_turn, eot, stops)
-        if stop is None or not with_turn[:cut].startswith(prompt_text):
+        start = _turn_start(tokenizer, history, tools, prompt_text, with_turn, cut) if stop is not None else None
+        if start is None:
             raise TemplateDeltaError(f"message {i}: the assistant turn does not extend its generation prompt")
-        generated = tokenizer.encode(with_turn[len(prompt_text):cut])
+        generated = tokenizer.encode(with_turn[start:cut])
         tokens += generated
         mask += [1] * len(generated)
         j = i + 1
@@ -77,6 +79,23 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
             mask += [0] * len(delta)
         i = j
     return tokens, mask
+
+
+def _turn_start(tokenizer, history, tools, prompt_text: str, with_turn: str, cut: int) -> int | None:
+    """Where the assistant turn starts in `with_turn` (the render with it last), or None: after
+    the generation prompt where the prompt is a prefix of it. Templates that write the system
+    prompt into the last message only when it is the user's (Mistral's v3) render the history
+    otherwise once the turn follows: the turn then starts where an empty answer in its place
+    would, and the example keeps the prompt as the rollout's prompt is (the system prompt in it)."""
+    if with_turn[:cut].startswith(prompt_text):
+        return len(prompt_text)
+    try:
+        empty = tokenizer.render(list(history) + [{"role": "assistant", "content": ""}], tools,
+                                 add_generation_prompt=False)
+    except Exception:
+        return None
+    start = len(os.path.commonprefix([empty, with_turn]))
+    return start if 0 < start < cut else None
 
 
 def _turn_end(text: str, eot: str, stops: Sequence[str]) -> tuple[int, str | None]:

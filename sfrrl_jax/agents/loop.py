@@ -28,7 +28,7 @@ import time
 from typing import Any, Awaitable, Callable, Sequence
 
 from sfrrl_jax.agents.call_text import TOOL_NAME
-from sfrrl_jax.agents.formats import get_format, turn_stop_ids
+from sfrrl_jax.agents.formats import format_for, get_format, turn_stop_ids
 from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment, Episode, GenerationRequest,
                                        Message, Task, ToolCall, ToolCallError, ToolResult)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
@@ -48,9 +48,10 @@ class AgentConfig:
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
-    # a built-in's name ('compact' | 'qwen3' | 'qwen3_xml' | 'harmony' | 'llama3_json' | 'mistral') or a format
+    # None: the format the tokenizer's chat template writes (formats.format_for); a built-in's name
+    # (formats.FORMATS: 'qwen3', 'harmony', 'llama3_json', 'mistral', 'pythonic', ...) or a format
     # value (formats.ToolCallFormat: parse(text) -> ParsedTurn)
-    tool_format: Any = "compact"
+    tool_format: Any = None
     max_tool_calls_per_turn: int = 32  # calls past it are not run: one error observation says so
     # None: the tokenizer's stops as the tool format refines them (formats.turn_stop_ids)
     stop_token_ids: tuple[int, ...] | None = None
@@ -64,7 +65,8 @@ class AgentConfig:
         check_int("AgentConfig.top_k", self.top_k, 0, optional=True)
         check_number("AgentConfig.top_p", self.top_p, 0, 1, lo_open=True, optional=True)
         check_seed("AgentConfig.seed", self.seed)
-        get_format(self.tool_format)  # fail early on an unknown format name
+        if self.tool_format is not None:
+            get_format(self.tool_format)  # fail early on an unknown format name
 
 
 def turn_seed(seed: int, task_id: str, sample_index: int, turn: int) -> int:
@@ -193,11 +195,11 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
     record its components in `traj.metadata["rewards"]`, see `reward_fns.py`)."""
     start = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + cfg.wall_budget_s
-    fmt = get_format(cfg.tool_format)
-    stops = cfg.stop_token_ids if cfg.stop_token_ids is not None else turn_stop_ids(fmt, tokenizer)
     # an environment whose tools differ per task (BFCL items) says so with `task_tool_schemas`
     per_task = getattr(env, "task_tool_schemas", None)
     tools = (per_task(task) if per_task is not None else env.tool_schemas()) or None
+    fmt = format_for(cfg.tool_format, tokenizer, tools is not None)
+    stops = cfg.stop_token_ids if cfg.stop_token_ids is not None else turn_stop_ids(fmt, tokenizer)
     bind = getattr(fmt, "with_tools", None)   # a format that reads values by the tools' schemas
     if bind is not None:
         fmt = bind(tools or [])

@@ -98,8 +98,10 @@ class AgenticRollout:
     environment: the `Environment` (in gin `@qa_environment()`, built with its own bindings), or a
       zero-argument factory of it; None: `KIND_ENVIRONMENTS` by the tasks' kind.
     tokenizer_path: the tokenizer and chat template's directory (None: `ExperimentConfig.hf_path`).
-    tool_format: a built-in format's name ('qwen3', 'qwen3_xml', 'harmony', 'llama3_json', 'mistral',
-      'compact') or a format value (None: the one the chat template writes, else the family's).
+    tool_format: a built-in format's name (`agents.formats.FORMATS`: 'qwen3', 'harmony',
+      'llama3_json', 'mistral', 'pythonic', ...) or a format value (None: `AgentConfig.tool_format`
+      if set, else the one the chat template writes, else the family's; both set and different
+      is an error).
     agent: limits and sampling of each trajectory (its `tool_format` is replaced by the above).
     """
 
@@ -150,7 +152,11 @@ class AgenticRollout:
         tokenizer = None
         if not (tokenizer_optional and not Path(path).exists()):
             tokenizer = load_tokenizer(path)
-        fmt = (self.tool_format or (infer_format(tokenizer.chat_template_source) if tokenizer else None)
+        given = self.agent.tool_format
+        if self.tool_format is not None and given is not None and self.tool_format != given:
+            raise ValueError(f"AgenticRollout.tool_format={self.tool_format!r} and AgentConfig.tool_format={given!r} "
+                             "disagree: set one of them")
+        fmt = (self.tool_format or given or (infer_format(tokenizer.chat_template_source) if tokenizer else None)
                or FAMILY_FORMATS.get(model_cfg.family))
         agent = self.agent
         if fmt is not None:

@@ -115,7 +115,9 @@ MISTRAL_STYLE_TEMPLATE = (
     "{%- for m in messages %}"
     "{%- if m.role == 'user' %}"
     "{%- if tools and m == user_turns[-1] %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
-    "[INST] {{ m.content }}[/INST]"
+    # as Mistral v3's: the system prompt goes into the user message only while it is the last one
+    "[INST] {% if loop.last and messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "{{ m.content }}[/INST]"
     "{%- elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS] ["
     "{%- for tc in m.tool_calls %}"
     "{%- if tc.id is not defined or tc.id | length != 9 %}"
@@ -191,8 +193,9 @@ def build_harmony_style_tokenizer(directory: Path, generation_config: bool = Tru
 def build_mistral_style_tokenizer(directory: Path) -> Path:
     """Mistral 7B v0.3's layout (tokenizer v3): tools before the last user turn, calls as a JSON
     list after [TOOL_CALLS] with 9-character ids the template checks, results in [TOOL_RESULTS],
-    user and assistant turns checked to alternate (tool results and call turns not counted);
-    turns end with eos </s>; no generation prompt."""
+    user and assistant turns checked to alternate (tool results and call turns not counted), the
+    system prompt in the user message only while that is the conversation's last message; turns
+    end with eos </s>; no generation prompt."""
     return _build(directory, MISTRAL_SPECIALS,
                   {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                    "chat_template": MISTRAL_STYLE_TEMPLATE},

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sfrrl_jax.agents import AgentConfig, ParsedTurn, calculator_environment, render_sft_example, run_agent
+from sfrrl_jax.agents import (AgentConfig, ParsedTurn, calculator_demonstration, calculator_environment,
+                              calculator_tool_schemas, render_sft_example, run_agent)
 from sfrrl_jax.agents.formats import (HarmonyFormat, Llama3JsonFormat, Llama4JsonFormat, MistralFormat, PythonicFormat,
                                       Qwen3Format, Qwen3XmlFormat, get_format, infer_format, turn_stop_ids)
 from sfrrl_jax.agents.protocols import ToolCall
@@ -544,3 +545,45 @@ def test_llama4_json_tool_loop_runs_two_calls_in_a_turn(tmp_path):
     assert (traj.turns[0].num_tool_calls, traj.turns[0].num_tool_errors) == (2, 0)
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["2", "5"]
     assert tok.token_to_id("<|eom|>") in engine.requests[0].stop_token_ids
+
+
+def test_sft_demonstrations_under_a_template_that_shows_the_system_prompt_only_with_a_last_user_message(tmp_path):
+    """Mistral v3's template writes the system prompt into the user message only while that is
+    the last message, so the prompt is not a prefix of the render once the assistant turn
+    follows. The example is laid out as a rollout: the prompt as the rollout's prompt (system
+    prompt in it), then each turn as the template writes it, masked 1, and the deltas."""
+    tok = load_tokenizer(build_mistral_style_tokenizer(tmp_path))
+    task = arithmetic_task("2 + 3", "t0")
+    demo = calculator_demonstration(task)
+    demo[2]["tool_calls"][0]["id"] = "call00000"      # Mistral's 9-character ids
+    demo[3]["tool_call_id"] = "call00000"
+    assert demo[0]["role"] == "system"
+    tokens, mask = render_sft_example(tok, demo, calculator_tool_schemas())
+    prompt = tok.apply_chat_template(demo[:2], calculator_tool_schemas(), add_generation_prompt=True)
+    assert tokens[:len(prompt)] == prompt and demo[0]["content"] in tok.decode(prompt)
+    learned, run = [], []
+    for t, m in zip(tokens, mask):
+        if m:
+            run.append(t)
+        elif run:
+            learned, run = learned + [tok.decode(run)], []
+    learned += [tok.decode(run)] if run else []
+    assert learned == ['[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "2 + 3"}, "id": "call00000"}]</s>',
+                       " <answer>5</answer></s>"]
+
+
+def test_the_default_format_is_the_templates_own_and_a_template_without_call_markup_is_refused(llama_dir, tmp_path):
+    """AgentConfig.tool_format None (the default) reads the format from the chat template: a
+    Llama 3.1 one runs its JSON calls. A template that writes no call markup (SmolLM2's) cannot
+    say how the model calls tools: with tools the rollout is refused, naming the setting, where
+    the compact default read every call as an answer."""
+    assert AgentConfig().tool_format is None
+    tok = load_tokenizer(llama_dir)
+    traj, _ = _roll(tok, ['{"name": "calculator", "parameters": {"expression": "2 + 3"}}<|eom_id|>',
+                          "<answer>5</answer><|eot_id|>"], None)
+    assert (traj.error, traj.reward, traj.turns[0].num_tool_calls) == (None, 1.0, 1)
+    plain = build_qwen3_style_tokenizer(tmp_path, "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                                                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+                                                  "<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(ValueError, match="writes no tool-call markup.*set AgentConfig.tool_format"):
+        _roll(load_tokenizer(plain), ["<answer>5</answer><|im_end|>"], None)

@@ -131,10 +131,16 @@ def test_the_tool_format_is_the_one_the_chat_template_writes(model_dir, tasks_fi
     (llama / "config.json").write_text(json.dumps({**cfg, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     build_llama3_style_tokenizer(llama)
     for directory, extra, want in ((llama, {}, "llama3_json"), (model_dir, {}, "qwen3"),
-                                   (model_dir, {"AgenticRollout.tool_format": "'mistral'"}, "mistral")):
+                                   (model_dir, {"AgenticRollout.tool_format": "'mistral'"}, "mistral"),
+                                   (model_dir, {"AgentConfig.tool_format": "'qwen3_xml'"}, "qwen3_xml")):
         job = gin_bindings.load_job([], _bindings(directory, tasks_file, tmp_path / "run", **extra))
         source = job.experiment.rollout(job.experiment, gin_bindings.validate_job(job))
         assert source.rollout_fn.agent_cfg.tool_format == want, directory
+    both = {"AgenticRollout.tool_format": "'mistral'", "AgentConfig.tool_format": "'qwen3_xml'"}
+    job = gin_bindings.load_job([], _bindings(model_dir, tasks_file, tmp_path / "run", **both))
+    with pytest.raises(ValueError, match="AgenticRollout.tool_format='mistral' and AgentConfig.tool_format='qwen3_xml' "
+                                         "disagree"):
+        job.experiment.rollout(job.experiment, gin_bindings.validate_job(job))
 
 
 def test_the_environment_is_a_gin_value_and_the_run_fingerprint_is_stable(model_dir, tasks_file, tmp_path):
