@@ -10,6 +10,7 @@ import math
 import numbers
 from typing import Iterable, Literal, Sequence
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
 Family = Literal["qwen3_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3"]
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
@@ -230,6 +231,8 @@ class ModelConfig:
         check_number("ModelConfig.llep_threshold", self.llep_threshold, 1)  # a max/mean ratio is >= 1
         for k in ("param_dtype", "compute_dtype"):
             check_str(f"ModelConfig.{k}", getattr(self, k))
+            if getattr(self, k) not in MODEL_DTYPES:
+                raise ValueError(f"ModelConfig.{k}={getattr(self, k)!r} must be one of {MODEL_DTYPES}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"

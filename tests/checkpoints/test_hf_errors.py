@@ -157,6 +157,17 @@ def test_index_pointing_at_a_missing_shard(ckpt, mesh):
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "rope_theta": 1e4, "beta_fast": 3.0}), "llama3 rope parameter(s) ['beta_fast']"),
     (dict(hidden_size=None), "lacks required key 'hidden_size'"),
+    # values of the wrong type or range: named, never cast (int(2.5) would build 2 layers)
+    (dict(num_hidden_layers=2.5), "num_hidden_layers=2.5 must be an integer"),
+    (dict(num_hidden_layers=True), "num_hidden_layers=True must be an integer"),
+    (dict(num_attention_heads=0), "num_attention_heads=0 must be >= 1"),
+    (dict(vocab_size="97"), "vocab_size='97' must be an integer"),
+    (dict(num_experts=0), "num_experts=0 must be >= 1"),
+    (dict(tie_word_embeddings="yes"), "tie_word_embeddings='yes' must be true or false"),
+    (dict(rms_norm_eps="1e-6"), "rms_norm_eps='1e-6' must be a number"),
+    (dict(dtype="complex64"), "dtype 'complex64' is not supported"),
+    (dict(rope_parameters="yarn"), "rope_parameters='yarn' must be an object"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": "4", "rope_theta": 1e4}), "factor='4' must be a number"),
 ])
 def test_unsupported_variants_name_the_key(ckpt, mesh, changes, message):
     _edit_config(ckpt, **changes)

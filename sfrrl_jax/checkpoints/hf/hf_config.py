@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.config import MODEL_DTYPES, ModelConfig
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -50,10 +50,47 @@ def _get(hf: Mapping[str, Any], key: str, where: str, default=...):
     return default
 
 
+def _int(hf: Mapping[str, Any], key: str, where: str, default=..., lo: int = 1) -> int:
+    """`hf[key]` as an int >= lo (an integral float like 2.0 too), or an error naming the key:
+    int(2.5) would quietly make a 2-layer model of a 2.5-layer config."""
+    value = _get(hf, key, where, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HFConfigError(f"{where}: {key}={value!r} must be an integer")
+    if value < lo:
+        raise HFConfigError(f"{where}: {key}={value} must be >= {lo}")
+    return value
+
+
+def _float(hf: Mapping[str, Any], key: str, where: str, default=...) -> float:
+    value = _get(hf, key, where, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HFConfigError(f"{where}: {key}={value!r} must be a number")
+    return float(value)
+
+
+def _bool(hf: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    value = _get(hf, key, where, default)
+    if not isinstance(value, bool):
+        raise HFConfigError(f"{where}: {key}={value!r} must be true or false")
+    return value
+
+
+#: The param / compute dtypes a config.json may name (`dtype`, or 4.x's `torch_dtype`).
+DTYPES = MODEL_DTYPES
+
+
 def _rope(hf: Mapping[str, Any], where: str, default_theta: float) -> dict:
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = hf.get(field) or {}
+    if not isinstance(params, Mapping):
+        raise HFConfigError(f"{where}: {field}={params!r} must be an object")
+    params = dict(params)
+    at = f"{where} {field}"
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
+    theta = _float({"rope_theta": params.get("rope_theta", hf.get("rope_theta"))}, "rope_theta", where, default_theta)
+    max_len = _int(hf, "max_position_embeddings", where)
     if kind == "default":
         return {"rope_theta": theta, "rope_type": "default"}
     if kind == "llama3":
@@ -64,11 +101,10 @@ def _rope(hf: Mapping[str, Any], where: str, default_theta: float) -> dict:
         missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if params.get(k) is None]
         if missing:
             raise HFConfigError(f"{where}: llama3 rope needs {missing}")
-        return {"rope_theta": theta, "rope_type": "llama3", "rope_factor": float(params["factor"]),
-                "rope_low_freq_factor": float(params["low_freq_factor"]),
-                "rope_high_freq_factor": float(params["high_freq_factor"]),
-                "rope_original_max_len": int(params.get("original_max_position_embeddings",
-                                                        _get(hf, "max_position_embeddings", where)))}
+        return {"rope_theta": theta, "rope_type": "llama3", "rope_factor": _float(params, "factor", at),
+                "rope_low_freq_factor": _float(params, "low_freq_factor", at),
+                "rope_high_freq_factor": _float(params, "high_freq_factor", at),
+                "rope_original_max_len": _int(params, "original_max_position_embeddings", at, max_len)}
     if kind != "yarn":
         raise HFConfigError(f"{where}: rope type {kind!r} is not supported (supported: 'default', 'yarn', "
                             "'llama3')")
@@ -76,16 +112,14 @@ def _rope(hf: Mapping[str, Any], where: str, default_theta: float) -> dict:
     if unknown:  # attention_factor, mscale, partial_rotary_factor, ... change the maths
         raise HFConfigError(f"{where}: yarn rope parameter(s) {unknown} are not supported; "
                             f"supported: {sorted(_YARN_KEYS)}")
-    factor = params.get("factor")
-    if factor is None:
+    if params.get("factor") is None:
         raise HFConfigError(f"{where}: yarn rope needs 'factor'")
     return {
-        "rope_theta": theta, "rope_type": "yarn", "rope_factor": float(factor),
-        "rope_beta_fast": float(params.get("beta_fast") or 32.0),
-        "rope_beta_slow": float(params.get("beta_slow") or 1.0),
-        "rope_original_max_len": int(params.get("original_max_position_embeddings",
-                                                _get(hf, "max_position_embeddings", where))),
-        "rope_truncate": bool(params.get("truncate", True)),
+        "rope_theta": theta, "rope_type": "yarn", "rope_factor": _float(params, "factor", at),
+        "rope_beta_fast": _float(params, "beta_fast", at, 32.0),
+        "rope_beta_slow": _float(params, "beta_slow", at, 1.0),
+        "rope_original_max_len": _int(params, "original_max_position_embeddings", at, max_len),
+        "rope_truncate": _bool(params, "truncate", at, True),
     }
 
 
@@ -102,43 +136,49 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
     if family not in SUPPORTED_FAMILIES:
         raise HFConfigError(f"{where}: model_type {family!r} is not supported; supported model_types: "
                             f"{list(SUPPORTED_FAMILIES)}")
-    d_model = int(_get(hf, "hidden_size", where))
-    n_heads = int(_get(hf, "num_attention_heads", where))
-    dtype = dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    d_model = _int(hf, "hidden_size", where)
+    n_heads = _int(hf, "num_attention_heads", where)
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise HFConfigError(f"dtype={dtype!r} is not supported (supported: {list(DTYPES)})")
+    else:
+        dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise HFConfigError(f"{where}: dtype {dtype!r} is not supported (supported: {list(DTYPES)})")
     common = dict(
         name=str(hf.get("_name_or_path") or family), family=family,
-        vocab_size=int(_get(hf, "vocab_size", where)), d_model=d_model,
-        n_layers=int(_get(hf, "num_hidden_layers", where)), n_heads=n_heads,
-        n_kv_heads=int(_get(hf, "num_key_value_heads", where, n_heads)),
-        head_dim=int(_get(hf, "head_dim", where, d_model // n_heads)),
-        top_k=int(_get(hf, "num_experts_per_tok", where, 1 if family in DENSE_FAMILIES else ...)),
-        rms_eps=float(_get(hf, "rms_norm_eps", where)),
-        max_seq_len=int(_get(hf, "max_position_embeddings", where)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", family == "gpt_oss")),
-        router_aux_coef=float(hf.get("router_aux_loss_coef", 0.0)),
-        param_dtype=str(dtype), compute_dtype=str(dtype),
+        vocab_size=_int(hf, "vocab_size", where), d_model=d_model,
+        n_layers=_int(hf, "num_hidden_layers", where), n_heads=n_heads,
+        n_kv_heads=_int(hf, "num_key_value_heads", where, n_heads),
+        head_dim=_int(hf, "head_dim", where, d_model // n_heads),
+        top_k=_int(hf, "num_experts_per_tok", where, 1 if family in DENSE_FAMILIES else ...),
+        rms_eps=_float(hf, "rms_norm_eps", where),
+        max_seq_len=_int(hf, "max_position_embeddings", where),
+        tie_embeddings=_bool(hf, "tie_word_embeddings", where, False),
+        attention_bias=_bool(hf, "attention_bias", where, family == "gpt_oss"),
+        router_aux_coef=_float(hf, "router_aux_loss_coef", where, 0.0),
+        param_dtype=dtype, compute_dtype=dtype,
     )
     if family in DENSE_FAMILIES:
         return _dense_config(hf, family, common, where)
     if family == "qwen3_moe":
         _require(hf, "hidden_act", ("silu",), where)
         dense = _qwen3_moe_dense_layers(hf, common["n_layers"], where)
-        n_exp = _get(hf, "num_experts", where, None) or _get(hf, "num_local_experts", where)
+        n_exp = _int(hf, "num_experts" if hf.get("num_experts") is not None else "num_local_experts", where)
         window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
         return ModelConfig(
-            **common, **_rope(hf, where, 10000.0), n_experts=int(n_exp),
-            d_ff_expert=int(_get(hf, "moe_intermediate_size", where)), router="softmax_topk",
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qk_norm=True,
+            **common, **_rope(hf, where, 10000.0), n_experts=n_exp,
+            d_ff_expert=_int(hf, "moe_intermediate_size", where), router="softmax_topk",
+            norm_topk_prob=_bool(hf, "norm_topk_prob", where, False), qk_norm=True,
             sliding_window=window, layer_types=("sliding",) * common["n_layers"] if window else None,
-            dense_layers=dense, d_ff=int(_get(hf, "intermediate_size", where)) if dense else 0,
+            dense_layers=dense, d_ff=_int(hf, "intermediate_size", where) if dense else 0,
         )
     if family == "mixtral":
         _require(hf, "hidden_act", ("silu",), where)
         window = hf.get("sliding_window")
         return ModelConfig(
-            **common, **_rope(hf, where, 1e6), n_experts=int(_get(hf, "num_local_experts", where)),
-            d_ff_expert=int(_get(hf, "intermediate_size", where)), router="topk_softmax",
+            **common, **_rope(hf, where, 1e6), n_experts=_int(hf, "num_local_experts", where),
+            d_ff_expert=_int(hf, "intermediate_size", where), router="topk_softmax",
             sliding_window=window, layer_types=("sliding",) * common["n_layers"] if window else None,
         )
     # gpt_oss
@@ -147,10 +187,10 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
                                          for i in range(n_layers)]
     layer_types = _layer_types(hf_types, n_layers, where)
     return ModelConfig(
-        **common, **_rope(hf, where, 150000.0), n_experts=int(_get(hf, "num_local_experts", where)),
-        d_ff_expert=int(_get(hf, "intermediate_size", where)), router="topk_softmax",
+        **common, **_rope(hf, where, 150000.0), n_experts=_int(hf, "num_local_experts", where),
+        d_ff_expert=_int(hf, "intermediate_size", where), router="topk_softmax",
         router_bias=True, expert_bias=True, expert_act="gptoss_swiglu",
-        swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        swiglu_limit=_float(hf, "swiglu_limit", where, 7.0), swiglu_alpha=_float(hf, "swiglu_alpha", where, 1.702),
         attn_sinks=True, sliding_window=hf.get("sliding_window") if "sliding" in layer_types else None,
         layer_types=layer_types,
     )
@@ -202,20 +242,17 @@ def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) 
         # (layers from max_window_layers on use the window)
         hf_types = hf.get("layer_types")
         if hf_types is None and hf.get("use_sliding_window") and hf.get("sliding_window"):
-            first = int(hf.get("max_window_layers", n_layers))
+            first = _int(hf, "max_window_layers", where, n_layers, lo=0)
             hf_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
         kinds = () if hf_types is None else _layer_types(hf_types, n_layers, where)
         if "sliding" in kinds:
-            window, layer_types = int(_get(hf, "sliding_window", where)), kinds
+            window, layer_types = _int(hf, "sliding_window", where), kinds
     if family == "mistral":
         if hf.get("attention_bias"):  # MistralAttention builds its projections without biases
             raise HFConfigError(f"{where}: attention_bias=True is not supported for mistral (HF Mistral "
                                 "has no attention biases)")
         if hf.get("sliding_window") is not None:
-            window = int(hf["sliding_window"])
-            if window < 1:
-                raise HFConfigError(f"{where}: sliding_window={window} must be >= 1 (or null)")
-            layer_types = ("sliding",) * n_layers
+            window, layer_types = _int(hf, "sliding_window", where), ("sliding",) * n_layers
     extra: dict = {}
     if family == "qwen2":
         extra = dict(attention_bias=True, attention_out_bias=False)
@@ -223,7 +260,7 @@ def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) 
         extra = dict(qk_norm=True)
     return ModelConfig(
         **{**common, **extra}, **_rope(hf, where, 10000.0), n_experts=0,
-        d_ff=int(_get(hf, "intermediate_size", where)), sliding_window=window, layer_types=layer_types,
+        d_ff=_int(hf, "intermediate_size", where), sliding_window=window, layer_types=layer_types,
     )
 
 
