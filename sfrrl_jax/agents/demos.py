@@ -85,16 +85,33 @@ def _turn_start(tokenizer, history, tools, prompt_text: str, with_turn: str, cut
     """Where the assistant turn starts in `with_turn` (the render with it last), or None: after
     the generation prompt where the prompt is a prefix of it. Templates that write the system
     prompt into the last message only when it is the user's (Mistral's v3) render the history
-    otherwise once the turn follows: the turn then starts where an empty answer in its place
-    would, and the example keeps the prompt as the rollout's prompt is (the system prompt in it)."""
+    otherwise once the turn follows: the turn then starts where the renders of two other
+    assistant turns in its place, an answer and a call, part from it (so no character of the
+    turn is lost to an answer that starts like it), after the generation prompt if the template
+    has one; the example keeps the prompt as the rollout's is (the system prompt in it)."""
     if with_turn[:cut].startswith(prompt_text):
         return len(prompt_text)
-    try:
-        empty = tokenizer.render(list(history) + [{"role": "assistant", "content": ""}], tools,
-                                 add_generation_prompt=False)
-    except Exception:
+    mark = "\u2063"   # no turn starts with an invisible separator
+    stand_ins = ({"role": "assistant", "content": mark},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"id": "a00000000", "type": "function", "function": {"name": mark, "arguments": {}}}]})
+    renders = [with_turn]
+    for stand_in in stand_ins:
+        try:
+            renders.append(tokenizer.render(list(history) + [stand_in], tools, add_generation_prompt=False))
+        except Exception:   # a template that renders no call there: the answer alone
+            continue
+    if len(renders) == 1:
         return None
-    start = len(os.path.commonprefix([empty, with_turn]))
+    start = len(os.path.commonprefix(renders))
+    try:   # the generation prompt, where the template has one, belongs to the prompt's side
+        closed = tokenizer.render(list(history), tools, add_generation_prompt=False)
+    except Exception:
+        closed = None
+    generation_prompt = prompt_text[len(closed):] if closed is not None and prompt_text.startswith(closed) else ""
+    if generation_prompt:
+        at = with_turn.rfind(generation_prompt, 0, start)
+        start = at + len(generation_prompt) if at >= 0 else start
     return start if 0 < start < cut else None
 
 

@@ -24,8 +24,9 @@ import hashlib
 import inspect
 import logging
 import math
+import os
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from sfrrl_jax.agents.call_text import TOOL_NAME
 from sfrrl_jax.agents.formats import format_for, get_format, turn_stop_ids
@@ -55,6 +56,10 @@ class AgentConfig:
     max_tool_calls_per_turn: int = 32  # calls past it are not run: one error observation says so
     # None: the tokenizer's stops as the tool format refines them (formats.turn_stop_ids)
     stop_token_ids: tuple[int, ...] | None = None
+    # variables for the chat template in every render of the trajectory (Qwen3's
+    # {'enable_thinking': False}, gpt-oss's {'reasoning_effort': 'high'}); a dict is kept as
+    # sorted (key, value) pairs. Needs a tokenizer with `with_template_kwargs`
+    chat_template_kwargs: Any = ()
 
     def __post_init__(self):
         # Checked here, not per request: a bad value would otherwise fail every sample one by one.
@@ -67,6 +72,16 @@ class AgentConfig:
         check_seed("AgentConfig.seed", self.seed)
         if self.tool_format is not None:
             get_format(self.tool_format)  # fail early on an unknown format name
+        kwargs = self.chat_template_kwargs
+        items = kwargs.items() if isinstance(kwargs, Mapping) else kwargs
+        try:
+            items = tuple(sorted((k, v) for k, v in items))
+        except (TypeError, ValueError):
+            items = None
+        if items is None or not all(isinstance(k, str) and k.isidentifier() for k, _ in items):
+            raise ValueError(f"AgentConfig.chat_template_kwargs={kwargs!r} must map variable names to values "
+                             "(e.g. {'enable_thinking': False})")
+        object.__setattr__(self, "chat_template_kwargs", items)
 
 
 def turn_seed(seed: int, task_id: str, sample_index: int, turn: int) -> int:
@@ -159,16 +174,28 @@ def _observation(tokenizer: TokenizerProtocol, messages: list[Message], calls: S
     stand_ins = dict(messages[-1], tool_calls=[_stand_in(c, i) for i, c in enumerate(calls)])
     candidates = ((messages, kept + [errors], ("tool", "user"), None),
                   (messages[:-1] + [stand_ins], tool_messages, ("tool",), stand_ins))
-    for history, new, untrusted, shown in candidates:
-        try:
-            if _takes_an_assistant_turn_after(tokenizer, history + new, tools):
-                return new, tokenizer.render_delta(history, new, tools, stop_text=stop_text,
-                                                   untrusted_roles=untrusted), shown
-        except Exception:
-            continue
+    # first one that leaves the history before the turn as it was rendered (Mistral's moves its
+    # tools block to a new user message), then any
+    for strict in (True, False):
+        for history, new, untrusted, shown in candidates:
+            try:
+                if (_takes_an_assistant_turn_after(tokenizer, history + new, tools)
+                        and (not strict or _keeps_the_history(tokenizer, history, new, tools))):
+                    return new, tokenizer.render_delta(history, new, tools, stop_text=stop_text,
+                                                       untrusted_roles=untrusted), shown
+            except Exception:
+                continue
     if first is not None:   # nothing renders better: the tool messages as they were
         return first
     raise first_error
+
+
+def _keeps_the_history(tokenizer: TokenizerProtocol, history: list[Message], new: list[Message], tools) -> bool:
+    """Whether the template renders the messages before the last turn as it did (as far as it
+    renders them alike with and without that turn) once `new` follows."""
+    stable = os.path.commonprefix([tokenizer.render(history[:-1], tools, add_generation_prompt=False),
+                                   tokenizer.render(history, tools, add_generation_prompt=False)])
+    return tokenizer.render(history + new, tools, add_generation_prompt=True).startswith(stable)
 
 
 def _stand_in(call: ToolCall | ToolCallError, index: int) -> dict:
@@ -198,6 +225,12 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
     # an environment whose tools differ per task (BFCL items) says so with `task_tool_schemas`
     per_task = getattr(env, "task_tool_schemas", None)
     tools = (per_task(task) if per_task is not None else env.tool_schemas()) or None
+    if cfg.chat_template_kwargs:
+        bind_kwargs = getattr(tokenizer, "with_template_kwargs", None)
+        if bind_kwargs is None:
+            raise TypeError(f"AgentConfig.chat_template_kwargs={dict(cfg.chat_template_kwargs)} needs a tokenizer "
+                            f"with with_template_kwargs(**kwargs); {type(tokenizer).__name__} has none")
+        tokenizer = bind_kwargs(**dict(cfg.chat_template_kwargs))
     fmt = format_for(cfg.tool_format, tokenizer, tools is not None)
     stops = cfg.stop_token_ids if cfg.stop_token_ids is not None else turn_stop_ids(fmt, tokenizer)
     bind = getattr(fmt, "with_tools", None)   # a format that reads values by the tools' schemas

@@ -9,6 +9,7 @@ Tool results are untrusted: control-token text inside them is encoded as plain t
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -55,6 +56,7 @@ class Tokenizer:
             eot = next((t for t in _KNOWN_END_OF_TURN
                         if hf_tokenizer.token_to_id(t) is not None and t in (chat_template or "")), self.eos_token)
         self.end_of_turn_token = eot
+        self.template_kwargs: dict[str, Any] = {}   # `with_template_kwargs`
         self._untrusted = UntrustedEncoder(hf_tokenizer)
         for field in ("bos_token", "eos_token", "pad_token", "end_of_turn_token"):
             token = getattr(self, field)
@@ -110,6 +112,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def with_template_kwargs(self, **template_kwargs: Any) -> "Tokenizer":
+        """This tokenizer, its chat template rendered with these variables too in every call
+        (the prompt, the deltas, SFT examples): Qwen3's `enable_thinking=False`, gpt-oss's
+        `reasoning_effort='high'`. A call's own keyword arguments still win."""
+        twin = copy.copy(self)
+        twin.template_kwargs = {**self.template_kwargs, **template_kwargs}
+        return twin
+
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = False, **template_kwargs: Any) -> str:
         """The chat template's text for `messages` (HF semantics, incl. the `tools` variable)."""
@@ -118,7 +128,8 @@ class Tokenizer:
         return self._template.render(
             messages=list(messages), tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "", pad_token=self.pad_token or "", **template_kwargs)
+            eos_token=self.eos_token or "", pad_token=self.pad_token or "",
+            **{**self.template_kwargs, **template_kwargs})
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             tools: Sequence[Mapping[str, Any]] | None = None,
@@ -151,11 +162,11 @@ class Tokenizer:
         """
         stop_text = stop_text or self.end_of_turn_token
         before = self.render(history, tools, add_generation_prompt=False, **template_kwargs)
-        floor = self._turn_start(history, before, tools, template_kwargs)
+        turn_at, floor = self._turn_start(history, before, tools, template_kwargs)
         cut, stop_text = self._turn_close(before, stop_text, floor)
         prefix = before[:cut + len(stop_text)]
         after = self.render(list(history) + list(new_messages), tools, add_generation_prompt, **template_kwargs)
-        start = self._delta_start(prefix, before[:cut], after, floor, stop_text)
+        start = self._delta_start(prefix, before[:cut], after, turn_at, stop_text, new_messages)
         if start is None:
             at = next((i for i, (a, b) in enumerate(zip(prefix, after)) if a != b), min(len(prefix), len(after)))
             raise TemplateDeltaError(
@@ -166,24 +177,25 @@ class Tokenizer:
             return self.encode(after[start:])
         # Rendered again with the untrusted contents between markers, to know where they lie.
         after = self.render(list(history) + marked.messages, tools, add_generation_prompt, **template_kwargs)
-        start = self._delta_start(prefix, before[:cut], after, floor, stop_text)
+        start = self._delta_start(prefix, before[:cut], after, turn_at, stop_text, new_messages)
         if start is None:
             raise TemplateDeltaError(f"{self.name}: chat template renders history differently once "
                                      "untrusted contents are marked")
         text, spans = marked.unmark(after[start:])
         return self._untrusted.encode(_without_surrogates(text), spans)
 
-    def _turn_start(self, history, before: str, tools, template_kwargs) -> int:
-        """Where the assistant turn that ends `history` starts in `before` (its render): the end
-        of the render of the history before it, with the generation prompt (0 where there is no
-        such turn or the shorter history cannot be rendered)."""
+    def _turn_start(self, history, before: str, tools, template_kwargs) -> tuple[int, int]:
+        """(where the assistant turn that ends `history` starts in `before`, its render: the end
+        of the history before it; the same with the generation prompt). (0, 0) where there is no
+        such turn or the shorter history cannot be rendered."""
         if not history or history[-1].get("role") != "assistant":
-            return 0
+            return 0, 0
         try:
+            closed = self.render(history[:-1], tools, add_generation_prompt=False, **template_kwargs)
             opened = self.render(history[:-1], tools, add_generation_prompt=True, **template_kwargs)
         except Exception:  # a template that cannot render the shorter history: no floor
-            return 0
-        return len(os.path.commonprefix([opened, before]))
+            return 0, 0
+        return (len(os.path.commonprefix([closed, before])), len(os.path.commonprefix([opened, before])))
 
     def _turn_close(self, before: str, stop_text: str, floor: int) -> tuple[int, str]:
         """(where the close of the assistant turn that ends `before` starts, its text).
@@ -208,34 +220,41 @@ class Tokenizer:
         """The texts of the tokens that may close a turn (`stop_token_ids`)."""
         return [self.hf.id_to_token(i) for i in self.stop_token_ids]
 
-    def _delta_start(self, prefix: str, body: str, after: str, floor: int, stop_text: str) -> int | None:
+    def _delta_start(self, prefix: str, body: str, after: str, turn_at: int, stop_text: str,
+                     new_messages: Sequence[Mapping[str, Any]]) -> int | None:
         """Where the delta starts in `after` (the render with the new messages), or None.
 
         Right after `prefix` (the history up to and with the turn's stop) when `after` repeats
         it. Else right after the template's own end-of-turn where it closes the turn with that
         once the turn is not the last (gpt-oss ends the conversation's last answer with
         <|return|>, the stop the model generated, and an earlier one with <|end|>). Else the
-        template renders the turn itself otherwise once it is not the last (Qwen3's writes an
-        empty <think></think> block into the last assistant turn only): the turn starts at the
-        same place (`floor`) and holds as many of its close as before, so the delta starts after
-        the next one. The trajectory keeps the tokens the model generated in every case."""
+        template renders the history otherwise once more follows: the turn itself (Qwen3 writes
+        an empty <think></think> into the last assistant turn only, and with enable_thinking off
+        into its generation prompt), or what comes before it (Mistral writes the tools, and v3
+        the system prompt, before the last user message only). Then the turn ends at the same
+        count of its close as before, and the delta starts after it; it must hold the new
+        messages' contents. The trajectory keeps the tokens the model generated in every case;
+        in the last case the delta repeats what the template moved after the turn (the tools
+        block before a new user message, as a fresh render shows it)."""
         if after.startswith(prefix):
             return len(prefix)
         eot = self.end_of_turn_token
         if eot and after.startswith(body + eot):
             return len(body) + len(eot)
-        if not 0 < floor <= len(body) or after[:floor] != prefix[:floor]:
-            return None
+        contents = [m.get("content") for m in new_messages]
         for close in dict.fromkeys([stop_text, *([eot] if eot else []), *self._closes()]):
-            inside = body.count(close, floor)   # closes of the turn's messages before its last
-            at = floor
-            for _ in range(inside + 1):
+            # the same prefix up to the turn: count its closes from there; else all of them
+            start_at = turn_at if 0 < turn_at <= len(body) and after[:turn_at] == prefix[:turn_at] else 0
+            at = start_at
+            for _ in range(body.count(close, start_at) + 1):
                 at = after.find(close, at)
                 if at < 0:
                     break
                 at += len(close)
             else:
-                return at
+                delta = after[at:]
+                if all(c in delta for c in contents if isinstance(c, str) and c):
+                    return at
         return None
 
 

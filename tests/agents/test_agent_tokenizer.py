@@ -119,16 +119,24 @@ def test_loader_reads_other_directories_and_infers_end_of_turn(tok_dir, tmp_path
                                   "<|im_start|>assistant\n"
 
 
-def test_delta_refuses_a_template_that_rewrites_the_history_before_the_turn(tok_dir):
+def test_delta_after_a_template_that_rewrites_the_history_holds_the_new_messages_or_is_refused(tok_dir):
+    """Mistral's templates move the tools block (v3: the system prompt too) to the last user
+    message, so the history before the turn renders otherwise once a user speaks again. The
+    delta is what follows the turn's close in the new render (the turn ends at the same count of
+    its close); it must hold the new messages, else the template is refused."""
     base = load_tokenizer(tok_dir)
-    # Re-renders the first user turn differently once more than two messages are rendered.
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    # the first user turn rendered otherwise once more than two messages are rendered
     template = ("{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{{ m.content }}<|end|>"
                 "{% elif loop.length > 2 and loop.first %}<|user|>[old]<|end|>{% else %}<|user|>{{ m.content }}"
                 "<|end|>{% endif %}{% endfor %}")
-    weird = Tokenizer(base.hf, base.config, template)
+    rewriting = Tokenizer(base.hf, base.config, template)
+    assert rewriting.decode(rewriting.render_delta(history, [{"role": "user", "content": "c"}])) == "<|user|>c<|end|>"
+    # a template that loses the new message (a user turn after an answer is not rendered)
+    dropping = Tokenizer(base.hf, base.config, template.replace("{% else %}<|user|>{{ m.content }}",
+                                                                "{% elif loop.index0 < 2 %}<|user|>{{ m.content }}"))
     with pytest.raises(TemplateDeltaError, match="first difference"):
-        weird.render_delta([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-                           [{"role": "user", "content": "c"}])
+        dropping.render_delta(history, [{"role": "user", "content": "c"}])
 
 
 def test_delta_follows_a_template_that_renders_the_last_turn_otherwise_once_it_is_not_last(tok_dir):

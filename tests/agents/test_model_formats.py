@@ -314,7 +314,8 @@ def test_a_next_user_turn_after_a_harmony_answer_appends_only_the_new_messages(h
     assert tok.render(history).endswith("<answer>5</answer><|return|>")
     delta = tok.render_delta(history, [{"role": "user", "content": "And 2 + 4?"}], stop_text="<|return|>")
     assert tok.decode(delta) == "<|start|>user<|message|>And 2 + 4?<|end|><|start|>assistant"
-    # a template that changes the history before the turn is still refused
+    # a template that renders the history before the turn otherwise: the delta is still only
+    # what follows the turn's close (the trajectory keeps what the model saw)
     class Rewriting(type(tok)):
         def render(self, messages, *args, **kwargs):   # another question once the answer is followed
             if len(messages) > 2:
@@ -322,8 +323,8 @@ def test_a_next_user_turn_after_a_harmony_answer_appends_only_the_new_messages(h
             return super().render(messages, *args, **kwargs)
 
     rewriting = Rewriting(tok.hf, tok.config, tok.chat_template_source, generation_eos_ids=tok.generation_eos_ids)
-    with pytest.raises(TemplateDeltaError, match="re-renders history differently"):
-        rewriting.render_delta(history, [{"role": "user", "content": "x"}], stop_text="<|return|>")
+    delta = rewriting.render_delta(history, [{"role": "user", "content": "x"}], stop_text="<|return|>")
+    assert tok.decode(delta) == "<|start|>user<|message|>x<|end|><|start|>assistant"
 
 
 def test_sft_demonstrations_of_harmony_end_their_answer_with_return_and_their_call_with_call(harmony_dir):
@@ -587,3 +588,93 @@ def test_the_default_format_is_the_templates_own_and_a_template_without_call_mar
                                                   "<|im_start|>assistant\n{% endif %}")
     with pytest.raises(ValueError, match="writes no tool-call markup.*set AgentConfig.tool_format"):
         _roll(load_tokenizer(plain), ["<answer>5</answer><|im_end|>"], None)
+
+
+# ----------------------------------------------------------------------------- template variables, new user turns
+
+class _AskedTwice:
+    """The calculator environment whose user asks again once the model has answered: a new user
+    turn appended to the trajectory like a tool result (BFCL multi-turn does the same)."""
+
+    def __init__(self):
+        self.env = calculator_environment()
+
+    def tool_schemas(self):
+        return self.env.tool_schemas()
+
+    def reset(self, task):
+        return self.env.reset(task)
+
+    async def step(self, calls):
+        return await self.env.step(calls)
+
+    def reward(self, task, trajectory):
+        return float("<answer>6</answer>" in trajectory.final_text)
+
+    def open_episode(self, task):
+        outer, asked = self, []
+
+        class Episode:
+            def reset(self):
+                return outer.env.reset(task)
+
+            async def step(self, calls):
+                return await outer.env.step(calls)
+
+            def next_user_turn(self):
+                if asked:
+                    return None
+                asked.append(True)
+                return [{"role": "user", "content": "And 2 + 4?"}]
+
+            def close(self):
+                pass
+        return Episode()
+
+
+def _roll_twice(tok, turns, **config):
+    engine, env = ScriptedEngine(turns, tokenizer=tok), _AskedTwice()
+    try:
+        traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
+                                     dataclasses.replace(CFG, max_turns=4, **config)))
+    finally:
+        env.env.close()
+    return traj, engine
+
+
+def test_a_new_user_turn_under_mistral_which_moves_its_tools_block_to_the_last_user_message(tmp_path):
+    """Mistral's template writes the tools block before the last user message, and v3 the system
+    prompt into it: once the user speaks again the history renders otherwise before the answer.
+    The delta is the new user message with both, as a fresh render shows them to the model."""
+    tok = load_tokenizer(build_mistral_style_tokenizer(tmp_path))
+    traj, _ = _roll_twice(tok, ['[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "2 + 3"}}]</s>',
+                                "<answer>5</answer></s>", "<answer>6</answer></s>"])
+    assert (traj.error, traj.finish_reason, traj.reward, len(traj.turns)) == (None, "answer", 1.0, 3)
+    delta = tok.decode(traj.tokens[traj.turns[1].gen_end:traj.turns[1].obs_end])
+    system = traj.messages[0]["content"]
+    assert delta.startswith("[AVAILABLE_TOOLS]") and delta.endswith(f"[/AVAILABLE_TOOLS][INST] {system}\n\nAnd 2 + 4?[/INST]")
+    assert delta.count("[INST]") == 1 and "<answer>5</answer>" not in delta
+
+
+def test_chat_template_variables_reach_every_render_qwen3_without_thinking(tmp_path):
+    """AgentConfig.chat_template_kwargs: Qwen3's enable_thinking=False writes an empty think block
+    into the generation prompt, which the template drops once the turn is not last; the loop goes
+    on, and every render (prompt, deltas) has the variable."""
+    call_turn = "<|im_start|>assistant\n{% if m.content %}"
+    template = (QWEN3_STYLE_TEMPLATE
+                .replace(call_turn, "<|im_start|>assistant\n{% if loop.last %}<think>\n\n</think>\n\n{% endif %}"
+                                    "{% if m.content %}")
+                .replace("{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                         "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+                         "{% endif %}"))
+    tok = load_tokenizer(build_qwen3_style_tokenizer(tmp_path, template))
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call><|im_end|>'
+    traj, engine = _roll_twice(tok, [call, "<answer>5</answer><|im_end|>", "<answer>6</answer><|im_end|>"],
+                               chat_template_kwargs={"enable_thinking": False}, tool_format="qwen3")
+    assert (traj.error, traj.finish_reason, traj.reward, len(traj.turns)) == (None, "answer", 1.0, 3)
+    assert all(tok.decode(r.tokens).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for r in engine.requests)
+    assert tok.with_template_kwargs(enable_thinking=False).template_kwargs == {"enable_thinking": False}
+    assert tok.template_kwargs == {}    # the loop binds a copy
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        AgentConfig(chat_template_kwargs={"enable thinking": False})
