@@ -103,10 +103,19 @@ def countdown():
     return task, entry
 
 
-def test_an_answer_that_runs_code_in_the_countdown_scorer_changes_nothing_outside(countdown, tmp_path):
+@pytest.fixture(scope="module")
+def scorer():
+    """The confined scorer itself, without `verify_reasoning_gym`'s answer screen in front of it."""
+    scorer = ReasoningGymScorer()
+    yield scorer
+    scorer.close()
+
+
+def test_an_answer_that_runs_code_in_the_countdown_scorer_changes_nothing_outside(countdown, scorer, tmp_path):
     """countdown's scorer is sympy.parse_expr(answer), which runs Python: before, this answer wrote
-    the file (and os.system ran its command) in the trainer's process."""
-    task, _ = countdown
+    the file (and os.system ran its command) in the trainer's process. Sent to the fork itself
+    (past the answer screen, which scores such answers 0 unseen)."""
+    task, entry = countdown
     written, touched = tmp_path / "written", tmp_path / "touched"
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
@@ -115,8 +124,9 @@ def test_an_answer_that_runs_code_in_the_countdown_scorer_changes_nothing_outsid
                         f"__import__('subprocess').run(['touch', {str(touched)!r}])",
                         "__import__('socket').create_connection(('127.0.0.1', 9))",
                         f"__import__('os').kill({bystander.pid}, 9)"):
-            score = S.verify_reasoning_gym(task, f"<answer>{payload}</answer>")
+            score = scorer.score("countdown", payload, entry)
             assert 0.0 <= score <= 0.05, payload   # reasoning-gym's own credit for a wrong answer, at most
+            assert S.verify_reasoning_gym(task, f"<answer>{payload}</answer>") == 0.0, payload
         assert not written.exists() and not touched.exists() and bystander.poll() is None
     finally:
         bystander.kill()
@@ -124,19 +134,31 @@ def test_an_answer_that_runs_code_in_the_countdown_scorer_changes_nothing_outsid
     assert S.verify_reasoning_gym(task, f"<answer>{task.answer}</answer>") == 1.0   # the scorer lives on
 
 
-def test_an_answer_cannot_rig_the_scorer_for_the_answers_after_it(countdown):
+def test_an_answer_that_would_write_its_own_score_inside_the_scorer_scores_0(countdown, scorer):
+    """The fork confines what code in an answer can reach, not what it computes inside the scorer:
+    writing "1.0" to the result pipe and exiting forges a full score there. `verify_reasoning_gym`
+    scores an answer to an evaluating scorer 0 when it holds code (`answer_screen`)."""
+    task, entry = countdown
+    forge = ('exec("import os\\nfor f in range(3, 64):\\n try: os.write(f, b\'1.0\')\\n except OSError: pass'
+             '\\nos._exit(0)")')
+    assert scorer.score("countdown", forge, entry) == 1.0          # what the fork alone lets through
+    assert S.verify_reasoning_gym(task, f"<answer>{forge}</answer>") == 0.0
+    assert S.verify_reasoning_gym(task, f"<answer>{task.answer}</answer>") == 1.0
+
+
+def test_an_answer_cannot_rig_the_scorer_for_the_answers_after_it(countdown, scorer):
     """Each answer is scored in a fresh fork: a payload that makes numpy.isclose always true in its
     own process leaves the next wrong answer wrong (in the trainer's process, before, every later
     countdown answer that used the right numbers scored 1.0)."""
-    task, _ = countdown
+    task, entry = countdown
     always_true = "__import__('unittest.mock').mock.MagicMock(return_value=True)"
     rig = f"__import__('numpy').__setattr__('isclose', {always_true}) or 1"
     numbers = task.metadata["entry_metadata"]["numbers"]
     wrong = " + ".join(map(str, numbers))   # every number once, the target missed (checked below)
     assert sum(numbers) != task.metadata["entry_metadata"]["target"]
-    before = S.verify_reasoning_gym(task, f"<answer>{wrong}</answer>")
-    S.verify_reasoning_gym(task, f"<answer>{rig}</answer>")
-    assert S.verify_reasoning_gym(task, f"<answer>{wrong}</answer>") == before < 1.0
+    before = scorer.score("countdown", wrong, entry)
+    scorer.score("countdown", rig, entry)   # past the answer screen, to the fork itself
+    assert scorer.score("countdown", wrong, entry) == before < 1.0
 
 
 def test_a_runaway_countdown_answer_scores_0_within_its_limits(countdown):

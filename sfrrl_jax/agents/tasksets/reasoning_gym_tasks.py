@@ -10,7 +10,8 @@ plus `RG_INSTRUCTION`; the whole entry metadata is kept in `Task.metadata['entry
 own convention, `reasoning_gym.utils.extract_answer`), scored by the generator's `score_answer(answer,
 entry)` in a fresh confined fork per answer (`isolated.ReasoningGymScorer`: some scorers eval the
 answer, e.g. countdown's `sympy.parse_expr`); no block scores 0.0, and neither does an answer that
-runs past the scorer's time or memory or makes it raise. The value is the scorer's own, in [0, 1]:
+runs past the scorer's time or memory or makes it raise, nor one to a scorer that evaluates it
+holding code that could write its own score (`answer_screen`). The value is the scorer's own, in [0, 1]:
 most give 1.0 for a correct answer and 0.0 otherwise, but some give partial credit (gsm_symbolic
 gives 0.01 to a wrong number, its reward for the format), which we keep so rewards match
 reasoning-gym's published numbers.
@@ -27,6 +28,7 @@ from typing import Any
 from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.agents.rewards import extract_answer
 from sfrrl_jax.agents.task_kinds import register_task_kind
+from sfrrl_jax.agents.tasksets.answer_screen import EVALUATED_DATASETS, code_in_answer
 from sfrrl_jax.agents.tasksets.isolated import ReasoningGymScorer
 
 RG_INSTRUCTION = "Give the final answer as <answer>...</answer>."
@@ -65,6 +67,8 @@ def verify_reasoning_gym(task: Task, final_text: str) -> float:
         return 0.0
     dataset = task.metadata["dataset"]
     _scorer(dataset)   # an unknown dataset is the task's error, named here
+    if dataset in EVALUATED_DATASETS and code_in_answer(answer) is not None:
+        return 0.0   # it could write its own score inside the scorer (answer_screen)
     return _SCORER.score(dataset, answer, _entry(task))
 
 
