@@ -164,8 +164,11 @@ def test_humaneval_canonical_solution_passes_and_wrong_fails_in_the_sandbox(huma
     wrong = f"```python\nfrom typing import List\n\ndef has_close_elements(numbers, threshold):\n    return False\n```"
     assert tests_passed(task, _traj(wrong)) == 0.0
     assert tests_passed(task, _traj("```python\ndef has_close_elements(numbers, threshold)\n```")) == 0.0  # syntax
-    escape = "```python\nimport os\ndef has_close_elements(numbers, threshold):\n    os._exit(0)\n```"
-    assert tests_passed(task, _traj(escape)) == 1.0  # documents the contract: exit status 0 passes
+    # exiting with 0 before the tests end skips them: the program's pass status is drawn per run
+    for escape in ("import os\ndef has_close_elements(numbers, threshold):\n    os._exit(0)\n",
+                   "import sys\nsys.exit(0)\n", "quit()\n", "raise SystemExit\n",
+                   "import os\nos._exit(0)\ndef has_close_elements(numbers, threshold):\n    return True\n"):
+        assert tests_passed(task, _traj(f"```python\n{escape}```")) == 0.0, escape
 
 
 def test_humaneval_more_problems_and_a_hang(humaneval, tests_passed):

@@ -15,7 +15,9 @@ the whole text). The program run is, as in HumanEval's own harness,
     code_prompt + code + test + "check(<entry_point>)"
 where a code that defines `<entry_point>` itself (a whole function, as chat models answer) comes
 after the prompt on its own lines and replaces the stub, and a code that does not is taken as the
-body the prompt leaves open. It passes when the process exits 0 within the time limit. It runs in
+body the prompt leaves open. It passes when the process exits within the time limit with the
+status the program's last line sets once check() returned, drawn per run (a code that exits
+early with 0 skips the tests: it fails). It runs in
 `PythonSandbox` (a fresh jailed process: no network, no host files, rlimits), never in-process. A
 sandbox that cannot start the program (`setup_error`) raises, so that sample is an error, not a
 wrong answer.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import re
+import secrets
 import threading
 import weakref
 from pathlib import Path
@@ -61,8 +64,11 @@ def extract_code(final_text: str) -> str:
     return answer if answer is not None else final_text
 
 
-def test_program(task: Task, code: str) -> str:
-    """The program whose exit status decides the reward (see the module docstring)."""
+def test_program(task: Task, code: str, pass_status: int | None = None) -> str:
+    """The program whose exit status decides the reward (see the module docstring). With
+    `pass_status`, it ends with that exit status once check() returned (the verifier draws one
+    per run): a code that exits early with 0 (`sys.exit()`, `os._exit(0)`, `quit()`: models
+    trained on exit-0 rewards learn it) skips the tests but cannot guess the status."""
     meta = task.metadata
     entry = meta["entry_point"]
     prompt = meta["code_prompt"]
@@ -70,7 +76,10 @@ def test_program(task: Task, code: str) -> str:
         body = f"{prompt}\n{code}" if _compiles(prompt) else f"{prompt}\n    pass\n\n{code}"
     else:
         body = prompt + code
-    return f"{body}\n\n{meta['test']}\n\ncheck({entry})\n"
+    program = f"{body}\n\n{meta['test']}\n\ncheck({entry})\n"
+    if pass_status is not None:
+        program += f"__import__('os')._exit({int(pass_status)})\n"
+    return program
 
 
 def _compiles(source: str) -> bool:
@@ -127,10 +136,11 @@ class CodeTestsVerifier:
         return self._loop.run(self._sandbox.run(program))
 
     def __call__(self, task: Task, final_text: str) -> float:
-        result = self.run(test_program(task, extract_code(final_text)))
+        status = 3 + secrets.randbelow(250)   # 3..252: not 0, 1 or 2, nor a signal's 128 + n by luck alone
+        result = self.run(test_program(task, extract_code(final_text), pass_status=status))
         if result.setup_error:
             raise RuntimeError(f"task {task.task_id}: the sandbox could not run the tests: {result.setup_error}")
-        return float(result.exit_code == 0 and not result.timed_out and not result.output_truncated)
+        return float(result.exit_code == status and not result.timed_out and not result.output_truncated)
 
 
 def code_tests_reward(sandbox_config: SandboxConfig = DEFAULT_SANDBOX, name: str = "tests_passed") -> RewardFn:
