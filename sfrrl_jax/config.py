@@ -11,7 +11,7 @@ import numbers
 from typing import Iterable, Literal, Sequence
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
-Family = Literal["qwen3_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3"]
+Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3"]
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 LayerType = Literal["full", "sliding"]
@@ -126,7 +126,8 @@ class ModelConfig:
     Every layer is attention + MoE, or attention + a dense SwiGLU MLP of width `d_ff` when
     `n_experts == 0` (the dense families: llama, qwen2, qwen3). A MoE model may name some layers
     dense (`dense_layers`, HF Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`): those get
-    the SwiGLU MLP of width `d_ff` instead of the experts. Per-layer attention kind comes from
+    the SwiGLU MLP of width `d_ff` instead of the experts; a MoE layer may add a shared expert
+    (`d_ff_shared`, Qwen2-MoE). Per-layer attention kind comes from
     `layer_types` ('sliding' layers attend to the last `sliding_window` positions; 'full' to all).
     """
 
@@ -144,6 +145,11 @@ class ModelConfig:
     # Indices of the layers of a MoE model (n_experts > 0) that run a dense MLP of width d_ff
     # instead of the experts; stored sorted. () = every layer MoE (the default, as before).
     dense_layers: tuple[int, ...] = ()
+    # A shared expert (Qwen2-MoE): a SwiGLU MLP of width d_ff_shared that every token of a MoE
+    # layer runs, added to the routed experts' output; with shared_expert_gate, scaled per token
+    # by sigmoid(x @ w) first. 0: none.
+    d_ff_shared: int = 0
+    shared_expert_gate: bool = False
     top_k: int = 2
     # Routing: 'softmax_topk' = softmax over all experts then top-k (Qwen3-MoE), optionally
     # renormalised; 'topk_softmax' = top-k logits then softmax over those k (Mixtral, GPT-OSS).
@@ -212,7 +218,12 @@ class ModelConfig:
         check_int_fields(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                 "d_ff_expert", "top_k", "max_seq_len", "rope_original_max_len",
                                 "attention_block_q", "attention_block_k"), 1)
-        check_int_fields(self, ("n_experts", "d_ff", "moe_chunk_tokens"), 0)
+        check_int_fields(self, ("n_experts", "d_ff", "moe_chunk_tokens", "d_ff_shared"), 0)
+        if self.d_ff_shared and not self.n_experts:
+            raise ValueError(f"ModelConfig.d_ff_shared={self.d_ff_shared} needs n_experts > 0 (a shared expert "
+                             "sits beside routed ones; a dense model's MLP width is d_ff)")
+        if self.shared_expert_gate and not self.d_ff_shared:
+            raise ValueError("ModelConfig.shared_expert_gate needs d_ff_shared >= 1 (a shared expert to gate)")
         if self.n_experts == 0 and self.d_ff < 1:
             raise ValueError("ModelConfig.n_experts=0 (a dense MLP) needs d_ff >= 1, the MLP's width")
         self._check_dense_layers()
@@ -320,6 +331,7 @@ class ModelConfig:
         moe = d * e + e * 3 * d * f + (e if self.router_bias else 0)
         if self.expert_bias:
             moe += e * (2 * f + d)
+        moe += 3 * d * self.d_ff_shared + d * self.shared_expert_gate
         mlp = 3 * d * self.d_ff
         n_dense = sum(self.layer_is_dense(i) for i in range(self.n_layers))
         layers = self.n_layers * (attn + 2 * d) + n_dense * mlp + (self.n_layers - n_dense) * moe

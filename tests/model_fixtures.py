@@ -30,10 +30,11 @@ TINY_DENSE = S.ModelConfig.preset(
 
 # Mixed stack (Qwen3-MoE mlp_only_layers): layer 1 dense (SwiGLU of odd width 40), 0 and 2 MoE,
 # so the layers run as three scans (MoE row 0, dense row 0, MoE row 1); a sliding window on
-# layers 1 and 2 only checks that each scan gets its own layers' windows.
+# layers 1 and 2 only checks that each scan gets its own layers' windows. The MoE layers also
+# have a gated shared expert of odd width 24 (Qwen2-MoE's), split over `tensor` as a dense MLP.
 TINY_MIXED = S.ModelConfig.preset(
     "tiny-moe", n_layers=3, d_ff=40, dense_layers=(1,), sliding_window=4,
-    layer_types=("full", "sliding", "sliding"),
+    layer_types=("full", "sliding", "sliding"), d_ff_shared=24, shared_expert_gate=True,
 )
 
 

@@ -186,7 +186,7 @@ RUNTIME_MODEL_FIELDS = ("max_seq_len", "remat", "attention_impl", "attention_blo
                         "moe_dispatch", "llep_threshold", "moe_chunk_tokens", "grouped_matmul",
                         "router_aux_coef", "router_z_coef")
 _SHAPE_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                 "d_ff_expert", "n_experts", "top_k", "d_ff", "dense_layers")
+                 "d_ff_expert", "n_experts", "top_k", "d_ff", "dense_layers", "d_ff_shared", "shared_expert_gate")
 
 
 def resolve_model_config(cfg: ExperimentConfig) -> tuple[ModelConfig, str]:

@@ -306,8 +306,8 @@ class DenseMLP(nnx.Module):
     """SwiGLU MLP of the dense families: down(silu(x @ gate) * (x @ up)). gate/up [embed, mlp],
     down [mlp, embed]; `mlp` is split over the `tensor` axis (the rules table)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f = cfg.d_model, cfg.d_ff
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
+        d, f = cfg.d_model, cfg.d_ff if width is None else width   # width: a shared expert's
         self.cfg = cfg
         self.w_gate = param(rngs, "normal", (d, f), ("embed", "mlp"), cfg)
         self.w_up = param(rngs, "normal", (d, f), ("embed", "mlp"), cfg)

@@ -40,15 +40,27 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg)
         if cfg.is_moe and not dense:
             self.moe = MoE(cfg, rngs)
+            if cfg.d_ff_shared:
+                self.shared_expert = DenseMLP(cfg, rngs, width=cfg.d_ff_shared)
+            if cfg.shared_expert_gate:
+                self.shared_gate = param(rngs, "normal", (cfg.d_model, 1), ("embed", None), cfg)
         else:
             self.mlp = DenseMLP(cfg, rngs)
 
     def ffn(self, h, token_mask=None, replay=None, with_ids: bool = False):
         """h [batch, seq, embed] (normed) -> (y, metrics: the router's for a MoE, {} for dense).
-        replay / with_ids: routing replay and the experts used, for a MoE (`MoE.__call__`)."""
-        if hasattr(self, "moe"):
-            return self.moe(h, token_mask, replay, with_ids)
-        return self.mlp(h, token_mask)
+        replay / with_ids: routing replay and the experts used, for a MoE (`MoE.__call__`); a
+        shared expert's output (gated per token where the config says) is added to the MoE's."""
+        if not hasattr(self, "moe"):
+            return self.mlp(h, token_mask)
+        y, metrics = self.moe(h, token_mask, replay, with_ids)
+        if hasattr(self, "shared_expert"):
+            shared, _ = self.shared_expert(h, token_mask)
+            if hasattr(self, "shared_gate"):
+                gate = jnp.einsum("bsd,dg->bsg", h, self.shared_gate[...].astype(h.dtype))
+                shared = shared * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(shared.dtype)
+            y = y + shared.astype(y.dtype)
+        return y, metrics
 
     def __call__(self, x, positions, segment_ids, window, token_mask, replay=None, with_ids: bool = False):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids, window)

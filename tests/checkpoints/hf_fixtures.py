@@ -15,6 +15,7 @@ import transformers
 
 FAMILY_CLASSES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -47,6 +48,17 @@ CONFIGS = {
         vocab_size=61, hidden_size=24, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
         head_dim=12, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=10, intermediate_size=28,
         norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3])),
+    # Qwen1.5-MoE-like: q/k/v biases, a gated shared expert of its own width, un-normalised top-k.
+    "qwen2_moe_shared": ("qwen2_moe", dict(
+        vocab_size=79, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=28,
+        intermediate_size=36, norm_topk_prob=False)),
+    # ... with a dense layer (mlp_only_layers), renormalised top-k, tied embeddings.
+    "qwen2_moe_mlp_only": ("qwen2_moe", dict(
+        vocab_size=61, hidden_size=24, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=12, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=10,
+        shared_expert_intermediate_size=14, intermediate_size=20, norm_topk_prob=True, mlp_only_layers=[1],
+        tie_word_embeddings=True)),
     # GQA 4:1, sliding + full layers, sinks, YaRN (untruncated), a low clamp that bites.
     "gptoss_gqa4": ("gpt_oss", dict(
         vocab_size=80, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,

@@ -52,8 +52,8 @@ def test_unsupported_family_names_model_type_and_supported_ones(ckpt, mesh):
     with pytest.raises(HFConfigError) as e:
         load_hf(ckpt, mesh)
     msg = str(e.value)
-    assert "'falcon'" in msg and all(f in msg for f in ("qwen3_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2",
-                                                      "qwen3"))
+    assert "'falcon'" in msg and all(f in msg for f in ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama",
+                                                      "mistral", "qwen2", "qwen3"))
     # a MoE checkpoint that says it is a dense family: the MLP tensors it lacks are named
     _edit_config(ckpt, model_type="llama", intermediate_size=48)
     with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.0.mlp.down_proj.weight'"):

@@ -60,7 +60,7 @@ def test_params_land_in_their_target_shardings(loaded, mesh):
     else:                     # a dense family's MLP, with nothing under 'moe'
         assert set(loaded["params"]["layers"]) >= {"mlp"} and "moe" not in loaded["params"]["layers"]
     cfg, hf_layers = loaded["cfg"], loaded["model"].model.layers
-    dense = tuple(i for i, layer in enumerate(hf_layers) if type(layer.mlp).__name__ == "Qwen3MoeMLP")
+    dense = tuple(i for i, layer in enumerate(hf_layers) if type(layer.mlp).__name__ in ("Qwen3MoeMLP", "Qwen2MoeMLP"))
     assert cfg.dense_layers == dense    # mlp_only_layers / decoder_sparse_step read as transformers does
     if dense:  # a mixed stack: the dense layers' MLPs alone under 'dense_layers', in layer order
         stack = loaded["params"]["dense_layers"]
@@ -70,6 +70,14 @@ def test_params_land_in_their_target_shardings(loaded, mesh):
         for row, i in enumerate(dense):
             np.testing.assert_array_equal(np.asarray(stack["mlp"]["w_down"][row]),
                                           hf_layers[i].mlp.down_proj.weight.detach().numpy().T)
+    if cfg.d_ff_shared:   # Qwen2-MoE: the shared expert and its gate in every MoE layer, split as a dense MLP
+        moe_layers = [layer for i, layer in enumerate(hf_layers) if i not in dense]
+        shared, gate = loaded["params"]["layers"]["shared_expert"], loaded["params"]["layers"]["shared_gate"]
+        assert shared["w_up"].shape == (len(moe_layers), cfg.d_model, cfg.d_ff_shared)
+        for row, layer in enumerate(moe_layers):
+            np.testing.assert_array_equal(np.asarray(shared["w_up"][row]),
+                                          layer.mlp.shared_expert.up_proj.weight.detach().numpy().T)
+            np.testing.assert_array_equal(np.asarray(gate[row]), layer.mlp.shared_expert_gate.weight.detach().numpy().T)
 
 
 def test_export_loads_in_transformers_with_identical_logits(loaded, tmp_path):

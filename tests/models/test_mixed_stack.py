@@ -67,7 +67,13 @@ def test_layout_runs_and_config_checks():
         with pytest.raises(ValueError, match=re.escape(message)):
             cfg.replace(**bad)
     with pytest.raises(ValueError, match="dense_layers=.* needs n_experts > 0"):
-        cfg.replace(n_experts=0)
+        cfg.replace(n_experts=0, d_ff_shared=0, shared_expert_gate=False)
+    with pytest.raises(ValueError, match="d_ff_shared=24 needs n_experts > 0"):
+        cfg.replace(n_experts=0, dense_layers=())
+    with pytest.raises(ValueError, match="shared_expert_gate needs d_ff_shared >= 1"):
+        cfg.replace(d_ff_shared=0)
+    assert shapes["layers"]["shared_expert"]["w_up"].shape == (2, 64, 24)   # MoE layers only
+    assert shapes["layers"]["shared_gate"].shape == (2, 64, 1) and "shared_gate" not in shapes["dense_layers"]
     assert cfg.replace(dense_layers=[2, 0]).dense_layers == (0, 2)   # gin/JSON lists, any order
 
 

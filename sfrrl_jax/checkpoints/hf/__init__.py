@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: `load_hf` (streamed into sharded params) and `save_hf`.
 
-Families: qwen3_moe, gpt_oss (incl. MXFP4 experts on load), mixtral, and the dense llama, mistral,
+Families: qwen3_moe, qwen2_moe, gpt_oss (incl. MXFP4 experts on load), mixtral, and the dense llama, mistral,
 qwen2 and qwen3.
 """
 from sfrrl_jax.checkpoints.hf.hf_config import (SUPPORTED_FAMILIES, HFConfigError, config_from_hf,

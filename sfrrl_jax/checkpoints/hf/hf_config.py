@@ -13,9 +13,9 @@ from typing import Any, Mapping
 
 from sfrrl_jax.config import MODEL_DTYPES, ModelConfig
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
@@ -173,6 +173,21 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
             sliding_window=window, layer_types=("sliding",) * common["n_layers"] if window else None,
             dense_layers=dense, d_ff=_int(hf, "intermediate_size", where) if dense else 0,
         )
+    if family == "qwen2_moe":
+        # Qwen1.5-MoE / Qwen2-57B-A14B: Qwen2's attention (q/k/v biases, none on the output),
+        # Qwen3-MoE's routing and dense layers, and a gated shared expert in every MoE layer
+        _require(hf, "hidden_act", ("silu",), where)
+        dense = _qwen3_moe_dense_layers(hf, common["n_layers"], where)
+        window, layer_types = _qwen2_windows(hf, common["n_layers"], where)
+        return ModelConfig(
+            **{**common, "attention_bias": _bool(hf, "qkv_bias", where, True)}, attention_out_bias=False,
+            **_rope(hf, where, 10000.0), n_experts=_int(hf, "num_experts", where),
+            d_ff_expert=_int(hf, "moe_intermediate_size", where), router="softmax_topk",
+            norm_topk_prob=_bool(hf, "norm_topk_prob", where, False),
+            d_ff_shared=_int(hf, "shared_expert_intermediate_size", where), shared_expert_gate=True,
+            sliding_window=window, layer_types=layer_types,
+            dense_layers=dense, d_ff=_int(hf, "intermediate_size", where) if dense else 0,
+        )
     if family == "mixtral":
         _require(hf, "hidden_act", ("silu",), where)
         window = hf.get("sliding_window")
@@ -227,6 +242,20 @@ def _layer_types(hf_types, n_layers: int, where: str) -> tuple[str, ...]:
     return tuple(_HF_LAYER_TYPES[t] for t in hf_types)
 
 
+def _qwen2_windows(hf: Mapping[str, Any], n_layers: int, where: str) -> tuple[int | None, tuple | None]:
+    """(sliding_window, layer_types) of a Qwen2/Qwen3 config: transformers 5 writes layer_types;
+    older files say use_sliding_window + max_window_layers (layers from max_window_layers on use
+    the window). (None, None) when no layer slides."""
+    hf_types = hf.get("layer_types")
+    if hf_types is None and hf.get("use_sliding_window") and hf.get("sliding_window"):
+        first = _int(hf, "max_window_layers", where, n_layers, lo=0)
+        hf_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    kinds = () if hf_types is None else _layer_types(hf_types, n_layers, where)
+    if "sliding" in kinds:
+        return _int(hf, "sliding_window", where), kinds
+    return None, None
+
+
 def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) -> ModelConfig:
     """Llama / Mistral / Qwen2 / Qwen3: a SwiGLU MLP in every layer. Llama's optional q/k/v/o bias
     is one switch (attention_bias); Mistral is Llama without biases, its `sliding_window` (when
@@ -238,15 +267,7 @@ def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) 
     n_layers = common["n_layers"]
     window, layer_types = None, None
     if family in ("qwen2", "qwen3"):
-        # transformers 5 writes layer_types; older files say use_sliding_window + max_window_layers
-        # (layers from max_window_layers on use the window)
-        hf_types = hf.get("layer_types")
-        if hf_types is None and hf.get("use_sliding_window") and hf.get("sliding_window"):
-            first = _int(hf, "max_window_layers", where, n_layers, lo=0)
-            hf_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-        kinds = () if hf_types is None else _layer_types(hf_types, n_layers, where)
-        if "sliding" in kinds:
-            window, layer_types = _int(hf, "sliding_window", where), kinds
+        window, layer_types = _qwen2_windows(hf, n_layers, where)
     if family == "mistral":
         if hf.get("attention_bias"):  # MistralAttention builds its projections without biases
             raise HFConfigError(f"{where}: attention_bias=True is not supported for mistral (HF Mistral "
@@ -285,13 +306,15 @@ def check_exportable(cfg: ModelConfig) -> None:
         "qwen2": dict(dense, qk_norm=False, attention_bias=True, out_bias=False),
         "qwen3": dict(dense, qk_norm=True, out_bias=cfg.attention_bias),
         "qwen3_moe": dict(router="softmax_topk", qk_norm=True, attn_sinks=False, router_bias=False,
-                          expert_bias=False, expert_act="swiglu"),
+                          expert_bias=False, expert_act="swiglu", d_ff_shared=0),
+        "qwen2_moe": dict(router="softmax_topk", qk_norm=False, attn_sinks=False, router_bias=False,
+                          expert_bias=False, expert_act="swiglu", out_bias=False, shared_expert_gate=True),
         "mixtral": dict(router="topk_softmax", qk_norm=False, attn_sinks=False, router_bias=False,
-                        expert_bias=False, expert_act="swiglu", attention_bias=False),
+                        expert_bias=False, expert_act="swiglu", attention_bias=False, d_ff_shared=0),
         "gpt_oss": dict(router="topk_softmax", qk_norm=False, attn_sinks=True, router_bias=True,
-                        expert_bias=True, expert_act="gptoss_swiglu", attention_bias=True),
+                        expert_bias=True, expert_act="gptoss_swiglu", attention_bias=True, d_ff_shared=0),
     }[cfg.family]
-    if cfg.dense_layers and cfg.family != "qwen3_moe":
+    if cfg.dense_layers and cfg.family not in ("qwen3_moe", "qwen2_moe"):
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has dense_layers={cfg.dense_layers}; HF "
                             f"{ARCHITECTURES[cfg.family]} has no dense layers (only qwen3_moe's mlp_only_layers)")
     if cfg.family not in DENSE_FAMILIES and not cfg.is_moe:
@@ -305,6 +328,9 @@ def check_exportable(cfg: ModelConfig) -> None:
     if cfg.family == "llama" and "sliding" in types:
         raise HFConfigError(f"ModelConfig(family='llama') has sliding layers (layer_types={cfg.layer_types}); "
                             "HF Llama has no sliding window")
+    if cfg.family == "qwen2_moe" and not cfg.d_ff_shared:
+        raise HFConfigError("ModelConfig(family='qwen2_moe') has d_ff_shared=0; HF Qwen2MoeForCausalLM has a "
+                            "shared expert in every MoE layer")
     if cfg.family in ("qwen3_moe", "mixtral", "mistral") and types and types != {"sliding"}:
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}): HF applies sliding_window to every layer; "
                             f"layer_types={cfg.layer_types} mixes kinds")
@@ -342,6 +368,14 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                   use_sliding_window=window is not None, sliding_window=window)
         if cfg.dense_layers:  # the dense layers' MLP width (transformers' default would be 6144)
             hf["intermediate_size"] = cfg.d_ff
+    elif cfg.family == "qwen2_moe":
+        types = cfg.layer_types or ("full",) * cfg.n_layers
+        hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff_expert,
+                  shared_expert_intermediate_size=cfg.d_ff_shared, norm_topk_prob=cfg.norm_topk_prob,
+                  qkv_bias=cfg.attention_bias, decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers),
+                  use_sliding_window=window is not None, sliding_window=window, max_window_layers=cfg.n_layers,
+                  layer_types=[_TO_HF_LAYER_TYPES[t] for t in types],
+                  intermediate_size=cfg.d_ff if cfg.dense_layers else cfg.d_ff_shared)
     elif cfg.family == "mixtral":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert, sliding_window=window)
     else:

@@ -178,7 +178,7 @@ def _run_group(group: TensorGroup, builders: dict, read, slot: tuple[str, int] |
 def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfig, dict]:
     """Reads an HF directory (`config.json` + safetensors shards) into sharded params on `mesh`.
 
-    Families: qwen3_moe, gpt_oss (dense or MXFP4 experts, dequantised on load), mixtral, and the
+    Families: qwen3_moe, qwen2_moe, gpt_oss (dense or MXFP4 experts, dequantised on load), mixtral, and the
     dense llama, mistral, qwen2 and qwen3 (`hf_config.SUPPORTED_FAMILIES`).
     dtype: param (and compute) dtype; default the config's `dtype`/`torch_dtype`, else float32.
     Returns (cfg, params) with params laid out as `sfrrl_jax.models.transformer.param_shapes(cfg)`

@@ -137,20 +137,29 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
         if quantized:
             raise ValueError(f"MXFP4 weights are only defined for gpt_oss's experts, not a dense {cfg.family} MLP")
         return _dense_mlp(cfg, p)
-    if cfg.family in ("qwen3_moe", "mixtral"):
+    if cfg.family in ("qwen3_moe", "qwen2_moe", "mixtral"):
         if quantized:
             raise ValueError(f"MXFP4 expert weights are only defined for gpt_oss, not {cfg.family}")
-        if cfg.family == "qwen3_moe":
+        if cfg.family in ("qwen3_moe", "qwen2_moe"):
             base, router, names = p + "mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj")
         else:
             base, router, names = p + "block_sparse_moe.", "gate.weight", ("w1", "w3", "w2")
         fmt = base + "experts.{e}.%s.weight"
-        return [
+        groups = [
             _single(base + router, ("moe", "router"), (e, d), _transpose, _transpose),
             _per_expert(fmt % names[0], ("moe", "w_gate"), e, (f, d)),
             _per_expert(fmt % names[1], ("moe", "w_up"), e, (f, d)),
             _per_expert(fmt % names[2], ("moe", "w_down"), e, (d, f)),
         ]
+        if cfg.d_ff_shared:   # Qwen2-MoE's shared expert ([out, in] linears) and its gate [1, embed]
+            s, m = cfg.d_ff_shared, base + "shared_expert."
+            groups += [_single(m + "gate_proj.weight", ("shared_expert", "w_gate"), (s, d), _transpose, _transpose),
+                       _single(m + "up_proj.weight", ("shared_expert", "w_up"), (s, d), _transpose, _transpose),
+                       _single(m + "down_proj.weight", ("shared_expert", "w_down"), (d, s), _transpose, _transpose)]
+        if cfg.shared_expert_gate:
+            groups.append(_single(base + "shared_expert_gate.weight", ("shared_gate",), (1, d), _transpose,
+                                  _transpose))
+        return groups
     m = p + "mlp."
     x = m + "experts."
     groups = [
