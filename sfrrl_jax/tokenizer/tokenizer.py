@@ -253,9 +253,16 @@ class Tokenizer:
                 at += len(close)
             else:
                 delta = after[at:]
-                if all(c in delta for c in contents if isinstance(c, str) and c):
+                if all(_rendered_in(c, delta) for c in contents if isinstance(c, str) and c.strip()):
                     return at
         return None
+
+
+def _rendered_in(content: str, text: str) -> bool:
+    """Whether a message's `content` appears in `text` as templates write it: as it is, trimmed,
+    or as a JSON string's inside (`| tojson`, gpt-oss's and Llama 4's tool results)."""
+    core = content.strip()
+    return any(form in text for form in (core, json.dumps(core)[1:-1], json.dumps(core, ensure_ascii=False)[1:-1]))
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

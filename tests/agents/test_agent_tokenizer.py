@@ -132,6 +132,11 @@ def test_delta_after_a_template_that_rewrites_the_history_holds_the_new_messages
                 "<|end|>{% endif %}{% endfor %}")
     rewriting = Tokenizer(base.hf, base.config, template)
     assert rewriting.decode(rewriting.render_delta(history, [{"role": "user", "content": "c"}])) == "<|user|>c<|end|>"
+    # the new contents as templates write them: `| tojson` escapes quotes (gpt-oss's tool results)
+    quoting = Tokenizer(base.hf, base.config, template.replace("{% else %}<|user|>{{ m.content }}",
+                                                               "{% else %}<|user|>{{ m.content | tojson }}"))
+    delta = quoting.render_delta(history, [{"role": "user", "content": 'say "hi"'}])
+    assert quoting.decode(delta) == '<|user|>"say \\"hi\\""<|end|>'
     # a template that loses the new message (a user turn after an answer is not rendered)
     dropping = Tokenizer(base.hf, base.config, template.replace("{% else %}<|user|>{{ m.content }}",
                                                                 "{% elif loop.index0 < 2 %}<|user|>{{ m.content }}"))
