@@ -420,12 +420,14 @@ def _python_literal(node: ast.AST) -> object:
 
 
 def _dotted_name(node: ast.AST) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted_name(node.value)
-        return None if base is None else f"{base}.{node.attr}"
-    return None
+    """`a.b.c` of a call's function, or None (a loop: a chain thousands deep is one hostile turn)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
 
 
 class PythonicFormat(_Format):

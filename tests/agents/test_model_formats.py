@@ -489,7 +489,8 @@ def test_pythonic_calls_are_read_as_literals_never_evaluated():
 def test_pythonic_parsing_of_hostile_turns_never_raises():
     texts = ["[f(a=1), " * 20000 + "]", "[" * 100000, "[f(" * 50000, "[f(a=" + "[" * 100000 + "]",
              "[f(a=1)]" * 20000, "x [f(a=1)]" * 20000 + "]", "[f(a='" + "\\" * 100000 + "')]",
-             "[f(a=" + "9" * 5000 + ")]", "[f(" + ", ".join(f"a{i}={i}" for i in range(20000)) + ")]"]
+             "[f(a=" + "9" * 5000 + ")]", "[f(" + ", ".join(f"a{i}={i}" for i in range(20000)) + ")]",
+             "[" + "a." * 3000 + "f(x=1)]", "[" + "a." * 50000 + "f(x=1)]"]   # a dotted name thousands deep
     for text in texts:
         start = time.perf_counter()
         turn = PythonicFormat().parse(text)
