@@ -544,18 +544,19 @@ def get_format(fmt: "str | ToolCallFormat") -> ToolCallFormat:
 
 def format_for(tool_format: "str | ToolCallFormat | None", tokenizer, has_tools: bool) -> ToolCallFormat:
     """The format a trajectory is parsed with: `tool_format` when given, else the one the
-    tokenizer's chat template writes (`infer_format` of its `chat_template_source`). Where the
-    template writes none this library reads, a rollout with tools is refused (its calls would be
-    read as answers); one without tools has no calls to read (the compact format)."""
+    tokenizer's chat template writes (`infer_format` of its `chat_template_source`). A tokenizer
+    of the user's own that shows no template source (`TokenizerProtocol` does not ask for one)
+    gets the compact format, the library's own. Where a template writes none this library
+    reads, a rollout with tools is refused (its calls would be read as answers); one without
+    tools has no calls to read."""
     if tool_format is not None:
         return get_format(tool_format)
     template = getattr(tokenizer, "chat_template_source", None)
     name = infer_format(template)
     if name is not None:
         return get_format(name)
-    if not has_tools:
+    if template is None or not has_tools:
         return CompactFormat()
-    what = ("has no chat_template_source to read it from" if template is None
-            else "has a chat template that writes no tool-call markup this library reads")
-    raise ValueError(f"AgentConfig.tool_format is None (the chat template's) but the tokenizer {what}: set "
-                     f"AgentConfig.tool_format to a built-in ({sorted(FORMATS)}) or a format value")
+    raise ValueError(f"AgentConfig.tool_format is None (the chat template's) but the tokenizer's chat template "
+                     f"writes no tool-call markup this library reads: set AgentConfig.tool_format to a built-in "
+                     f"({sorted(FORMATS)}) or a format value")

@@ -3,8 +3,6 @@ is enough to run the real agent loop (against the scripted engine)."""
 import asyncio
 import json
 
-import pytest
-
 from sfrrl_jax.agents.environments import calculator_environment
 from sfrrl_jax.agents.loop import AgentConfig, run_agent
 from sfrrl_jax.agents.tasks import arithmetic_task
@@ -94,11 +92,10 @@ def test_a_minimal_user_tokenizer_meets_it_and_runs_the_agent_loop():
     task = arithmetic_task("17 + 25", "t0")
     call = '<|call|>calculator{"expression":"17 + 25"}<|/call|><|end|>'
     answer = "<answer>42</answer><|end|>"
-    # it has no chat_template_source to read the tool-call format from: the rollout says so
-    with pytest.raises(ValueError, match="no chat_template_source.*set AgentConfig.tool_format"):
-        asyncio.run(run_agent(ScriptedEngine([call], tokenizer=tok), env, task, tok, AgentConfig()))
+    # it shows no chat template source to read the tool-call format from: the library's own
+    # (compact) format is the default, as named
     engine = ScriptedEngine([call, answer], tokenizer=tok)
-    traj = asyncio.run(run_agent(engine, env, task, tok, AgentConfig(tool_format="compact")))
+    traj = asyncio.run(run_agent(engine, env, task, tok, AgentConfig()))
     assert (traj.finish_reason, traj.reward, traj.num_tool_calls) == ("answer", 1.0, 1)
     prompt = tok.apply_chat_template(env.reset(task), env.tool_schemas(), add_generation_prompt=True)
     observation = tok.encode("<|tool|>42<|end|><|assistant|>")
