@@ -200,3 +200,9 @@ def build_mistral_style_tokenizer(directory: Path) -> Path:
                   {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                    "chat_template": MISTRAL_STYLE_TEMPLATE},
                   None)
+
+
+def qwen3_xml_call(name: str, **params) -> str:
+    """A Qwen3-Coder XML tool call, as the model writes it (the 'qwen3_xml' format)."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
