@@ -8,13 +8,11 @@
 
 `AgenticRollout(cfg, model_cfg)` is an `ExperimentConfig.rollout` factory: it loads the tasks
 (`agents.tasksets.load_tasks`), the tokenizer and chat template from the model's own directory
-(`tokenizer.load_tokenizer`; `tokenizer_path` overrides), picks the tool-call format from the
-markup its chat template writes (`agents.formats.infer_format`: <tool_call> -> 'qwen3',
-<function=...> XML -> 'qwen3_xml', harmony channels -> 'harmony', <|python_tag|> / ipython ->
-'llama3_json', [TOOL_CALLS] -> 'mistral'), else from the model family (`FAMILY_FORMATS`;
-`tool_format` overrides), builds the environment (a value: `environment`, a zero-argument
-factory such as `@math_environment` in gin; by default the one of the task kind,
-`KIND_ENVIRONMENTS`) and returns an `AgentRollout` over them.
+(`tokenizer.load_tokenizer`; `tokenizer_path` overrides), picks the tool-call format
+(`tool_format` or `AgentConfig.tool_format`; else the one whose markup its chat template writes,
+`agents.formats.infer_format`; else the model family's, `FAMILY_FORMATS`), builds the
+environment (a value: `environment`, a zero-argument factory such as `@math_environment` in gin;
+by default the one of the task kind, `KIND_ENVIRONMENTS`) and returns an `AgentRollout` over them.
 
 Checked before anything is allocated or compiled (`validate`, also run by `--validate_only`):
 the task set loads; the tokenizer's vocabulary fits the model's embedding; the chat template
