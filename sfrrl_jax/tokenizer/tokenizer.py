@@ -242,9 +242,9 @@ class Tokenizer:
         if eot and after.startswith(body + eot):
             return len(body) + len(eot)
         contents = [m.get("content") for m in new_messages]
+        # the same prefix up to the turn: count its closes from there; else all of them
+        start_at = turn_at if 0 < turn_at <= len(body) and after[:turn_at] == prefix[:turn_at] else 0
         for close in dict.fromkeys([stop_text, *([eot] if eot else []), *self._closes()]):
-            # the same prefix up to the turn: count its closes from there; else all of them
-            start_at = turn_at if 0 < turn_at <= len(body) and after[:turn_at] == prefix[:turn_at] else 0
             at = start_at
             for _ in range(body.count(close, start_at) + 1):
                 at = after.find(close, at)
