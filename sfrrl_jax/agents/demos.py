@@ -4,13 +4,19 @@
 calculator call per step, each step using earlier results, then `<answer>...</answer>`.
 `render_sft_example` turns any such transcript into (tokens, loss_mask) laid out exactly like a
 rollout trajectory: mask 1 on the assistant turns (their end-of-turn token included), 0 elsewhere.
+Each learned turn is read back with the tool-call format the rollout reads it with, and must give
+the message's own calls: a template that writes calls the format cannot read (vLLM's Llama 3.2
+pythonic template leaves string arguments unquoted; its Mistral template writes `[TOOL_CALLS]`
+without the calls) would teach the model text that every rollout reads as an error.
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 from sfrrl_jax.agents.environments import CALCULATOR_SYSTEM_PROMPT
+from sfrrl_jax.agents.formats import ToolCallFormat, format_for
 from sfrrl_jax.agents.protocols import Message, Task
 from sfrrl_jax.agents.tools import CalculatorTool, evaluate_arithmetic, format_number, tool_schema
 from sfrrl_jax.tokenizer.tokenizer import TemplateDeltaError
@@ -47,12 +53,21 @@ def calculator_tool_schemas() -> list[dict]:
     return [tool_schema(CalculatorTool())]
 
 
-def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[dict] | None = None
-                       ) -> tuple[list[int], list[int]]:
-    """(tokens, loss_mask) for a transcript; assistant turns are rendered as the policy would emit them."""
+def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[dict] | None = None,
+                       tool_format: "str | ToolCallFormat | None" = None) -> tuple[list[int], list[int]]:
+    """(tokens, loss_mask) for a transcript; assistant turns are rendered as the policy would emit them.
+
+    `tool_format` is the format the rollout reads calls with (`AgentConfig.tool_format`; None: the
+    chat template's, as in the rollout). Each learned turn must read back, with it, to exactly the
+    message's calls (names and arguments, in order; an answer to none), else ValueError naming
+    the message and what was read."""
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise ValueError("render_sft_example: the transcript has no assistant message to learn from")
+    fmt = format_for(tool_format, tokenizer, bool(tools))
+    bind = getattr(fmt, "with_tools", None)   # as the rollout does: values typed by the tools' schemas
+    if bind is not None:
+        fmt = bind(tools or [])
     first = roles.index("assistant")
     tokens = tokenizer.apply_chat_template(messages[:first], tools, add_generation_prompt=True)
     mask = [0] * len(tokens)
@@ -68,6 +83,7 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
         if start is None:
             raise TemplateDeltaError(f"message {i}: the assistant turn does not extend its generation prompt")
         generated = tokenizer.encode(with_turn[start:cut])
+        _check_reads_back(fmt, tokenizer.decode(generated), messages[i], i)
         tokens += generated
         mask += [1] * len(generated)
         j = i + 1
@@ -79,6 +95,39 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
             mask += [0] * len(delta)
         i = j
     return tokens, mask
+
+
+def _message_calls(message: Message, index: int) -> list[tuple[str, Any]]:
+    """(name, arguments) of the message's calls; arguments given as a JSON string are decoded."""
+    calls = []
+    for entry in message.get("tool_calls") or ():
+        function = entry.get("function", entry) if isinstance(entry, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise ValueError(f"message {index}: a tool call without a function name: {entry!r}")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"message {index}: tool call {name!r} has arguments that are not JSON: {e}") from None
+        calls.append((name, arguments))
+    return calls
+
+
+def _check_reads_back(fmt, text: str, message: Message, index: int) -> None:
+    """Raises unless `fmt` reads the learned `text` as exactly the message's calls."""
+    want = _message_calls(message, index)
+    parsed = fmt.parse(text)
+    got = [(c.name, c.arguments) for c in parsed.tool_calls]
+    if parsed.errors or got != want:
+        read = [f"error: {e.message}" for e in parsed.errors] + [f"{n}({json.dumps(a, sort_keys=True, default=repr)})" for n, a in got]
+        raise ValueError(
+            f"message {index}: the chat template renders the assistant turn as {text[:300]!r}, which the "
+            f"{fmt!r} tool-call format reads as {read or 'an answer without calls'}, not the message's calls "
+            f"{[f'{n}({json.dumps(a, sort_keys=True, default=repr)})' for n, a in want] or '(none)'}: a model trained on it would "
+            f"write turns the rollout misreads. Set tool_format to the format the template writes, or fix the "
+            f"template")
 
 
 def _turn_start(tokenizer, history, tools, prompt_text: str, with_turn: str, cut: int) -> int | None:

@@ -142,6 +142,7 @@ def _build(directory: Path, specials: list[str], config: dict, eos_list: list[st
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096, **config}))
@@ -190,7 +191,7 @@ def build_harmony_style_tokenizer(directory: Path, generation_config: bool = Tru
                   ["<|return|>", "<|endoftext|>", "<|call|>"] if generation_config else None)
 
 
-def build_mistral_style_tokenizer(directory: Path) -> Path:
+def build_mistral_style_tokenizer(directory: Path, template: str = MISTRAL_STYLE_TEMPLATE) -> Path:
     """Mistral 7B v0.3's layout (tokenizer v3): tools before the last user turn, calls as a JSON
     list after [TOOL_CALLS] with 9-character ids the template checks, results in [TOOL_RESULTS],
     user and assistant turns checked to alternate (tool results and call turns not counted), the
@@ -198,7 +199,7 @@ def build_mistral_style_tokenizer(directory: Path) -> Path:
     end with eos </s>; no generation prompt."""
     return _build(directory, MISTRAL_SPECIALS,
                   {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-                   "chat_template": MISTRAL_STYLE_TEMPLATE},
+                   "chat_template": template},
                   None)
 
 

@@ -4,6 +4,7 @@ rendered otherwise once more follows), calls that do not parse under strict temp
 demonstrations laid out as rollouts, and chat-template variables."""
 import asyncio
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from sfrrl_jax.agents.tasks import arithmetic_task
 from sfrrl_jax.testing.scripted_engine import ScriptedEngine
 from sfrrl_jax.tokenizer import TemplateDeltaError, load_tokenizer
 
-from family_tokenizer_fixtures import (LLAMA4_JSON_STYLE_TEMPLATE, build_llama4_pythonic_style_tokenizer,
+from family_tokenizer_fixtures import (LLAMA4_JSON_STYLE_TEMPLATE, LLAMA4_PYTHONIC_STYLE_TEMPLATE,
+                                      MISTRAL_STYLE_TEMPLATE, build_llama4_pythonic_style_tokenizer,
                                       build_mistral_style_tokenizer, qwen3_xml_call)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoints"))
@@ -425,3 +427,64 @@ def test_chat_template_variables_reach_every_render_qwen3_without_thinking(tmp_p
     assert tok.template_kwargs == {}    # the loop binds a copy
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         AgentConfig(chat_template_kwargs={"enable thinking": False})
+
+
+def _two_step_demo() -> list[dict]:
+    return calculator_demonstration(arithmetic_task("2 + 3 - 1", "t"))   # two calls: 2 + 3, then 5 - 1
+
+
+def test_sft_examples_read_back_as_their_calls_else_the_template_is_refused(tmp_path):
+    """render_sft_example reads every learned turn with the rollout's format: a template that
+    writes calls the format cannot read would teach the model turns every rollout misreads."""
+    demo = _two_step_demo()
+    tools = calculator_tool_schemas()
+    good = load_tokenizer(build_llama4_pythonic_style_tokenizer(tmp_path / "good"))
+    tokens, mask = render_sft_example(good, demo, tools)
+    assert '[calculator(expression="5 - 1")]' in good.decode([t for t, m in zip(tokens, mask) if m])
+    # vLLM's Llama 3.2 pythonic template writes string arguments unquoted: calculator(expression=2 + 3)
+    unquoted = LLAMA4_PYTHONIC_STYLE_TEMPLATE.replace("{{ k }}={{ v | tojson }}", "{{ k }}={{ v }}")
+    assert unquoted != LLAMA4_PYTHONIC_STYLE_TEMPLATE
+    bad = load_tokenizer(build_llama4_pythonic_style_tokenizer(tmp_path / "unquoted", unquoted))
+    with pytest.raises(ValueError, match=r"message 2: .*calculator\(expression=2 \+ 3\).*PythonicFormat.*error"):
+        render_sft_example(bad, demo, tools)
+    # vLLM's Mistral template writes [TOOL_CALLS] without the calls
+    start = MISTRAL_STYLE_TEMPLATE.index("[TOOL_CALLS] [")
+    end = MISTRAL_STYLE_TEMPLATE.index("{%- endfor %}]{{ eos_token }}", start) + len("{%- endfor %}]{{ eos_token }}")
+    no_calls = MISTRAL_STYLE_TEMPLATE[:start] + "[TOOL_CALLS]{{ eos_token }}" + MISTRAL_STYLE_TEMPLATE[end:]
+    mistral_demo = [dict(m) for m in demo]
+    for m in mistral_demo:
+        if m.get("tool_calls"):
+            m["tool_calls"] = [dict(m["tool_calls"][0], id="call00000")]
+        if m["role"] == "tool":
+            m["tool_call_id"] = "call00000"
+    render_sft_example(load_tokenizer(build_mistral_style_tokenizer(tmp_path / "mistral")), mistral_demo, tools)
+    with pytest.raises(ValueError, match=r"message 2: .*'\[TOOL_CALLS\]</s>'.*MistralFormat"):
+        render_sft_example(load_tokenizer(build_mistral_style_tokenizer(tmp_path / "no_calls", no_calls)),
+                           mistral_demo, tools)
+
+
+def test_sft_examples_refuse_answers_read_as_calls_and_a_format_the_template_does_not_write(tmp_path):
+    tok = load_tokenizer(build_qwen3_style_tokenizer(tmp_path))
+    demo, tools = _two_step_demo(), calculator_tool_schemas()
+    tokens, _ = render_sft_example(tok, demo, tools)
+    assert tokens == render_sft_example(tok, demo, tools, tool_format="qwen3")[0]
+    # the rollout reading these turns as pythonic would see answers, not calls
+    with pytest.raises(ValueError, match=r"message 2: .*an answer without calls.*calculator\("):
+        render_sft_example(tok, demo, tools, tool_format="pythonic")
+    # an answer that holds call markup is read as a call: the model would learn to call
+    sneaky = demo[:-1] + [{"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": '
+                                                          '{"expression": "1 + 1"}}\n</tool_call>'}]
+    with pytest.raises(ValueError, match=r"message 6: .*calculator\(\{\"expression\": \"1 \+ 1\"\}\).*\(none\)"):
+        render_sft_example(tok, sneaky, tools)
+    # calls whose arguments are a JSON string (OpenAI's wire form) compare by value (this template
+    # writes the string as it is given, which the format decodes)
+    wire = [dict(m, tool_calls=[{"id": c["id"], "type": "function",
+                                 "function": {"name": c["function"]["name"],
+                                              "arguments": json.dumps(c["function"]["arguments"])}}
+                                for c in m["tool_calls"]]) if m.get("tool_calls") else m for m in demo]
+    wire_tokens, wire_mask = render_sft_example(tok, wire, tools)
+    assert wire_tokens != tokens and sum(wire_mask) > 0
+    broken = [dict(m) for m in wire]
+    broken[2] = dict(broken[2], tool_calls=[{"id": "call_0", "function": {"name": "calculator", "arguments": "{2 + 3"}}])
+    with pytest.raises(ValueError, match=r"message 2: tool call 'calculator' has arguments that are not JSON"):
+        render_sft_example(tok, broken, tools)
