@@ -15,9 +15,12 @@ the whole text). The program run is, as in HumanEval's own harness,
     code_prompt + code + test + "check(<entry_point>)"
 where a code that defines `<entry_point>` itself (a whole function, as chat models answer) comes
 after the prompt on its own lines and replaces the stub, and a code that does not is taken as the
-body the prompt leaves open. It passes when the process exits within the time limit with the
-status the program's last line sets once check() returned, drawn per run (a code that exits
-early with 0 skips the tests: it fails). It runs in
+body the prompt leaves open. Unlike HumanEval's harness, the cheap ways to rig the tests are closed
+(`code_guard`): they run in a namespace of their own after builtins and common modules are put
+back, and check() gets the entry point wrapped, so that a result whose comparison is the
+code's own (an object equal to anything) raises. It passes when the process exits within the
+time limit with the status the program's last line sets once check() returned, drawn per run (a
+code that exits early with 0 skips the tests: it fails). It runs in
 `PythonSandbox` (a fresh jailed process: no network, no host files, rlimits), never in-process. A
 sandbox that cannot start the program (`setup_error`) raises, so that sample is an error, not a
 wrong answer.
@@ -45,6 +48,7 @@ from sfrrl_jax.agents.protocols import RewardFn, Task
 from sfrrl_jax.agents.rewards import extract_answer
 from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig, SandboxResult
 from sfrrl_jax.agents.task_kinds import register_task_kind
+from sfrrl_jax.agents.tasksets.code_guard import guard_source, hoist_future_imports
 from sfrrl_jax.agents.tasksets.records import read_records, tasks_from_records
 from sfrrl_jax.agents.trajectory import Trajectory
 
@@ -68,17 +72,24 @@ def test_program(task: Task, code: str, pass_status: int | None = None) -> str:
     """The program whose exit status decides the reward (see the module docstring). With
     `pass_status`, it ends with that exit status once check() returned (the verifier draws one
     per run): a code that exits early with 0 (`sys.exit()`, `os._exit(0)`, `quit()`: models
-    trained on exit-0 rewards learn it) skips the tests but cannot guess the status."""
+    trained on exit-0 rewards learn it) skips the tests but cannot guess the status. The guard
+    of `code_guard` runs first: the builtins and modules the tests use are put back before them
+    and after every call, and check() gets the entry point wrapped so that a result whose
+    comparison is the solution's own code raises. `from __future__` imports of the prompt and
+    the code open the program."""
     meta = task.metadata
     entry = meta["entry_point"]
-    prompt = meta["code_prompt"]
+    future_prompt, prompt = hoist_future_imports(meta["code_prompt"])
+    future_code, code = hoist_future_imports(code)
     if re.search(rf"^\s*(async\s+)?def\s+{re.escape(entry)}\s*\(", code, re.MULTILINE):
         body = f"{prompt}\n{code}" if _compiles(prompt) else f"{prompt}\n    pass\n\n{code}"
     else:
         body = prompt + code
-    program = f"{body}\n\n{meta['test']}\n\ncheck({entry})\n"
+    guard = f"_guard_{secrets.token_hex(8)}"   # drawn per run: the solution cannot name it to undo it
+    program = (f"{future_prompt}{future_code}{guard_source(guard)}\n{body}\n\n"
+               f"{guard}[0]({prompt!r}, {meta['test']!r}, {entry!r})\n")
     if pass_status is not None:
-        program += f"__import__('os')._exit({int(pass_status)})\n"
+        program += f"{guard}[1]({int(pass_status)})\n"
     return program
 
 
