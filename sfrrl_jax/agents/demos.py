@@ -16,7 +16,7 @@ import os
 from typing import Any, Sequence
 
 from sfrrl_jax.agents.environments import CALCULATOR_SYSTEM_PROMPT
-from sfrrl_jax.agents.formats import ToolCallFormat, format_for
+from sfrrl_jax.agents.formats import ToolCallFormat, format_for, infer_format
 from sfrrl_jax.agents.protocols import Message, Task
 from sfrrl_jax.agents.tools import CalculatorTool, evaluate_arithmetic, format_number, tool_schema
 from sfrrl_jax.tokenizer.tokenizer import TemplateDeltaError
@@ -60,14 +60,12 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
     `tool_format` is the format the rollout reads calls with (`AgentConfig.tool_format`; None: the
     chat template's, as in the rollout). Each learned turn must read back, with it, to exactly the
     message's calls (names and arguments, in order; an answer to none), else ValueError naming
-    the message and what was read."""
+    the message and what was read. A template whose call markup no built-in format reads is
+    not checked unless `tool_format` is given."""
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise ValueError("render_sft_example: the transcript has no assistant message to learn from")
-    fmt = format_for(tool_format, tokenizer, bool(tools))
-    bind = getattr(fmt, "with_tools", None)   # as the rollout does: values typed by the tools' schemas
-    if bind is not None:
-        fmt = bind(tools or [])
+    fmt = _reading_format(tokenizer, tools, tool_format)
     first = roles.index("assistant")
     tokens = tokenizer.apply_chat_template(messages[:first], tools, add_generation_prompt=True)
     mask = [0] * len(tokens)
@@ -83,7 +81,8 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
         if start is None:
             raise TemplateDeltaError(f"message {i}: the assistant turn does not extend its generation prompt")
         generated = tokenizer.encode(with_turn[start:cut])
-        _check_reads_back(fmt, tokenizer.decode(generated), messages[i], i)
+        if fmt is not None:
+            _check_reads_back(fmt, tokenizer.decode(generated), messages[i], i)
         tokens += generated
         mask += [1] * len(generated)
         j = i + 1
@@ -95,6 +94,18 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
             mask += [0] * len(delta)
         i = j
     return tokens, mask
+
+
+def _reading_format(tokenizer, tools, tool_format) -> ToolCallFormat | None:
+    """The format the rollout would read the turns with, bound to the tools as the rollout binds
+    it; None where the chat template writes no call markup this library reads and none is
+    given: the rollout refuses such a template with tools, SFT alone has nothing to check with."""
+    template = getattr(tokenizer, "chat_template_source", None)
+    if tool_format is None and template is not None and infer_format(template) is None:
+        return None
+    fmt = format_for(tool_format, tokenizer, bool(tools))
+    bind = getattr(fmt, "with_tools", None)   # values typed by the tools' schemas
+    return bind(tools or []) if bind is not None else fmt
 
 
 def _message_calls(message: Message, index: int) -> list[tuple[str, Any]]:

@@ -488,3 +488,16 @@ def test_sft_examples_refuse_answers_read_as_calls_and_a_format_the_template_doe
     broken[2] = dict(broken[2], tool_calls=[{"id": "call_0", "function": {"name": "calculator", "arguments": "{2 + 3"}}])
     with pytest.raises(ValueError, match=r"message 2: tool call 'calculator' has arguments that are not JSON"):
         render_sft_example(tok, broken, tools)
+
+
+def test_sft_examples_under_a_template_whose_markup_no_format_reads_are_checked_only_with_a_given_format(tmp_path):
+    """The rollout refuses such a template with tools; SFT alone renders it as it is, and reads
+    the turns back only with a format the caller names."""
+    template = QWEN3_STYLE_TEMPLATE.replace("<tool_call>", "<fn>").replace("</tool_call>", "</fn>")
+    tok = load_tokenizer(build_qwen3_style_tokenizer(tmp_path, template))
+    assert infer_format(tok.chat_template_source) is None
+    demo, tools = _two_step_demo(), calculator_tool_schemas()
+    tokens, mask = render_sft_example(tok, demo, tools)
+    assert '<fn>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</fn>' in tok.decode(tokens)
+    with pytest.raises(ValueError, match=r"message 2: .*Qwen3Format.*an answer without calls"):
+        render_sft_example(tok, demo, tools, tool_format="qwen3")
