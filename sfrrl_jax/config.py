@@ -11,13 +11,14 @@ import numbers
 from typing import Iterable, Literal, Sequence
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
-Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3"]
+Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
+MlpAct = Literal["silu", "gelu_tanh"]   # the gate's activation of a dense (GLU) MLP
 LayerType = Literal["full", "sliding"]
 Dispatch = Literal["padded", "ragged", "llep"]
 Remat = Literal["none", "full", "dots", "dots_no_batch", "attention_out", "dots_attention_out"]
-RopeType = Literal["default", "yarn", "llama3"]
+RopeType = Literal["default", "yarn", "llama3", "linear"]
 AttentionImpl = Literal["blockwise", "pallas", "naive"]
 # How a paged KV cache's decode attends (`engine.paged.use_paged_kernel`).
 PagedAttention = Literal["auto", "gather", "pallas"]
@@ -178,6 +179,20 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rms_eps: float = 1e-6
+    # Gemma's variants of the block (all off for the other families):
+    # RMSNorm scales by (norm_offset + weight), in fp32 before the cast (Gemma: 1.0, its weights
+    # are offsets from one); sandwich_norms adds a norm on the attention's and the MLP's outputs
+    # before each residual add; mlp_act is the dense MLP's gate activation; embed_scale
+    # multiplies the embeddings (Gemma: sqrt(d_model), rounded to the param dtype as HF does);
+    # query_scale replaces 1/sqrt(head_dim) as the attention's scale (Gemma: query_pre_attn_scalar
+    # ** -0.5); rope_local_theta, when set, is the RoPE base of the sliding layers, which
+    # rotate without rope_type's scaling (Gemma 3's local layers).
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    mlp_act: MlpAct = "silu"
+    embed_scale: float = 1.0
+    query_scale: float | None = None
+    rope_local_theta: float | None = None
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -231,7 +246,10 @@ class ModelConfig:
             check_bool("ModelConfig.attention_out_bias", self.attention_out_bias)
         check_int("ModelConfig.sliding_window", self.sliding_window, 0, optional=True)  # 0: no window
         check_bool_fields(self, ("norm_topk_prob", "router_bias", "expert_bias", "qk_norm", "attention_bias",
-                                 "attn_sinks", "rope_truncate", "tie_embeddings"))
+                                 "attn_sinks", "rope_truncate", "tie_embeddings", "sandwich_norms"))
+        check_number_fields(self, ("norm_offset",), 0)
+        check_number_fields(self, ("embed_scale",), 0, lo_open=True)
+        check_number_fields(self, ("query_scale", "rope_local_theta"), 0, lo_open=True, optional=True)
         check_number_fields(self, ("rope_theta", "rope_factor", "rms_eps", "swiglu_limit", "swiglu_alpha",
                                    "rope_low_freq_factor", "rope_high_freq_factor"), 0, lo_open=True)
         if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
@@ -261,7 +279,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.layer_types: unknown kinds {sorted(bad)}; use 'full'/'sliding'")
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise ValueError("ModelConfig.layer_types has 'sliding' layers but sliding_window is unset")
-        for k, allowed in (("router", RouterKind), ("expert_act", ExpertAct), ("moe_dispatch", Dispatch),
+        for k, allowed in (("router", RouterKind), ("expert_act", ExpertAct), ("mlp_act", MlpAct),
+                           ("moe_dispatch", Dispatch),
                            ("remat", Remat), ("family", Family), ("rope_type", RopeType),
                            ("grouped_matmul", GroupedMatmul),
                            ("attention_impl", AttentionImpl)):
@@ -334,7 +353,8 @@ class ModelConfig:
         moe += 3 * d * self.d_ff_shared + d * self.shared_expert_gate
         mlp = 3 * d * self.d_ff
         n_dense = sum(self.layer_is_dense(i) for i in range(self.n_layers))
-        layers = self.n_layers * (attn + 2 * d) + n_dense * mlp + (self.n_layers - n_dense) * moe
+        norms = (4 if self.sandwich_norms else 2) * d
+        layers = self.n_layers * (attn + norms) + n_dense * mlp + (self.n_layers - n_dense) * moe
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + layers + d + head
 

@@ -37,6 +37,15 @@ TINY_MIXED = S.ModelConfig.preset(
     layer_types=("full", "sliding", "sliding"), d_ff_shared=24, shared_expert_gate=True,
 )
 
+# Gemma 3-like (dense): norms whose weights are offsets from one, sandwich norms, GeGLU of odd
+# width, scaled embeddings, a query scale other than 1/sqrt(head_dim), and a sliding layer with
+# its own unscaled RoPE beside a full one with a linearly scaled RoPE; tied embeddings.
+TINY_GEMMA = S.ModelConfig.preset(
+    "tiny-moe", family="gemma3_text", n_experts=0, d_ff=40, qk_norm=True, sliding_window=4,
+    layer_types=("sliding", "full"), norm_offset=1.0, sandwich_norms=True, mlp_act="gelu_tanh", embed_scale=8.0,
+    query_scale=0.3, rope_local_theta=500.0, rope_type="linear", rope_factor=4.0, tie_embeddings=True,
+)
+
 
 def single_device_mesh():
     return S.make_mesh(devices=jax.devices()[:1])

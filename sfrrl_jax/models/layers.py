@@ -42,16 +42,23 @@ def cdtype(cfg: ModelConfig):
 
 
 class RMSNorm(nnx.Module):
-    """y = x / rms(x) * scale over the last dim (fp32 statistics, HF-compatible rounding)."""
+    """y = x / rms(x) * scale over the last dim (fp32 statistics, HF-compatible rounding).
+
+    With cfg.norm_offset (Gemma: 1.0) the factor is (offset + scale), the weights are stored as
+    offsets (initialised to 0) and the product is taken in fp32 before the cast, as HF's
+    Gemma3RMSNorm does; otherwise the normalised x is cast first, as Llama's."""
 
     def __init__(self, dim: int, cfg: ModelConfig, logical_axis: str | None = "embed", rngs=None):
         self.eps = cfg.rms_eps
-        self.scale = param(None, "ones", (dim,), (logical_axis,), cfg)
+        self.offset = float(cfg.norm_offset)
+        self.scale = param(None, "zeros" if self.offset else "ones", (dim,), (logical_axis,), cfg)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         in_dtype = x.dtype
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.scale[...].astype(jnp.float32))).astype(in_dtype)
         return self.scale[...].astype(in_dtype) * x32.astype(in_dtype)
 
 
@@ -65,18 +72,27 @@ class Embed(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] int -> [batch, seq, embed] in compute dtype."""
         table = self.embedding[...].astype(cdtype(self.cfg))
-        return jnp.take(table, tokens, axis=0)
+        x = jnp.take(table, tokens, axis=0)
+        if self.cfg.embed_scale != 1.0:   # rounded to the param dtype first, as HF's Gemma does
+            scale = jnp.asarray(self.cfg.embed_scale, jnp.float32).astype(self.cfg.param_dtype)
+            x = x * scale.astype(x.dtype)
+        return x
 
 
 # -- rotary embeddings --------------------------------------------------------------------------
 
-def rope_inv_freq(cfg: ModelConfig) -> tuple[jax.Array, float]:
-    """Inverse frequencies [head_dim // 2] and the attention (cos/sin) scale for `cfg`'s RoPE."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> tuple[jax.Array, float]:
+    """Inverse frequencies [head_dim // 2] and the attention (cos/sin) scale for `cfg`'s RoPE;
+    `local`: the sliding layers' own (cfg.rope_local_theta, unscaled), where the config has one."""
     dim, base = cfg.head_dim, cfg.rope_theta
+    if local and cfg.rope_local_theta is not None:
+        base = cfg.rope_local_theta
     exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
     inv_freq = 1.0 / (base ** exponents)
-    if cfg.rope_type == "default":
+    if cfg.rope_type == "default" or (local and cfg.rope_local_theta is not None):
         return inv_freq, 1.0
+    if cfg.rope_type == "linear":   # positions divided by the factor (Gemma 3's global layers)
+        return inv_freq / cfg.rope_factor, 1.0
     if cfg.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, cfg), 1.0
     # YaRN: interpolate low frequencies by `factor`, keep high ones, blend on a linear ramp
@@ -113,9 +129,16 @@ def _llama3_inv_freq(inv_freq: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jnp.where(medium, blended, slowed)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Rotates halves of the head dim. x [batch, seq, heads, head_dim]; positions [batch, seq]."""
+def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig, window=None) -> jax.Array:
+    """Rotates halves of the head dim. x [batch, seq, heads, head_dim]; positions [batch, seq].
+    window (int scalar, may be traced; a sliding layer's > 0): picks the sliding layers' RoPE
+    where cfg.rope_local_theta gives them their own."""
     inv_freq, scale = rope_inv_freq(cfg)
+    if cfg.rope_local_theta is not None and window is not None:
+        local_freq, local_scale = rope_inv_freq(cfg, local=True)
+        sliding = jnp.asarray(window) > 0
+        inv_freq = jnp.where(sliding, local_freq, inv_freq)
+        scale = jnp.where(sliding, local_scale, scale)
     phase = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, s, hd/2]
     cos = (jnp.cos(phase) * scale)[:, :, None, :]
     sin = (jnp.sin(phase) * scale)[:, :, None, :]
@@ -190,8 +213,11 @@ class Attention(nnx.Module):
         if cfg.attn_sinks:
             self.sinks = param(rngs, "zeros", (h,), ("heads",), cfg)
 
-    def project_qkv(self, x, positions):
-        """x [b, s, embed] -> q [b, s, heads, hd], k, v [b, s, kv_heads, hd], RoPE applied."""
+    def project_qkv(self, x, positions, window=None):
+        """x [b, s, embed] -> q [b, s, heads, hd], k, v [b, s, kv_heads, hd], RoPE applied (the
+        sliding layers' own where cfg.rope_local_theta is set: `window` > 0). With
+        cfg.query_scale, q carries query_scale * sqrt(hd), so that the cores' 1/sqrt(hd) makes
+        the scores' scale query_scale."""
         cfg, dt = self.cfg, cdtype(self.cfg)
         q = jnp.einsum("bsd,dhk->bshk", x, self.q_proj[...].astype(dt))
         k = jnp.einsum("bsd,dhk->bshk", x, self.k_proj[...].astype(dt))
@@ -201,8 +227,11 @@ class Attention(nnx.Module):
                        v + self.v_bias[...].astype(dt))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = constrain(apply_rope(q, positions, cfg), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(apply_rope(k, positions, cfg), ("batch", "seq", "kv_heads", "head_dim"))
+        q = apply_rope(q, positions, cfg, window)
+        if cfg.query_scale is not None and cfg.query_scale * math.sqrt(cfg.head_dim) != 1.0:
+            q = q * jnp.asarray(cfg.query_scale * math.sqrt(cfg.head_dim), q.dtype)
+        q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+        k = constrain(apply_rope(k, positions, cfg, window), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         return q, k, v
 
@@ -226,7 +255,7 @@ class Attention(nnx.Module):
         split over it) the core runs on each shard's queries against all-gathered keys
         (`models.context_parallel`).
         """
-        q, k, v = self.project_qkv(x, positions)
+        q, k, v = self.project_qkv(x, positions, window)
         core = attention_core(self.cfg)
         if context_size(q.shape[0]) > 1:
             out = context_parallel_attention(core, q, k, v, positions, segment_ids, window,
@@ -303,8 +332,9 @@ def per_device(core):
 
 
 class DenseMLP(nnx.Module):
-    """SwiGLU MLP of the dense families: down(silu(x @ gate) * (x @ up)). gate/up [embed, mlp],
-    down [mlp, embed]; `mlp` is split over the `tensor` axis (the rules table)."""
+    """GLU MLP of the dense families: down(act(x @ gate) * (x @ up)), act cfg.mlp_act (SiLU:
+    SwiGLU; Gemma's tanh-approximated GELU: GeGLU). gate/up [embed, mlp], down [mlp, embed];
+    `mlp` is split over the `tensor` axis (the rules table)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
         d, f = cfg.d_model, cfg.d_ff if width is None else width   # width: a shared expert's
@@ -318,5 +348,6 @@ class DenseMLP(nnx.Module):
         dt = cdtype(self.cfg)
         gate = jnp.einsum("bsd,df->bsf", x, self.w_gate[...].astype(dt))
         up = jnp.einsum("bsd,df->bsf", x, self.w_up[...].astype(dt))
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        act = jax.nn.silu(gate) if self.cfg.mlp_act == "silu" else jax.nn.gelu(gate, approximate=True)
+        hidden = constrain(act * up, ("batch", "seq", "mlp"))
         return jnp.einsum("bsf,fd->bsd", hidden, self.w_down[...].astype(dt)), {}

@@ -31,13 +31,16 @@ Params = dict  # nested dict of jax.Array; see `param_logical_axes` for its layo
 
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)); x + ffn(norm(x)), the ffn a MoE (params under
-    'moe') or, for dense families and a MoE model's dense layers, a SwiGLU MLP (params under
-    'mlp')."""
+    'moe') or, for dense families and a MoE model's dense layers, a GLU MLP (params under
+    'mlp'). With cfg.sandwich_norms (Gemma) each sublayer's output is normed before the add."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg)
+        if cfg.sandwich_norms:   # Gemma: the sublayers' outputs are normed too, before the residual add
+            self.post_attn_norm = RMSNorm(cfg.d_model, cfg)
+            self.post_mlp_norm = RMSNorm(cfg.d_model, cfg)
         if cfg.is_moe and not dense:
             self.moe = MoE(cfg, rngs)
             if cfg.d_ff_shared:
@@ -62,11 +65,19 @@ class Block(nnx.Module):
             y = y + shared.astype(y.dtype)
         return y, metrics
 
+    def attn_residual(self, y):
+        """The attention's output as the residual stream adds it (normed first with sandwich norms)."""
+        return self.post_attn_norm(y) if hasattr(self, "post_attn_norm") else y
+
+    def ffn_residual(self, y):
+        """The MLP's output as the residual stream adds it (normed first with sandwich norms)."""
+        return self.post_mlp_norm(y) if hasattr(self, "post_mlp_norm") else y
+
     def __call__(self, x, positions, segment_ids, window, token_mask, replay=None, with_ids: bool = False):
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids, window)
+        x = x + self.attn_residual(self.attn(self.attn_norm(x), positions, segment_ids, window))
         x = constrain(x, ("batch", "seq", "embed"))
         y, metrics = self.ffn(self.mlp_norm(x), token_mask, replay, with_ids)
-        return constrain(x + y, ("batch", "seq", "embed")), metrics
+        return constrain(x + self.ffn_residual(y), ("batch", "seq", "embed")), metrics
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, n: int, dense: bool):

@@ -22,6 +22,7 @@ FAMILY_CLASSES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -89,10 +90,11 @@ CONFIGS = {
         vocab_size=83, hidden_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=36, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
-    # Llama with q/k/v/o biases, MHA, explicit head_dim.
+    # Llama with q/k/v/o biases, MHA, explicit head_dim, linear rope scaling (positions / 3).
     "llama_bias_mha": ("llama", dict(
         vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        head_dim=12, intermediate_size=20, attention_bias=True)),
+        head_dim=12, intermediate_size=20, attention_bias=True,
+        rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": 2000.0})),
     # Qwen2: q/k/v biases (none on the output), a window on the layers after the first.
     "qwen2_bias_window": ("qwen2", dict(
         vocab_size=75, hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
@@ -117,6 +119,19 @@ CONFIGS = {
     "qwen3_dense": ("qwen3", dict(
         vocab_size=70, hidden_size=36, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
         head_dim=10, intermediate_size=30, rope_parameters={"rope_type": "default", "rope_theta": 7000.0})),
+    # Gemma 3: sliding and global layers with RoPEs of their own (the global one linearly
+    # scaled, as from 4B up), query_pre_attn_scalar != head_dim, GeGLU, sandwich norms, tied.
+    "gemma3_local_global": ("gemma3_text", dict(
+        vocab_size=71, hidden_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=28, sliding_window=4, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 20000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    # Gemma 3 1B's shape in small: MQA, the default pattern (five sliding layers, then a global
+    # one), unscaled RoPEs, query_pre_attn_scalar == head_dim.
+    "gemma3_1b_like": ("gemma3_text", dict(
+        vocab_size=67, hidden_size=24, num_hidden_layers=7, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=40, sliding_window=3, query_pre_attn_scalar=16)),
 }
 
 

@@ -99,3 +99,59 @@ def test_mistral_refuses_what_hf_mistral_cannot_hold():
     mixed = config_from_hf({**MISTRAL_V03, "sliding_window": 8}).replace(layer_types=("sliding", "full") * 16)
     with pytest.raises(HFConfigError, match="mixes kinds"):
         config_to_hf(mixed)
+
+
+# gemma-3-1b-it's config.json as published (transformers 4.50 spelling: sliding_window_pattern,
+# rope_local_base_freq, rope_theta / rope_scaling of the global layers).
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attn_logit_softcapping": None,
+    "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "intermediate_size": 6912,
+    "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4,
+    "num_hidden_layers": 26, "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+    "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144}
+
+
+def test_published_gemma3_config_reads_as_transformers_reads_it():
+    import transformers
+    cfg = config_from_hf(GEMMA3_1B)
+    theirs = transformers.Gemma3TextConfig(**GEMMA3_1B)
+    assert [t + "_attention" for t in cfg.layer_types] == list(theirs.layer_types)
+    assert cfg.layer_types[5] == cfg.layer_types[11] == "full" and cfg.layer_types.count("full") == 4
+    assert (cfg.family, cfg.n_experts, cfg.d_ff, cfg.head_dim, cfg.n_kv_heads, cfg.sliding_window) == (
+        "gemma3_text", 0, 6912, 256, 1, 512)
+    assert (cfg.rope_theta, cfg.rope_type, cfg.rope_local_theta) == (1e6, "default", 10000.0)
+    assert cfg.query_scale == 256 ** -0.5 and cfg.embed_scale == 1152 ** 0.5 and cfg.norm_offset == 1.0
+    assert cfg.sandwich_norms and cfg.qk_norm and cfg.tie_embeddings and cfg.mlp_act == "gelu_tanh"
+    assert cfg.param_dtype == "bfloat16"
+    # 4B and up: the global layers' RoPE scaled linearly by 8 (a text_config of the multimodal model)
+    scaled = config_from_hf({**GEMMA3_1B, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert (scaled.rope_type, scaled.rope_factor, scaled.rope_local_theta) == ("linear", 8.0, 10000.0)
+    # the export, in transformers 5's spelling, reads back the same, ours and theirs
+    exported = config_to_hf(scaled)
+    assert config_from_hf(exported) == scaled
+    back = transformers.Gemma3TextConfig(**exported)
+    assert back.rope_parameters["full_attention"]["factor"] == 8.0 and back.query_pre_attn_scalar == 256
+    assert list(back.layer_types) == list(theirs.layer_types)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"model_type": "gemma3"}, "multimodal Gemma3ForConditionalGeneration"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+    ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"sliding_window_pattern": 0}, "sliding_window_pattern=0 must be >= 1"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "sliding layers' rope type 'linear'"),
+])
+def test_gemma3_refuses_what_the_model_does_not_implement(changes, message):
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    with pytest.raises(HFConfigError, match=message):
+        config_from_hf({**GEMMA3_1B, **changes})
+    with pytest.raises(HFConfigError, match="Gemma3ForCausalLM requires"):
+        config_to_hf(config_from_hf(GEMMA3_1B).replace(sandwich_norms=False))
+    with pytest.raises(HFConfigError, match="LlamaForCausalLM requires"):
+        config_to_hf(config_from_hf(GEMMA3_1B).replace(family="llama", qk_norm=False))

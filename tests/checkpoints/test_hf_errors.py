@@ -151,7 +151,7 @@ def test_index_pointing_at_a_missing_shard(ckpt, mesh):
     (dict(decoder_sparse_step=3), "decoder_sparse_step=3 leaves no MoE layer"),
     (dict(mlp_only_layers=[0], intermediate_size=None), "lacks required key 'intermediate_size'"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope type 'linear'"),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "rope type 'dynamic'"),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
      "llama3 rope needs ['low_freq_factor', 'high_freq_factor']"),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -1,5 +1,6 @@
-"""Dense families (n_experts=0: llama, qwen2, qwen3): the same transformer with a SwiGLU MLP in
-every layer, sharded over `tensor`, trained by the same train step as the MoE families."""
+"""Dense families (n_experts=0: llama, mistral, qwen2, qwen3, gemma3_text): the same transformer
+with a GLU MLP in every layer, sharded over `tensor`, trained by the same train step as the MoE
+families."""
 import jax
 import numpy as np
 import pytest
@@ -9,18 +10,19 @@ from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.rl.config import LossConfig
 
-from model_fixtures import TINY_DENSE, host, randomize, replicate_on, single_device_mesh
+from model_fixtures import TINY_DENSE, TINY_GEMMA, host, randomize, replicate_on, single_device_mesh
 
 
-def test_dense_forward_and_train_step_on_a_mesh_equal_one_device():
-    cfg = TINY_DENSE
+@pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_GEMMA], ids=["qwen2_like", "gemma3_like"])
+def test_dense_forward_and_train_step_on_a_mesh_equal_one_device(cfg):
     mesh = S.make_mesh(data=2, expert=2, tensor=2)
     params = randomize(S.init_params(cfg, mesh, seed=3), seed=4)
     mlp = params["layers"]["mlp"]
     assert "moe" not in params["layers"] and set(mlp) == {"w_gate", "w_up", "w_down"}
     assert mlp["w_gate"].shape == (2, 64, 40) and mlp["w_gate"].sharding.spec[2] == "tensor"
     assert mlp["w_down"].sharding.spec[1] == "tensor"
-    assert "o_bias" not in params["layers"]["attn"] and "q_bias" in params["layers"]["attn"]
+    assert ("q_bias" in params["layers"]["attn"]) == cfg.attention_bias and "o_bias" not in params["layers"]["attn"]
+    assert ("post_attn_norm" in params["layers"]) == ("post_mlp_norm" in params["layers"]) == cfg.sandwich_norms
     assert S.models.transformer.count_params(params) == cfg.param_count()
     rng = np.random.RandomState(1)
     tokens = rng.randint(1, cfg.vocab_size, (4, 12)).astype(np.int32)

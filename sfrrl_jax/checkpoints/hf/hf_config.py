@@ -13,18 +13,20 @@ from typing import Any, Mapping
 
 from sfrrl_jax.config import MODEL_DTYPES, ModelConfig
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3")
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3",
+                      "gemma3_text")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 _TO_HF_LAYER_TYPES = {ours: theirs for theirs, ours in _HF_LAYER_TYPES.items()}
 _LLAMA3_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings"}
 _YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow",
               "original_max_position_embeddings", "truncate"}
+_LINEAR_KEYS = {"rope_type", "type", "rope_theta", "factor"}
 
 
 class HFConfigError(ValueError):
@@ -93,6 +95,14 @@ def _rope(hf: Mapping[str, Any], where: str, default_theta: float) -> dict:
     max_len = _int(hf, "max_position_embeddings", where)
     if kind == "default":
         return {"rope_theta": theta, "rope_type": "default"}
+    if kind == "linear":   # positions divided by `factor` (Gemma 3's global layers, 4B and up)
+        unknown = sorted(set(params) - _LINEAR_KEYS)
+        if unknown:
+            raise HFConfigError(f"{where}: linear rope parameter(s) {unknown} are not supported; "
+                                f"supported: {sorted(_LINEAR_KEYS)}")
+        if params.get("factor") is None:
+            raise HFConfigError(f"{where}: linear rope needs 'factor'")
+        return {"rope_theta": theta, "rope_type": "linear", "rope_factor": _float(params, "factor", at)}
     if kind == "llama3":
         unknown = sorted(set(params) - _LLAMA3_KEYS)
         if unknown:
@@ -106,8 +116,8 @@ def _rope(hf: Mapping[str, Any], where: str, default_theta: float) -> dict:
                 "rope_high_freq_factor": _float(params, "high_freq_factor", at),
                 "rope_original_max_len": _int(params, "original_max_position_embeddings", at, max_len)}
     if kind != "yarn":
-        raise HFConfigError(f"{where}: rope type {kind!r} is not supported (supported: 'default', 'yarn', "
-                            "'llama3')")
+        raise HFConfigError(f"{where}: rope type {kind!r} is not supported (supported: 'default', 'linear', "
+                            "'yarn', 'llama3')")
     unknown = sorted(set(params) - _YARN_KEYS)
     if unknown:  # attention_factor, mscale, partial_rotary_factor, ... change the maths
         raise HFConfigError(f"{where}: yarn rope parameter(s) {unknown} are not supported; "
@@ -133,6 +143,10 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
     """Our `ModelConfig` for an HF config dict. `dtype` sets param and compute dtype
     (default: the config's `dtype`/`torch_dtype`, else float32)."""
     family = hf.get("model_type")
+    if family == "gemma3":
+        raise HFConfigError(f"{where}: model_type 'gemma3' is the multimodal Gemma3ForConditionalGeneration (Gemma 3 "
+                            "4B and up), whose language model is not loadable here; the text-only checkpoints "
+                            "(model_type 'gemma3_text', Gemma3ForCausalLM: gemma-3-1b, gemma-3-270m) are")
     if family not in SUPPORTED_FAMILIES:
         raise HFConfigError(f"{where}: model_type {family!r} is not supported; supported model_types: "
                             f"{list(SUPPORTED_FAMILIES)}")
@@ -150,15 +164,17 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         vocab_size=_int(hf, "vocab_size", where), d_model=d_model,
         n_layers=_int(hf, "num_hidden_layers", where), n_heads=n_heads,
         n_kv_heads=_int(hf, "num_key_value_heads", where, n_heads),
-        head_dim=_int(hf, "head_dim", where, d_model // n_heads),
+        head_dim=_int(hf, "head_dim", where, 256 if family == "gemma3_text" else d_model // n_heads),
         top_k=_int(hf, "num_experts_per_tok", where, 1 if family in DENSE_FAMILIES else ...),
         rms_eps=_float(hf, "rms_norm_eps", where),
         max_seq_len=_int(hf, "max_position_embeddings", where),
-        tie_embeddings=_bool(hf, "tie_word_embeddings", where, False),
+        tie_embeddings=_bool(hf, "tie_word_embeddings", where, family == "gemma3_text"),
         attention_bias=_bool(hf, "attention_bias", where, family == "gpt_oss"),
         router_aux_coef=_float(hf, "router_aux_loss_coef", where, 0.0),
         param_dtype=dtype, compute_dtype=dtype,
     )
+    if family == "gemma3_text":
+        return _gemma3_config(hf, common, where)
     if family in DENSE_FAMILIES:
         return _dense_config(hf, family, common, where)
     if family == "qwen3_moe":
@@ -285,9 +301,57 @@ def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) 
     )
 
 
+def _gemma3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """Gemma 3 (text): Qwen3-like q/k norms, norms whose weights are offsets from one, a norm on
+    each sublayer's output too, a GeGLU MLP, embeddings scaled by sqrt(hidden_size), the
+    attention scaled by query_pre_attn_scalar ** -0.5, and sliding layers (five in six by
+    default) with a RoPE of their own (rope_local_base_freq, unscaled)."""
+    act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if act not in ("gelu_pytorch_tanh",):
+        raise HFConfigError(f"{where}: hidden_activation={act!r} is not supported (supported: ['gelu_pytorch_tanh'])")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:   # Gemma 2's; Gemma 3 has neither
+            raise HFConfigError(f"{where}: {key}={hf[key]!r} is not supported (logit soft-capping; null in Gemma 3)")
+    if hf.get("use_bidirectional_attention"):
+        raise HFConfigError(f"{where}: use_bidirectional_attention=True (an embedding model) is not supported")
+    n_layers = common["n_layers"]
+    hf_types = hf.get("layer_types")
+    if hf_types is None:   # 4.x files: every `sliding_window_pattern`-th layer is global
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        pattern = _int({"sliding_window_pattern": pattern}, "sliding_window_pattern", where)
+        hf_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+    layer_types = _layer_types(hf_types, n_layers, where)
+    window = _int(hf, "sliding_window", where) if "sliding" in layer_types else None
+    # RoPE: transformers 5 writes one parameter set per layer kind; 4.x files have the global
+    # layers' rope_theta / rope_scaling and the local layers' rope_local_base_freq
+    per_kind = hf.get("rope_parameters")
+    if isinstance(per_kind, Mapping) and ("full_attention" in per_kind or "sliding_attention" in per_kind):
+        full = dict(hf, rope_parameters=per_kind.get("full_attention") or {"rope_theta": 1e6})
+        local = per_kind.get("sliding_attention") or {}
+        local_theta = _float(local, "rope_theta", f"{where} rope_parameters.sliding_attention", 10000.0)
+        local_kind = local.get("rope_type", local.get("type", "default"))
+    else:
+        full = dict(hf, rope_scaling=hf.get("rope_scaling") or None)
+        local_theta = _float(hf, "rope_local_base_freq", where, 10000.0)
+        local_kind = "default"
+    if local_kind != "default":
+        raise HFConfigError(f"{where}: the sliding layers' rope type {local_kind!r} is not supported (supported: "
+                            "['default'])")
+    rope = _rope(full, where, 1e6)
+    d_model = common["d_model"]
+    return ModelConfig(
+        **common, **rope, n_experts=0, d_ff=_int(hf, "intermediate_size", where), qk_norm=True,
+        sliding_window=window, layer_types=layer_types, rope_local_theta=local_theta,
+        norm_offset=1.0, sandwich_norms=True, mlp_act="gelu_tanh", embed_scale=d_model ** 0.5,
+        query_scale=_float(hf, "query_pre_attn_scalar", where, 256) ** -0.5,
+    )
+
+
 def _rope_to_hf(cfg: ModelConfig) -> dict:
     if cfg.rope_type == "default":
         return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.rope_type == "linear":
+        return {"rope_theta": cfg.rope_theta, "rope_type": "linear", "factor": cfg.rope_factor}
     if cfg.rope_type == "llama3":
         return {"rope_theta": cfg.rope_theta, "rope_type": "llama3", "factor": cfg.rope_factor,
                 "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
@@ -300,6 +364,9 @@ def _rope_to_hf(cfg: ModelConfig) -> dict:
 def check_exportable(cfg: ModelConfig) -> None:
     """Raises if `cfg` uses a variant the HF class of its family cannot express."""
     dense = dict(n_experts=0, attn_sinks=False, router_bias=False, expert_bias=False)
+    # Gemma's variants of the block: none in the other families' HF classes
+    plain = dict(norm_offset=0.0, sandwich_norms=False, mlp_act="silu", embed_scale=1.0, query_scale=None,
+                 rope_local_theta=None)
     want = {
         "llama": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
         "mistral": dict(dense, qk_norm=False, attention_bias=False, out_bias=False),
@@ -313,7 +380,14 @@ def check_exportable(cfg: ModelConfig) -> None:
                         expert_bias=False, expert_act="swiglu", attention_bias=False, d_ff_shared=0),
         "gpt_oss": dict(router="topk_softmax", qk_norm=False, attn_sinks=True, router_bias=True,
                         expert_bias=True, expert_act="gptoss_swiglu", attention_bias=True, d_ff_shared=0),
+        "gemma3_text": dict(dense, qk_norm=True, out_bias=cfg.attention_bias, norm_offset=1.0, sandwich_norms=True,
+                            mlp_act="gelu_tanh", embed_scale=cfg.d_model ** 0.5),
     }[cfg.family]
+    if cfg.family != "gemma3_text":
+        want.update(plain)
+    elif cfg.query_scale is None or (cfg.rope_local_theta is None and "sliding" in (cfg.layer_types or ())):
+        raise HFConfigError("ModelConfig(family='gemma3_text') needs query_scale (query_pre_attn_scalar ** -0.5) "
+                            "and, with sliding layers, rope_local_theta (rope_local_base_freq)")
     if cfg.dense_layers and cfg.family not in ("qwen3_moe", "qwen2_moe"):
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has dense_layers={cfg.dense_layers}; HF "
                             f"{ARCHITECTURES[cfg.family]} has no dense layers (only qwen3_moe's mlp_only_layers)")
@@ -349,7 +423,18 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "hidden_act": "silu", "dtype": cfg.param_dtype,
     }
     window = cfg.sliding_window if "sliding" in (cfg.layer_types or ()) else None
-    if cfg.family in DENSE_FAMILIES:
+    if cfg.family == "gemma3_text":
+        del hf["num_experts_per_tok"], hf["router_aux_loss_coef"], hf["hidden_act"]
+        types = cfg.layer_types or ("full",) * cfg.n_layers
+        scalar = cfg.query_scale ** -2
+        hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, hidden_activation="gelu_pytorch_tanh",
+                  query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar,
+                  sliding_window=window, layer_types=[_TO_HF_LAYER_TYPES[t] for t in types],
+                  final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False,
+                  rope_parameters={"full_attention": _rope_to_hf(cfg),
+                                   "sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": cfg.rope_local_theta or cfg.rope_theta}})
+    elif cfg.family in DENSE_FAMILIES:
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
         hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, mlp_bias=False)
         if cfg.family == "mistral":

@@ -124,7 +124,7 @@ def _transpose(w):
 
 
 def _dense_mlp(cfg: ModelConfig, p: str) -> list[TensorGroup]:
-    """Llama/Qwen2/Qwen3 `mlp.{gate,up,down}_proj` ([out, in] linears) <-> ours [in, out]."""
+    """Llama/Mistral/Qwen2/Qwen3/Gemma 3 `mlp.{gate,up,down}_proj` ([out, in] linears) <-> ours [in, out]."""
     d, f, m = cfg.d_model, cfg.d_ff, p + "mlp."
     return [_single(m + "gate_proj.weight", ("mlp", "w_gate"), (f, d), _transpose, _transpose),
             _single(m + "up_proj.weight", ("mlp", "w_up"), (f, d), _transpose, _transpose),
@@ -185,11 +185,17 @@ def layer_groups(cfg: ModelConfig, layer: int, quantized: bool = False) -> list[
     """The groups of layer `layer` (HF names `model.layers.{layer}.*`); their leaves live in the
     stack `models.transformer.layer_slot(cfg, layer)` names."""
     p = f"model.layers.{layer}."
-    return [
-        _single(p + "input_layernorm.weight", ("attn_norm", "scale"), (cfg.d_model,)),
-        _single(p + "post_attention_layernorm.weight", ("mlp_norm", "scale"), (cfg.d_model,)),
-        *_attention(cfg, p), *_experts(cfg, p, quantized, cfg.layer_is_dense(layer)),
-    ]
+    if cfg.sandwich_norms:
+        # Gemma's four: its post_attention_layernorm norms the attention's output (ours
+        # post_attn_norm); the MLP's input norm is pre_feedforward_layernorm
+        norms = [_single(p + "input_layernorm.weight", ("attn_norm", "scale"), (cfg.d_model,)),
+                 _single(p + "post_attention_layernorm.weight", ("post_attn_norm", "scale"), (cfg.d_model,)),
+                 _single(p + "pre_feedforward_layernorm.weight", ("mlp_norm", "scale"), (cfg.d_model,)),
+                 _single(p + "post_feedforward_layernorm.weight", ("post_mlp_norm", "scale"), (cfg.d_model,))]
+    else:
+        norms = [_single(p + "input_layernorm.weight", ("attn_norm", "scale"), (cfg.d_model,)),
+                 _single(p + "post_attention_layernorm.weight", ("mlp_norm", "scale"), (cfg.d_model,))]
+    return [*norms, *_attention(cfg, p), *_experts(cfg, p, quantized, cfg.layer_is_dense(layer))]
 
 
 def global_groups(cfg: ModelConfig) -> list[TensorGroup]:
