@@ -191,10 +191,7 @@ class AgenticRollout:
 
 
 def _check_tokenizer(tokenizer, path: str, model_cfg: ModelConfig, needs_tools: bool) -> None:
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"the tokenizer in {path} has {tokenizer.vocab_size} tokens but the model's embedding "
-                         f"has ModelConfig.vocab_size={model_cfg.vocab_size}: ids past it would index nothing "
-                         "(a tokenizer of another model?)")
+    _check_vocabulary(tokenizer, path, model_cfg.vocab_size)
     if not tokenizer.chat_template_source:
         raise ValueError(f"the tokenizer in {path} has no chat template (tokenizer_config.json 'chat_template' "
                          "or chat_template.jinja): agentic RL renders every turn with it")
@@ -202,6 +199,28 @@ def _check_tokenizer(tokenizer, path: str, model_cfg: ModelConfig, needs_tools: 
         raise ValueError(f"the chat template in {path} ignores `tools` (the same text with and without a tool "
                          f"schema): the model would never see the environment's tools. Use the model's "
                          "tool-calling template (AgenticRollout.tokenizer_path) or an environment without tools")
+
+
+def _check_vocabulary(tokenizer, path: str, rows: int) -> None:
+    """A tokenizer may hold ids past the model's embedding rows only in added special tokens that
+    neither the chat template nor a stop token writes: Gemma 3's tokenizer has <image_soft_token>
+    (id 262144, the multimodal models' image placeholder) past gemma-3-1b's 262144 rows. A prompt
+    holding one is refused by the engine's admission, as any id past the vocabulary."""
+    if tokenizer.vocab_size <= rows:
+        return
+    read = getattr(getattr(tokenizer, "hf", None), "get_added_tokens_decoder", None)
+    added = read() if read is not None else {}
+    vocabulary = [i for i in range(rows, tokenizer.vocab_size) if i not in added or not added[i].special]
+    if vocabulary:
+        raise ValueError(f"the tokenizer in {path} has {tokenizer.vocab_size} tokens but the model's embedding has "
+                         f"ModelConfig.vocab_size={rows}: ids past it would index nothing (a tokenizer of another "
+                         f"model?); {len(vocabulary)} of them, from id {vocabulary[0]}, are not added special tokens")
+    written = set(tokenizer.stop_token_ids)
+    written.update(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], None, add_generation_prompt=True))
+    past = sorted(i for i in written if i >= rows)
+    if past:
+        raise ValueError(f"the tokenizer in {path} writes ids {past} ({[added[i].content for i in past]}) in its chat "
+                         f"template or stop tokens, past the model's ModelConfig.vocab_size={rows}")
 
 
 def _stable(value: Any) -> str:
