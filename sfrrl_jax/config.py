@@ -11,14 +11,14 @@ import numbers
 from typing import Iterable, Literal, Sequence
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
-Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
+Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3"]
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 MlpAct = Literal["silu", "gelu_tanh"]   # the gate's activation of a dense (GLU) MLP
 LayerType = Literal["full", "sliding"]
 Dispatch = Literal["padded", "ragged", "llep"]
 Remat = Literal["none", "full", "dots", "dots_no_batch", "attention_out", "dots_attention_out"]
-RopeType = Literal["default", "yarn", "llama3", "linear"]
+RopeType = Literal["default", "yarn", "llama3", "linear", "longrope"]
 AttentionImpl = Literal["blockwise", "pallas", "naive"]
 # How a paged KV cache's decode attends (`engine.paged.use_paged_kernel`).
 PagedAttention = Literal["auto", "gather", "pallas"]
@@ -178,6 +178,17 @@ class ModelConfig:
     rope_truncate: bool = True
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
+    # The share of head_dim that RoPE rotates (Phi-4-mini: 0.75; the rest passes unrotated).
+    rope_partial_factor: float = 1.0
+    # 'longrope' (Phi-3.5 / Phi-4-mini): frequencies divided per dim by the short factors, or by the
+    # long ones where a call holds a position at or past rope_original_max_len (HF's and vLLM's
+    # rule), cos/sin scaled by rope_attention_factor; one factor per rotated pair of dims. So a
+    # sequence that grows past that length during decoding has cache keys rotated by the short
+    # factors and later ones by the long: its train-time logprobs (one call, long factors) are
+    # not the rollout's, as in every engine that follows HF.
+    rope_long_factor: tuple[float, ...] = ()
+    rope_short_factor: tuple[float, ...] = ()
+    rope_attention_factor: float = 1.0
     rms_eps: float = 1e-6
     # Gemma's variants of the block (all off for the other families):
     # RMSNorm scales by (norm_offset + weight), in fp32 before the cast (Gemma: 1.0, its weights
@@ -250,6 +261,7 @@ class ModelConfig:
         check_number_fields(self, ("norm_offset",), 0)
         check_number_fields(self, ("embed_scale",), 0, lo_open=True)
         check_number_fields(self, ("query_scale", "rope_local_theta"), 0, lo_open=True, optional=True)
+        self._check_rope_dims()
         check_number_fields(self, ("rope_theta", "rope_factor", "rms_eps", "swiglu_limit", "swiglu_alpha",
                                    "rope_low_freq_factor", "rope_high_freq_factor"), 0, lo_open=True)
         if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
@@ -286,6 +298,25 @@ class ModelConfig:
                            ("attention_impl", AttentionImpl)):
             if getattr(self, k) not in allowed.__args__:
                 raise ValueError(f"ModelConfig.{k}={getattr(self, k)!r}; valid: {list(allowed.__args__)}")
+
+    def _check_rope_dims(self) -> None:
+        check_number("ModelConfig.rope_partial_factor", self.rope_partial_factor, 0, 1, lo_open=True)
+        check_number("ModelConfig.rope_attention_factor", self.rope_attention_factor, 0, lo_open=True)
+        rotated = int(self.head_dim * self.rope_partial_factor)
+        if rotated < 2 or rotated % 2:
+            raise ValueError(f"ModelConfig.rope_partial_factor={self.rope_partial_factor} rotates {rotated} of "
+                             f"head_dim={self.head_dim} dims; RoPE rotates an even number >= 2")
+        for k in ("rope_long_factor", "rope_short_factor"):
+            value = getattr(self, k)
+            if not isinstance(value, (tuple, list)):
+                raise ValueError(f"ModelConfig.{k} must be a list of numbers, got {value!r}")
+            for i, f in enumerate(value):
+                check_number(f"ModelConfig.{k}[{i}]", f, 0, lo_open=True)
+            object.__setattr__(self, k, tuple(float(f) for f in value))   # gin and JSON hand over lists
+            if self.rope_type == "longrope" and len(value) != rotated // 2:
+                raise ValueError(f"ModelConfig.{k} has {len(value)} factors; longrope needs one per rotated pair "
+                                 f"of dims: {rotated // 2} (head_dim={self.head_dim} x rope_partial_factor="
+                                 f"{self.rope_partial_factor} / 2)")
 
     def _check_dense_layers(self) -> None:
         where = "ModelConfig.dense_layers"

@@ -46,6 +46,14 @@ TINY_GEMMA = S.ModelConfig.preset(
     query_scale=0.3, rope_local_theta=500.0, rope_type="linear", rope_factor=4.0, tie_embeddings=True,
 )
 
+# Phi-4-mini-like (dense): RoPE on half of each head, longrope short factors (the original length
+# 64 is past every test sequence, so the long ones never apply), a window on every layer.
+TINY_PHI = S.ModelConfig.preset(
+    "tiny-moe", family="phi3", n_experts=0, d_ff=40, qk_norm=False, rope_partial_factor=0.5, rope_type="longrope",
+    rope_short_factor=(1.0, 1.3, 1.9, 2.6), rope_long_factor=(1.0, 2.0, 4.0, 8.0), rope_original_max_len=64,
+    rope_attention_factor=1.1, sliding_window=6, layer_types=("sliding", "sliding"),
+)
+
 
 def single_device_mesh():
     return S.make_mesh(devices=jax.devices()[:1])

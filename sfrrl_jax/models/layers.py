@@ -81,16 +81,25 @@ class Embed(nnx.Module):
 
 # -- rotary embeddings --------------------------------------------------------------------------
 
-def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> tuple[jax.Array, float]:
-    """Inverse frequencies [head_dim // 2] and the attention (cos/sin) scale for `cfg`'s RoPE;
-    `local`: the sliding layers' own (cfg.rope_local_theta, unscaled), where the config has one."""
-    dim, base = cfg.head_dim, cfg.rope_theta
+def rope_dim(cfg: ModelConfig) -> int:
+    """The dims of a head RoPE rotates (the leading ones; all unless cfg.rope_partial_factor < 1)."""
+    return int(cfg.head_dim * cfg.rope_partial_factor)
+
+
+def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> tuple[jax.Array, float]:
+    """Inverse frequencies [rope_dim // 2] and the attention (cos/sin) scale for `cfg`'s RoPE;
+    `local`: the sliding layers' own (cfg.rope_local_theta, unscaled), where the config has one;
+    `long`: longrope's long factors."""
+    dim, base = rope_dim(cfg), cfg.rope_theta
     if local and cfg.rope_local_theta is not None:
         base = cfg.rope_local_theta
     exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
     inv_freq = 1.0 / (base ** exponents)
     if cfg.rope_type == "default" or (local and cfg.rope_local_theta is not None):
         return inv_freq, 1.0
+    if cfg.rope_type == "longrope":
+        factors = jnp.asarray(cfg.rope_long_factor if long else cfg.rope_short_factor, jnp.float32)
+        return 1.0 / (factors * base ** exponents), cfg.rope_attention_factor
     if cfg.rope_type == "linear":   # positions divided by the factor (Gemma 3's global layers)
         return inv_freq / cfg.rope_factor, 1.0
     if cfg.rope_type == "llama3":
@@ -130,10 +139,14 @@ def _llama3_inv_freq(inv_freq: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig, window=None) -> jax.Array:
-    """Rotates halves of the head dim. x [batch, seq, heads, head_dim]; positions [batch, seq].
+    """Rotates halves of the head dim's first rope_dim dims. x [batch, seq, heads, head_dim];
+    positions [batch, seq].
     window (int scalar, may be traced; a sliding layer's > 0): picks the sliding layers' RoPE
     where cfg.rope_local_theta gives them their own."""
     inv_freq, scale = rope_inv_freq(cfg)
+    if cfg.rope_type == "longrope":   # HF's rule: the long factors once any position reaches the original length
+        long_freq, _ = rope_inv_freq(cfg, long=True)
+        inv_freq = jnp.where(jnp.max(positions) + 1 > cfg.rope_original_max_len, long_freq, inv_freq)
     if cfg.rope_local_theta is not None and window is not None:
         local_freq, local_scale = rope_inv_freq(cfg, local=True)
         sliding = jnp.asarray(window) > 0
@@ -143,9 +156,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig, window=None
     cos = (jnp.cos(phase) * scale)[:, :, None, :]
     sin = (jnp.sin(phase) * scale)[:, :, None, :]
     x32 = x.astype(jnp.float32)
-    first, second = jnp.split(x32, 2, axis=-1)
-    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return out.astype(x.dtype)
+    rotated = 2 * inv_freq.shape[-1]
+    first, second = jnp.split(x32[..., :rotated], 2, axis=-1)
+    parts = [first * cos - second * sin, second * cos + first * sin]
+    if rotated < x.shape[-1]:   # partial rotary: the trailing dims pass as they are
+        parts.append(x32[..., rotated:])
+    return jnp.concatenate(parts, axis=-1).astype(x.dtype)
 
 
 # -- attention ----------------------------------------------------------------------------------

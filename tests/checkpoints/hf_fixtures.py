@@ -23,6 +23,7 @@ FAMILY_CLASSES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -132,6 +133,22 @@ CONFIGS = {
     "gemma3_1b_like": ("gemma3_text", dict(
         vocab_size=67, hidden_size=24, num_hidden_layers=7, num_attention_heads=2, num_key_value_heads=1,
         head_dim=16, intermediate_size=40, sliding_window=3, query_pre_attn_scalar=16)),
+    # Phi-4-mini in small: fused qkv and gate_up, RoPE on 3/4 of each head, longrope (its short
+    # factors at the test's lengths), tied embeddings; GQA 2:1.
+    "phi4_mini_like": ("phi3", dict(
+        vocab_size=79, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=36, max_position_embeddings=64, original_max_position_embeddings=16,
+        tie_word_embeddings=True, sliding_window=None, pad_token_id=0, eos_token_id=1,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "long_factor": [1.0, 1.5, 2.5, 4.0, 9.0, 16.0],
+                         "short_factor": [1.0, 1.1, 1.25, 1.5, 2.0, 2.4],
+                         "original_max_position_embeddings": 16})),
+    # Phi-3-mini-4k in small: default RoPE on the whole head, a window on every layer.
+    "phi3_mini_window": ("phi3", dict(
+        vocab_size=73, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=30, max_position_embeddings=64, original_max_position_embeddings=64, sliding_window=4,
+        pad_token_id=0, eos_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 

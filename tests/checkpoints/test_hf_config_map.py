@@ -1,5 +1,7 @@
 """config.json <-> ModelConfig: the published configs (4.x spelling, as on the Hub) map onto our
 presets, and our export is read back by transformers' own config classes unchanged."""
+import copy
+
 import pytest
 
 from sfrrl_jax.checkpoints.hf import config_from_hf, config_to_hf
@@ -116,7 +118,7 @@ GEMMA3_1B = {
 def test_published_gemma3_config_reads_as_transformers_reads_it():
     import transformers
     cfg = config_from_hf(GEMMA3_1B)
-    theirs = transformers.Gemma3TextConfig(**GEMMA3_1B)
+    theirs = transformers.Gemma3TextConfig(**copy.deepcopy(GEMMA3_1B))
     assert [t + "_attention" for t in cfg.layer_types] == list(theirs.layer_types)
     assert cfg.layer_types[5] == cfg.layer_types[11] == "full" and cfg.layer_types.count("full") == 4
     assert (cfg.family, cfg.n_experts, cfg.d_ff, cfg.head_dim, cfg.n_kv_heads, cfg.sliding_window) == (
@@ -131,7 +133,7 @@ def test_published_gemma3_config_reads_as_transformers_reads_it():
     # the export, in transformers 5's spelling, reads back the same, ours and theirs
     exported = config_to_hf(scaled)
     assert config_from_hf(exported) == scaled
-    back = transformers.Gemma3TextConfig(**exported)
+    back = transformers.Gemma3TextConfig(**copy.deepcopy(exported))
     assert back.rope_parameters["full_attention"]["factor"] == 8.0 and back.query_pre_attn_scalar == 256
     assert list(back.layer_types) == list(theirs.layer_types)
 
@@ -155,3 +157,55 @@ def test_gemma3_refuses_what_the_model_does_not_implement(changes, message):
         config_to_hf(config_from_hf(GEMMA3_1B).replace(sandwich_norms=False))
     with pytest.raises(HFConfigError, match="LlamaForCausalLM requires"):
         config_to_hf(config_from_hf(GEMMA3_1B).replace(family="llama", qk_norm=False))
+
+
+# Phi-4-mini-instruct's config.json as published (4.x spelling: rope_scaling with 48 factors each
+# for the 96 rotated dims of 128, partial_rotary_factor and original length at the top level).
+PHI4_MINI = {
+    "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "bos_token_id": 199999, "eos_token_id": 199999,
+    "full_attn_mod": 1, "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 8192,
+    "interpolate_factor": 1, "lm_head_bias": False, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "phi3", "num_attention_heads": 24, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "original_max_position_embeddings": 4096, "pad_token_id": 199999, "partial_rotary_factor": 0.75,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "vocab_size": 200064,
+    "rope_scaling": {"type": "longrope", "long_factor": [1.0 + i / 10 for i in range(48)],
+                     "short_factor": [1.0 + i / 100 for i in range(48)]}}
+
+
+def test_published_phi4_mini_config_reads_as_transformers_reads_it():
+    import math
+
+    import transformers
+    cfg = config_from_hf(PHI4_MINI)
+    assert (cfg.family, cfg.head_dim, cfg.n_kv_heads, cfg.d_ff, cfg.tie_embeddings) == ("phi3", 128, 8, 8192, True)
+    assert (cfg.rope_type, cfg.rope_partial_factor, cfg.rope_original_max_len) == ("longrope", 0.75, 4096)
+    assert len(cfg.rope_long_factor) == len(cfg.rope_short_factor) == 48
+    assert cfg.sliding_window is None and cfg.layer_types is None   # 262144 over 131072 positions
+    # HF's default attention factor: from the context's growth, 131072 / 4096
+    assert cfg.rope_attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), rel=1e-12)
+    theirs = transformers.Phi3Config(**copy.deepcopy(PHI4_MINI))   # it writes into the nested dicts
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    _, attention = ROPE_INIT_FUNCTIONS["longrope"](theirs, "cpu")
+    assert attention == pytest.approx(cfg.rope_attention_factor, rel=1e-12)
+    exported = config_to_hf(cfg)
+    assert config_from_hf(exported) == cfg
+    back = transformers.Phi3Config(**copy.deepcopy(exported))
+    assert back.rope_parameters["partial_rotary_factor"] == 0.75 and len(back.rope_parameters["long_factor"]) == 48
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"partial_rotary_factor": 0.7}, "rotates 89 of head_dim=128 dims"),
+    ({"rope_scaling": {"type": "longrope", "long_factor": [1.0] * 47, "short_factor": [1.0] * 48}},
+     "rope_long_factor has 47 factors; longrope needs one per rotated pair of dims: 48"),
+    ({"rope_scaling": {"type": "longrope", "long_factor": "fast", "short_factor": [1.0] * 48}},
+     "long_factor must be a list of numbers"),
+    ({"rope_scaling": {"type": "longrope", "long_factor": [1.0] * 48, "short_factor": [1.0] * 48, "mscale": 2}},
+     r"longrope parameter\(s\) \['mscale'\] are not supported"),
+    ({"rope_scaling": {"type": "longrope", "long_factor": [1.0] * 48}}, "lacks required key 'short_factor'"),
+])
+def test_phi3_refuses_what_the_model_does_not_implement(changes, message):
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    with pytest.raises(HFConfigError, match=message):
+        config_from_hf({**PHI4_MINI, **changes})

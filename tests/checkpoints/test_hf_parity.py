@@ -126,3 +126,17 @@ def test_bfloat16_load_and_roundtrip(tmp_path, mesh):
     for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
         assert y.dtype == np.dtype("bfloat16")
         np.testing.assert_array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
+
+
+def test_longrope_takes_the_long_factors_from_the_original_length_on_as_transformers_does(tmp_path, mesh):
+    """Phi-3.5 / Phi-4-mini: the short factors while every position of the call is below
+    original_max_position_embeddings (16 here), the long ones once one reaches it."""
+    model = F.build_model("phi4_mini_like")
+    cfg, params = load_hf(F.save_model(model, tmp_path / "hf"), mesh)
+    assert (cfg.rope_type, cfg.rope_original_max_len, cfg.rope_partial_factor) == ("longrope", 16, 0.75)
+    for seq in (16, 17, 24):
+        tokens = F.tokens_for(model.config.vocab_size, seq=seq)
+        ours = np.asarray(S.forward(cfg, params, tokens))
+        assert np.abs(ours - F.hf_logits(model, tokens)).max() <= 1e-4, seq
+    short_only = cfg.replace(rope_long_factor=cfg.rope_short_factor)
+    assert np.abs(np.asarray(S.forward(short_only, params, tokens)) - ours).max() > 0.1   # the switch is real

@@ -1,4 +1,4 @@
-"""Dense families (n_experts=0: llama, mistral, qwen2, qwen3, gemma3_text): the same transformer
+"""Dense families (n_experts=0: llama, mistral, qwen2, qwen3, gemma3_text, phi3): the same transformer
 with a GLU MLP in every layer, sharded over `tensor`, trained by the same train step as the MoE
 families."""
 import jax
@@ -10,10 +10,10 @@ from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.rl.config import LossConfig
 
-from model_fixtures import TINY_DENSE, TINY_GEMMA, host, randomize, replicate_on, single_device_mesh
+from model_fixtures import TINY_DENSE, TINY_GEMMA, TINY_PHI, host, randomize, replicate_on, single_device_mesh
 
 
-@pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_GEMMA], ids=["qwen2_like", "gemma3_like"])
+@pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_GEMMA, TINY_PHI], ids=["qwen2_like", "gemma3_like", "phi3_like"])
 def test_dense_forward_and_train_step_on_a_mesh_equal_one_device(cfg):
     mesh = S.make_mesh(data=2, expert=2, tensor=2)
     params = randomize(S.init_params(cfg, mesh, seed=3), seed=4)

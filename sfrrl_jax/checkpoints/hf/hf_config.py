@@ -7,6 +7,7 @@ Anything our model cannot represent (an unknown RoPE type, a non-SiLU activation
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,12 +15,13 @@ from typing import Any, Mapping
 from sfrrl_jax.config import MODEL_DTYPES, ModelConfig
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3",
-                      "gemma3_text")
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+                      "gemma3_text", "phi3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 _HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 _TO_HF_LAYER_TYPES = {ours: theirs for theirs, ours in _HF_LAYER_TYPES.items()}
 _LLAMA3_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -27,6 +29,8 @@ _LLAMA3_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", 
 _YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow",
               "original_max_position_embeddings", "truncate"}
 _LINEAR_KEYS = {"rope_type", "type", "rope_theta", "factor"}
+_LONGROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "attention_factor", "long_factor", "short_factor",
+                  "original_max_position_embeddings", "partial_rotary_factor"}
 
 
 class HFConfigError(ValueError):
@@ -175,6 +179,8 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
     )
     if family == "gemma3_text":
         return _gemma3_config(hf, common, where)
+    if family == "phi3":
+        return _phi3_config(hf, common, where)
     if family in DENSE_FAMILIES:
         return _dense_config(hf, family, common, where)
     if family == "qwen3_moe":
@@ -347,11 +353,63 @@ def _gemma3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConf
     )
 
 
+def _phi3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """Phi-3 / Phi-3.5 / Phi-4-mini: Llama's block with q/k/v and gate/up fused in the checkpoint
+    (split on load), RoPE on the leading `partial_rotary_factor` of each head (Phi-4-mini: 0.75),
+    default or longrope scaling, and `sliding_window` (when not null) on every layer."""
+    _require(hf, "hidden_act", ("silu",), where)
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(field) or {})
+    partial = _float({"partial_rotary_factor": params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))},
+                     "partial_rotary_factor", where, 1.0)
+    extra: dict = {"rope_partial_factor": partial}
+    if params.get("rope_type", params.get("type")) == "longrope":
+        at = f"{where} {field}"
+        unknown = sorted(set(params) - _LONGROPE_KEYS)
+        if unknown:
+            raise HFConfigError(f"{where}: longrope parameter(s) {unknown} are not supported; "
+                                f"supported: {sorted(_LONGROPE_KEYS)}")
+        original = _int({"original_max_position_embeddings": params.get("original_max_position_embeddings",
+                                                                        hf.get("original_max_position_embeddings"))},
+                        "original_max_position_embeddings", at)
+        factors = {}
+        for key in ("long_factor", "short_factor"):
+            value = _get(params, key, at)
+            if not isinstance(value, list) or not all(isinstance(f, (int, float)) and not isinstance(f, bool)
+                                                      for f in value):
+                raise HFConfigError(f"{at}: {key} must be a list of numbers, got {value!r}")
+            factors[key] = tuple(float(f) for f in value)
+        factor = _float(params, "factor", at, common["max_seq_len"] / original)
+        attention = params.get("attention_factor")   # HF's default: from the context's growth
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        extra.update(rope_type="longrope", rope_original_max_len=original, rope_long_factor=factors["long_factor"],
+                     rope_short_factor=factors["short_factor"],
+                     rope_attention_factor=_float({"attention_factor": attention}, "attention_factor", at),
+                     rope_theta=_float({"rope_theta": params.get("rope_theta", hf.get("rope_theta"))}, "rope_theta",
+                                       where, 10000.0))
+    else:
+        extra.update(_rope({**hf, field: {k: v for k, v in params.items() if k != "partial_rotary_factor"}},
+                           where, 10000.0))
+    window = None if hf.get("sliding_window") is None else _int(hf, "sliding_window", where)
+    if window is not None and window >= common["max_seq_len"]:
+        window = None   # Phi-4-mini's 262144 over 131072 positions: no window at all
+    try:
+        return ModelConfig(**common, **extra, n_experts=0, d_ff=_int(hf, "intermediate_size", where),
+                           sliding_window=window, layer_types=("sliding",) * common["n_layers"] if window else None)
+    except ValueError as e:   # factor counts and the rotated dims are checked by ModelConfig
+        raise HFConfigError(f"{where}: {e}") from None
+
+
 def _rope_to_hf(cfg: ModelConfig) -> dict:
     if cfg.rope_type == "default":
         return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_type == "linear":
         return {"rope_theta": cfg.rope_theta, "rope_type": "linear", "factor": cfg.rope_factor}
+    if cfg.rope_type == "longrope":
+        return {"rope_theta": cfg.rope_theta, "rope_type": "longrope", "long_factor": list(cfg.rope_long_factor),
+                "short_factor": list(cfg.rope_short_factor), "attention_factor": cfg.rope_attention_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_len}
     if cfg.rope_type == "llama3":
         return {"rope_theta": cfg.rope_theta, "rope_type": "llama3", "factor": cfg.rope_factor,
                 "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
@@ -382,7 +440,10 @@ def check_exportable(cfg: ModelConfig) -> None:
                         expert_bias=True, expert_act="gptoss_swiglu", attention_bias=True, d_ff_shared=0),
         "gemma3_text": dict(dense, qk_norm=True, out_bias=cfg.attention_bias, norm_offset=1.0, sandwich_norms=True,
                             mlp_act="gelu_tanh", embed_scale=cfg.d_model ** 0.5),
+        "phi3": dict(dense, qk_norm=False, attention_bias=False, out_bias=False),
     }[cfg.family]
+    if cfg.family != "phi3":
+        want["rope_partial_factor"] = 1.0
     if cfg.family != "gemma3_text":
         want.update(plain)
     elif cfg.query_scale is None or (cfg.rope_local_theta is None and "sliding" in (cfg.layer_types or ())):
@@ -405,7 +466,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     if cfg.family == "qwen2_moe" and not cfg.d_ff_shared:
         raise HFConfigError("ModelConfig(family='qwen2_moe') has d_ff_shared=0; HF Qwen2MoeForCausalLM has a "
                             "shared expert in every MoE layer")
-    if cfg.family in ("qwen3_moe", "mixtral", "mistral") and types and types != {"sliding"}:
+    if cfg.family in ("qwen3_moe", "mixtral", "mistral", "phi3") and types and types != {"sliding"}:
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}): HF applies sliding_window to every layer; "
                             f"layer_types={cfg.layer_types} mixes kinds")
 
@@ -434,6 +495,12 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                   rope_parameters={"full_attention": _rope_to_hf(cfg),
                                    "sliding_attention": {"rope_type": "default",
                                                          "rope_theta": cfg.rope_local_theta or cfg.rope_theta}})
+    elif cfg.family == "phi3":
+        del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
+        rope = {**_rope_to_hf(cfg), "partial_rotary_factor": cfg.rope_partial_factor}
+        # pad_token_id: Phi3Config's default (32000) is an embedding row HF checks against the vocabulary
+        hf.update(intermediate_size=cfg.d_ff, sliding_window=window, rope_parameters=rope,
+                  original_max_position_embeddings=cfg.rope_original_max_len, pad_token_id=None)
     elif cfg.family in DENSE_FAMILIES:
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
         hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, mlp_bias=False)

@@ -5,7 +5,8 @@ keep heads and experts as their own dims: q_proj [D, H, hd], o_proj [H, hd, D], 
 [E, D, F], w_down [E, F, D], router [D, E]. HF stores `nn.Linear` weights as [out, in] with
 heads flattened, and experts either one tensor per expert (Qwen3-MoE, Mixtral, as
 `save_pretrained` writes them) or fused [E, in, out] with gate and up interleaved on the last dim
-(GPT-OSS: gate = [..., ::2], up = [..., 1::2]), optionally MXFP4-quantised.
+(GPT-OSS: gate = [..., ::2], up = [..., 1::2]), optionally MXFP4-quantised. Phi-3 fuses q, k, v
+into one `qkv_proj` and gate, up into one `gate_up_proj` (their rows in turn).
 
 A `TensorGroup` is the unit of conversion: a few HF tensors <-> one or more of our per-layer
 leaves. Its `load` reads only the experts it is asked for (the rows of an expert-sharded shard);
@@ -97,10 +98,15 @@ def _attention(cfg: ModelConfig, p: str) -> list[TensorGroup]:
         return (lambda w: np.ascontiguousarray(w.reshape(n, hd, d).transpose(2, 0, 1)),
                 lambda w: np.ascontiguousarray(w.transpose(1, 2, 0).reshape(n * hd, d)))
 
-    groups = [
-        _single(a + "q_proj.weight", ("attn", "q_proj"), (h * hd, d), *proj_in(h)),
-        _single(a + "k_proj.weight", ("attn", "k_proj"), (k * hd, d), *proj_in(k)),
-        _single(a + "v_proj.weight", ("attn", "v_proj"), (k * hd, d), *proj_in(k)),
+    if cfg.family == "phi3":   # q, k and v rows of one [(h + 2k) * hd, D] linear
+        groups = [_stacked_rows(a + "qkv_proj.weight", [(("attn", "q_proj"), h * hd, proj_in(h)),
+                                                        (("attn", "k_proj"), k * hd, proj_in(k)),
+                                                        (("attn", "v_proj"), k * hd, proj_in(k))], d)]
+    else:
+        groups = [_single(a + "q_proj.weight", ("attn", "q_proj"), (h * hd, d), *proj_in(h)),
+                  _single(a + "k_proj.weight", ("attn", "k_proj"), (k * hd, d), *proj_in(k)),
+                  _single(a + "v_proj.weight", ("attn", "v_proj"), (k * hd, d), *proj_in(k))]
+    groups += [
         _single(a + "o_proj.weight", ("attn", "o_proj"), (d, h * hd),
                 lambda w: np.ascontiguousarray(w.reshape(d, h, hd).transpose(1, 2, 0)),
                 lambda w: np.ascontiguousarray(w.transpose(2, 0, 1).reshape(d, h * hd))),
@@ -123,9 +129,29 @@ def _transpose(w):
     return np.ascontiguousarray(w.T)
 
 
+def _stacked_rows(name: str, parts, in_dim: int) -> TensorGroup:
+    """One HF [out, in] linear whose output rows are several of our leaves in turn (Phi-3's
+    qkv_proj, gate_up_proj): parts = [(leaf, rows, (to_ours, to_hf))]."""
+    cuts = np.cumsum([rows for _, rows, _ in parts])[:-1]
+
+    def load(read, rows):
+        pieces = np.split(read(name, None), cuts)
+        return {leaf: to_ours(piece) for (leaf, _, (to_ours, _)), piece in zip(parts, pieces)}
+
+    def dump(v):
+        return {name: np.concatenate([to_hf(v[leaf]) for leaf, _, (_, to_hf) in parts])}
+
+    return TensorGroup(tuple(leaf for leaf, _, _ in parts), {name: (sum(r for _, r, _ in parts), in_dim)}, load, dump)
+
+
 def _dense_mlp(cfg: ModelConfig, p: str) -> list[TensorGroup]:
-    """Llama/Mistral/Qwen2/Qwen3/Gemma 3 `mlp.{gate,up,down}_proj` ([out, in] linears) <-> ours [in, out]."""
+    """Llama/Mistral/Qwen2/Qwen3/Gemma 3 `mlp.{gate,up,down}_proj` ([out, in] linears) <-> ours
+    [in, out]; Phi-3's gate and up are the two halves of one `mlp.gate_up_proj`."""
     d, f, m = cfg.d_model, cfg.d_ff, p + "mlp."
+    if cfg.family == "phi3":
+        return [_stacked_rows(m + "gate_up_proj.weight", [(("mlp", "w_gate"), f, (_transpose, _transpose)),
+                                                           (("mlp", "w_up"), f, (_transpose, _transpose))], d),
+                _single(m + "down_proj.weight", ("mlp", "w_down"), (d, f), _transpose, _transpose)]
     return [_single(m + "gate_proj.weight", ("mlp", "w_gate"), (f, d), _transpose, _transpose),
             _single(m + "up_proj.weight", ("mlp", "w_up"), (f, d), _transpose, _transpose),
             _single(m + "down_proj.weight", ("mlp", "w_down"), (d, f), _transpose, _transpose)]
