@@ -128,6 +128,8 @@ def test_legitimate_solutions_unlike_the_canonical_ones_pass(verifier, test, cod
 def test_future_imports_open_the_program():
     futures, rest = hoist_future_imports("import os\nfrom __future__ import annotations\nx = 1\n")
     assert (futures, rest) == ("from __future__ import annotations\n", "import os\nx = 1\n")
+    futures, rest = hoist_future_imports("from __future__ import (annotations,\n    division)\nx = 1")
+    assert (futures, rest) == ("from __future__ import (annotations,\n    division)\n", "x = 1")
     program = program_for(_task("    assert candidate(1) == 1\n"), "from __future__ import annotations\ndef f(x):\n"
                            "    return x\n", pass_status=9)
     assert program.startswith("from __future__ import annotations\n") and program.count("__future__") == 1

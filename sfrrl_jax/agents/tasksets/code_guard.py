@@ -178,7 +178,8 @@ def NAME():
 NAME = NAME()
 '''
 
-_FUTURE = re.compile(r"^from[ \t]+__future__[ \t]+import[^\n]*\n?", re.MULTILINE)
+# a module-level future import, its names in parentheses over several lines too
+_FUTURE = re.compile(r"^from[ \t]+__future__[ \t]+import[ \t]*(?:\([^)]*\)[^\n]*|[^\n]*)\n?", re.MULTILINE)
 
 
 def guard_source(name: str) -> str:
