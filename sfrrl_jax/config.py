@@ -11,7 +11,7 @@ import numbers
 from typing import Iterable, Literal, Sequence
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
-Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3"]
+Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite"]
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 MlpAct = Literal["silu", "gelu_tanh"]   # the gate's activation of a dense (GLU) MLP
@@ -198,6 +198,11 @@ class ModelConfig:
     # query_scale replaces 1/sqrt(head_dim) as the attention's scale (Gemma: query_pre_attn_scalar
     # ** -0.5); rope_local_theta, when set, is the RoPE base of the sliding layers, which
     # rotate without rope_type's scaling (Gemma 3's local layers).
+    # Granite's multipliers: each sublayer's output is scaled by residual_scale before the
+    # residual add, and the logits are divided by logits_divisor (its embedding_multiplier and
+    # attention_multiplier are embed_scale and query_scale).
+    residual_scale: float = 1.0
+    logits_divisor: float = 1.0
     norm_offset: float = 0.0
     sandwich_norms: bool = False
     mlp_act: MlpAct = "silu"
@@ -259,7 +264,7 @@ class ModelConfig:
         check_bool_fields(self, ("norm_topk_prob", "router_bias", "expert_bias", "qk_norm", "attention_bias",
                                  "attn_sinks", "rope_truncate", "tie_embeddings", "sandwich_norms"))
         check_number_fields(self, ("norm_offset",), 0)
-        check_number_fields(self, ("embed_scale",), 0, lo_open=True)
+        check_number_fields(self, ("embed_scale", "residual_scale", "logits_divisor"), 0, lo_open=True)
         check_number_fields(self, ("query_scale", "rope_local_theta"), 0, lo_open=True, optional=True)
         self._check_rope_dims()
         check_number_fields(self, ("rope_theta", "rope_factor", "rms_eps", "swiglu_limit", "swiglu_alpha",

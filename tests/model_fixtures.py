@@ -54,6 +54,12 @@ TINY_PHI = S.ModelConfig.preset(
     rope_attention_factor=1.1, sliding_window=6, layer_types=("sliding", "sliding"),
 )
 
+# Granite-like (dense): its four multipliers, none 1 or a power of two.
+TINY_GRANITE = S.ModelConfig.preset(
+    "tiny-moe", family="granite", n_experts=0, d_ff=40, qk_norm=False, embed_scale=3.5, query_scale=0.11,
+    residual_scale=0.4, logits_divisor=2.5, tie_embeddings=True,
+)
+
 
 def single_device_mesh():
     return S.make_mesh(devices=jax.devices()[:1])

@@ -66,12 +66,18 @@ class Block(nnx.Module):
         return y, metrics
 
     def attn_residual(self, y):
-        """The attention's output as the residual stream adds it (normed first with sandwich norms)."""
-        return self.post_attn_norm(y) if hasattr(self, "post_attn_norm") else y
+        """The attention's output as the residual stream adds it (normed first with sandwich
+        norms, scaled by cfg.residual_scale)."""
+        return self._scaled(self.post_attn_norm(y) if hasattr(self, "post_attn_norm") else y)
 
     def ffn_residual(self, y):
-        """The MLP's output as the residual stream adds it (normed first with sandwich norms)."""
-        return self.post_mlp_norm(y) if hasattr(self, "post_mlp_norm") else y
+        """The MLP's output as the residual stream adds it (normed first with sandwich norms,
+        scaled by cfg.residual_scale)."""
+        return self._scaled(self.post_mlp_norm(y) if hasattr(self, "post_mlp_norm") else y)
+
+    def _scaled(self, y):
+        scale = self.attn.cfg.residual_scale
+        return y if scale == 1.0 else y * jnp.asarray(scale, y.dtype)
 
     def __call__(self, x, positions, segment_ids, window, token_mask, replay=None, with_ids: bool = False):
         x = x + self.attn_residual(self.attn(self.attn_norm(x), positions, segment_ids, window))
@@ -342,10 +348,11 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, p
 
 
 def unembedding(cfg: ModelConfig, params: Params) -> jax.Array:
-    """The LM head matrix [embed, vocab] (the transposed embedding when tied)."""
-    if cfg.tie_embeddings:
-        return params["embed"]["embedding"].T
-    return params["lm_head"]
+    """The LM head matrix [embed, vocab] (the transposed embedding when tied), divided by
+    cfg.logits_divisor (Granite's logits_scaling): every path to the logits, the engine's and the
+    train step's chunked log-probs, goes through here."""
+    w = params["embed"]["embedding"].T if cfg.tie_embeddings else params["lm_head"]
+    return w if cfg.logits_divisor == 1.0 else w / jnp.asarray(cfg.logits_divisor, w.dtype)
 
 
 def logits_from_hidden(cfg: ModelConfig, params: Params, hidden) -> jax.Array:

@@ -24,6 +24,7 @@ FAMILY_CLASSES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -149,6 +150,13 @@ CONFIGS = {
         intermediate_size=30, max_position_embeddings=64, original_max_position_embeddings=64, sliding_window=4,
         pad_token_id=0, eos_token_id=1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Granite 3: Llama's block with its four multipliers (none of them 1 or a power of two here),
+    # q/k/v/o biases, tied embeddings.
+    "granite_multipliers": ("granite", dict(
+        vocab_size=77, hidden_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=34, attention_bias=True, tie_word_embeddings=True, embedding_multiplier=3.5,
+        attention_multiplier=0.11, residual_multiplier=0.4, logits_scaling=2.5, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 30000.0})),
 }
 
 

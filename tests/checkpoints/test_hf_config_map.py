@@ -209,3 +209,30 @@ def test_phi3_refuses_what_the_model_does_not_implement(changes, message):
     from sfrrl_jax.checkpoints.hf import HFConfigError
     with pytest.raises(HFConfigError, match=message):
         config_from_hf({**PHI4_MINI, **changes})
+
+
+# granite-3.3-2b-instruct's config.json (the architecture's fields, as published).
+GRANITE_33_2B = {
+    "architectures": ["GraniteForCausalLM"], "attention_bias": False, "attention_multiplier": 0.015625,
+    "embedding_multiplier": 12.0, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 8192,
+    "logits_scaling": 8.0, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "granite",
+    "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8, "residual_multiplier": 0.22,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000000.0, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "vocab_size": 49159}
+
+
+def test_published_granite_config_maps_its_multipliers():
+    import transformers
+    cfg = config_from_hf(GRANITE_33_2B)
+    assert (cfg.family, cfg.head_dim, cfg.n_kv_heads, cfg.d_ff, cfg.rope_theta) == ("granite", 64, 8, 8192, 1e7)
+    assert (cfg.embed_scale, cfg.query_scale, cfg.residual_scale, cfg.logits_divisor) == (12.0, 0.015625, 0.22, 8.0)
+    exported = config_to_hf(cfg)
+    assert config_from_hf(exported) == cfg
+    back = transformers.GraniteConfig(**copy.deepcopy(exported))
+    assert (back.embedding_multiplier, back.attention_multiplier, back.residual_multiplier, back.logits_scaling) == (
+        12.0, 0.015625, 0.22, 8.0)
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    with pytest.raises(HFConfigError, match="mlp_bias=True"):
+        config_from_hf({**GRANITE_33_2B, "mlp_bias": True})
+    with pytest.raises(HFConfigError, match="LlamaForCausalLM requires"):
+        config_to_hf(cfg.replace(family="llama"))   # Llama has no multipliers

@@ -1,4 +1,4 @@
-"""Dense families (n_experts=0: llama, mistral, qwen2, qwen3, gemma3_text, phi3): the same transformer
+"""Dense families (n_experts=0: llama, mistral, qwen2, qwen3, gemma3_text, phi3, granite): the same transformer
 with a GLU MLP in every layer, sharded over `tensor`, trained by the same train step as the MoE
 families."""
 import jax
@@ -10,10 +10,11 @@ from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.rl.config import LossConfig
 
-from model_fixtures import TINY_DENSE, TINY_GEMMA, TINY_PHI, host, randomize, replicate_on, single_device_mesh
+from model_fixtures import TINY_DENSE, TINY_GEMMA, TINY_GRANITE, TINY_PHI, host, randomize, replicate_on, single_device_mesh
 
 
-@pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_GEMMA, TINY_PHI], ids=["qwen2_like", "gemma3_like", "phi3_like"])
+@pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_GEMMA, TINY_PHI, TINY_GRANITE],
+                         ids=["qwen2_like", "gemma3_like", "phi3_like", "granite_like"])
 def test_dense_forward_and_train_step_on_a_mesh_equal_one_device(cfg):
     mesh = S.make_mesh(data=2, expert=2, tensor=2)
     params = randomize(S.init_params(cfg, mesh, seed=3), seed=4)
@@ -49,3 +50,25 @@ def test_dense_config_errors_name_the_field():
         S.ModelConfig.preset("tiny-moe", n_experts=0)
     with pytest.raises(ValueError, match="attention_out_bias"):
         S.ModelConfig.preset("tiny-moe", attention_out_bias="yes")
+
+
+def test_the_train_steps_logprobs_are_the_forwards_with_granites_logits_divisor():
+    """The train step reads log-probs from (hidden, unembedding) in tiles, not from the forward's
+    logits: Granite's logits_scaling must reach both."""
+    from sfrrl_jax.models import transformer as tfm
+    from sfrrl_jax.rl.logprobs import token_logprobs_and_entropy
+    mesh = single_device_mesh()
+    params = randomize(S.init_params(TINY_GRANITE, mesh, seed=5), seed=6)
+    tokens = np.random.RandomState(2).randint(0, TINY_GRANITE.vocab_size, (2, 9)).astype(np.int32)
+    targets = np.roll(tokens, -1, axis=1)
+
+    def both(cfg):
+        hidden, _ = tfm.forward_hidden(cfg, params, tokens)
+        tiled, _ = token_logprobs_and_entropy(hidden, tfm.unembedding(cfg, params), targets)
+        full = jax.nn.log_softmax(S.forward(cfg, params, tokens), axis=-1)
+        return host(tiled), np.take_along_axis(host(full), targets[..., None], axis=-1)[..., 0]
+
+    tiled, full = both(TINY_GRANITE)
+    np.testing.assert_allclose(tiled, full, atol=1e-5, rtol=0)
+    undivided, _ = both(TINY_GRANITE.replace(logits_divisor=1.0))
+    assert np.abs(undivided - tiled).max() > 0.05

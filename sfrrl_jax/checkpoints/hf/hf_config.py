@@ -15,13 +15,13 @@ from typing import Any, Mapping
 from sfrrl_jax.config import MODEL_DTYPES, ModelConfig
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3",
-                      "gemma3_text", "phi3")
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+                      "gemma3_text", "phi3", "granite")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
 _HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 _TO_HF_LAYER_TYPES = {ours: theirs for theirs, ours in _HF_LAYER_TYPES.items()}
 _LLAMA3_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -181,6 +181,16 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         return _gemma3_config(hf, common, where)
     if family == "phi3":
         return _phi3_config(hf, common, where)
+    if family == "granite":   # Llama's block with four multipliers
+        _require(hf, "hidden_act", ("silu",), where)
+        if hf.get("mlp_bias"):
+            raise HFConfigError(f"{where}: mlp_bias=True is not supported (the MLP has no biases)")
+        return ModelConfig(
+            **common, **_rope(hf, where, 10000.0), n_experts=0, d_ff=_int(hf, "intermediate_size", where),
+            embed_scale=_float(hf, "embedding_multiplier", where, 1.0),
+            query_scale=_float(hf, "attention_multiplier", where, 1.0),
+            residual_scale=_float(hf, "residual_multiplier", where, 1.0),
+            logits_divisor=_float(hf, "logits_scaling", where, 1.0))
     if family in DENSE_FAMILIES:
         return _dense_config(hf, family, common, where)
     if family == "qwen3_moe":
@@ -424,7 +434,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     dense = dict(n_experts=0, attn_sinks=False, router_bias=False, expert_bias=False)
     # Gemma's variants of the block: none in the other families' HF classes
     plain = dict(norm_offset=0.0, sandwich_norms=False, mlp_act="silu", embed_scale=1.0, query_scale=None,
-                 rope_local_theta=None)
+                 rope_local_theta=None, residual_scale=1.0, logits_divisor=1.0)
     want = {
         "llama": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
         "mistral": dict(dense, qk_norm=False, attention_bias=False, out_bias=False),
@@ -439,12 +449,19 @@ def check_exportable(cfg: ModelConfig) -> None:
         "gpt_oss": dict(router="topk_softmax", qk_norm=False, attn_sinks=True, router_bias=True,
                         expert_bias=True, expert_act="gptoss_swiglu", attention_bias=True, d_ff_shared=0),
         "gemma3_text": dict(dense, qk_norm=True, out_bias=cfg.attention_bias, norm_offset=1.0, sandwich_norms=True,
-                            mlp_act="gelu_tanh", embed_scale=cfg.d_model ** 0.5),
+                            mlp_act="gelu_tanh", embed_scale=cfg.d_model ** 0.5, residual_scale=1.0,
+                            logits_divisor=1.0),
         "phi3": dict(dense, qk_norm=False, attention_bias=False, out_bias=False),
+        "granite": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
     }[cfg.family]
     if cfg.family != "phi3":
         want["rope_partial_factor"] = 1.0
-    if cfg.family != "gemma3_text":
+    if cfg.family == "granite":   # its multipliers, the rest as Llama
+        if cfg.query_scale is None:
+            raise HFConfigError("ModelConfig(family='granite') needs query_scale (attention_multiplier)")
+        want.update({k: v for k, v in plain.items() if k not in ("embed_scale", "query_scale", "residual_scale",
+                                                                    "logits_divisor")})
+    elif cfg.family != "gemma3_text":
         want.update(plain)
     elif cfg.query_scale is None or (cfg.rope_local_theta is None and "sliding" in (cfg.layer_types or ())):
         raise HFConfigError("ModelConfig(family='gemma3_text') needs query_scale (query_pre_attn_scalar ** -0.5) "
@@ -460,7 +477,7 @@ def check_exportable(cfg: ModelConfig) -> None:
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has {wrong}; HF {ARCHITECTURES[cfg.family]} "
                             f"requires {({k: want[k] for k in wrong})}")
     types = set(cfg.layer_types or ())
-    if cfg.family == "llama" and "sliding" in types:
+    if cfg.family in ("llama", "granite") and "sliding" in types:
         raise HFConfigError(f"ModelConfig(family='llama') has sliding layers (layer_types={cfg.layer_types}); "
                             "HF Llama has no sliding window")
     if cfg.family == "qwen2_moe" and not cfg.d_ff_shared:
@@ -495,6 +512,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                   rope_parameters={"full_attention": _rope_to_hf(cfg),
                                    "sliding_attention": {"rope_type": "default",
                                                          "rope_theta": cfg.rope_local_theta or cfg.rope_theta}})
+    elif cfg.family == "granite":
+        del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
+        hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, mlp_bias=False,
+                  embedding_multiplier=cfg.embed_scale, attention_multiplier=cfg.query_scale,
+                  residual_multiplier=cfg.residual_scale, logits_scaling=cfg.logits_divisor)
     elif cfg.family == "phi3":
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
         rope = {**_rope_to_hf(cfg), "partial_rotary_factor": cfg.rope_partial_factor}

@@ -179,7 +179,7 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
     """Reads an HF directory (`config.json` + safetensors shards) into sharded params on `mesh`.
 
     Families: qwen3_moe, qwen2_moe, gpt_oss (dense or MXFP4 experts, dequantised on load), mixtral, and the
-    dense llama, mistral, qwen2, qwen3, gemma3_text and phi3 (`hf_config.SUPPORTED_FAMILIES`).
+    dense llama, mistral, qwen2, qwen3, gemma3_text, phi3 and granite (`hf_config.SUPPORTED_FAMILIES`).
     dtype: param (and compute) dtype; default the config's `dtype`/`torch_dtype`, else float32.
     Returns (cfg, params) with params laid out as `sfrrl_jax.models.transformer.param_shapes(cfg)`
     and sharded as `sfrrl_jax.models.api.param_shardings(cfg, mesh)`.
