@@ -1,5 +1,6 @@
 """Parse tool calls out of generated assistant text: compact (ours), Qwen3 / Hermes JSON,
-Qwen3-Coder / Qwen3.5 XML, GPT-OSS harmony, Llama 3 / 4 JSON, Mistral, pythonic (Llama 3.2 / 4).
+Qwen3-Coder / Qwen3.5 XML, GPT-OSS harmony, Llama 3 / 4 JSON, Mistral, pythonic (Llama 3.2 / 4),
+Granite 3.
 
 A format is a value (`AgentConfig.tool_format` takes one, or a built-in's name): `parse(text)`
 plus the tokens that end its turns (`turn_ends`, added to the tokenizer's stops) and those that
@@ -235,6 +236,33 @@ class Llama4JsonFormat(Llama3JsonFormat):
     _SUFFIXES = ("<|eot|>", "<|eom|>", "<|end_of_text|>", "<|python_end|>")
     _TAG = "<|python_start|>"
     _ONE_CALL = False
+
+
+class GraniteFormat(_Format):
+    """IBM Granite 3: calls after <|tool_call|>, as a JSON list `[{"name": ..., "arguments": {...}}]`
+    (the models' own output) or one object after each <|tool_call|> (vLLM's template); the text
+    before the first is the content. Turns end with <|end_of_text|>."""
+
+    name = "granite"
+    _TAG = "<|tool_call|>"
+
+    def parse(self, text: str) -> ParsedTurn:
+        body = strip_suffixes(text, ("<|end_of_text|>",))
+        start = body.find(self._TAG)
+        if start < 0:
+            return ParsedTurn(content=body.strip())
+        calls: list = []
+        for segment in body[start + len(self._TAG):].split(self._TAG):
+            if not segment.strip():
+                calls.append(ToolCallError(f"{self._TAG} without a JSON tool call", raw=self._TAG + segment))
+            for value, raw in json_objects(segment, "the tool call") if segment.strip() else ():
+                if isinstance(value, list):
+                    calls += [named_call(obj, len(calls) + i, raw, ("arguments", "parameters"))
+                              for i, obj in enumerate(value)] or [ToolCallError("an empty list of tool calls", raw=raw)]
+                else:
+                    calls.append(value if isinstance(value, ToolCallError)
+                                 else named_call(value, len(calls), raw, ("arguments", "parameters")))
+        return ParsedTurn(content=body[:start].strip(), calls=tuple(calls))
 
 
 class MistralFormat(_Format):
@@ -508,7 +536,7 @@ class PythonicFormat(_Format):
 
 FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "qwen3_xml": Qwen3XmlFormat, "harmony": HarmonyFormat,
            "llama3_json": Llama3JsonFormat, "llama4_json": Llama4JsonFormat, "mistral": MistralFormat,
-           "pythonic": PythonicFormat}
+           "pythonic": PythonicFormat, "granite": GraniteFormat}
 
 # What each built-in format's chat templates write, most specific first (harmony's templates
 # also write <|call|>, the compact format's call tag; Qwen3-Coder's write <tool_call> around XML;
@@ -517,7 +545,7 @@ FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "qwen3_xml": Qwen3Xml
 _TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("qwen3_xml", ("<function=",)), ("qwen3", ("<tool_call>",)),
                      ("mistral", ("[TOOL_CALLS]",)), ("pythonic", ("[func_name1(",)),
                      ("llama4_json", ("<|header_start|>",)), ("llama3_json", ("<|python_tag|>", "ipython")),
-                     ("compact", ("<|call|>",)))
+                     ("granite", ("<|tool_call|>",)), ("compact", ("<|call|>",)))
 
 
 def infer_format(chat_template: str | None) -> str | None:

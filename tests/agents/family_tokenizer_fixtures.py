@@ -135,6 +135,31 @@ MISTRAL_STYLE_TEMPLATE = (
 )
 
 
+# IBM Granite 3, written after vLLM's tool_chat_template_granite.jinja: tools as an
+# available_tools turn, each call as `<|tool_call|> {"name", "arguments"}`, results as
+# tool_response turns; every turn ends with <|end_of_text|> (the eos).
+GRANITE_SPECIALS = ["<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"]
+GRANITE_STYLE_TEMPLATE = (
+    "{%- if tools %}{{- '<|start_of_role|>available_tools<|end_of_role|>\\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson(indent=4) }}{%- if not loop.last %}{{- '\\n\\n' }}{%- endif %}"
+    "{%- endfor %}{{- '<|end_of_text|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' or m.role == 'user' %}"
+    "{{- '<|start_of_role|>' + m.role + '<|end_of_role|>' + m.content + '<|end_of_text|>\\n' }}"
+    "{%- elif m.role == 'assistant' and m.tool_calls is defined and m.tool_calls %}"
+    "{{- '<|start_of_role|>assistant<|end_of_role|>' }}"
+    "{%- for tc in m.tool_calls %}{{- '<|tool_call|> ' + {'name': tc.function.name, "
+    "'arguments': tc.function.arguments} | tojson }}{%- endfor %}{{- '<|end_of_text|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{{- '<|start_of_role|>assistant<|end_of_role|>' + m.content + '<|end_of_text|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|start_of_role|>tool_response<|end_of_role|>' + m.content + '<|end_of_text|>\\n' }}"
+    "{%- endif %}"
+    "{%- if loop.last and add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+
 def _build(directory: Path, specials: list[str], config: dict, eos_list: list[str] | None) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -189,6 +214,12 @@ def build_harmony_style_tokenizer(directory: Path, generation_config: bool = Tru
     return _build(directory, HARMONY_SPECIALS,
                   {"eos_token": "<|return|>", "pad_token": "<|endoftext|>", "chat_template": HARMONY_STYLE_TEMPLATE},
                   ["<|return|>", "<|endoftext|>", "<|call|>"] if generation_config else None)
+
+
+def build_granite_style_tokenizer(directory: Path) -> Path:
+    """Granite 3's layout: eos <|end_of_text|>, which ends every turn."""
+    return _build(directory, GRANITE_SPECIALS, {"eos_token": "<|end_of_text|>", "chat_template": GRANITE_STYLE_TEMPLATE},
+                  ["<|end_of_text|>"])
 
 
 def build_mistral_style_tokenizer(directory: Path, template: str = MISTRAL_STYLE_TEMPLATE) -> Path:

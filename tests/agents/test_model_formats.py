@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from sfrrl_jax.agents import ParsedTurn
-from sfrrl_jax.agents.formats import (HarmonyFormat, Llama3JsonFormat, Llama4JsonFormat, MistralFormat, PythonicFormat,
-                                      Qwen3Format, Qwen3XmlFormat, get_format, infer_format, turn_stop_ids)
+from sfrrl_jax.agents.formats import (GraniteFormat, HarmonyFormat, Llama3JsonFormat, Llama4JsonFormat, MistralFormat,
+                                      PythonicFormat, Qwen3Format, Qwen3XmlFormat, get_format, infer_format,
+                                      turn_stop_ids)
 from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.protocols import ToolCall
 from sfrrl_jax.tokenizer import load_tokenizer
@@ -256,3 +257,57 @@ def test_llama4_json_calls_end_on_llama4_tokens_and_may_be_several():
     assert "<|python_start|> without a JSON tool call" in parse("<|python_start|>hi<|eom|>").errors[0].message
     assert infer_format(LLAMA4_JSON_STYLE_TEMPLATE) == "llama4_json" and get_format("llama4_json") == Llama4JsonFormat()
     assert Llama4JsonFormat() != Llama3JsonFormat()
+
+
+# ----------------------------------------------------------------------------- Granite 3
+
+def test_granite_calls_as_a_list_or_one_object_after_each_tag():
+    parse = GraniteFormat().parse
+    listed = parse('<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2 + 3"}}, '
+                   '{"name": "f", "arguments": {}}]<|end_of_text|>')
+    assert [(c.name, c.arguments, c.call_id) for c in listed.calls] == [
+        ("calculator", {"expression": "2 + 3"}, "call_0"), ("f", {}, "call_1")]
+    tagged = parse('Computing.<|tool_call|> {"name": "f", "arguments": {"x": 1}}\n'
+                   '<|tool_call|> {"name": "g", "arguments": {}}\n<|end_of_text|>')
+    assert tagged.content == "Computing." and [(c.name, c.arguments) for c in tagged.calls] == [("f", {"x": 1}),
+                                                                                            ("g", {})]
+    assert parse("<answer>5</answer><|end_of_text|>") == ParsedTurn("<answer>5</answer>")
+    errors = [parse(t).calls for t in ("<|tool_call|>", "<|tool_call|>[]", '<|tool_call|>[{"name": 3}]',
+                                       '<|tool_call|>{"name": "f", "arguments": {')]
+    assert [[type(c).__name__ for c in calls] for calls in errors] == [["ToolCallError"]] * 4
+    # text after a call is an error of its own, the call stays
+    trailing = parse('<|tool_call|>{"name": "f", "arguments": {}} and more')
+    assert [type(c).__name__ for c in trailing.calls] == ["ToolCall", "ToolCallError"]
+    for text in ("<|tool_call|>" * 50000, "<|tool_call|>[" + "[" * 100000, "<|tool_call|>" + '{"name": "f"}' * 30000):
+        start = time.perf_counter()
+        assert isinstance(parse(text), ParsedTurn) and time.perf_counter() - start < 10
+
+
+def test_granite_tool_loop_and_sft_over_a_granite_style_template(tmp_path):
+    import asyncio
+
+    from sfrrl_jax.agents import calculator_demonstration, calculator_environment, calculator_tool_schemas, run_agent
+    from sfrrl_jax.agents.demos import render_sft_example
+    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.testing.scripted_engine import ScriptedEngine
+    from family_tokenizer_fixtures import GRANITE_STYLE_TEMPLATE, build_granite_style_tokenizer
+
+    tok = load_tokenizer(build_granite_style_tokenizer(tmp_path))
+    assert infer_format(tok.chat_template_source) == infer_format(GRANITE_STYLE_TEMPLATE) == "granite"
+    engine = ScriptedEngine(['<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2 + 3"}}]'
+                             '<|end_of_text|>', "<answer>5</answer><|end_of_text|>"], tokenizer=tok)
+    env = calculator_environment()
+    try:
+        traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
+                                     AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048)))
+    finally:
+        env.close()
+    assert (traj.error, traj.finish_reason, traj.reward) == (None, "answer", 1.0)
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
+    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    assert observation == "\n<|start_of_role|>tool_response<|end_of_role|>5<|end_of_text|>\n" \
+                          "<|start_of_role|>assistant<|end_of_role|>"
+    tokens, mask = render_sft_example(tok, calculator_demonstration(arithmetic_task("2 + 3 - 1", "t")),
+                                      calculator_tool_schemas())
+    learned = tok.decode([t for t, m in zip(tokens, mask) if m])
+    assert '<|tool_call|> {"name": "calculator", "arguments": {"expression": "5 - 1"}}' in learned
