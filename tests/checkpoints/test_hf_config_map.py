@@ -139,7 +139,7 @@ def test_published_gemma3_config_reads_as_transformers_reads_it():
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"model_type": "gemma3"}, "multimodal Gemma3ForConditionalGeneration"),
+    ({"model_type": "gemma3"}, "model_type 'gemma3' without a text_config object"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
     ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
@@ -236,3 +236,26 @@ def test_published_granite_config_maps_its_multipliers():
         config_from_hf({**GRANITE_33_2B, "mlp_bias": True})
     with pytest.raises(HFConfigError, match="LlamaForCausalLM requires"):
         config_to_hf(cfg.replace(family="llama"))   # Llama has no multipliers
+
+
+# gemma-3-4b-it's config.json as published: a multimodal model whose text_config names only what
+# differs from Gemma3TextConfig's defaults (the vision_config left out here).
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "mm_tokens_per_image": 256, "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16"}
+
+
+def test_published_multimodal_gemma3_config_reads_as_its_language_model():
+    import transformers
+    cfg = config_from_hf(GEMMA3_4B)
+    theirs = transformers.Gemma3Config(**copy.deepcopy(GEMMA3_4B)).text_config
+    assert (cfg.family, cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (
+        "gemma3_text", theirs.vocab_size, 2560, 34, theirs.num_attention_heads, theirs.num_key_value_heads, 256)
+    assert [t + "_attention" for t in cfg.layer_types] == list(theirs.layer_types)
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_theta, cfg.rope_local_theta) == ("linear", 8.0, 1e6, 10000.0)
+    assert (cfg.sliding_window, cfg.param_dtype, cfg.tie_embeddings, cfg.query_scale) == (1024, "bfloat16", True,
+                                                                                          256 ** -0.5)

@@ -140,3 +140,35 @@ def test_longrope_takes_the_long_factors_from_the_original_length_on_as_transfor
         assert np.abs(ours - F.hf_logits(model, tokens)).max() <= 1e-4, seq
     short_only = cfg.replace(rope_long_factor=cfg.rope_short_factor)
     assert np.abs(np.asarray(S.forward(short_only, params, tokens)) - ours).max() > 0.1   # the switch is real
+
+
+def test_the_language_model_of_a_multimodal_gemma3_loads_and_exports_as_a_text_model(tmp_path, mesh):
+    """Gemma 3 4B and up are Gemma3ForConditionalGeneration: the language model's tensors
+    (`language_model.model.*`) load, the vision tower is left unread, logits equal the multimodal
+    model's on text, and the export is a Gemma3ForCausalLM with the same logits."""
+    import transformers
+    text = dict(vocab_size=83, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, sliding_window=4, query_pre_attn_scalar=20,
+                max_position_embeddings=128, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=82, boi_token_index=80, eoi_token_index=81)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+    F.randomize_(model, seed=3)
+    model.tie_weights()
+    model.save_pretrained(tmp_path / "hf")
+    names = CheckpointFiles(tmp_path / "hf").tensors
+    assert any(n.startswith("vision_tower.") for n in names) and "language_model.model.embed_tokens.weight" in names
+    cfg, params = load_hf(tmp_path / "hf", mesh)
+    assert cfg.family == "gemma3_text" and cfg.layer_types == ("sliding", "full", "sliding")
+    tokens = F.tokens_for(80)   # no image tokens
+    ref = F.hf_logits(model, tokens)
+    ours = np.asarray(S.forward(cfg, params, tokens))
+    assert np.abs(ours - ref).max() <= 1e-4
+    save_hf(cfg, params, tmp_path / "out")
+    text_model = F.load_transformers(tmp_path / "out")
+    assert type(text_model).__name__ == "Gemma3ForCausalLM"
+    assert np.abs(F.hf_logits(text_model, tokens) - ref).max() <= 1e-4

@@ -148,9 +148,7 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
     (default: the config's `dtype`/`torch_dtype`, else float32)."""
     family = hf.get("model_type")
     if family == "gemma3":
-        raise HFConfigError(f"{where}: model_type 'gemma3' is the multimodal Gemma3ForConditionalGeneration (Gemma 3 "
-                            "4B and up), whose language model is not loadable here; the text-only checkpoints "
-                            "(model_type 'gemma3_text', Gemma3ForCausalLM: gemma-3-1b, gemma-3-270m) are")
+        return config_from_hf(gemma3_text_config(hf, where), dtype, f"{where} text_config")
     if family not in SUPPORTED_FAMILIES:
         raise HFConfigError(f"{where}: model_type {family!r} is not supported; supported model_types: "
                             f"{list(SUPPORTED_FAMILIES)}")
@@ -315,6 +313,34 @@ def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) 
         **{**common, **extra}, **_rope(hf, where, 10000.0), n_experts=0,
         d_ff=_int(hf, "intermediate_size", where), sliding_window=window, layer_types=layer_types,
     )
+
+
+#: Gemma3TextConfig's defaults: the text_config of a published multimodal Gemma 3 (4B, 12B, 27B)
+#: names only the fields that differ from them.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "tie_word_embeddings": True, "attention_bias": False}
+
+
+def gemma3_text_config(hf: Mapping[str, Any], where: str) -> dict:
+    """The language model's config of a multimodal Gemma 3 (model_type 'gemma3',
+    Gemma3ForConditionalGeneration): its text_config over Gemma3TextConfig's defaults, with the
+    checkpoint's dtype. The loader reads that model's tensors and leaves the vision tower."""
+    text = hf.get("text_config")
+    if not isinstance(text, Mapping):
+        raise HFConfigError(f"{where}: model_type 'gemma3' without a text_config object")
+    merged = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+    if "rope_parameters" in merged:   # transformers 5's spelling replaces the 4.x keys
+        merged.pop("rope_theta"), merged.pop("rope_local_base_freq")
+    if "layer_types" in merged:
+        merged.pop("sliding_window_pattern")
+    if not (text.get("dtype") or text.get("torch_dtype")) and (hf.get("dtype") or hf.get("torch_dtype")):
+        merged["dtype"] = hf.get("dtype") or hf.get("torch_dtype")
+    merged.update(model_type="gemma3_text", _name_or_path=hf.get("_name_or_path") or text.get("_name_or_path"))
+    return merged
 
 
 def _gemma3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.checkpoints.hf.hf_config import config_from_hf, read_hf_config
-from sfrrl_jax.checkpoints.hf.safetensors_io import CheckpointError, CheckpointFiles
+from sfrrl_jax.checkpoints.hf.safetensors_io import CheckpointError, CheckpointFiles, read_tensor
 from sfrrl_jax.checkpoints.hf.tensor_map import (IGNORED_SUFFIXES, TensorGroup, global_groups,
                                                  is_mxfp4, layer_groups)
 from sfrrl_jax.config import ModelConfig
@@ -175,11 +175,34 @@ def _run_group(group: TensorGroup, builders: dict, read, slot: tuple[str, int] |
         builders[prefix + leaf].flush(layer)
 
 
+class _LanguageModelFiles:
+    """A multimodal checkpoint's language model tensors under a text model's names: transformers
+    saves Gemma3ForConditionalGeneration's as `language_model.model.*` (`model.language_model.*`
+    in some conversions); the vision tower and projector are left unread."""
+
+    def __init__(self, files: CheckpointFiles):
+        self.directory = files.directory
+        for prefix, head in (("language_model.model.", "language_model.lm_head.weight"),
+                             ("model.language_model.", "lm_head.weight")):
+            if any(n.startswith(prefix) for n in files.tensors):
+                break
+        else:
+            raise CheckpointError(f"{files.directory}: a multimodal checkpoint without language model tensors "
+                                  "(language_model.model.* or model.language_model.*)")
+        self.tensors = {"model." + n[len(prefix):]: info for n, info in files.tensors.items() if n.startswith(prefix)}
+        if head in files.tensors:
+            self.tensors["lm_head.weight"] = files.tensors[head]
+
+    def read(self, name: str, rows: slice | None = None) -> np.ndarray:
+        return read_tensor(self.tensors[name], rows)
+
+
 def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfig, dict]:
     """Reads an HF directory (`config.json` + safetensors shards) into sharded params on `mesh`.
 
     Families: qwen3_moe, qwen2_moe, gpt_oss (dense or MXFP4 experts, dequantised on load), mixtral, and the
-    dense llama, mistral, qwen2, qwen3, gemma3_text, phi3 and granite (`hf_config.SUPPORTED_FAMILIES`).
+    dense llama, mistral, qwen2, qwen3, gemma3_text (also the language model of a multimodal gemma3),
+    phi3 and granite (`hf_config.SUPPORTED_FAMILIES`).
     dtype: param (and compute) dtype; default the config's `dtype`/`torch_dtype`, else float32.
     Returns (cfg, params) with params laid out as `sfrrl_jax.models.transformer.param_shapes(cfg)`
     and sharded as `sfrrl_jax.models.api.param_shardings(cfg, mesh)`.
@@ -192,6 +215,8 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
                          where=str(path / "config.json"))
     check_mesh_fits(cfg, mesh)
     files = CheckpointFiles(path)
+    if hf.get("model_type") == "gemma3":   # the language model of Gemma3ForConditionalGeneration
+        files = _LanguageModelFiles(files)
     quantized = is_mxfp4(files.tensors)
     per_layer = [layer_groups(cfg, layer, quantized) for layer in range(cfg.n_layers)]
     glob = global_groups(cfg)
