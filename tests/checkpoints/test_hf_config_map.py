@@ -181,6 +181,7 @@ def test_published_phi4_mini_config_reads_as_transformers_reads_it():
     assert (cfg.family, cfg.head_dim, cfg.n_kv_heads, cfg.d_ff, cfg.tie_embeddings) == ("phi3", 128, 8, 8192, True)
     assert (cfg.rope_type, cfg.rope_partial_factor, cfg.rope_original_max_len) == ("longrope", 0.75, 4096)
     assert len(cfg.rope_long_factor) == len(cfg.rope_short_factor) == 48
+    assert config_from_hf({**PHI4_MINI, "rope_scaling": {**PHI4_MINI["rope_scaling"], "type": "su"}}) == cfg
     assert cfg.sliding_window is None and cfg.layer_types is None   # 262144 over 131072 positions
     # HF's default attention factor: from the context's growth, 131072 / 4096
     assert cfg.rope_attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), rel=1e-12)

@@ -399,7 +399,7 @@ def _phi3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig
     partial = _float({"partial_rotary_factor": params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))},
                      "partial_rotary_factor", where, 1.0)
     extra: dict = {"rope_partial_factor": partial}
-    if params.get("rope_type", params.get("type")) == "longrope":
+    if params.get("rope_type", params.get("type")) in ("longrope", "su"):   # 'su': its name in early Phi-3 files
         at = f"{where} {field}"
         unknown = sorted(set(params) - _LONGROPE_KEYS)
         if unknown:
@@ -458,7 +458,7 @@ def _rope_to_hf(cfg: ModelConfig) -> dict:
 def check_exportable(cfg: ModelConfig) -> None:
     """Raises if `cfg` uses a variant the HF class of its family cannot express."""
     dense = dict(n_experts=0, attn_sinks=False, router_bias=False, expert_bias=False)
-    # Gemma's variants of the block: none in the other families' HF classes
+    # Gemma's and Granite's variants of the block: none in the other families' HF classes
     plain = dict(norm_offset=0.0, sandwich_norms=False, mlp_act="silu", embed_scale=1.0, query_scale=None,
                  rope_local_theta=None, residual_scale=1.0, logits_divisor=1.0)
     want = {
