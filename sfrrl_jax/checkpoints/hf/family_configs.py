@@ -1,0 +1,132 @@
+"""config.json readers of the families whose block is not Llama's: Gemma 3 (text, and the language
+model of the multimodal one) and Phi-3. `hf_config.config_from_hf` dispatches to them."""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from sfrrl_jax.checkpoints.hf.hf_fields import (LONGROPE_KEYS, HFConfigError, float_of, int_of, layer_types_of, require,
+                                                rope_of, value_of)
+from sfrrl_jax.config import ModelConfig
+
+
+#: Gemma3TextConfig's defaults: the text_config of a published multimodal Gemma 3 (4B, 12B, 27B)
+#: names only the fields that differ from them.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "tie_word_embeddings": True, "attention_bias": False}
+
+
+def gemma3_text_config(hf: Mapping[str, Any], where: str) -> dict:
+    """The language model's config of a multimodal Gemma 3 (model_type 'gemma3',
+    Gemma3ForConditionalGeneration): its text_config over Gemma3TextConfig's defaults, with the
+    checkpoint's dtype. The loader reads that model's tensors and leaves the vision tower."""
+    text = hf.get("text_config")
+    if not isinstance(text, Mapping):
+        raise HFConfigError(f"{where}: model_type 'gemma3' without a text_config object")
+    merged = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+    if "rope_parameters" in merged:   # transformers 5's spelling replaces the 4.x keys
+        merged.pop("rope_theta"), merged.pop("rope_local_base_freq")
+    if "layer_types" in merged:
+        merged.pop("sliding_window_pattern")
+    if not (text.get("dtype") or text.get("torch_dtype")) and (hf.get("dtype") or hf.get("torch_dtype")):
+        merged["dtype"] = hf.get("dtype") or hf.get("torch_dtype")
+    merged.update(model_type="gemma3_text", _name_or_path=hf.get("_name_or_path") or text.get("_name_or_path"))
+    return merged
+
+
+def gemma3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """Gemma 3 (text): Qwen3-like q/k norms, norms whose weights are offsets from one, a norm on
+    each sublayer's output too, a GeGLU MLP, embeddings scaled by sqrt(hidden_size), the
+    attention scaled by query_pre_attn_scalar ** -0.5, and sliding layers (five in six by
+    default) with a RoPE of their own (rope_local_base_freq, unscaled)."""
+    act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if act not in ("gelu_pytorch_tanh",):
+        raise HFConfigError(f"{where}: hidden_activation={act!r} is not supported (supported: ['gelu_pytorch_tanh'])")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:   # Gemma 2's; Gemma 3 has neither
+            raise HFConfigError(f"{where}: {key}={hf[key]!r} is not supported (logit soft-capping; null in Gemma 3)")
+    if hf.get("use_bidirectional_attention"):
+        raise HFConfigError(f"{where}: use_bidirectional_attention=True (an embedding model) is not supported")
+    n_layers = common["n_layers"]
+    hf_types = hf.get("layer_types")
+    if hf_types is None:   # 4.x files: every `sliding_window_pattern`-th layer is global
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        pattern = int_of({"sliding_window_pattern": pattern}, "sliding_window_pattern", where)
+        hf_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+    layer_types = layer_types_of(hf_types, n_layers, where)
+    window = int_of(hf, "sliding_window", where) if "sliding" in layer_types else None
+    # RoPE: transformers 5 writes one parameter set per layer kind; 4.x files have the global
+    # layers' rope_theta / rope_scaling and the local layers' rope_local_base_freq
+    per_kind = hf.get("rope_parameters")
+    if isinstance(per_kind, Mapping) and ("full_attention" in per_kind or "sliding_attention" in per_kind):
+        full = dict(hf, rope_parameters=per_kind.get("full_attention") or {"rope_theta": 1e6})
+        local = per_kind.get("sliding_attention") or {}
+        local_theta = float_of(local, "rope_theta", f"{where} rope_parameters.sliding_attention", 10000.0)
+        local_kind = local.get("rope_type", local.get("type", "default"))
+    else:
+        full = dict(hf, rope_scaling=hf.get("rope_scaling") or None)
+        local_theta = float_of(hf, "rope_local_base_freq", where, 10000.0)
+        local_kind = "default"
+    if local_kind != "default":
+        raise HFConfigError(f"{where}: the sliding layers' rope type {local_kind!r} is not supported (supported: "
+                            "['default'])")
+    rope = rope_of(full, where, 1e6)
+    d_model = common["d_model"]
+    return ModelConfig(
+        **common, **rope, n_experts=0, d_ff=int_of(hf, "intermediate_size", where), qk_norm=True,
+        sliding_window=window, layer_types=layer_types, rope_local_theta=local_theta,
+        norm_offset=1.0, sandwich_norms=True, mlp_act="gelu_tanh", embed_scale=d_model ** 0.5,
+        query_scale=float_of(hf, "query_pre_attn_scalar", where, 256) ** -0.5,
+    )
+
+
+def phi3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """Phi-3 / Phi-3.5 / Phi-4-mini: Llama's block with q/k/v and gate/up fused in the checkpoint
+    (split on load), RoPE on the leading `partial_rotary_factor` of each head (Phi-4-mini: 0.75),
+    default or longrope scaling, and `sliding_window` (when not null) on every layer."""
+    require(hf, "hidden_act", ("silu",), where)
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(field) or {})
+    partial = float_of({"partial_rotary_factor": params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))},
+                     "partial_rotary_factor", where, 1.0)
+    extra: dict = {"rope_partial_factor": partial}
+    if params.get("rope_type", params.get("type")) in ("longrope", "su"):   # 'su': its name in early Phi-3 files
+        at = f"{where} {field}"
+        unknown = sorted(set(params) - LONGROPE_KEYS)
+        if unknown:
+            raise HFConfigError(f"{where}: longrope parameter(s) {unknown} are not supported; "
+                                f"supported: {sorted(LONGROPE_KEYS)}")
+        original = int_of({"original_max_position_embeddings": params.get("original_max_position_embeddings",
+                                                                        hf.get("original_max_position_embeddings"))},
+                        "original_max_position_embeddings", at)
+        factors = {}
+        for key in ("long_factor", "short_factor"):
+            value = value_of(params, key, at)
+            if not isinstance(value, list) or not all(isinstance(f, (int, float)) and not isinstance(f, bool)
+                                                      for f in value):
+                raise HFConfigError(f"{at}: {key} must be a list of numbers, got {value!r}")
+            factors[key] = tuple(float(f) for f in value)
+        factor = float_of(params, "factor", at, common["max_seq_len"] / original)
+        attention = params.get("attention_factor")   # HF's default: from the context's growth
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        extra.update(rope_type="longrope", rope_original_max_len=original, rope_long_factor=factors["long_factor"],
+                     rope_short_factor=factors["short_factor"],
+                     rope_attention_factor=float_of({"attention_factor": attention}, "attention_factor", at),
+                     rope_theta=float_of({"rope_theta": params.get("rope_theta", hf.get("rope_theta"))}, "rope_theta",
+                                       where, 10000.0))
+    else:
+        extra.update(rope_of({**hf, field: {k: v for k, v in params.items() if k != "partial_rotary_factor"}},
+                           where, 10000.0))
+    window = None if hf.get("sliding_window") is None else int_of(hf, "sliding_window", where)
+    if window is not None and window >= common["max_seq_len"]:
+        window = None   # Phi-4-mini's 262144 over 131072 positions: no window at all
+    try:
+        return ModelConfig(**common, **extra, n_experts=0, d_ff=int_of(hf, "intermediate_size", where),
+                           sliding_window=window, layer_types=("sliding",) * common["n_layers"] if window else None)
+    except ValueError as e:   # factor counts and the rotated dims are checked by ModelConfig
+        raise HFConfigError(f"{where}: {e}") from None
