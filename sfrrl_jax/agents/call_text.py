@@ -1,6 +1,6 @@
 """Reading tool calls out of generated text: the pieces every tool-call format shares.
 
-`ParsedTurn` is what a format's `parse` returns. The readers here never raise on model output:
+`ParsedTurn` is what a format's `parse` returns; `FormatBase` the built-ins' base class. The readers here never raise on model output:
 what cannot be used (bad JSON, an unterminated tag, a call without a valid name, arguments that
 are not an object) becomes a `ToolCallError` at its place in the call order.
 """
@@ -11,6 +11,23 @@ import json
 import re
 
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
+
+class FormatBase:
+    """The built-in formats' base: no extra stop tokens, and a repr without an address (the run's
+    fingerprint holds the agent config); formats of one class are equal."""
+
+    turn_ends: tuple[str, ...] = ()
+    message_ends: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
 
 #: A tool name a call may carry (dotted and dashed names too: `functions.get_weather`).
 TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")

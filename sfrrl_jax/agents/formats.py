@@ -12,21 +12,20 @@ agent loop calls once per trajectory.
 Parsing never raises on model output. Anything unusable (bad JSON, unterminated markup, a call
 without a name, arguments that are not an object) becomes a `ToolCallError` at its place in the
 call order; the loop turns it into an error observation the policy reads on its next turn. The
-readers the formats share are in `call_text`.
+readers the formats share are in `call_text`, the pythonic format in `pythonic_format`.
 Unknown tools and schema violations are checked later, by the tool runner, which knows the tools.
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 import re
-import warnings
 from typing import Any, Mapping, Protocol
 
-from sfrrl_jax.agents.call_text import (ParsedTurn, decode_object, json_objects, make_call, named_call,
+from sfrrl_jax.agents.call_text import (FormatBase, ParsedTurn, decode_object, json_objects, make_call, named_call,
                                         strip_suffixes, tagged_calls)
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
+from sfrrl_jax.agents.pythonic_format import PythonicFormat
 
 
 class ToolCallFormat(Protocol):
@@ -36,23 +35,6 @@ class ToolCallFormat(Protocol):
     name: str
 
     def parse(self, text: str) -> ParsedTurn: ...
-
-
-class _Format:
-    """Shared by the built-ins: no extra stop tokens, and a repr without an address (the run's
-    fingerprint holds the agent config)."""
-
-    turn_ends: tuple[str, ...] = ()
-    message_ends: tuple[str, ...] = ()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-    def __eq__(self, other) -> bool:
-        return type(other) is type(self)
-
-    def __hash__(self) -> int:
-        return hash(type(self))
 
 
 def turn_stop_ids(fmt: ToolCallFormat, tokenizer) -> tuple[int, ...]:
@@ -73,7 +55,7 @@ def turn_stop_ids(fmt: ToolCallFormat, tokenizer) -> tuple[int, ...]:
     return stops
 
 
-class CompactFormat(_Format):
+class CompactFormat(FormatBase):
     """Ours: `<|call|>NAME{json arguments}<|/call|>`, any number per turn; turn ends `<|end|>`."""
 
     name = "compact"
@@ -111,7 +93,7 @@ def split_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</th
     return "", text
 
 
-class Qwen3Format(_Format):
+class Qwen3Format(FormatBase):
     """Qwen3 / Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, after an
     optional `<think>...</think>` block that goes to `reasoning` and is never parsed for calls
     (a thought may mention `<tool_call>` without making one)."""
@@ -136,7 +118,7 @@ _RECIPIENT = re.compile(r"to=(\S+?)(?=\s|<\||$)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
 
-class HarmonyFormat(_Format):
+class HarmonyFormat(FormatBase):
     """GPT-OSS harmony: a turn is a run of messages
     `[<|start|>assistant]<|channel|>CH[ to=functions.NAME][ <|constrain|>json]<|message|>BODY TERM`
     where TERM is <|end|>, <|call|> (a tool call) or <|return|> (the final answer). The first
@@ -193,7 +175,7 @@ def _mistral_id(given: object, index: int) -> str:
     return f"call{index:05d}"
 
 
-class Llama3JsonFormat(_Format):
+class Llama3JsonFormat(FormatBase):
     """Llama 3.1 / 3.2 / 3.3 JSON tool calling: a turn that is a call is the JSON object
     `{"name": ..., "parameters": {...}}` ("arguments" too), optionally after <|python_tag|>. A turn
     whose text (after that tag) does not start with '{' is an answer. Turns end with <|eot_id|>,
@@ -238,7 +220,7 @@ class Llama4JsonFormat(Llama3JsonFormat):
     _ONE_CALL = False
 
 
-class GraniteFormat(_Format):
+class GraniteFormat(FormatBase):
     """IBM Granite 3: calls after <|tool_call|>, as a JSON list `[{"name": ..., "arguments": {...}}]`
     (the models' own output) or one object after each <|tool_call|> (vLLM's template); the text
     before the first is the content. Turns end with <|end_of_text|>."""
@@ -265,7 +247,7 @@ class GraniteFormat(_Format):
         return ParsedTurn(content=body[:start].strip(), calls=tuple(calls))
 
 
-class MistralFormat(_Format):
+class MistralFormat(FormatBase):
     """Mistral / Mixtral tool calling: text, then `[TOOL_CALLS]` and either a JSON list of
     `{"name": ..., "arguments": {...}}` (tokenizer v3: Mistral 7B v0.3, Mixtral 8x22B) or
     `NAME[ARGS]{...}` (v11 and later: Mistral Small 3.2, Devstral; `NAME[CALL_ID]ID[ARGS]{...}`
@@ -342,7 +324,7 @@ def _xml_value(text: str, schema: object) -> object:
     return value if not isinstance(value, str) else text   # no schema: what the JSON says
 
 
-class Qwen3XmlFormat(_Format):
+class Qwen3XmlFormat(FormatBase):
     """Qwen3-Coder / Qwen3.5 XML tool calls, after an optional `<think>` block:
     `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`.
     Values are text: each is read as the type its tool's schema declares (`with_tools`, which the
@@ -397,141 +379,6 @@ class Qwen3XmlFormat(_Format):
         reasoning, rest = split_reasoning(text)
         turn = tagged_calls(rest, "<tool_call>", "</tool_call>", self._decode, ("<|im_end|>", "<|endoftext|>"))
         return dataclasses.replace(turn, reasoning=reasoning)
-
-
-_PYTHONIC_START = re.compile(r"\[\s*[A-Za-z_][A-Za-z0-9_.]*\s*\(")
-_PYTHONIC_NAMES = {"true": True, "false": False, "null": None}   # JSON spellings some models write
-
-
-_BRACKETS = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|[\[\]()]')
-
-
-def _closes_at_end(text: str, start: int) -> bool:
-    """Whether the bracket opened at `start` closes at the end of `text` (string literals
-    skipped): a cheap filter before parsing; the parse decides."""
-    depth = 0
-    for m in _BRACKETS.finditer(text, start):
-        token = m.group()
-        if token in "[(":
-            depth += 1
-        elif token in "])":
-            depth -= 1
-            if depth == 0:
-                return m.end() == len(text)
-    return False
-
-
-class _NotLiteral(ValueError):
-    pass
-
-
-def _python_literal(node: ast.AST) -> object:
-    """A call argument's value: Python literals (strings, numbers, True/False/None, lists,
-    tuples as lists, dicts with string keys) and JSON's true/false/null; nothing is evaluated."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, bool, type(None))):
-        return node.value
-    if (isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd))
-            and isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float)):
-        return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
-    if isinstance(node, ast.Name) and node.id in _PYTHONIC_NAMES:
-        return _PYTHONIC_NAMES[node.id]
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [_python_literal(e) for e in node.elts]
-    if isinstance(node, ast.Dict):
-        out = {}
-        for key, value in zip(node.keys, node.values):
-            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
-                raise _NotLiteral("a dict key that is not a string")
-            out[key.value] = _python_literal(value)
-        return out
-    raise _NotLiteral(f"{type(node).__name__.lower()} where a literal value belongs")
-
-
-def _dotted_name(node: ast.AST) -> str | None:
-    """`a.b.c` of a call's function, or None (a loop: a chain thousands deep is one hostile turn)."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    return ".".join([node.id, *reversed(parts)])
-
-
-class PythonicFormat(_Format):
-    """Pythonic tool calls (Llama 3.2 / Llama 4 / Gemma 3 prompts): a Python list of calls with
-    keyword arguments, `[get_weather(city="Paris"), add(a=1, b=2)]`, as the turn's text or at its
-    end after some text (Llama 4's template writes the content, then the list), optionally inside
-    <|python_start|> ... <|python_end|>. Arguments are literals, read with `ast` (never
-    evaluated). A turn that starts with such a list and does not parse is one error observation;
-    a list inside prose is prose. Turns end with <|eot_id|>/<|eom_id|> (Llama 3.2) or
-    <|eot|>/<|eom|> (Llama 4)."""
-
-    name = "pythonic"
-    turn_ends = ("<|eot_id|>", "<|eom_id|>", "<|eot|>", "<|eom|>")
-    _SUFFIXES = ("<|eot_id|>", "<|eom_id|>", "<|eot|>", "<|eom|>", "<|end_of_text|>", "<end_of_turn>",
-                 "<|python_end|>")
-
-    def parse(self, text: str) -> ParsedTurn:
-        body = strip_suffixes(text, self._SUFFIXES).strip()
-        for tag in ("<|python_start|>", "<|python_tag|>"):
-            body = body.replace(tag, "", 1) if tag in body else body
-        body = body.strip()
-        starts = [m.start() for m in _PYTHONIC_START.finditer(body)]
-        if not starts or not body.endswith("]"):
-            return (ParsedTurn(content=body) if not (starts and starts[0] == 0)
-                    else self._error(body, "a turn that starts a call list must end with its closing ]"))
-        # the list is the whole turn, or ends it after some text: the first start whose rest parses.
-        # At most 16 starts are looked at (each costs a scan), and one whose brackets close before
-        # the end is not parsed at all.
-        for start in starts[:16]:
-            if start > 0 and not _closes_at_end(body, start):
-                continue
-            calls = self._calls(body[start:])
-            if not isinstance(calls, ToolCallError):
-                return ParsedTurn(content=body[:start].strip(), calls=calls)
-            if start == 0:   # the turn starts a call list: what cannot be read is its error
-                return ParsedTurn(content="", calls=(calls,))
-        return ParsedTurn(content=body)
-
-    @staticmethod
-    def _error(raw: str, why: str) -> ParsedTurn:
-        return ParsedTurn(content="", calls=(ToolCallError(f"malformed pythonic tool call list: {why}", raw=raw),))
-
-    @staticmethod
-    def _calls(source: str) -> tuple[ToolCall | ToolCallError, ...] | ToolCallError:
-        """The calls of `source` (a whole Python list expression), each a call or its error; an
-        error when `source` is not a list of calls at all."""
-        try:
-            with warnings.catch_warnings():  # "\d" in a string is a SyntaxWarning; the value stands
-                warnings.simplefilter("ignore")
-                tree = ast.parse(source, mode="eval").body
-        except (SyntaxError, ValueError) as e:
-            return ToolCallError(f"malformed pythonic tool call list: {getattr(e, 'msg', None) or e}", raw=source)
-        except (RecursionError, MemoryError) as e:  # CPython's parser gives up on deep nesting so
-            why = f"nested too deeply ({type(e).__name__})"
-            return ToolCallError(f"malformed pythonic tool call list: {why}", raw=source)
-        if not isinstance(tree, ast.List) or not tree.elts or not all(isinstance(e, ast.Call) for e in tree.elts):
-            return ToolCallError("malformed pythonic tool call list: expected [name(key=value, ...), ...]",
-                                 raw=source)
-        calls: list[ToolCall | ToolCallError] = []
-        encoded = source.encode()   # ast's offsets count UTF-8 bytes (get_source_segment: O(n) a call)
-        line_starts = [0] + [m.end() for m in re.finditer(rb"\n", encoded)]
-        for index, node in enumerate(tree.elts):
-            raw = encoded[line_starts[node.lineno - 1] + node.col_offset:
-                          line_starts[node.end_lineno - 1] + node.end_col_offset].decode(errors="replace")
-            name = _dotted_name(node.func)
-            try:
-                if node.args:
-                    raise _NotLiteral("positional arguments: pass every argument as key=value")
-                if any(k.arg is None for k in node.keywords):
-                    raise _NotLiteral("**arguments: pass every argument as key=value")
-                arguments = {k.arg: _python_literal(k.value) for k in node.keywords}
-            except (_NotLiteral, RecursionError) as e:
-                calls.append(ToolCallError(f"arguments of {name!r}: {e or 'nested too deeply'}", raw=raw, name=name))
-                continue
-            calls.append(make_call(name, arguments, index, raw))
-        return tuple(calls)
 
 
 FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "qwen3_xml": Qwen3XmlFormat, "harmony": HarmonyFormat,
