@@ -1,8 +1,9 @@
 """Reading tool calls out of generated text: the pieces every tool-call format shares.
 
-`ParsedTurn` is what a format's `parse` returns; `FormatBase` the built-ins' base class. The readers here never raise on model output:
-what cannot be used (bad JSON, an unterminated tag, a call without a valid name, arguments that
-are not an object) becomes a `ToolCallError` at its place in the call order.
+`ParsedTurn` is what a format's `parse` returns; `FormatBase` the built-ins' base class. The
+readers here never raise on model output: what cannot be used (bad JSON, an unterminated tag, a
+call without a valid name, arguments that are not an object) becomes a `ToolCallError` at its
+place in the call order.
 """
 from __future__ import annotations
 

@@ -132,13 +132,14 @@ def _check_reads_back(fmt, text: str, message: Message, index: int) -> None:
     parsed = fmt.parse(text)
     got = [(c.name, c.arguments) for c in parsed.tool_calls]
     if parsed.errors or got != want:
-        read = [f"error: {e.message}" for e in parsed.errors] + [f"{n}({json.dumps(a, sort_keys=True, default=repr)})" for n, a in got]
+        def shown(calls):
+            return [f"{n}({json.dumps(a, sort_keys=True, default=repr)})" for n, a in calls]
+        read = [f"error: {e.message}" for e in parsed.errors] + shown(got)
         raise ValueError(
             f"message {index}: the chat template renders the assistant turn as {text[:300]!r}, which the "
             f"{fmt!r} tool-call format reads as {read or 'an answer without calls'}, not the message's calls "
-            f"{[f'{n}({json.dumps(a, sort_keys=True, default=repr)})' for n, a in want] or '(none)'}: a model trained on it would "
-            f"write turns the rollout misreads. Set tool_format to the format the template writes, or fix the "
-            f"template")
+            f"{shown(want) or '(none)'}: a model trained on it would write turns the rollout misreads. Set "
+            f"tool_format to the format the template writes, or fix the template")
 
 
 def _turn_start(tokenizer, history, tools, prompt_text: str, with_turn: str, cut: int) -> int | None:

@@ -218,8 +218,8 @@ def build_harmony_style_tokenizer(directory: Path, generation_config: bool = Tru
 
 def build_granite_style_tokenizer(directory: Path) -> Path:
     """Granite 3's layout: eos <|end_of_text|>, which ends every turn."""
-    return _build(directory, GRANITE_SPECIALS, {"eos_token": "<|end_of_text|>", "chat_template": GRANITE_STYLE_TEMPLATE},
-                  ["<|end_of_text|>"])
+    return _build(directory, GRANITE_SPECIALS,
+                  {"eos_token": "<|end_of_text|>", "chat_template": GRANITE_STYLE_TEMPLATE}, ["<|end_of_text|>"])
 
 
 def build_mistral_style_tokenizer(directory: Path, template: str = MISTRAL_STYLE_TEMPLATE) -> Path:

@@ -485,7 +485,8 @@ def test_sft_examples_refuse_answers_read_as_calls_and_a_format_the_template_doe
     wire_tokens, wire_mask = render_sft_example(tok, wire, tools)
     assert wire_tokens != tokens and sum(wire_mask) > 0
     broken = [dict(m) for m in wire]
-    broken[2] = dict(broken[2], tool_calls=[{"id": "call_0", "function": {"name": "calculator", "arguments": "{2 + 3"}}])
+    broken[2] = dict(broken[2], tool_calls=[{"id": "call_0",
+                                              "function": {"name": "calculator", "arguments": "{2 + 3"}}])
     with pytest.raises(ValueError, match=r"message 2: tool call 'calculator' has arguments that are not JSON"):
         render_sft_example(tok, broken, tools)
 

@@ -10,7 +10,8 @@ import sfrrl_jax as S
 from sfrrl_jax.engine import EngineSteps, SlotRequest
 from sfrrl_jax.engine.sampling import SamplingParams, sample
 
-from model_fixtures import TINY, TINY_DENSE, TINY_GEMMA, TINY_GPT_OSS, TINY_GRANITE, TINY_MIXED, TINY_PHI, host, randomize
+from model_fixtures import (TINY, TINY_DENSE, TINY_GEMMA, TINY_GPT_OSS, TINY_GRANITE, TINY_MIXED, TINY_PHI, host,
+                            randomize)
 
 MESH = None
 # jitted as in the engine's steps: one compile serves every call (eagerly, each call re-traces

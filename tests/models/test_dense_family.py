@@ -10,7 +10,8 @@ from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.rl.config import LossConfig
 
-from model_fixtures import TINY_DENSE, TINY_GEMMA, TINY_GRANITE, TINY_PHI, host, randomize, replicate_on, single_device_mesh
+from model_fixtures import (TINY_DENSE, TINY_GEMMA, TINY_GRANITE, TINY_PHI, host, randomize, replicate_on,
+                            single_device_mesh)
 
 
 @pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_GEMMA, TINY_PHI, TINY_GRANITE],
