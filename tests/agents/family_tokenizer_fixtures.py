@@ -160,6 +160,26 @@ GRANITE_STYLE_TEMPLATE = (
 )
 
 
+# Gemma 3 (google/gemma-3-*-it), written after the published template: no system role (its text
+# opens the first user turn), strict user/model alternation, contents trimmed, each turn closed
+# by <end_of_turn> and a newline; no tools.
+GEMMA3_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA3_STYLE_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
 def _build(directory: Path, specials: list[str], config: dict, eos_list: list[str] | None) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -220,6 +240,12 @@ def build_granite_style_tokenizer(directory: Path) -> Path:
     """Granite 3's layout: eos <|end_of_text|>, which ends every turn."""
     return _build(directory, GRANITE_SPECIALS,
                   {"eos_token": "<|end_of_text|>", "chat_template": GRANITE_STYLE_TEMPLATE}, ["<|end_of_text|>"])
+
+
+def build_gemma3_style_tokenizer(directory: Path) -> Path:
+    """Gemma 3's layout: eos <eos>; <end_of_turn> ends a turn (generation_config.json lists both)."""
+    return _build(directory, GEMMA3_SPECIALS, {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+                                               "chat_template": GEMMA3_STYLE_TEMPLATE}, ["<eos>", "<end_of_turn>"])
 
 
 def build_mistral_style_tokenizer(directory: Path, template: str = MISTRAL_STYLE_TEMPLATE) -> Path:

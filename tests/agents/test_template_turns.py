@@ -18,7 +18,8 @@ from sfrrl_jax.testing.scripted_engine import ScriptedEngine
 from sfrrl_jax.tokenizer import TemplateDeltaError, load_tokenizer
 
 from family_tokenizer_fixtures import (LLAMA4_JSON_STYLE_TEMPLATE, LLAMA4_PYTHONIC_STYLE_TEMPLATE,
-                                      MISTRAL_STYLE_TEMPLATE, build_llama4_pythonic_style_tokenizer,
+                                      MISTRAL_STYLE_TEMPLATE, build_gemma3_style_tokenizer,
+                                      build_llama4_pythonic_style_tokenizer,
                                       build_mistral_style_tokenizer, qwen3_xml_call)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoints"))
@@ -502,3 +503,25 @@ def test_sft_examples_under_a_template_whose_markup_no_format_reads_are_checked_
     assert '<fn>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</fn>' in tok.decode(tokens)
     with pytest.raises(ValueError, match=r"message 2: .*Qwen3Format.*an answer without calls"):
         render_sft_example(tok, demo, tools, tool_format="qwen3")
+
+
+def test_gemma3s_template_folds_the_system_prompt_trims_and_closes_turns_with_a_newline(tmp_path):
+    """Gemma 3 has no system role and writes a newline after each <end_of_turn>: an answer is
+    learned with the stop it generates, and a new user turn's delta starts with that newline."""
+    tok = load_tokenizer(build_gemma3_style_tokenizer(tmp_path))
+    assert tok.end_of_turn_token == "<end_of_turn>" and infer_format(tok.chat_template_source) is None
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "<answer>5</answer>"}, {"role": "user", "content": "And 2 + 4?"},
+            {"role": "assistant", "content": "<answer>6</answer> "}]
+    tokens, mask = render_sft_example(tok, chat)
+    learned, run = [], []
+    for t, m in zip(tokens, mask):
+        if m:
+            run.append(t)
+        elif run:
+            learned, run = learned + [tok.decode(run)], []
+    learned += [tok.decode(run)] if run else []
+    assert learned == ["<answer>5</answer><end_of_turn>", "<answer>6</answer><end_of_turn>"]
+    assert tok.decode(tokens).startswith("<bos><start_of_turn>user\nBe brief.\n\nWhat is 2 + 3?<end_of_turn>\n")
+    delta = tok.decode(tok.render_delta(chat[:3], chat[3:4], None, stop_text="<end_of_turn>"))
+    assert delta == "\n<start_of_turn>user\nAnd 2 + 4?<end_of_turn>\n<start_of_turn>model\n"
