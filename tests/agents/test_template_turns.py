@@ -31,6 +31,17 @@ from hf_tokenizer_fixtures import QWEN3_STYLE_TEMPLATE, build_qwen3_style_tokeni
 CFG = AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048, temperature=0.0)
 
 
+def _learned_spans(tok, tokens, mask) -> list[str]:
+    """The texts of the runs of tokens an SFT example learns (mask 1), in order."""
+    spans, run = [], []
+    for t, m in zip(list(tokens) + [0], list(mask) + [0]):
+        if m:
+            run.append(t)
+        elif run:
+            spans, run = spans + [tok.decode(run)], []
+    return spans
+
+
 def _roll(tok, turns, fmt, **config):
     engine = ScriptedEngine(turns, tokenizer=tok)
     env = calculator_environment()
@@ -153,14 +164,7 @@ def test_sft_demonstrations_of_harmony_end_their_answer_with_return_and_their_ca
     chat = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "<answer>5</answer>"},
             {"role": "user", "content": "And 2 + 4?"}, {"role": "assistant", "content": "<answer>6</answer>"}]
     tokens, mask = render_sft_example(tok, chat)
-    spans, current = [], []
-    for t, m in zip(tokens, mask):
-        if m:
-            current.append(t)
-        elif current:
-            spans, current = spans + [current], []
-    spans.append(current)
-    assert [tok.decode(s) for s in spans] == ["<|channel|>final<|message|><answer>5</answer><|return|>",
+    assert _learned_spans(tok, tokens, mask) == ["<|channel|>final<|message|><answer>5</answer><|return|>",
                                                "<|channel|>final<|message|><answer>6</answer><|return|>"]
     assert "<|start|>user<|message|>And 2 + 4?<|end|><|start|>assistant" in tok.decode(tokens)
 
@@ -312,13 +316,7 @@ def test_sft_demonstrations_under_a_template_that_shows_the_system_prompt_only_w
     tokens, mask = render_sft_example(tok, demo, calculator_tool_schemas())
     prompt = tok.apply_chat_template(demo[:2], calculator_tool_schemas(), add_generation_prompt=True)
     assert tokens[:len(prompt)] == prompt and demo[0]["content"] in tok.decode(prompt)
-    learned, run = [], []
-    for t, m in zip(tokens, mask):
-        if m:
-            run.append(t)
-        elif run:
-            learned, run = learned + [tok.decode(run)], []
-    learned += [tok.decode(run)] if run else []
+    learned = _learned_spans(tok, tokens, mask)
     assert learned == ['[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "2 + 3"}, "id": "call00000"}]</s>',
                        " <answer>5</answer></s>"]
 
@@ -514,13 +512,7 @@ def test_gemma3s_template_folds_the_system_prompt_trims_and_closes_turns_with_a_
             {"role": "assistant", "content": "<answer>5</answer>"}, {"role": "user", "content": "And 2 + 4?"},
             {"role": "assistant", "content": "<answer>6</answer> "}]
     tokens, mask = render_sft_example(tok, chat)
-    learned, run = [], []
-    for t, m in zip(tokens, mask):
-        if m:
-            run.append(t)
-        elif run:
-            learned, run = learned + [tok.decode(run)], []
-    learned += [tok.decode(run)] if run else []
+    learned = _learned_spans(tok, tokens, mask)
     assert learned == ["<answer>5</answer><end_of_turn>", "<answer>6</answer><end_of_turn>"]
     assert tok.decode(tokens).startswith("<bos><start_of_turn>user\nBe brief.\n\nWhat is 2 + 3?<end_of_turn>\n")
     delta = tok.decode(tok.render_delta(chat[:3], chat[3:4], None, stop_text="<end_of_turn>"))
