@@ -16,7 +16,7 @@ import os
 from typing import Any, Sequence
 
 from sfrrl_jax.agents.environments import CALCULATOR_SYSTEM_PROMPT
-from sfrrl_jax.agents.formats import ToolCallFormat, format_for, infer_format
+from sfrrl_jax.agents.formats import ToolCallFormat, infer_format, trajectory_format
 from sfrrl_jax.agents.protocols import Message, Task
 from sfrrl_jax.agents.tools import CalculatorTool, evaluate_arithmetic, format_number, tool_schema
 from sfrrl_jax.tokenizer.tokenizer import TemplateDeltaError
@@ -103,9 +103,7 @@ def _reading_format(tokenizer, tools, tool_format) -> ToolCallFormat | None:
     template = getattr(tokenizer, "chat_template_source", None)
     if tool_format is None and template is not None and infer_format(template) is None:
         return None
-    fmt = format_for(tool_format, tokenizer, bool(tools))
-    bind = getattr(fmt, "with_tools", None)   # values typed by the tools' schemas
-    return bind(tools or []) if bind is not None else fmt
+    return trajectory_format(tool_format, tokenizer, list(tools) if tools else None)
 
 
 def _message_calls(message: Message, index: int) -> list[tuple[str, Any]]:

@@ -417,6 +417,14 @@ def get_format(fmt: "str | ToolCallFormat") -> ToolCallFormat:
     return FORMATS[fmt]()
 
 
+def trajectory_format(tool_format: "str | ToolCallFormat | None", tokenizer, tools) -> ToolCallFormat:
+    """The format a trajectory's turns are read with: `format_for`, bound to `tools` (None: no
+    tools) where the format reads values by their schemas (`with_tools`)."""
+    fmt = format_for(tool_format, tokenizer, tools is not None)
+    bind = getattr(fmt, "with_tools", None)
+    return bind(tools or []) if bind is not None else fmt
+
+
 def format_for(tool_format: "str | ToolCallFormat | None", tokenizer, has_tools: bool) -> ToolCallFormat:
     """The format a trajectory is parsed with: `tool_format` when given, else the one the
     tokenizer's chat template writes (`infer_format` of its `chat_template_source`). A tokenizer

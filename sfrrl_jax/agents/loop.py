@@ -29,7 +29,7 @@ import time
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from sfrrl_jax.agents.call_text import TOOL_NAME
-from sfrrl_jax.agents.formats import format_for, get_format, turn_stop_ids
+from sfrrl_jax.agents.formats import get_format, trajectory_format, turn_stop_ids
 from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment, Episode, GenerationRequest,
                                        Message, Task, ToolCall, ToolCallError, ToolResult)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
@@ -231,11 +231,8 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
             raise TypeError(f"AgentConfig.chat_template_kwargs={dict(cfg.chat_template_kwargs)} needs a tokenizer "
                             f"with with_template_kwargs(**kwargs); {type(tokenizer).__name__} has none")
         tokenizer = bind_kwargs(**dict(cfg.chat_template_kwargs))
-    fmt = format_for(cfg.tool_format, tokenizer, tools is not None)
+    fmt = trajectory_format(cfg.tool_format, tokenizer, tools)
     stops = cfg.stop_token_ids if cfg.stop_token_ids is not None else turn_stop_ids(fmt, tokenizer)
-    bind = getattr(fmt, "with_tools", None)   # a format that reads values by the tools' schemas
-    if bind is not None:
-        fmt = bind(tools or [])
     episode = open_episode(env, task)
     try:
         messages = episode.reset()
