@@ -12,7 +12,7 @@ from typing import Iterable, Literal, Sequence
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
 Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text",
-                 "phi3", "granite"]
+                 "phi3", "granite", "olmo2", "olmo3"]
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 MlpAct = Literal["silu", "gelu_tanh"]   # the gate's activation of a dense (GLU) MLP
@@ -163,6 +163,9 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     qk_norm: bool = False
+    # qk_norm_over_heads: the q and k norms take their statistic over all heads of the projection
+    # at once, with a scale per [heads, head_dim] entry (OLMo 2/3), rather than per head (Qwen3).
+    qk_norm_over_heads: bool = False
     attention_bias: bool = False       # q/k/v biases (and the output's, unless attention_out_bias says)
     attention_out_bias: bool | None = None  # None: as attention_bias (GPT-OSS both; Qwen2 q/k/v only)
     attn_sinks: bool = False
@@ -189,7 +192,9 @@ class ModelConfig:
     # not the rollout's, as in every engine that follows HF.
     rope_long_factor: tuple[float, ...] = ()
     rope_short_factor: tuple[float, ...] = ()
-    rope_attention_factor: float = 1.0
+    # The cos/sin scale of 'longrope' and 'yarn'. None: the type's own (longrope 1.0; yarn
+    # 0.1 * ln(rope_factor) + 1); a checkpoint may set it (OLMo 3's YaRN).
+    rope_attention_factor: float | None = None
     rms_eps: float = 1e-6
     # Gemma's variants of the block (all off for the other families):
     # RMSNorm scales by (norm_offset + weight), in fp32 before the cast (Gemma: 1.0, its weights
@@ -199,6 +204,10 @@ class ModelConfig:
     # query_scale replaces 1/sqrt(head_dim) as the attention's scale (Gemma: query_pre_attn_scalar
     # ** -0.5); rope_local_theta, when set, is the RoPE base of the sliding layers, which
     # rotate without rope_type's scaling (Gemma 3's local layers).
+    # pre_norms=False drops the norms on the sublayers' inputs; with sandwich_norms, that leaves
+    # OLMo 2/3's post-norm block (x + norm(attn(x)); x + norm(mlp(x))). norm_scale_fp32: every
+    # RMSNorm multiplies by its scale in fp32 before the cast back to the input dtype, as HF's
+    # OLMo 2/3 and Gemma norms do (Gemma's norm_offset implies it), not after it (Llama's).
     # Granite's multipliers: each sublayer's output is scaled by residual_scale before the
     # residual add, and the logits are divided by logits_divisor (its embedding_multiplier and
     # attention_multiplier are embed_scale and query_scale).
@@ -206,6 +215,8 @@ class ModelConfig:
     logits_divisor: float = 1.0
     norm_offset: float = 0.0
     sandwich_norms: bool = False
+    pre_norms: bool = True
+    norm_scale_fp32: bool = False
     mlp_act: MlpAct = "silu"
     embed_scale: float = 1.0
     query_scale: float | None = None
@@ -263,7 +274,12 @@ class ModelConfig:
             check_bool("ModelConfig.attention_out_bias", self.attention_out_bias)
         check_int("ModelConfig.sliding_window", self.sliding_window, 0, optional=True)  # 0: no window
         check_bool_fields(self, ("norm_topk_prob", "router_bias", "expert_bias", "qk_norm", "attention_bias",
-                                 "attn_sinks", "rope_truncate", "tie_embeddings", "sandwich_norms"))
+                                 "attn_sinks", "rope_truncate", "tie_embeddings", "sandwich_norms",
+                                 "qk_norm_over_heads", "pre_norms", "norm_scale_fp32"))
+        if not (self.pre_norms or self.sandwich_norms):
+            raise ValueError("ModelConfig.pre_norms=False needs sandwich_norms=True (a block with no norm at all)")
+        if self.qk_norm_over_heads and not self.qk_norm:
+            raise ValueError("ModelConfig.qk_norm_over_heads=True needs qk_norm=True (the norms it places)")
         check_number_fields(self, ("norm_offset",), 0)
         check_number_fields(self, ("embed_scale", "residual_scale", "logits_divisor"), 0, lo_open=True)
         check_number_fields(self, ("query_scale", "rope_local_theta"), 0, lo_open=True, optional=True)
@@ -307,7 +323,8 @@ class ModelConfig:
 
     def _check_rope_dims(self) -> None:
         check_number("ModelConfig.rope_partial_factor", self.rope_partial_factor, 0, 1, lo_open=True)
-        check_number("ModelConfig.rope_attention_factor", self.rope_attention_factor, 0, lo_open=True)
+        check_number("ModelConfig.rope_attention_factor", self.rope_attention_factor, 0, lo_open=True,
+                     optional=True)
         rotated = int(self.head_dim * self.rope_partial_factor)
         if rotated < 2 or rotated % 2:
             raise ValueError(f"ModelConfig.rope_partial_factor={self.rope_partial_factor} rotates {rotated} of "
@@ -383,14 +400,16 @@ class ModelConfig:
         attn = d * hd * (h + 2 * k) + h * hd * d
         if self.attention_bias:
             attn += hd * (h + 2 * k)
-        attn += d * self.out_bias + 2 * hd * self.qk_norm + h * self.attn_sinks
+        attn += d * self.out_bias + h * self.attn_sinks
+        if self.qk_norm:
+            attn += (h + k) * hd if self.qk_norm_over_heads else 2 * hd
         moe = d * e + e * 3 * d * f + (e if self.router_bias else 0)
         if self.expert_bias:
             moe += e * (2 * f + d)
         moe += 3 * d * self.d_ff_shared + d * self.shared_expert_gate
         mlp = 3 * d * self.d_ff
         n_dense = sum(self.layer_is_dense(i) for i in range(self.n_layers))
-        norms = (4 if self.sandwich_norms else 2) * d
+        norms = (2 * self.pre_norms + 2 * self.sandwich_norms) * d
         layers = self.n_layers * (attn + norms) + n_dense * mlp + (self.n_layers - n_dense) * moe
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + layers + d + head

@@ -54,6 +54,15 @@ TINY_PHI = S.ModelConfig.preset(
     rope_attention_factor=1.1, sliding_window=6, layer_types=("sliding", "sliding"),
 )
 
+# OLMo 3-like (dense): the post-norm block (no input norms), q/k norms over the whole projection,
+# a sliding layer with its own unscaled RoPE beside a full one with YaRN (its attention factor
+# given), norms multiplying in fp32.
+TINY_OLMO = S.ModelConfig.preset(
+    "tiny-moe", family="olmo3", n_experts=0, d_ff=40, qk_norm=True, qk_norm_over_heads=True, pre_norms=False,
+    sandwich_norms=True, norm_scale_fp32=True, sliding_window=4, layer_types=("sliding", "full"),
+    rope_type="yarn", rope_factor=4.0, rope_original_max_len=8, rope_attention_factor=1.3, rope_local_theta=10000.0,
+)
+
 # Granite-like (dense): its four multipliers, none 1 or a power of two.
 TINY_GRANITE = S.ModelConfig.preset(
     "tiny-moe", family="granite", n_experts=0, d_ff=40, qk_norm=False, embed_scale=3.5, query_scale=0.11,

@@ -154,7 +154,7 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
     def body(block, carry, window, layer):
         # The whole cache rides in the scan carry and is updated in place layer by layer.
         x, ck_all, cv_all = carry
-        h = block.attn_norm(x)
+        h = block.attn_input(x)
         q, k, v = block.attn.project_qkv(h, positions, window)
         ck_all = write(ck_all, layer, positions, k)
         cv_all = write(cv_all, layer, positions, v)
@@ -165,7 +165,7 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
             cv = read(cv_all, layer, positions, v).astype(q.dtype)
             att = core(q, ck, cv, window, block.attn.sink_logits())
         x = x + block.attn_residual(block.attn.output(att))
-        y, metrics = block.ffn(block.mlp_norm(x), with_ids=with_routes)
+        y, metrics = block.ffn(block.ffn_input(x), with_ids=with_routes)
         # a MoE layer's experts [b, t, top_k] as the scan's output (a dense layer has none)
         used = metrics.get("expert_ids") if with_routes else None
         return (constrain(x + block.ffn_residual(y), ("batch", "seq", "embed")), ck_all, cv_all), used

@@ -42,22 +42,29 @@ def cdtype(cfg: ModelConfig):
 
 
 class RMSNorm(nnx.Module):
-    """y = x / rms(x) * scale over the last dim (fp32 statistics, HF-compatible rounding).
+    """y = x / rms(x) * scale over the trailing `dims` dims (fp32 statistics, HF-compatible
+    rounding): one dim of size `dim` (logical axis `logical_axis`), or, with `dims` a shape, all
+    of them at once (`logical_axis` a tuple; OLMo's q/k norms over [heads, head_dim]).
 
     With cfg.norm_offset (Gemma: 1.0) the factor is (offset + scale), the weights are stored as
-    offsets (initialised to 0) and the product is taken in fp32 before the cast, as HF's
-    Gemma3RMSNorm does; otherwise the normalised x is cast first, as Llama's."""
+    offsets (initialised to 0). The product is taken in fp32 before the cast with an offset or
+    cfg.norm_scale_fp32, as HF's Gemma3RMSNorm and Olmo2RMSNorm do; otherwise the normalised x is
+    cast first, as Llama's."""
 
-    def __init__(self, dim: int, cfg: ModelConfig, logical_axis: str | None = "embed", rngs=None):
+    def __init__(self, dim, cfg: ModelConfig, logical_axis="embed", rngs=None):
+        shape = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+        axes = tuple(logical_axis) if isinstance(logical_axis, (tuple, list)) else (logical_axis,)
         self.eps = cfg.rms_eps
         self.offset = float(cfg.norm_offset)
-        self.scale = param(None, "zeros" if self.offset else "ones", (dim,), (logical_axis,), cfg)
+        self.fp32_product = bool(cfg.norm_offset or cfg.norm_scale_fp32)
+        self.axes = tuple(range(-len(shape), 0))
+        self.scale = param(None, "zeros" if self.offset else "ones", shape, axes, cfg)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         in_dtype = x.dtype
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=self.axes, keepdims=True) + self.eps)
+        if self.fp32_product:
             return (x32 * (self.offset + self.scale[...].astype(jnp.float32))).astype(in_dtype)
         return self.scale[...].astype(in_dtype) * x32.astype(in_dtype)
 
@@ -99,7 +106,8 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> 
         return inv_freq, 1.0
     if cfg.rope_type == "longrope":
         factors = jnp.asarray(cfg.rope_long_factor if long else cfg.rope_short_factor, jnp.float32)
-        return 1.0 / (factors * base ** exponents), cfg.rope_attention_factor
+        scale = 1.0 if cfg.rope_attention_factor is None else cfg.rope_attention_factor
+        return 1.0 / (factors * base ** exponents), scale
     if cfg.rope_type == "linear":   # positions divided by the factor (Gemma 3's global layers)
         return inv_freq / cfg.rope_factor, 1.0
     if cfg.rope_type == "llama3":
@@ -107,7 +115,9 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> 
     # YaRN: interpolate low frequencies by `factor`, keep high ones, blend on a linear ramp
     # between the dims that rotate beta_fast and beta_slow times over the original context.
     factor = cfg.rope_factor
-    attention_scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    attention_scale = cfg.rope_attention_factor
+    if attention_scale is None:
+        attention_scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
@@ -208,7 +218,8 @@ def attend(q, k, v, mask, sinks=None) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """GQA with RoPE; optional per-head q/k RMSNorm (Qwen3), biases and sinks (GPT-OSS)."""
+    """GQA with RoPE; optional q/k RMSNorm (per head: Qwen3; over all heads: OLMo 2/3), biases
+    and sinks (GPT-OSS)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, kvh, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -223,7 +234,10 @@ class Attention(nnx.Module):
             self.v_bias = param(rngs, "zeros", (kvh, hd), ("kv_heads", "head_dim"), cfg)
         if cfg.out_bias:
             self.o_bias = param(rngs, "zeros", (d,), ("embed",), cfg)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_over_heads:   # OLMo: one norm over the whole projection
+            self.q_norm = RMSNorm((h, hd), cfg, logical_axis=("heads", "head_dim"))
+            self.k_norm = RMSNorm((kvh, hd), cfg, logical_axis=("kv_heads", "head_dim"))
+        elif cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg, logical_axis="head_dim")
             self.k_norm = RMSNorm(hd, cfg, logical_axis="head_dim")
         if cfg.attn_sinks:

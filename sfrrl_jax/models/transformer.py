@@ -32,12 +32,14 @@ Params = dict  # nested dict of jax.Array; see `param_logical_axes` for its layo
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)); x + ffn(norm(x)), the ffn a MoE (params under
     'moe') or, for dense families and a MoE model's dense layers, a GLU MLP (params under
-    'mlp'). With cfg.sandwich_norms (Gemma) each sublayer's output is normed before the add."""
+    'mlp'). With cfg.sandwich_norms (Gemma) each sublayer's output is normed before the add;
+    without cfg.pre_norms the inputs are not (OLMo 2/3: x + norm(attn(x)); x + norm(ffn(x)))."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg)
+        if cfg.pre_norms:
+            self.attn_norm = RMSNorm(cfg.d_model, cfg)
+            self.mlp_norm = RMSNorm(cfg.d_model, cfg)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg)
         if cfg.sandwich_norms:   # Gemma: the sublayers' outputs are normed too, before the residual add
             self.post_attn_norm = RMSNorm(cfg.d_model, cfg)
             self.post_mlp_norm = RMSNorm(cfg.d_model, cfg)
@@ -65,6 +67,14 @@ class Block(nnx.Module):
             y = y + shared.astype(y.dtype)
         return y, metrics
 
+    def attn_input(self, x):
+        """The residual stream [batch, seq, embed] as the attention reads it (normed, pre-norm)."""
+        return self.attn_norm(x) if hasattr(self, "attn_norm") else x
+
+    def ffn_input(self, x):
+        """The residual stream [batch, seq, embed] as the MLP / MoE reads it (normed, pre-norm)."""
+        return self.mlp_norm(x) if hasattr(self, "mlp_norm") else x
+
     def attn_residual(self, y):
         """The attention's output as the residual stream adds it (normed first with sandwich
         norms, scaled by cfg.residual_scale)."""
@@ -80,9 +90,9 @@ class Block(nnx.Module):
         return y if scale == 1.0 else y * jnp.asarray(scale, y.dtype)
 
     def __call__(self, x, positions, segment_ids, window, token_mask, replay=None, with_ids: bool = False):
-        x = x + self.attn_residual(self.attn(self.attn_norm(x), positions, segment_ids, window))
+        x = x + self.attn_residual(self.attn(self.attn_input(x), positions, segment_ids, window))
         x = constrain(x, ("batch", "seq", "embed"))
-        y, metrics = self.ffn(self.mlp_norm(x), token_mask, replay, with_ids)
+        y, metrics = self.ffn(self.ffn_input(x), token_mask, replay, with_ids)
         return constrain(x + self.ffn_residual(y), ("batch", "seq", "embed")), metrics
 
 

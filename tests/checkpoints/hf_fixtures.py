@@ -25,6 +25,8 @@ FAMILY_CLASSES = {
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -157,6 +159,22 @@ CONFIGS = {
         intermediate_size=34, attention_bias=True, tie_word_embeddings=True, embedding_multiplier=3.5,
         attention_multiplier=0.11, residual_multiplier=0.4, logits_scaling=2.5, pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 30000.0})),
+    # OLMo 2: the post-norm block, q/k norms over the whole projection (GQA 3:1, so the two
+    # norms differ in width), q/k/v/o biases, llama3 rope scaling.
+    "olmo2_post_norm": ("olmo2", dict(
+        vocab_size=83, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        intermediate_size=26, attention_bias=True, pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 20000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8})),
+    # OLMo 3 7B's shape in small: three sliding layers to one full, YaRN on the full layers only
+    # (its attention_factor given, as the published config does), MHA.
+    "olmo3_sliding_yarn": ("olmo3", dict(
+        vocab_size=75, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=30, sliding_window=3, pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
+        rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 8.0,
+                                            "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                            "beta_slow": 1.0, "attention_factor": 1.35},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}})),
 }
 
 

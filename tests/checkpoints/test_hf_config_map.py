@@ -260,3 +260,93 @@ def test_published_multimodal_gemma3_config_reads_as_its_language_model():
     assert (cfg.rope_type, cfg.rope_factor, cfg.rope_theta, cfg.rope_local_theta) == ("linear", 8.0, 1e6, 10000.0)
     assert (cfg.sliding_window, cfg.param_dtype, cfg.tie_embeddings, cfg.query_scale) == (1024, "bfloat16", True,
                                                                                           256 ** -0.5)
+
+
+# OLMo-2-1124-7B-Instruct's config.json (the architecture's fields, as published).
+OLMO2_7B = {
+    "architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "eos_token_id": 100257, "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 11008, "max_position_embeddings": 4096, "model_type": "olmo2",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "pad_token_id": 100277,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 500000, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 100352}
+
+# Olmo-3-7B-Instruct's config.json: 4.57's spelling, its YaRN (attention_factor written out) for
+# the full layers, three sliding layers to one full.
+OLMO3_7B = {
+    **{k: v for k, v in OLMO2_7B.items() if k not in ("rope_scaling", "max_position_embeddings")},
+    "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "max_position_embeddings": 65536,
+    "sliding_window": 4096,
+    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 8,
+    "rope_scaling": {"attention_factor": 1.2079441541679836, "beta_fast": 32, "beta_slow": 1, "factor": 8.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "yarn"}}
+
+
+def test_published_olmo_configs_read_as_transformers_reads_them():
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    olmo2 = config_from_hf(OLMO2_7B)
+    assert (olmo2.family, olmo2.head_dim, olmo2.d_ff, olmo2.rope_theta, olmo2.rope_type) == (
+        "olmo2", 128, 11008, 5e5, "default")
+    assert olmo2.qk_norm and olmo2.qk_norm_over_heads and olmo2.sandwich_norms and olmo2.norm_scale_fp32
+    assert not olmo2.pre_norms and olmo2.layer_types is None and olmo2.param_dtype == "bfloat16"
+    olmo3 = config_from_hf(OLMO3_7B)
+    theirs = transformers.Olmo3Config(**copy.deepcopy(OLMO3_7B))
+    assert [t + "_attention" for t in olmo3.layer_types] == list(theirs.layer_types)
+    assert (olmo3.sliding_window, olmo3.rope_type, olmo3.rope_factor, olmo3.rope_original_max_len) == (
+        4096, "yarn", 8.0, 8192)
+    # the sliding layers rotate unscaled at the same base, as transformers' per-kind RoPE does
+    assert olmo3.rope_local_theta == theirs.rope_parameters["sliding_attention"]["rope_theta"] == 5e5
+    assert theirs.rope_parameters["sliding_attention"]["rope_type"] == "default"
+    _, attention = ROPE_INIT_FUNCTIONS["yarn"](theirs, "cpu", layer_type="full_attention")
+    assert olmo3.rope_attention_factor == pytest.approx(attention, rel=1e-12)
+    # the layer kinds default to transformers' pattern when a file leaves them out
+    bare = config_from_hf({k: v for k, v in OLMO3_7B.items() if k != "layer_types"})
+    assert bare.layer_types == olmo3.layer_types
+    for cfg, cls in ((olmo2, transformers.Olmo2Config), (olmo3, transformers.Olmo3Config)):
+        exported = config_to_hf(cfg)
+        assert config_from_hf(exported) == cfg
+        back = cls(**copy.deepcopy(exported))
+        assert (back.hidden_size, back.num_hidden_layers, back.intermediate_size) == (4096, 32, 11008)
+    back = transformers.Olmo3Config(**copy.deepcopy(config_to_hf(olmo3)))
+    assert back.rope_parameters["full_attention"]["factor"] == 8.0
+    assert back.rope_parameters["sliding_attention"]["rope_type"] == "default"
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"clip_qkv": 8.0}, "clip_qkv=8.0 is not supported"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"] * 16}, r"layer_types contains \['chunked_attention'\]"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+                       "mscale": 1.0, "mscale_all_dim": 1.0, "extrapolation": 2}},
+     r"yarn rope parameter\(s\) \['extrapolation'\] are not supported"),
+])
+def test_olmo_refuses_what_the_model_does_not_implement(changes, message):
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    with pytest.raises(HFConfigError, match=message):
+        config_from_hf({**OLMO3_7B, **changes})
+    olmo3 = config_from_hf(OLMO3_7B)
+    with pytest.raises(HFConfigError, match="Olmo3ForCausalLM requires"):
+        config_to_hf(olmo3.replace(pre_norms=True))
+    with pytest.raises(HFConfigError, match="needs rope_local_theta"):
+        config_to_hf(olmo3.replace(rope_local_theta=None))
+    with pytest.raises(HFConfigError, match="Olmo2ForCausalLM has no sliding window"):
+        config_to_hf(olmo3.replace(family="olmo2", rope_local_theta=None))
+    with pytest.raises(HFConfigError, match="LlamaForCausalLM requires"):
+        config_to_hf(config_from_hf(OLMO2_7B).replace(family="llama"))
+
+
+def test_yarn_attention_factor_follows_transformers_mscale_rule():
+    """DeepSeek-style yarn (mscale, mscale_all_dim; no attention_factor): the cos/sin scale is the
+    ratio of the two log-factor scales, as transformers computes it; neither: 0.1 ln(factor) + 1."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    for scaling in ({"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                     "mscale": 0.707, "mscale_all_dim": 1.0},
+                    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}):
+        hf = {**OLMO2_7B, "max_position_embeddings": 131072, "rope_scaling": scaling}
+        cfg = config_from_hf(hf)
+        _, theirs = ROPE_INIT_FUNCTIONS["yarn"](transformers.Olmo2Config(**copy.deepcopy(hf)), "cpu")
+        from sfrrl_jax.models.layers import rope_inv_freq
+        _, ours = rope_inv_freq(cfg)
+        assert float(ours) == pytest.approx(theirs, rel=1e-12)
+        assert config_from_hf(config_to_hf(cfg)) == cfg

@@ -186,9 +186,10 @@ def test_dense_layers_the_checkpoint_lacks_are_named(ckpt, mesh):
 def test_unsupported_yarn_parameter(tmp_path, mesh):
     directory = F.save_model(F.build_model("gptoss_odd"), tmp_path / "hf")
     config = json.loads((directory / "config.json").read_text())
-    config["rope_parameters"]["attention_factor"] = 1.3
+    # YaRN's own code names this; transformers does not (attention_factor, mscale are read)
+    config["rope_parameters"]["extrapolation_factor"] = 1.3
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(HFConfigError, match=r"yarn rope parameter\(s\) \['attention_factor'\]"):
+    with pytest.raises(HFConfigError, match=r"yarn rope parameter\(s\) \['extrapolation_factor'\]"):
         load_hf(directory, mesh)
 
 

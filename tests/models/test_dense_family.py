@@ -1,4 +1,4 @@
-"""Dense families (n_experts=0: llama, mistral, qwen2, qwen3, gemma3_text, phi3, granite): the same transformer
+"""Dense families (n_experts=0: llama, mistral, qwen2, qwen3, gemma3_text, phi3, granite, olmo2/3): the same transformer
 with a GLU MLP in every layer, sharded over `tensor`, trained by the same train step as the MoE
 families."""
 import jax
@@ -10,12 +10,12 @@ from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.rl.config import LossConfig
 
-from model_fixtures import (TINY_DENSE, TINY_GEMMA, TINY_GRANITE, TINY_PHI, host, randomize, replicate_on,
+from model_fixtures import (TINY_DENSE, TINY_GEMMA, TINY_GRANITE, TINY_OLMO, TINY_PHI, host, randomize, replicate_on,
                             single_device_mesh)
 
 
-@pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_GEMMA, TINY_PHI, TINY_GRANITE],
-                         ids=["qwen2_like", "gemma3_like", "phi3_like", "granite_like"])
+@pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_GEMMA, TINY_PHI, TINY_GRANITE, TINY_OLMO],
+                         ids=["qwen2_like", "gemma3_like", "phi3_like", "granite_like", "olmo3_like"])
 def test_dense_forward_and_train_step_on_a_mesh_equal_one_device(cfg):
     mesh = S.make_mesh(data=2, expert=2, tensor=2)
     params = randomize(S.init_params(cfg, mesh, seed=3), seed=4)
@@ -25,6 +25,7 @@ def test_dense_forward_and_train_step_on_a_mesh_equal_one_device(cfg):
     assert mlp["w_down"].sharding.spec[1] == "tensor"
     assert ("q_bias" in params["layers"]["attn"]) == cfg.attention_bias and "o_bias" not in params["layers"]["attn"]
     assert ("post_attn_norm" in params["layers"]) == ("post_mlp_norm" in params["layers"]) == cfg.sandwich_norms
+    assert ("attn_norm" in params["layers"]) == ("mlp_norm" in params["layers"]) == cfg.pre_norms
     assert S.models.transformer.count_params(params) == cfg.param_count()
     rng = np.random.RandomState(1)
     tokens = rng.randint(1, cfg.vocab_size, (4, 12)).astype(np.int32)

@@ -1,5 +1,5 @@
 """config.json readers of the families whose block is not Llama's: Gemma 3 (text, and the language
-model of the multimodal one) and Phi-3. `hf_config.config_from_hf` dispatches to them."""
+model of the multimodal one), Phi-3 and OLMo 2/3. `hf_config.config_from_hf` dispatches to them."""
 from __future__ import annotations
 
 import math
@@ -129,4 +129,47 @@ def phi3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
         return ModelConfig(**common, **extra, n_experts=0, d_ff=int_of(hf, "intermediate_size", where),
                            sliding_window=window, layer_types=("sliding",) * common["n_layers"] if window else None)
     except ValueError as e:   # factor counts and the rotated dims are checked by ModelConfig
+        raise HFConfigError(f"{where}: {e}") from None
+
+
+def olmo_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """OLMo 2 / OLMo 3: Llama's attention and MLP in a post-norm block (each sublayer's output
+    normed before the residual add, no norm on its input), q/k norms over the whole projection
+    rather than per head, and norms that multiply by their weight in fp32. OLMo 3 adds sliding
+    layers (three in four by default) whose RoPE is unscaled; a `rope_scaling` (OLMo 3's YaRN)
+    applies to its full layers only, as transformers reads it."""
+    family = common["family"]
+    require(hf, "hidden_act", ("silu",), where)
+    if hf.get("clip_qkv") is not None:   # OLMo 1's; OLMo 2/3 have none
+        raise HFConfigError(f"{where}: clip_qkv={hf['clip_qkv']!r} is not supported (OLMo 1's q/k/v clipping)")
+    n_layers = common["n_layers"]
+    extra: dict = {}
+    if family == "olmo2":
+        extra.update(rope_of(hf, where, 10000.0))
+    else:
+        hf_types = hf.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                                             for i in range(n_layers)]
+        layer_types = layer_types_of(hf_types, n_layers, where)
+        per_kind = hf.get("rope_parameters")
+        if isinstance(per_kind, Mapping) and ("full_attention" in per_kind or "sliding_attention" in per_kind):
+            full = dict(hf, rope_parameters=per_kind.get("full_attention") or {})
+            local = dict(hf, rope_parameters=per_kind.get("sliding_attention") or {})
+            local_at = f"{where} rope_parameters.sliding_attention"
+        else:   # 4.x: rope_theta for both kinds, rope_scaling for the full layers
+            full = dict(hf, rope_scaling=hf.get("rope_scaling") or None)
+            local = dict(hf, rope_scaling=None, rope_parameters=None)
+            local_at = where
+        extra.update(rope_of(full, where, 10000.0))
+        local_rope = rope_of(local, local_at, 10000.0)
+        if local_rope["rope_type"] != "default":
+            raise HFConfigError(f"{local_at}: the sliding layers' rope type {local_rope['rope_type']!r} is not "
+                                "supported (supported: ['default'])")
+        if "sliding" in layer_types:
+            extra.update(sliding_window=int_of(hf, "sliding_window", where, 4096), layer_types=layer_types,
+                         rope_local_theta=local_rope["rope_theta"])
+    try:
+        return ModelConfig(**common, **extra, n_experts=0, d_ff=int_of(hf, "intermediate_size", where),
+                           qk_norm=True, qk_norm_over_heads=True, pre_norms=False, sandwich_norms=True,
+                           norm_scale_fp32=True)
+    except ValueError as e:
         raise HFConfigError(f"{where}: {e}") from None

@@ -4,13 +4,13 @@ Field names follow transformers 5 (`rope_parameters`); the 4.x spelling (`rope_t
 level plus `rope_scaling`) is accepted on read, which is what most published checkpoints carry.
 Anything our model cannot represent (an unknown RoPE type, a non-SiLU activation, ...) is refused
 with the offending key named, rather than loaded wrongly. The typed field readers are in
-`hf_fields`, Gemma 3's and Phi-3's readers in `family_configs`.
+`hf_fields`, Gemma 3's, Phi-3's and OLMo's readers in `family_configs`.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from sfrrl_jax.checkpoints.hf.family_configs import gemma3_config, gemma3_text_config, phi3_config
+from sfrrl_jax.checkpoints.hf.family_configs import gemma3_config, gemma3_text_config, olmo_config, phi3_config
 from sfrrl_jax.checkpoints.hf.hf_fields import (DTYPES, TO_HF_LAYER_TYPES, HFConfigError, bool_of, float_of, int_of,
                                                 layer_types_of, read_hf_config, require, rope_of, rope_to_hf)
 from sfrrl_jax.config import ModelConfig
@@ -19,13 +19,14 @@ __all__ = ["ARCHITECTURES", "DENSE_FAMILIES", "DTYPES", "SUPPORTED_FAMILIES", "H
            "config_from_hf", "config_to_hf", "read_hf_config"]
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3",
-                      "gemma3_text", "phi3", "granite")
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite")
+                      "gemma3_text", "phi3", "granite", "olmo2", "olmo3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite", "olmo2", "olmo3")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "olmo3": "Olmo3ForCausalLM"}
 
 
 def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> ModelConfig:
@@ -64,6 +65,8 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         return gemma3_config(hf, common, where)
     if family == "phi3":
         return phi3_config(hf, common, where)
+    if family in ("olmo2", "olmo3"):
+        return olmo_config(hf, common, where)
     if family == "granite":   # Llama's block with four multipliers
         require(hf, "hidden_act", ("silu",), where)
         if hf.get("mlp_bias"):
@@ -195,7 +198,11 @@ def check_exportable(cfg: ModelConfig) -> None:
     dense = dict(n_experts=0, attn_sinks=False, router_bias=False, expert_bias=False)
     # Gemma's and Granite's variants of the block: none in the other families' HF classes
     plain = dict(norm_offset=0.0, sandwich_norms=False, mlp_act="silu", embed_scale=1.0, query_scale=None,
-                 rope_local_theta=None, residual_scale=1.0, logits_divisor=1.0)
+                 rope_local_theta=None, residual_scale=1.0, logits_divisor=1.0, pre_norms=True,
+                 qk_norm_over_heads=False, norm_scale_fp32=False)
+    # OLMo 2/3's post-norm block and whole-projection q/k norms, the rest as Llama
+    olmo = dict(plain, **dense, qk_norm=True, qk_norm_over_heads=True, pre_norms=False, sandwich_norms=True,
+                norm_scale_fp32=True, out_bias=cfg.attention_bias)
     want = {
         "llama": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
         "mistral": dict(dense, qk_norm=False, attention_bias=False, out_bias=False),
@@ -211,9 +218,11 @@ def check_exportable(cfg: ModelConfig) -> None:
                         expert_bias=True, expert_act="gptoss_swiglu", attention_bias=True, d_ff_shared=0),
         "gemma3_text": dict(dense, qk_norm=True, out_bias=cfg.attention_bias, norm_offset=1.0, sandwich_norms=True,
                             mlp_act="gelu_tanh", embed_scale=cfg.d_model ** 0.5, residual_scale=1.0,
-                            logits_divisor=1.0),
+                            logits_divisor=1.0, pre_norms=True, qk_norm_over_heads=False),
         "phi3": dict(dense, qk_norm=False, attention_bias=False, out_bias=False),
         "granite": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
+        "olmo2": olmo,
+        "olmo3": {k: v for k, v in olmo.items() if k != "rope_local_theta"},   # its sliding layers' RoPE
     }[cfg.family]
     if cfg.family != "phi3":
         want["rope_partial_factor"] = 1.0
@@ -222,11 +231,16 @@ def check_exportable(cfg: ModelConfig) -> None:
             raise HFConfigError("ModelConfig(family='granite') needs query_scale (attention_multiplier)")
         want.update({k: v for k, v in plain.items() if k not in ("embed_scale", "query_scale", "residual_scale",
                                                                     "logits_divisor")})
-    elif cfg.family != "gemma3_text":
+    elif cfg.family not in ("gemma3_text", "olmo2", "olmo3"):
         want.update(plain)
-    elif cfg.query_scale is None or (cfg.rope_local_theta is None and "sliding" in (cfg.layer_types or ())):
+    elif cfg.family == "gemma3_text" and (cfg.query_scale is None or (
+            cfg.rope_local_theta is None and "sliding" in (cfg.layer_types or ()))):
         raise HFConfigError("ModelConfig(family='gemma3_text') needs query_scale (query_pre_attn_scalar ** -0.5) "
                             "and, with sliding layers, rope_local_theta (rope_local_base_freq)")
+    if (cfg.family == "olmo3" and "sliding" in (cfg.layer_types or ()) and cfg.rope_type != "default"
+            and cfg.rope_local_theta is None):
+        raise HFConfigError("ModelConfig(family='olmo3') with sliding layers and rope_type="
+                            f"{cfg.rope_type!r} needs rope_local_theta: HF's sliding layers rotate unscaled")
     if cfg.dense_layers and cfg.family not in ("qwen3_moe", "qwen2_moe"):
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has dense_layers={cfg.dense_layers}; HF "
                             f"{ARCHITECTURES[cfg.family]} has no dense layers (only qwen3_moe's mlp_only_layers)")
@@ -238,9 +252,9 @@ def check_exportable(cfg: ModelConfig) -> None:
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has {wrong}; HF {ARCHITECTURES[cfg.family]} "
                             f"requires {({k: want[k] for k in wrong})}")
     types = set(cfg.layer_types or ())
-    if cfg.family in ("llama", "granite") and "sliding" in types:
-        raise HFConfigError(f"ModelConfig(family='llama') has sliding layers (layer_types={cfg.layer_types}); "
-                            "HF Llama has no sliding window")
+    if cfg.family in ("llama", "granite", "olmo2") and "sliding" in types:
+        raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has sliding layers (layer_types={cfg.layer_types}); "
+                            f"HF {ARCHITECTURES[cfg.family]} has no sliding window")
     if cfg.family == "qwen2_moe" and not cfg.d_ff_shared:
         raise HFConfigError("ModelConfig(family='qwen2_moe') has d_ff_shared=0; HF Qwen2MoeForCausalLM has a "
                             "shared expert in every MoE layer")
@@ -278,6 +292,15 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, mlp_bias=False,
                   embedding_multiplier=cfg.embed_scale, attention_multiplier=cfg.query_scale,
                   residual_multiplier=cfg.residual_scale, logits_scaling=cfg.logits_divisor)
+    elif cfg.family in ("olmo2", "olmo3"):
+        del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
+        hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias)
+        if cfg.family == "olmo3":
+            types = cfg.layer_types or ("full",) * cfg.n_layers
+            hf.update(sliding_window=window, layer_types=[TO_HF_LAYER_TYPES[t] for t in types],
+                      rope_parameters={"full_attention": rope_to_hf(cfg),
+                                       "sliding_attention": {"rope_type": "default",
+                                                             "rope_theta": cfg.rope_local_theta or cfg.rope_theta}})
     elif cfg.family == "phi3":
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
         rope = {**rope_to_hf(cfg), "partial_rotary_factor": cfg.rope_partial_factor}

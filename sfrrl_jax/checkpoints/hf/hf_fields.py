@@ -5,6 +5,7 @@ make a 2-layer model of `num_hidden_layers: 2.5`). Also RoPE parameters both way
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -16,7 +17,7 @@ TO_HF_LAYER_TYPES = {ours: theirs for theirs, ours in HF_LAYER_TYPES.items()}
 _LLAMA3_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings"}
 _YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow",
-              "original_max_position_embeddings", "truncate"}
+              "original_max_position_embeddings", "truncate", "attention_factor", "mscale", "mscale_all_dim"}
 _LINEAR_KEYS = {"rope_type", "type", "rope_theta", "factor"}
 LONGROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "attention_factor", "long_factor", "short_factor",
                  "original_max_position_embeddings", "partial_rotary_factor"}
@@ -117,13 +118,32 @@ def rope_of(hf: Mapping[str, Any], where: str, default_theta: float) -> dict:
                             f"supported: {sorted(_YARN_KEYS)}")
     if params.get("factor") is None:
         raise HFConfigError(f"{where}: yarn rope needs 'factor'")
+    factor = float_of(params, "factor", at)
     return {
-        "rope_theta": theta, "rope_type": "yarn", "rope_factor": float_of(params, "factor", at),
+        "rope_theta": theta, "rope_type": "yarn", "rope_factor": factor,
+        "rope_attention_factor": _yarn_attention_factor(params, factor, at),
         "rope_beta_fast": float_of(params, "beta_fast", at, 32.0),
         "rope_beta_slow": float_of(params, "beta_slow", at, 1.0),
         "rope_original_max_len": int_of(params, "original_max_position_embeddings", at, max_len),
         "rope_truncate": bool_of(params, "truncate", at, True),
     }
+
+
+def _yarn_attention_factor(params: Mapping[str, Any], factor: float, at: str) -> float | None:
+    """YaRN's cos/sin scale as transformers reads it: `attention_factor` when given; else, with
+    both `mscale` and `mscale_all_dim` (DeepSeek's), the ratio of their log-factor scales; else
+    None (ours then uses 0.1 * ln(factor) + 1, the same default)."""
+    if params.get("attention_factor") is not None:
+        return float_of(params, "attention_factor", at)
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if not (mscale and all_dim):
+        return None
+    mscale, all_dim = float_of(params, "mscale", at), float_of(params, "mscale_all_dim", at)
+
+    def scale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    return scale(mscale) / scale(all_dim)
 
 
 def require(hf, key, allowed, where):
@@ -147,14 +167,18 @@ def rope_to_hf(cfg: ModelConfig) -> dict:
         return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_type == "linear":
         return {"rope_theta": cfg.rope_theta, "rope_type": "linear", "factor": cfg.rope_factor}
-    if cfg.rope_type == "longrope":
+    if cfg.rope_type == "longrope":   # ours reads a missing attention factor as 1.0, HF would not
+        attention = 1.0 if cfg.rope_attention_factor is None else cfg.rope_attention_factor
         return {"rope_theta": cfg.rope_theta, "rope_type": "longrope", "long_factor": list(cfg.rope_long_factor),
-                "short_factor": list(cfg.rope_short_factor), "attention_factor": cfg.rope_attention_factor,
+                "short_factor": list(cfg.rope_short_factor), "attention_factor": attention,
                 "original_max_position_embeddings": cfg.rope_original_max_len}
     if cfg.rope_type == "llama3":
         return {"rope_theta": cfg.rope_theta, "rope_type": "llama3", "factor": cfg.rope_factor,
                 "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
                 "original_max_position_embeddings": cfg.rope_original_max_len}
-    return {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_factor,
+    yarn = {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": cfg.rope_factor,
             "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
             "original_max_position_embeddings": cfg.rope_original_max_len, "truncate": cfg.rope_truncate}
+    if cfg.rope_attention_factor is not None:
+        yarn["attention_factor"] = cfg.rope_attention_factor
+    return yarn

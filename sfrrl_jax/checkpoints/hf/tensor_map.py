@@ -117,7 +117,11 @@ def _attention(cfg: ModelConfig, p: str) -> list[TensorGroup]:
                                   lambda b, n=n: b.reshape(n, hd), lambda b: b.reshape(-1)))
     if cfg.out_bias:
         groups.append(_single(a + "o_proj.bias", ("attn", "o_bias"), (d,)))
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_over_heads:   # OLMo: HF [n * hd] <-> ours [n, hd]
+        groups += [_single(a + f"{proj}_norm.weight", ("attn", f"{proj}_norm", "scale"), (n * hd,),
+                           lambda w, n=n: w.reshape(n, hd), lambda w: w.reshape(-1))
+                   for proj, n in (("q", h), ("k", k))]
+    elif cfg.qk_norm:
         groups += [_single(a + "q_norm.weight", ("attn", "q_norm", "scale"), (hd,)),
                    _single(a + "k_norm.weight", ("attn", "k_norm", "scale"), (hd,))]
     if cfg.attn_sinks:
@@ -211,7 +215,11 @@ def layer_groups(cfg: ModelConfig, layer: int, quantized: bool = False) -> list[
     """The groups of layer `layer` (HF names `model.layers.{layer}.*`); their leaves live in the
     stack `models.transformer.layer_slot(cfg, layer)` names."""
     p = f"model.layers.{layer}."
-    if cfg.sandwich_norms:
+    if not cfg.pre_norms:
+        # OLMo 2/3's post-norms: its post_attention_layernorm norms the attention's output
+        norms = [_single(p + "post_attention_layernorm.weight", ("post_attn_norm", "scale"), (cfg.d_model,)),
+                 _single(p + "post_feedforward_layernorm.weight", ("post_mlp_norm", "scale"), (cfg.d_model,))]
+    elif cfg.sandwich_norms:
         # Gemma's four: its post_attention_layernorm norms the attention's output (ours
         # post_attn_norm); the MLP's input norm is pre_feedforward_layernorm
         norms = [_single(p + "input_layernorm.weight", ("attn_norm", "scale"), (cfg.d_model,)),
