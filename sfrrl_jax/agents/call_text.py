@@ -161,3 +161,22 @@ def named_call(obj: object, index: int, raw: str, arguments_keys: tuple[str, ...
         return ToolCallError(f"a tool call must be a JSON object with a name, got {type(obj).__name__}", raw=raw)
     arguments = next((obj[k] for k in arguments_keys if k in obj), None)
     return make_call(obj.get("name"), arguments, index, raw, call_id)
+
+
+def split_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</think>") -> tuple[str, str]:
+    """(reasoning, the rest) of a turn that may start with a thinking block.
+
+    `<think>R</think>REST` -> (R, REST). A turn that holds only `R</think>REST` (the template put
+    `<think>` into the prompt, as Qwen3's does with thinking on) is split the same way. An
+    unterminated `<think>R` (the turn ran out of tokens while thinking) is all reasoning: nothing in
+    it is an answer or a call. Text without the tags is all rest. Whitespace around parts is
+    stripped."""
+    close = text.find(close_tag)
+    opened = text.find(open_tag)
+    if close >= 0 and (opened < 0 or opened < close):
+        start = opened + len(open_tag) if opened >= 0 else 0
+        before = text[:opened] if opened >= 0 else ""
+        return text[start:close].strip(), (before + text[close + len(close_tag):]).strip()
+    if opened >= 0:
+        return text[opened + len(open_tag):].strip(), text[:opened].strip()
+    return "", text

@@ -80,7 +80,11 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
         start = _turn_start(tokenizer, history, tools, prompt_text, with_turn, cut) if stop is not None else None
         if start is None:
             raise TemplateDeltaError(f"message {i}: the assistant turn does not extend its generation prompt")
-        generated = tokenizer.encode(with_turn[start:cut])
+        body_end = cut - len(stop)
+        if messages[i].get("tool_calls") and i + 1 < len(messages):
+            stop = _past_turn_stop(tokenizer, history, messages[i:i + 2], tools, with_turn[:body_end], stop,
+                                   [eot, *stops])
+        generated = tokenizer.encode(with_turn[start:body_end] + stop)
         if fmt is not None:
             _check_reads_back(fmt, tokenizer.decode(generated), messages[i], i)
         tokens += generated
@@ -94,6 +98,22 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
             mask += [0] * len(delta)
         i = j
     return tokens, mask
+
+
+def _past_turn_stop(tokenizer, history, turn_and_next, tools, body: str, stop: str, closes) -> str:
+    """The stop a call turn is learned with: as the template closes it once a message follows
+    (`turn_and_next`: the turn and that message), where that is another stop token than the one
+    it closes the conversation's last turn with (`stop`). OLMo 3's closes past turns with
+    <|im_end|> and the last with eos: its model, trained on whole conversations, ends a call with
+    <|im_end|>, and the example then equals the template's render of the whole transcript.
+    `body`: the render with the turn last, up to its stop."""
+    try:
+        followed = tokenizer.render(list(history) + list(turn_and_next), tools, add_generation_prompt=False)
+    except Exception:   # a template that cannot render the pair: the turn as it renders last
+        return stop
+    if not followed.startswith(body):
+        return stop
+    return next((close for close in closes if close and followed.startswith(close, len(body))), stop)
 
 
 def _reading_format(tokenizer, tools, tool_format) -> ToolCallFormat | None:

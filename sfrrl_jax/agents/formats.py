@@ -23,9 +23,9 @@ import re
 from typing import Any, Mapping, Protocol
 
 from sfrrl_jax.agents.call_text import (FormatBase, ParsedTurn, decode_object, json_objects, make_call, named_call,
-                                        strip_suffixes, tagged_calls)
+                                        split_reasoning, strip_suffixes, tagged_calls)
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
-from sfrrl_jax.agents.pythonic_format import PythonicFormat
+from sfrrl_jax.agents.pythonic_format import Olmo3Format, PythonicFormat
 
 
 class ToolCallFormat(Protocol):
@@ -72,25 +72,6 @@ class CompactFormat(FormatBase):
             return make_call(name, arguments, index, raw)
 
         return tagged_calls(text, "<|call|>", "<|/call|>", decode, ("<|end|>", "<|eos|>"))
-
-
-def split_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</think>") -> tuple[str, str]:
-    """(reasoning, the rest) of a turn that may start with a thinking block.
-
-    `<think>R</think>REST` -> (R, REST). A turn that holds only `R</think>REST` (the template put
-    `<think>` into the prompt, as Qwen3's does with thinking on) is split the same way. An
-    unterminated `<think>R` (the turn ran out of tokens while thinking) is all reasoning: nothing in
-    it is an answer or a call. Text without the tags is all rest. Whitespace around parts is
-    stripped."""
-    close = text.find(close_tag)
-    opened = text.find(open_tag)
-    if close >= 0 and (opened < 0 or opened < close):
-        start = opened + len(open_tag) if opened >= 0 else 0
-        before = text[:opened] if opened >= 0 else ""
-        return text[start:close].strip(), (before + text[close + len(close_tag):]).strip()
-    if opened >= 0:
-        return text[opened + len(open_tag):].strip(), text[:opened].strip()
-    return "", text
 
 
 class Qwen3Format(FormatBase):
@@ -383,14 +364,15 @@ class Qwen3XmlFormat(FormatBase):
 
 FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "qwen3_xml": Qwen3XmlFormat, "harmony": HarmonyFormat,
            "llama3_json": Llama3JsonFormat, "llama4_json": Llama4JsonFormat, "mistral": MistralFormat,
-           "pythonic": PythonicFormat, "granite": GraniteFormat}
+           "pythonic": PythonicFormat, "granite": GraniteFormat, "olmo3": Olmo3Format}
 
 # What each built-in format's chat templates write, most specific first (harmony's templates
 # also write <|call|>, the compact format's call tag; Qwen3-Coder's write <tool_call> around XML;
 # the pythonic ones (Llama 3.2 / 4) keep Llama's ipython role, and show the list's shape; Llama
-# 4's headers are <|header_start|>, Llama 3's <|start_header_id|>).
-_TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("qwen3_xml", ("<function=",)), ("qwen3", ("<tool_call>",)),
-                     ("mistral", ("[TOOL_CALLS]",)), ("pythonic", ("[func_name1(",)),
+# 4's headers are <|header_start|>, Llama 3's <|start_header_id|>; OLMo 3's wrap its calls in
+# <function_calls>).
+_TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("olmo3", ("<function_calls>",)), ("qwen3_xml", ("<function=",)),
+                     ("qwen3", ("<tool_call>",)), ("mistral", ("[TOOL_CALLS]",)), ("pythonic", ("[func_name1(",)),
                      ("llama4_json", ("<|header_start|>",)), ("llama3_json", ("<|python_tag|>", "ipython")),
                      ("granite", ("<|tool_call|>",)), ("compact", ("<|call|>",)))
 

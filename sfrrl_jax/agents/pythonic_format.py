@@ -1,4 +1,5 @@
-"""The pythonic tool-call format (Llama 3.2 / Llama 4 / Gemma 3 prompts): `[f(a=1), g(b="x")]`.
+"""The pythonic tool-call formats: Llama 3.2 / Llama 4 / Gemma 3 prompts' list, `[f(a=1), g(b="x")]`,
+and OLMo 3's calls one per line inside <function_calls> ... </function_calls>.
 
 Read with `ast`, never evaluated: literals only (strings, numbers, True/False/None and JSON's
 true/false/null, lists, tuples, dicts with string keys). The list may be the whole turn, or end
@@ -12,7 +13,7 @@ import ast
 import re
 import warnings
 
-from sfrrl_jax.agents.call_text import FormatBase, ParsedTurn, make_call, strip_suffixes
+from sfrrl_jax.agents.call_text import FormatBase, ParsedTurn, make_call, split_reasoning, strip_suffixes
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 
 
@@ -119,33 +120,107 @@ class PythonicFormat(FormatBase):
     def _calls(source: str) -> tuple[ToolCall | ToolCallError, ...] | ToolCallError:
         """The calls of `source` (a whole Python list expression), each a call or its error; an
         error when `source` is not a list of calls at all."""
-        try:
-            with warnings.catch_warnings():  # "\d" in a string is a SyntaxWarning; the value stands
-                warnings.simplefilter("ignore")
-                tree = ast.parse(source, mode="eval").body
-        except (SyntaxError, ValueError) as e:
-            return ToolCallError(f"malformed pythonic tool call list: {getattr(e, 'msg', None) or e}", raw=source)
-        except (RecursionError, MemoryError) as e:  # CPython's parser gives up on deep nesting so
-            why = f"nested too deeply ({type(e).__name__})"
-            return ToolCallError(f"malformed pythonic tool call list: {why}", raw=source)
+        tree = _parse(source, "eval")
+        if isinstance(tree, ToolCallError):
+            return tree
+        tree = tree.body
         if not isinstance(tree, ast.List) or not tree.elts or not all(isinstance(e, ast.Call) for e in tree.elts):
             return ToolCallError("malformed pythonic tool call list: expected [name(key=value, ...), ...]",
                                  raw=source)
-        calls: list[ToolCall | ToolCallError] = []
-        encoded = source.encode()   # ast's offsets count UTF-8 bytes (get_source_segment: O(n) a call)
-        line_starts = [0] + [m.end() for m in re.finditer(rb"\n", encoded)]
-        for index, node in enumerate(tree.elts):
-            raw = encoded[line_starts[node.lineno - 1] + node.col_offset:
-                          line_starts[node.end_lineno - 1] + node.end_col_offset].decode(errors="replace")
-            name = _dotted_name(node.func)
-            try:
-                if node.args:
-                    raise _NotLiteral("positional arguments: pass every argument as key=value")
-                if any(k.arg is None for k in node.keywords):
-                    raise _NotLiteral("**arguments: pass every argument as key=value")
-                arguments = {k.arg: _python_literal(k.value) for k in node.keywords}
-            except (_NotLiteral, RecursionError) as e:
-                calls.append(ToolCallError(f"arguments of {name!r}: {e or 'nested too deeply'}", raw=raw, name=name))
-                continue
-            calls.append(make_call(name, arguments, index, raw))
-        return tuple(calls)
+        return _read_calls(source, tree.elts, 0)
+
+
+def _parse(source: str, mode: str) -> ast.AST | ToolCallError:
+    """`ast.parse(source, mode)`, or the error a model's malformed text is."""
+    try:
+        with warnings.catch_warnings():  # "\d" in a string is a SyntaxWarning; the value stands
+            warnings.simplefilter("ignore")
+            return ast.parse(source, mode=mode)
+    except (SyntaxError, ValueError) as e:
+        return ToolCallError(f"malformed pythonic tool call list: {getattr(e, 'msg', None) or e}", raw=source)
+    except (RecursionError, MemoryError) as e:  # CPython's parser gives up on deep nesting so
+        why = f"nested too deeply ({type(e).__name__})"
+        return ToolCallError(f"malformed pythonic tool call list: {why}", raw=source)
+
+
+def _read_calls(source: str, nodes: list[ast.Call], first_index: int) -> tuple[ToolCall | ToolCallError, ...]:
+    """Each call node of `source`'s tree as a call (ids from `first_index` on) or its error."""
+    calls: list[ToolCall | ToolCallError] = []
+    encoded = source.encode()   # ast's offsets count UTF-8 bytes (get_source_segment: O(n) a call)
+    line_starts = [0] + [m.end() for m in re.finditer(rb"\n", encoded)]
+    for index, node in enumerate(nodes, first_index):
+        raw = encoded[line_starts[node.lineno - 1] + node.col_offset:
+                      line_starts[node.end_lineno - 1] + node.end_col_offset].decode(errors="replace")
+        name = _dotted_name(node.func)
+        try:
+            if node.args:
+                raise _NotLiteral("positional arguments: pass every argument as key=value")
+            if any(k.arg is None for k in node.keywords):
+                raise _NotLiteral("**arguments: pass every argument as key=value")
+            arguments = {k.arg: _python_literal(k.value) for k in node.keywords}
+        except (_NotLiteral, RecursionError) as e:
+            calls.append(ToolCallError(f"arguments of {name!r}: {e or 'nested too deeply'}", raw=raw, name=name))
+            continue
+        calls.append(make_call(name, arguments, index, raw))
+    return tuple(calls)
+
+
+def _failed(calls) -> bool:
+    return any(isinstance(c, ToolCallError) for c in calls)
+
+
+class Olmo3Format(FormatBase):
+    """OLMo 3 Instruct / Think: calls inside <function_calls> ... </function_calls>, one
+    `name(key=value, ...)` a line, values as its template writes them (JSON: true/false/null,
+    "strings") or Python literals; a Llama-style `[f(), g()]` list inside the tags is read too.
+    The text outside the tags is the content, a <think> block the reasoning. A block that does
+    not parse, holds anything but calls, or is not closed is one error. The template ends the
+    conversation's last answer with <|endoftext|> and earlier ones with <|im_end|>: both end a
+    turn."""
+
+    name = "olmo3"
+    turn_ends = ("<|im_end|>", "<|endoftext|>")
+    _OPEN, _CLOSE = "<function_calls>", "</function_calls>"
+
+    def parse(self, text: str) -> ParsedTurn:
+        reasoning, rest = split_reasoning(text)
+        body = strip_suffixes(rest, self.turn_ends)
+        content, calls, pos, retries = [], [], 0, 16
+        while (start := body.find(self._OPEN, pos)) >= 0:
+            content.append(body[pos:start])
+            inner = start + len(self._OPEN)
+            end = body.find(self._CLOSE, inner)
+            if end < 0:
+                calls.append(ToolCallError(f"unterminated tool call: missing {self._CLOSE}", raw=body[start:]))
+                pos = len(body)
+                break
+            block = self._block(body[inner:end], len(calls))
+            # the nearest close tag, unless it sits inside an argument's string and a later one
+            # closes a block that parses: at most 16 later ones tried in a turn, so a hostile
+            # turn of many bad blocks costs one parse each
+            later = body.find(self._CLOSE, end + len(self._CLOSE))
+            while _failed(block) and later >= 0 and retries > 0:
+                retries -= 1
+                wider = self._block(body[inner:later], len(calls))
+                if not _failed(wider):
+                    block, end = wider, later
+                    break
+                later = body.find(self._CLOSE, later + len(self._CLOSE))
+            calls += block
+            pos = end + len(self._CLOSE)
+        content.append(body[pos:])
+        return ParsedTurn(content="".join(content).strip(), calls=tuple(calls), reasoning=reasoning)
+
+    def _block(self, source: str, first_index: int) -> tuple[ToolCall | ToolCallError, ...]:
+        raw = self._OPEN + source + self._CLOSE
+        text = source.strip()
+        tree = _parse(text, "exec") if text else ToolCallError(f"{self._OPEN} without a call", raw=raw)
+        if isinstance(tree, ToolCallError):
+            return (ToolCallError(tree.message, raw=raw),)
+        values = [stmt.value if isinstance(stmt, ast.Expr) else None for stmt in tree.body]
+        if len(values) == 1 and isinstance(values[0], ast.List) and values[0].elts:
+            values = list(values[0].elts)    # [f(), g()] inside the tags
+        if not values or not all(isinstance(v, ast.Call) for v in values):
+            return (ToolCallError(f"malformed tool calls: {self._OPEN} holds one name(key=value, ...) a line",
+                                  raw=raw),)
+        return _read_calls(text, values, first_index)

@@ -160,6 +160,41 @@ GRANITE_STYLE_TEMPLATE = (
 )
 
 
+# OLMo 3 Instruct (allenai/Olmo-3-*-Instruct), written after the published template: ChatML turns,
+# a default system prompt when none is given, the tools as JSON in <functions> of the system
+# turn, calls one `name(key=<JSON value>, ...)` a line inside <function_calls>, tool results
+# under the `environment` role, and the conversation's last answer closed by eos <|endoftext|>
+# (earlier ones by <|im_end|>).
+OLMO3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+OLMO3_STYLE_TEMPLATE = (
+    "{%- set has_system = messages|selectattr('role', 'equalto', 'system')|list|length > 0 -%}"
+    "{%- if not has_system -%}{{- '<|im_start|>system\nYou are OLMo, a helpful AI assistant. ' -}}"
+    "{%- if tools is none or (tools | length) == 0 -%}"
+    "{{- 'You do not currently have access to any functions. <functions></functions><|im_end|>\n' -}}"
+    "{%- else -%}{{- 'You are provided with function signatures within <functions></functions> XML tags. Output any "
+    "function calls within <function_calls></function_calls> XML tags.' -}}"
+    "{{- '<functions>' -}}{{- tools | tojson -}}{{- '</functions><|im_end|>\n' -}}{%- endif -%}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{- '<|im_start|>system\n' + message['content'] -}}"
+    "{%- if tools is not none -%}{{- '<functions>' -}}{{- tools | tojson -}}{{- '</functions>' -}}{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- elif message['role'] == 'user' -%}{{- '<|im_start|>user\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- elif message['role'] == 'assistant' -%}{{- '<|im_start|>assistant\n' -}}"
+    "{%- if message.get('content', none) is not none -%}{{- message['content'] -}}{%- endif -%}"
+    "{%- if message.get('tool_calls', none) is not none -%}{{- '<function_calls>' -}}"
+    "{%- for tool_call in message['tool_calls'] -%}{%- set args = tool_call['function']['arguments'] -%}"
+    "{%- set ns = namespace(arguments_list=[]) -%}"
+    "{%- for key, value in args.items() -%}{%- set ns.arguments_list = ns.arguments_list + [key ~ '=' ~ (value | tojson)] -%}"
+    "{%- endfor -%}{{- tool_call['function']['name'] + '(' + ns.arguments_list | join(', ') + ')' -}}"
+    "{%- if not loop.last -%}{{ '\n' }}{%- endif -%}{%- endfor -%}{{- '</function_calls>' -}}{%- endif -%}"
+    "{%- if not loop.last -%}{{- '<|im_end|>' + '\n' -}}{%- else -%}{{- eos_token -}}{%- endif -%}"
+    "{%- elif message['role'] == 'tool' -%}{{- '<|im_start|>environment\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- if loop.last and add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
 # Gemma 3 (google/gemma-3-*-it), written after the published template: no system role (its text
 # opens the first user turn), strict user/model alternation, contents trimmed, each turn closed
 # by <end_of_turn> and a newline; no tools.
@@ -240,6 +275,12 @@ def build_granite_style_tokenizer(directory: Path) -> Path:
     """Granite 3's layout: eos <|end_of_text|>, which ends every turn."""
     return _build(directory, GRANITE_SPECIALS,
                   {"eos_token": "<|end_of_text|>", "chat_template": GRANITE_STYLE_TEMPLATE}, ["<|end_of_text|>"])
+
+
+def build_olmo3_style_tokenizer(directory: Path) -> Path:
+    """OLMo 3 Instruct's layout: eos <|endoftext|>; generation_config.json lists it and <|im_end|>."""
+    return _build(directory, OLMO3_SPECIALS, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+                                              "chat_template": OLMO3_STYLE_TEMPLATE}, ["<|endoftext|>", "<|im_end|>"])
 
 
 def build_gemma3_style_tokenizer(directory: Path) -> Path:

@@ -1,5 +1,5 @@
 """Tool-call formats of the model families (Llama 3 / 4 JSON, Llama 3.2 / 4 pythonic, Mistral,
-Qwen3-Coder XML, gpt-oss harmony): the turn's stop tokens (generation_config.json's, refined by
+Qwen3-Coder XML, gpt-oss harmony, Granite 3, OLMo 3): the turn's stop tokens (generation_config.json's, refined by
 the format), the parse (hostile turns included), and the format read from the chat template. The
 loop over each family's template is in test_template_turns.py."""
 import sys
@@ -10,8 +10,8 @@ import pytest
 
 from sfrrl_jax.agents import ParsedTurn
 from sfrrl_jax.agents.formats import (GraniteFormat, HarmonyFormat, Llama3JsonFormat, Llama4JsonFormat, MistralFormat,
-                                      PythonicFormat, Qwen3Format, Qwen3XmlFormat, get_format, infer_format,
-                                      turn_stop_ids)
+                                      Olmo3Format, PythonicFormat, Qwen3Format, Qwen3XmlFormat, get_format,
+                                      infer_format, turn_stop_ids)
 from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.protocols import ToolCall
 from sfrrl_jax.tokenizer import load_tokenizer
@@ -311,3 +311,84 @@ def test_granite_tool_loop_and_sft_over_a_granite_style_template(tmp_path):
                                       calculator_tool_schemas())
     learned = tok.decode([t for t, m in zip(tokens, mask) if m])
     assert '<|tool_call|> {"name": "calculator", "arguments": {"expression": "5 - 1"}}' in learned
+
+
+# ----------------------------------------------------------------------------- OLMo 3
+
+def test_olmo3_calls_one_a_line_inside_function_calls():
+    parse = Olmo3Format().parse
+    turn = parse('Let me look.<function_calls>calculator(expression="2 + 3")\n'
+                 'search(query="caf\u00e9 \\"x\\"", exact=true, limit=null, opts={"tags": ["a", "b"], "n": -1.5})'
+                 '</function_calls><|im_end|>')
+    assert turn.content == "Let me look."
+    assert [(c.name, c.arguments, c.call_id) for c in turn.calls] == [
+        ("calculator", {"expression": "2 + 3"}, "call_0"),
+        ("search", {"query": 'caf\u00e9 "x"', "exact": True, "limit": None, "opts": {"tags": ["a", "b"], "n": -1.5}},
+         "call_1")]
+    # Python literals and a Llama-style list inside the tags read the same; a <think> block is reasoning
+    def named(turn):
+        return [(c.name, c.arguments, c.call_id) for c in turn.calls]
+    assert named(parse("<function_calls>[f(a=True, b='x'), g()]</function_calls>")) == named(parse(
+        '<function_calls>f(a=true, b="x")\ng()</function_calls>')) == [("f", {"a": True, "b": "x"}, "call_0"),
+                                                                         ("g", {}, "call_1")]
+    thought = parse("<think>use <function_calls> later</think><answer>5</answer><|endoftext|>")
+    assert thought == ParsedTurn("<answer>5</answer>", reasoning="use <function_calls> later")
+    # a close tag inside a string argument does not end the block
+    inside = parse('<function_calls>echo(text="</function_calls>")</function_calls>')
+    assert [(c.name, c.arguments) for c in inside.calls] == [("echo", {"text": "</function_calls>"})]
+    # two blocks: their calls numbered on; a bad call is an error in its place, the others stand
+    two = parse("<function_calls>f(a=1)</function_calls> and <function_calls>g(b=2)\nh(3)</function_calls>")
+    assert two.content == "and" and [type(c).__name__ for c in two.calls] == ["ToolCall", "ToolCall", "ToolCallError"]
+    assert [c.call_id for c in two.tool_calls] == ["call_0", "call_1"]
+    assert "positional arguments" in two.errors[0].message
+    for text, why in (("<function_calls>f(a=1", "unterminated"), ("<function_calls></function_calls>", "without a call"),
+                      ("<function_calls>import os</function_calls>", "one name(key=value, ...) a line"),
+                      ("<function_calls>f(a=__import__('os'))</function_calls>", "literal value"),
+                      ("<function_calls>f(a=1)) + (</function_calls>", "malformed")):
+        calls = parse(text).calls
+        assert len(calls) == 1 and why in calls[0].message, (text, calls)
+    assert infer_format("{{ '<function_calls>' }}") == "olmo3" and get_format("olmo3") == Olmo3Format()
+    for text in ("<function_calls>" * 50000, "<function_calls>f(" + "</function_calls>" * 50000,
+                 "<function_calls>f(a=" + "[" * 100000 + "</function_calls>",
+                 ("<function_calls>f(" + "x" * 1000 + "</function_calls>") * 2000,
+                 "<function_calls>f(a=1)</function_calls>" * 5000):
+        start = time.perf_counter()
+        assert isinstance(parse(text), ParsedTurn) and time.perf_counter() - start < 10
+
+
+def test_olmo3_tool_loop_and_sft_over_an_olmo3_style_template(tmp_path):
+    import asyncio
+
+    from sfrrl_jax.agents import calculator_demonstration, calculator_environment, calculator_tool_schemas, run_agent
+    from sfrrl_jax.agents.demos import render_sft_example
+    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.launch.agentic import FAMILY_FORMATS
+    from sfrrl_jax.testing.scripted_engine import ScriptedEngine
+    from family_tokenizer_fixtures import OLMO3_STYLE_TEMPLATE, build_olmo3_style_tokenizer
+
+    tok = load_tokenizer(build_olmo3_style_tokenizer(tmp_path))
+    assert infer_format(tok.chat_template_source) == infer_format(OLMO3_STYLE_TEMPLATE) == FAMILY_FORMATS["olmo3"]
+    im_end, eos = _ids(tok, "<|im_end|>", "<|endoftext|>")
+    assert set(turn_stop_ids(Olmo3Format(), tok)) == {im_end, eos}
+    engine = ScriptedEngine(['<function_calls>calculator(expression="2 + 3")</function_calls><|im_end|>',
+                             "<answer>5</answer><|endoftext|>"], tokenizer=tok)
+    env = calculator_environment()
+    try:
+        traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
+                                     AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048)))
+    finally:
+        env.close()
+    assert (traj.error, traj.finish_reason, traj.reward) == (None, "answer", 1.0)
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
+    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    assert observation == "\n<|im_start|>environment\n5<|im_end|>\n<|im_start|>assistant\n"
+    tokens, mask = render_sft_example(tok, calculator_demonstration(arithmetic_task("2 + 3 - 1", "t")),
+                                      calculator_tool_schemas())
+    learned = tok.decode([t for t, m in zip(tokens, mask) if m])
+    # a call is learned closed as the template closes a past turn (<|im_end|>), the last answer
+    # with eos: the example is the template's render of the whole transcript
+    assert '<function_calls>calculator(expression="5 - 1")</function_calls><|im_end|>' in learned
+    assert learned.endswith("<answer>4</answer><|endoftext|>")
+    demo = calculator_demonstration(arithmetic_task("2 + 3 - 1", "t"))
+    assert tokens == tok.apply_chat_template(demo, calculator_tool_schemas())
+
