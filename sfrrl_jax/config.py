@@ -12,7 +12,7 @@ from typing import Iterable, Literal, Sequence
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
 Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text",
-                 "phi3", "granite", "olmo2", "olmo3"]
+                 "phi3", "granite", "olmo2", "olmo3", "smollm3"]
 RouterKind = Literal["softmax_topk", "topk_softmax"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 MlpAct = Literal["silu", "gelu_tanh"]   # the gate's activation of a dense (GLU) MLP
@@ -172,6 +172,8 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[LayerType, ...] | None = None  # None: all 'full'
     rope_theta: float = 10000.0
+    # Layers that apply no RoPE at all (SmolLM3's NoPE layers, every fourth); () = none. Sorted.
+    nope_layers: tuple[int, ...] = ()
     # Rope scaling: 'yarn' (GPT-OSS: factor, beta_fast/slow, original_max_len, truncate) or
     # 'llama3' (Llama 3.1+: factor, low/high_freq_factor, original_max_len); 'default' ignores them.
     rope_type: RopeType = "default"
@@ -270,6 +272,7 @@ class ModelConfig:
         if self.n_experts == 0 and self.d_ff < 1:
             raise ValueError("ModelConfig.n_experts=0 (a dense MLP) needs d_ff >= 1, the MLP's width")
         self._check_dense_layers()
+        self._check_nope_layers()
         if self.attention_out_bias is not None:
             check_bool("ModelConfig.attention_out_bias", self.attention_out_bias)
         check_int("ModelConfig.sliding_window", self.sliding_window, 0, optional=True)  # 0: no window
@@ -362,7 +365,23 @@ class ModelConfig:
         # Sorted and plain ints (gin and JSON hand over lists), so equal configs compare equal.
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in layers)))
 
+    def _check_nope_layers(self) -> None:
+        where = "ModelConfig.nope_layers"
+        if not isinstance(self.nope_layers, (tuple, list)):
+            raise ValueError(f"{where} must be a tuple of layer indices, got {self.nope_layers!r}")
+        layers = tuple(self.nope_layers)
+        for k, i in enumerate(layers):
+            check_int(f"{where}[{k}]", i, 0, self.n_layers - 1)
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"{where}={layers} repeats a layer index")
+        object.__setattr__(self, "nope_layers", tuple(sorted(int(i) for i in layers)))
+
     # -- derived -----------------------------------------------------------------------------
+    @property
+    def layer_ropes(self) -> tuple[bool, ...]:
+        """Per-layer: whether the layer applies RoPE (False for `nope_layers`)."""
+        return tuple(i not in self.nope_layers for i in range(self.n_layers))
+
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0

@@ -63,6 +63,13 @@ TINY_OLMO = S.ModelConfig.preset(
     rope_type="yarn", rope_factor=4.0, rope_original_max_len=8, rope_attention_factor=1.3, rope_local_theta=10000.0,
 )
 
+# SmolLM3-like (dense): a NoPE layer, windowed (as transformers windows SmolLM3's NoPE layers),
+# beside a full one with RoPE; tied embeddings.
+TINY_SMOLLM3 = S.ModelConfig.preset(
+    "tiny-moe", family="smollm3", n_experts=0, d_ff=40, qk_norm=False, nope_layers=(1,), sliding_window=4,
+    layer_types=("full", "sliding"), tie_embeddings=True,
+)
+
 # Granite-like (dense): its four multipliers, none 1 or a power of two.
 TINY_GRANITE = S.ModelConfig.preset(
     "tiny-moe", family="granite", n_experts=0, d_ff=40, qk_norm=False, embed_scale=3.5, query_scale=0.11,

@@ -151,11 +151,11 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
     core = _cache_attention(cfg, t, positions, k_pos, ones_q, k_valid)
     x = constrain(model.embed(tokens), ("batch", "seq", "embed"))
 
-    def body(block, carry, window, layer):
+    def body(block, carry, window, layer, rope):
         # The whole cache rides in the scan carry and is updated in place layer by layer.
         x, ck_all, cv_all = carry
         h = block.attn_input(x)
-        q, k, v = block.attn.project_qkv(h, positions, window)
+        q, k, v = block.attn.project_qkv(h, positions, window, rope)
         ck_all = write(ck_all, layer, positions, k)
         cv_all = write(cv_all, layer, positions, v)
         if attend_cache is not None:

@@ -174,6 +174,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig, window=None
     return jnp.concatenate(parts, axis=-1).astype(x.dtype)
 
 
+def _rope_unless_nope(x, positions, cfg: ModelConfig, window, rope) -> jax.Array:
+    """apply_rope, or x as it is where `rope` is False (Python: no rotation computed; traced: the
+    scan's per-layer flag, both computed and one kept)."""
+    if rope is True:
+        return apply_rope(x, positions, cfg, window)
+    if rope is False:
+        return x
+    return jnp.where(rope, apply_rope(x, positions, cfg, window), x)
+
+
 # -- attention ----------------------------------------------------------------------------------
 
 def attention_mask(q_pos, k_pos, q_seg, k_seg, window, k_valid=None) -> jax.Array:
@@ -243,9 +253,10 @@ class Attention(nnx.Module):
         if cfg.attn_sinks:
             self.sinks = param(rngs, "zeros", (h,), ("heads",), cfg)
 
-    def project_qkv(self, x, positions, window=None):
+    def project_qkv(self, x, positions, window=None, rope=True):
         """x [b, s, embed] -> q [b, s, heads, hd], k, v [b, s, kv_heads, hd], RoPE applied (the
-        sliding layers' own where cfg.rope_local_theta is set: `window` > 0). With
+        sliding layers' own where cfg.rope_local_theta is set: `window` > 0) unless `rope` is
+        False (Python or traced: a NoPE layer of cfg.nope_layers, SmolLM3's every fourth). With
         cfg.query_scale, q carries query_scale * sqrt(hd), so that the cores' 1/sqrt(hd) makes
         the scores' scale query_scale."""
         cfg, dt = self.cfg, cdtype(self.cfg)
@@ -257,11 +268,11 @@ class Attention(nnx.Module):
                        v + self.v_bias[...].astype(dt))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, cfg, window)
+        q = _rope_unless_nope(q, positions, cfg, window, rope)
         if cfg.query_scale is not None and cfg.query_scale * math.sqrt(cfg.head_dim) != 1.0:
             q = q * jnp.asarray(cfg.query_scale * math.sqrt(cfg.head_dim), q.dtype)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-        k = constrain(apply_rope(k, positions, cfg, window), ("batch", "seq", "kv_heads", "head_dim"))
+        k = constrain(_rope_unless_nope(k, positions, cfg, window, rope), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         return q, k, v
 
@@ -276,16 +287,17 @@ class Attention(nnx.Module):
     def sink_logits(self):
         return self.sinks[...] if self.cfg.attn_sinks else None
 
-    def __call__(self, x, positions, segment_ids, window):
+    def __call__(self, x, positions, segment_ids, window, rope=True):
         """Self-attention over a packed batch: x [b, s, embed]; positions, segment_ids [b, s].
 
-        window: int scalar, may be traced (0 = unlimited). cfg.attention_impl picks the core:
+        window: int scalar, may be traced (0 = unlimited); rope: bool, may be traced (False: a
+        NoPE layer, `project_qkv`). cfg.attention_impl picks the core:
         'blockwise' never builds a [s, s] array (forward or backward); 'naive' is the reference.
         Where the sequence is split (a `context` axis > 1, or `expert` when the rows do not
         split over it) the core runs on each shard's queries against all-gathered keys
         (`models.context_parallel`).
         """
-        q, k, v = self.project_qkv(x, positions, window)
+        q, k, v = self.project_qkv(x, positions, window, rope)
         core = attention_core(self.cfg)
         if context_size(q.shape[0]) > 1:
             out = context_parallel_attention(core, q, k, v, positions, segment_ids, window,

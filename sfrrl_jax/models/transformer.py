@@ -89,8 +89,8 @@ class Block(nnx.Module):
         scale = self.attn.cfg.residual_scale
         return y if scale == 1.0 else y * jnp.asarray(scale, y.dtype)
 
-    def __call__(self, x, positions, segment_ids, window, token_mask, replay=None, with_ids: bool = False):
-        x = x + self.attn_residual(self.attn(self.attn_input(x), positions, segment_ids, window))
+    def __call__(self, x, positions, segment_ids, window, token_mask, replay=None, with_ids: bool = False, rope=True):
+        x = x + self.attn_residual(self.attn(self.attn_input(x), positions, segment_ids, window, rope))
         x = constrain(x, ("batch", "seq", "embed"))
         y, metrics = self.ffn(self.ffn_input(x), token_mask, replay, with_ids)
         return constrain(x + self.ffn_residual(y), ("batch", "seq", "embed")), metrics
@@ -239,7 +239,9 @@ def default_positions_and_segments(tokens, segment_ids=None, positions=None):
 
 
 def run_layers(cfg: ModelConfig, model: Transformer, x, body_fn, xs_extra=None):
-    """Runs the layers in model order: `body_fn(block, carry, window, extra) -> (carry, out)`.
+    """Runs the layers in model order: `body_fn(block, carry, window, extra, rope) -> (carry, out)`;
+    rope: whether the layer applies RoPE (Python True unless cfg.nope_layers names some, then a
+    traced bool scalar per layer).
 
     xs_extra: a pytree of per-layer inputs with leading dim n_layers (model order), or None.
     Returns (carry, {stack key: outs stacked over that stack's layers, in stack order}), e.g.
@@ -260,14 +262,15 @@ def run_layers(cfg: ModelConfig, model: Transformer, x, body_fn, xs_extra=None):
             state = jax.tree.map(lambda a: a[start:stop], state)
         extra = None if xs_extra is None else jax.tree.map(lambda a: a[first:first + n], xs_extra)
         windows = jnp.asarray(cfg.layer_windows[first:first + n], jnp.int32)
+        ropes = jnp.asarray(cfg.layer_ropes[first:first + n]) if cfg.nope_layers else None
 
         def body(carry, scanned, graphdef=graphdef):
-            layer_state, window, layer_extra = scanned
-            return body_fn(nnx.merge(graphdef, layer_state), carry, window, layer_extra)
+            layer_state, window, rope, layer_extra = scanned
+            return body_fn(nnx.merge(graphdef, layer_state), carry, window, layer_extra, True if rope is None else rope)
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        x, out = jax.lax.scan(body, x, (state, windows, extra))
+        x, out = jax.lax.scan(body, x, (state, windows, ropes, extra))
         outs[key].append(out)
     return x, {key: out[0] if len(out) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *out)
                for key, out in outs.items()}
@@ -338,9 +341,9 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, p
     elif return_routes and not moe_layer_ids(cfg):
         raise ValueError("return_routes: this model has no MoE layer")
 
-    def body(block, x, window, layer_routes):
+    def body(block, x, window, layer_routes, rope):
         replay = None if layer_routes is None else (layer_routes, replay_mask)
-        return block(x, positions, segment_ids, window, token_mask, replay, return_routes)
+        return block(x, positions, segment_ids, window, token_mask, replay, return_routes, rope)
 
     x, outs = run_layers(cfg, model, x, body, per_layer_routes)
     # The `layers` stack holds every MoE layer (and a dense model's layers, whose metrics are {}).

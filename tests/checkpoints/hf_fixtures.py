@@ -27,6 +27,7 @@ FAMILY_CLASSES = {
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -175,6 +176,13 @@ CONFIGS = {
                                             "original_max_position_embeddings": 8, "beta_fast": 32.0,
                                             "beta_slow": 1.0, "attention_factor": 1.35},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}})),
+    # SmolLM3: Llama's block with two NoPE layers (not at the default interval), windowed as
+    # transformers windows them (the NoPE layers, with use_sliding_window), tied embeddings, GQA 3:1.
+    "smollm3_nope_window": ("smollm3", dict(
+        vocab_size=81, hidden_size=48, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
+        intermediate_size=28, no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=3,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
 }
 
 

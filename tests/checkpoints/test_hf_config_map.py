@@ -350,3 +350,39 @@ def test_yarn_attention_factor_follows_transformers_mscale_rule():
         _, ours = rope_inv_freq(cfg)
         assert float(ours) == pytest.approx(theirs, rel=1e-12)
         assert config_from_hf(config_to_hf(cfg)) == cfg
+
+
+# SmolLM3-3B's config.json (the architecture's fields, as published): a NoPE layer every fourth.
+SMOLLM3_3B = {
+    "architectures": ["SmolLM3ForCausalLM"], "attention_bias": False, "eos_token_id": 128012, "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 11008, "max_position_embeddings": 65536, "max_window_layers": 28,
+    "mlp_bias": False, "model_type": "smollm3", "no_rope_layer_interval": 4,
+    "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(36)], "num_attention_heads": 16,
+    "num_hidden_layers": 36, "num_key_value_heads": 4, "pad_token_id": 128004, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 5000000.0, "sliding_window": None, "torch_dtype": "bfloat16",
+    "use_sliding_window": False, "vocab_size": 128256}
+
+
+def test_published_smollm3_config_reads_its_nope_layers_as_transformers_does():
+    import transformers
+    cfg = config_from_hf(SMOLLM3_3B)
+    theirs = transformers.SmolLM3Config(**copy.deepcopy(SMOLLM3_3B))
+    assert (cfg.family, cfg.head_dim, cfg.n_kv_heads, cfg.d_ff, cfg.rope_theta, cfg.tie_embeddings) == (
+        "smollm3", 128, 4, 11008, 5e6, True)
+    assert cfg.nope_layers == tuple(range(3, 36, 4)) and [int(r) for r in cfg.layer_ropes] == theirs.no_rope_layers
+    assert cfg.layer_types is None and cfg.sliding_window is None
+    # a file without the list: transformers' interval rule
+    bare = config_from_hf({k: v for k, v in SMOLLM3_3B.items() if k != "no_rope_layers"})
+    assert bare.nope_layers == cfg.nope_layers
+    exported = config_to_hf(cfg)
+    assert config_from_hf(exported) == cfg
+    back = transformers.SmolLM3Config(**copy.deepcopy(exported))
+    assert back.no_rope_layers == theirs.no_rope_layers and not back.use_sliding_window
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    for changes, message in (({"no_rope_layers": [1] * 35}, "must list 0 or 1 for each of the 36 layers"),
+                             ({"no_rope_layers": [2] * 36}, "must list 0 or 1"),
+                             ({"mlp_bias": True}, "mlp_bias=True")):
+        with pytest.raises(HFConfigError, match=message):
+            config_from_hf({**SMOLLM3_3B, **changes})
+    with pytest.raises(HFConfigError, match="LlamaForCausalLM applies RoPE in every layer"):
+        config_to_hf(cfg.replace(family="llama"))

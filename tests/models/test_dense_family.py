@@ -1,5 +1,5 @@
-"""Dense families (n_experts=0: llama, mistral, qwen2, qwen3, gemma3_text, phi3, granite, olmo2/3): the same transformer
-with a GLU MLP in every layer, sharded over `tensor`, trained by the same train step as the MoE
+"""Dense families (n_experts=0: llama, mistral, qwen2, qwen3, gemma3_text, phi3, granite, olmo2/3, smollm3): the
+same transformer with a GLU MLP in every layer, sharded over `tensor`, trained by the same train step as the MoE
 families."""
 import jax
 import numpy as np
@@ -10,12 +10,12 @@ from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.rl.config import LossConfig
 
-from model_fixtures import (TINY_DENSE, TINY_GEMMA, TINY_GRANITE, TINY_OLMO, TINY_PHI, host, randomize, replicate_on,
-                            single_device_mesh)
+from model_fixtures import (TINY_DENSE, TINY_GEMMA, TINY_GRANITE, TINY_OLMO, TINY_PHI, TINY_SMOLLM3, host, randomize,
+                            replicate_on, single_device_mesh)
 
 
-@pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_GEMMA, TINY_PHI, TINY_GRANITE, TINY_OLMO],
-                         ids=["qwen2_like", "gemma3_like", "phi3_like", "granite_like", "olmo3_like"])
+@pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_GEMMA, TINY_PHI, TINY_GRANITE, TINY_OLMO, TINY_SMOLLM3],
+                         ids=["qwen2_like", "gemma3_like", "phi3_like", "granite_like", "olmo3_like", "smollm3_like"])
 def test_dense_forward_and_train_step_on_a_mesh_equal_one_device(cfg):
     mesh = S.make_mesh(data=2, expert=2, tensor=2)
     params = randomize(S.init_params(cfg, mesh, seed=3), seed=4)
@@ -52,6 +52,15 @@ def test_dense_config_errors_name_the_field():
         S.ModelConfig.preset("tiny-moe", n_experts=0)
     with pytest.raises(ValueError, match="attention_out_bias"):
         S.ModelConfig.preset("tiny-moe", attention_out_bias="yes")
+    with pytest.raises(ValueError, match=r"nope_layers\[0\]"):
+        S.ModelConfig.preset("tiny-moe", nope_layers=(2,))   # two layers: 0 and 1
+    with pytest.raises(ValueError, match="repeats a layer index"):
+        S.ModelConfig.preset("tiny-moe", nope_layers=(1, 1))
+    with pytest.raises(ValueError, match="pre_norms=False needs sandwich_norms=True"):
+        S.ModelConfig.preset("tiny-moe", pre_norms=False)
+    with pytest.raises(ValueError, match="qk_norm_over_heads=True needs qk_norm=True"):
+        S.ModelConfig.preset("tiny-moe", qk_norm=False, qk_norm_over_heads=True)
+    assert S.ModelConfig.preset("tiny-moe", nope_layers=[1, 0]).nope_layers == (0, 1)   # gin and JSON give lists
 
 
 def test_the_train_steps_logprobs_are_the_forwards_with_granites_logits_divisor():

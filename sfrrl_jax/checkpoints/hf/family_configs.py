@@ -1,5 +1,5 @@
 """config.json readers of the families whose block is not Llama's: Gemma 3 (text, and the language
-model of the multimodal one), Phi-3 and OLMo 2/3. `hf_config.config_from_hf` dispatches to them."""
+model of the multimodal one), Phi-3, OLMo 2/3 and SmolLM3. `hf_config.config_from_hf` dispatches to them."""
 from __future__ import annotations
 
 import math
@@ -173,3 +173,29 @@ def olmo_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
                            norm_scale_fp32=True)
     except ValueError as e:
         raise HFConfigError(f"{where}: {e}") from None
+
+
+def smollm3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """SmolLM3: Llama's block, with no RoPE in the layers `no_rope_layers` marks 0 (by default
+    every `no_rope_layer_interval`-th), and a window (with `use_sliding_window`) on the layers
+    `layer_types` marks sliding (by default the NoPE ones), as transformers builds them."""
+    require(hf, "hidden_act", ("silu",), where)
+    if hf.get("mlp_bias"):
+        raise HFConfigError(f"{where}: mlp_bias=True is not supported (the MLP has no biases)")
+    n_layers = common["n_layers"]
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = int_of(hf, "no_rope_layer_interval", where, 4)
+        flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if not isinstance(flags, list) or len(flags) != n_layers or any(f not in (0, 1) or isinstance(f, float)
+                                                                    for f in flags):
+        raise HFConfigError(f"{where}: no_rope_layers={flags!r} must list 0 or 1 for each of the {n_layers} layers")
+    window, layer_types = None, None
+    if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
+        hf_types = hf.get("layer_types") or ["sliding_attention" if not f else "full_attention" for f in flags]
+        kinds = layer_types_of(hf_types, n_layers, where)
+        if "sliding" in kinds:
+            window, layer_types = int_of(hf, "sliding_window", where), kinds
+    return ModelConfig(**common, **rope_of(hf, where, 2e6), n_experts=0, d_ff=int_of(hf, "intermediate_size", where),
+                       nope_layers=tuple(i for i, f in enumerate(flags) if not f), sliding_window=window,
+                       layer_types=layer_types)

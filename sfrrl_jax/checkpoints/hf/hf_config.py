@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from sfrrl_jax.checkpoints.hf.family_configs import gemma3_config, gemma3_text_config, olmo_config, phi3_config
+from sfrrl_jax.checkpoints.hf.family_configs import (gemma3_config, gemma3_text_config, olmo_config, phi3_config,
+                                                     smollm3_config)
 from sfrrl_jax.checkpoints.hf.hf_fields import (DTYPES, TO_HF_LAYER_TYPES, HFConfigError, bool_of, float_of, int_of,
                                                 layer_types_of, read_hf_config, require, rope_of, rope_to_hf)
 from sfrrl_jax.config import ModelConfig
@@ -19,14 +20,14 @@ __all__ = ["ARCHITECTURES", "DENSE_FAMILIES", "DTYPES", "SUPPORTED_FAMILIES", "H
            "config_from_hf", "config_to_hf", "read_hf_config"]
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3",
-                      "gemma3_text", "phi3", "granite", "olmo2", "olmo3")
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite", "olmo2", "olmo3")
+                      "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "olmo3": "Olmo3ForCausalLM"}
+                 "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 
 def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> ModelConfig:
@@ -56,7 +57,7 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         top_k=int_of(hf, "num_experts_per_tok", where, 1 if family in DENSE_FAMILIES else ...),
         rms_eps=float_of(hf, "rms_norm_eps", where),
         max_seq_len=int_of(hf, "max_position_embeddings", where),
-        tie_embeddings=bool_of(hf, "tie_word_embeddings", where, family == "gemma3_text"),
+        tie_embeddings=bool_of(hf, "tie_word_embeddings", where, family in ("gemma3_text", "smollm3")),
         attention_bias=bool_of(hf, "attention_bias", where, family == "gpt_oss"),
         router_aux_coef=float_of(hf, "router_aux_loss_coef", where, 0.0),
         param_dtype=dtype, compute_dtype=dtype,
@@ -67,6 +68,8 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         return phi3_config(hf, common, where)
     if family in ("olmo2", "olmo3"):
         return olmo_config(hf, common, where)
+    if family == "smollm3":
+        return smollm3_config(hf, common, where)
     if family == "granite":   # Llama's block with four multipliers
         require(hf, "hidden_act", ("silu",), where)
         if hf.get("mlp_bias"):
@@ -223,6 +226,7 @@ def check_exportable(cfg: ModelConfig) -> None:
         "granite": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
         "olmo2": olmo,
         "olmo3": {k: v for k, v in olmo.items() if k != "rope_local_theta"},   # its sliding layers' RoPE
+        "smollm3": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
     }[cfg.family]
     if cfg.family != "phi3":
         want["rope_partial_factor"] = 1.0
@@ -241,6 +245,9 @@ def check_exportable(cfg: ModelConfig) -> None:
             and cfg.rope_local_theta is None):
         raise HFConfigError("ModelConfig(family='olmo3') with sliding layers and rope_type="
                             f"{cfg.rope_type!r} needs rope_local_theta: HF's sliding layers rotate unscaled")
+    if cfg.nope_layers and cfg.family != "smollm3":
+        raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has nope_layers={cfg.nope_layers}; HF "
+                            f"{ARCHITECTURES[cfg.family]} applies RoPE in every layer (only smollm3 has NoPE layers)")
     if cfg.dense_layers and cfg.family not in ("qwen3_moe", "qwen2_moe"):
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has dense_layers={cfg.dense_layers}; HF "
                             f"{ARCHITECTURES[cfg.family]} has no dense layers (only qwen3_moe's mlp_only_layers)")
@@ -292,6 +299,13 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, mlp_bias=False,
                   embedding_multiplier=cfg.embed_scale, attention_multiplier=cfg.query_scale,
                   residual_multiplier=cfg.residual_scale, logits_scaling=cfg.logits_divisor)
+    elif cfg.family == "smollm3":
+        del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
+        types = cfg.layer_types or ("full",) * cfg.n_layers
+        hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, mlp_bias=False,
+                  no_rope_layers=[int(r) for r in cfg.layer_ropes], use_sliding_window=window is not None,
+                  sliding_window=window, layer_types=[TO_HF_LAYER_TYPES[t] for t in types],
+                  pad_token_id=None)   # SmolLM3Config's default (128004) is an embedding row HF checks
     elif cfg.family in ("olmo2", "olmo3"):
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
         hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias)
