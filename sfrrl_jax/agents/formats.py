@@ -24,6 +24,7 @@ from typing import Any, Mapping, Protocol
 
 from sfrrl_jax.agents.call_text import (FormatBase, ParsedTurn, decode_object, json_objects, make_call, named_call,
                                         split_reasoning, strip_suffixes, tagged_calls)
+from sfrrl_jax.agents.deepseek_format import DeepSeekFormat
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 from sfrrl_jax.agents.pythonic_format import Olmo3Format, PythonicFormat
 
@@ -364,14 +365,16 @@ class Qwen3XmlFormat(FormatBase):
 
 FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "qwen3_xml": Qwen3XmlFormat, "harmony": HarmonyFormat,
            "llama3_json": Llama3JsonFormat, "llama4_json": Llama4JsonFormat, "mistral": MistralFormat,
-           "pythonic": PythonicFormat, "granite": GraniteFormat, "olmo3": Olmo3Format}
+           "pythonic": PythonicFormat, "granite": GraniteFormat, "olmo3": Olmo3Format,
+           "deepseek_v3": DeepSeekFormat}
 
 # What each built-in format's chat templates write, most specific first (harmony's templates
 # also write <|call|>, the compact format's call tag; Qwen3-Coder's write <tool_call> around XML;
 # the pythonic ones (Llama 3.2 / 4) keep Llama's ipython role, and show the list's shape; Llama
 # 4's headers are <|header_start|>, Llama 3's <|start_header_id|>; OLMo 3's wrap its calls in
-# <function_calls>).
-_TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("olmo3", ("<function_calls>",)), ("qwen3_xml", ("<function=",)),
+# <function_calls>; DeepSeek's write <｜tool▁calls▁begin｜>).
+_TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("olmo3", ("<function_calls>",)),
+                     ("deepseek_v3", ("<｜tool▁calls▁begin｜>",)), ("qwen3_xml", ("<function=",)),
                      ("qwen3", ("<tool_call>",)), ("mistral", ("[TOOL_CALLS]",)), ("pythonic", ("[func_name1(",)),
                      ("llama4_json", ("<|header_start|>",)), ("llama3_json", ("<|python_tag|>", "ipython")),
                      ("granite", ("<|tool_call|>",)), ("compact", ("<|call|>",)))

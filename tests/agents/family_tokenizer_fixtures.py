@@ -195,6 +195,48 @@ OLMO3_STYLE_TEMPLATE = (
 )
 
 
+# DeepSeek V3 / R1 (and R1's Qwen / Llama distills), written after the published template as vLLM
+# ships it: the system prompt and tools up front, <｜User｜>...<｜Assistant｜> turns, calls as
+# `function<｜tool▁sep｜>NAME` and a ```json fence inside <｜tool▁calls▁begin｜> ... <｜tool▁calls▁end｜>,
+# results inside <｜tool▁outputs▁begin｜> ... <｜tool▁outputs▁end｜>, after which the model goes on
+# with no generation prompt; every assistant turn ends with <｜end▁of▁sentence｜>.
+DEEPSEEK_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                     "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                     "<｜tool▁output▁end｜>", "<｜tool▁sep｜>"]
+DEEPSEEK_STYLE_TEMPLATE = (
+    "{%- set ns = namespace(is_tool=false, is_output_first=true, system_prompt='', is_last_user=false) -%}"
+    "{%- for message in messages -%}{%- if message['role'] == 'system' -%}"
+    "{%- set ns.system_prompt = ns.system_prompt + message['content'] -%}{%- endif -%}{%- endfor -%}"
+    "{{- bos_token + ns.system_prompt -}}"
+    "{%- if tools -%}{{- '\n\n# Tools\n\n<tools>' -}}{%- for tool in tools -%}{{- '\n' + tool | tojson -}}"
+    "{%- endfor -%}{{- '\n</tools>\n\nFor each function call, return <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+    "function<｜tool▁sep｜><function_name>\n```json\n<arguments>\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}{%- set ns.is_tool = false -%}{%- set ns.is_last_user = true -%}"
+    "{{- '<｜User｜>' + message['content'] + '<｜Assistant｜>' -}}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{%- set ns.is_last_user = false -%}{%- if ns.is_tool -%}{{- '<｜tool▁outputs▁end｜>' -}}{%- endif -%}"
+    "{%- set ns.is_tool = false -%}{%- set ns.is_output_first = true -%}"
+    "{{- (message['content'] or '') + '<｜tool▁calls▁begin｜>' -}}"
+    "{%- for tool in message['tool_calls'] -%}{%- if not loop.first -%}{{- '\n' -}}{%- endif -%}"
+    "{{- '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\n```json\n' "
+    "+ tool['function']['arguments'] | tojson + '\n```<｜tool▁call▁end｜>' -}}{%- endfor -%}"
+    "{{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' -}}"
+    "{%- elif message['role'] == 'assistant' -%}{%- set ns.is_last_user = false -%}"
+    "{%- if ns.is_tool -%}{{- '<｜tool▁outputs▁end｜>' -}}{%- set ns.is_tool = false -%}{%- endif -%}"
+    "{{- message['content'] + '<｜end▁of▁sentence｜>' -}}"
+    "{%- elif message['role'] == 'tool' -%}{%- set ns.is_last_user = false -%}{%- set ns.is_tool = true -%}"
+    "{%- if ns.is_output_first -%}{{- '<｜tool▁outputs▁begin｜>' -}}{%- set ns.is_output_first = false -%}"
+    "{%- else -%}{{- '\n' -}}{%- endif -%}"
+    "{{- '<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if ns.is_tool -%}{{- '<｜tool▁outputs▁end｜>' -}}{%- endif -%}"
+    "{%- if add_generation_prompt and not ns.is_last_user and not ns.is_tool -%}{{- '<｜Assistant｜>' -}}{%- endif -%}"
+)
+
+
 # Gemma 3 (google/gemma-3-*-it), written after the published template: no system role (its text
 # opens the first user turn), strict user/model alternation, contents trimmed, each turn closed
 # by <end_of_turn> and a newline; no tools.
@@ -281,6 +323,14 @@ def build_olmo3_style_tokenizer(directory: Path) -> Path:
     """OLMo 3 Instruct's layout: eos <|endoftext|>; generation_config.json lists it and <|im_end|>."""
     return _build(directory, OLMO3_SPECIALS, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
                                               "chat_template": OLMO3_STYLE_TEMPLATE}, ["<|endoftext|>", "<|im_end|>"])
+
+
+def build_deepseek_style_tokenizer(directory: Path) -> Path:
+    """DeepSeek V3 / R1's layout: bos <｜begin▁of▁sentence｜>, eos <｜end▁of▁sentence｜>, which ends
+    every assistant turn."""
+    return _build(directory, DEEPSEEK_SPECIALS, {"bos_token": "<｜begin▁of▁sentence｜>",
+                                                 "eos_token": "<｜end▁of▁sentence｜>",
+                                                 "chat_template": DEEPSEEK_STYLE_TEMPLATE}, ["<｜end▁of▁sentence｜>"])
 
 
 def build_gemma3_style_tokenizer(directory: Path) -> Path:

@@ -1,5 +1,5 @@
 """Tool-call formats of the model families (Llama 3 / 4 JSON, Llama 3.2 / 4 pythonic, Mistral,
-Qwen3-Coder XML, gpt-oss harmony, Granite 3, OLMo 3): the turn's stop tokens (generation_config.json's, refined by
+Qwen3-Coder XML, gpt-oss harmony, Granite 3, OLMo 3, DeepSeek V3 / R1 / V3.1): the turn's stop tokens (generation_config.json's, refined by
 the format), the parse (hostile turns included), and the format read from the chat template. The
 loop over each family's template is in test_template_turns.py."""
 import sys
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from sfrrl_jax.agents import ParsedTurn
-from sfrrl_jax.agents.formats import (GraniteFormat, HarmonyFormat, Llama3JsonFormat, Llama4JsonFormat, MistralFormat,
-                                      Olmo3Format, PythonicFormat, Qwen3Format, Qwen3XmlFormat, get_format,
-                                      infer_format, turn_stop_ids)
+from sfrrl_jax.agents.formats import (DeepSeekFormat, GraniteFormat, HarmonyFormat, Llama3JsonFormat, Llama4JsonFormat,
+                                      MistralFormat, Olmo3Format, PythonicFormat, Qwen3Format, Qwen3XmlFormat,
+                                      get_format, infer_format, turn_stop_ids)
 from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.protocols import ToolCall
 from sfrrl_jax.tokenizer import load_tokenizer
@@ -390,5 +390,78 @@ def test_olmo3_tool_loop_and_sft_over_an_olmo3_style_template(tmp_path):
     assert '<function_calls>calculator(expression="5 - 1")</function_calls><|im_end|>' in learned
     assert learned.endswith("<answer>4</answer><|endoftext|>")
     demo = calculator_demonstration(arithmetic_task("2 + 3 - 1", "t"))
+    assert tokens == tok.apply_chat_template(demo, calculator_tool_schemas())
+
+
+# ----------------------------------------------------------------------------- DeepSeek V3 / R1 / V3.1
+
+_CB, _CE, _SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_BLOCK, _BLOCK_END, _EOS = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜end▁of▁sentence｜>"
+
+
+def _ds_v3(name, arguments):
+    return f"{_CB}function{_SEP}{name}\n```json\n{arguments}\n```{_CE}"
+
+
+def _ds_v31(name, arguments):
+    return f"{_CB}{name}{_SEP}{arguments}{_CE}"
+
+
+def test_deepseek_calls_in_the_v3_and_v31_layouts():
+    parse = DeepSeekFormat().parse
+    v3 = parse("Let me compute." + _BLOCK + _ds_v3("calculator", '{"expression": "2 + 3"}') + "\n"
+               + _ds_v3("f", "{}") + _BLOCK_END + _EOS)
+    assert v3.content == "Let me compute." and [(c.name, c.arguments, c.call_id) for c in v3.calls] == [
+        ("calculator", {"expression": "2 + 3"}, "call_0"), ("f", {}, "call_1")]
+    v31 = parse("<think>use the tool</think>" + _BLOCK + _ds_v31("calculator", '{"expression": "2 + 3"}')
+                + _BLOCK_END + _EOS)
+    assert v31.reasoning == "use the tool" and [(c.name, c.arguments) for c in v31.calls] == [
+        ("calculator", {"expression": "2 + 3"})]
+    assert parse("<answer>5</answer>" + _EOS) == ParsedTurn("<answer>5</answer>")
+    # a bad call is an error in its place, the good ones stand
+    mixed = parse(_BLOCK + _ds_v3("f", '{"a": 1') + _ds_v31("g", '{"b": 2}') + _BLOCK_END)
+    assert [type(c).__name__ for c in mixed.calls] == ["ToolCallError", "ToolCall"] and mixed.calls[0].name == "f"
+    for text, why in ((_BLOCK + _BLOCK_END, "without a call"), (_BLOCK + _CB + "f" + _SEP + "{}", "unterminated"),
+                      (_BLOCK + _CB + "f {}" + _CE + _BLOCK_END, f"without {_SEP}"),
+                      (_BLOCK + _CB + "tool" + _SEP + "f\n```json\n{}\n```" + _CE + _BLOCK_END, "not 'function'"),
+                      (_BLOCK + _ds_v31("f", "[1]") + _BLOCK_END, "must be a JSON object"),
+                      (_BLOCK + _ds_v31("f", "{}") + _BLOCK_END + "more", "unexpected text after")):
+        assert any(why in e.message for e in parse(text).errors), (text, parse(text))
+    assert infer_format("{{ '<｜tool▁calls▁begin｜>' }}") == "deepseek_v3" and get_format("deepseek_v3") == DeepSeekFormat()
+    for text in (_BLOCK + _CB * 50000, _BLOCK + _ds_v31("f", "{") * 30000, _BLOCK + _CB + "function" + _SEP
+                 + "f\n```json\n" + "```  " * 30000 + "x" + _CE, _BLOCK + _ds_v31("f", "[" * 100000)):
+        start = time.perf_counter()
+        assert isinstance(parse(text), ParsedTurn) and time.perf_counter() - start < 10
+
+
+def test_deepseek_tool_loop_and_sft_over_a_deepseek_style_template(tmp_path):
+    import asyncio
+
+    from sfrrl_jax.agents import calculator_demonstration, calculator_environment, calculator_tool_schemas, run_agent
+    from sfrrl_jax.agents.demos import render_sft_example
+    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.testing.scripted_engine import ScriptedEngine
+    from family_tokenizer_fixtures import DEEPSEEK_STYLE_TEMPLATE, build_deepseek_style_tokenizer
+
+    tok = load_tokenizer(build_deepseek_style_tokenizer(tmp_path))
+    assert infer_format(tok.chat_template_source) == infer_format(DEEPSEEK_STYLE_TEMPLATE) == "deepseek_v3"
+    engine = ScriptedEngine([_BLOCK + _ds_v3("calculator", '{"expression": "2 + 3"}') + _BLOCK_END + _EOS,
+                             "<answer>5</answer>" + _EOS], tokenizer=tok)
+    env = calculator_environment()
+    try:
+        traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
+                                     AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048)))
+    finally:
+        env.close()
+    assert (traj.error, traj.finish_reason, traj.reward) == (None, "answer", 1.0)
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
+    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    # the results, and no generation prompt after them: the model goes on where they end
+    assert observation == "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>5<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
+    demo = calculator_demonstration(arithmetic_task("2 + 3 - 1", "t"))
+    tokens, mask = render_sft_example(tok, demo, calculator_tool_schemas())
+    learned = tok.decode([t for t, m in zip(tokens, mask) if m])
+    assert _BLOCK + _ds_v3("calculator", '{"expression": "5 - 1"}') + _BLOCK_END + _EOS in learned
+    assert learned.endswith("<answer>4</answer>" + _EOS)
     assert tokens == tok.apply_chat_template(demo, calculator_tool_schemas())
 
