@@ -70,6 +70,11 @@ TINY_SMOLLM3 = S.ModelConfig.preset(
     layer_types=("full", "sliding"), tie_embeddings=True,
 )
 
+# OLMoE-like: softmax-then-top-k routing without renormalisation, q/k norms over the whole
+# projection, q/k/v/o biases.
+TINY_OLMOE = S.ModelConfig.preset("tiny-moe", family="olmoe", qk_norm=True, qk_norm_over_heads=True,
+                                  norm_topk_prob=False, attention_bias=True)
+
 # Granite-like (dense): its four multipliers, none 1 or a power of two.
 TINY_GRANITE = S.ModelConfig.preset(
     "tiny-moe", family="granite", n_experts=0, d_ff=40, qk_norm=False, embed_scale=3.5, query_scale=0.11,

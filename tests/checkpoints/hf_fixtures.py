@@ -28,6 +28,7 @@ FAMILY_CLASSES = {
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -183,6 +184,13 @@ CONFIGS = {
         intermediate_size=28, no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=3,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
+    # OLMoE: softmax-then-top-k routing without renormalisation, q/k norms over the whole
+    # projection (GQA 2:1: the k norm is narrower), q/k/v/o biases.
+    "olmoe_gqa": ("olmoe", dict(
+        vocab_size=69, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=18, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, attention_bias=True,
+        pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 

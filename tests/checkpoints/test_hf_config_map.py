@@ -386,3 +386,36 @@ def test_published_smollm3_config_reads_its_nope_layers_as_transformers_does():
             config_from_hf({**SMOLLM3_3B, **changes})
     with pytest.raises(HFConfigError, match="LlamaForCausalLM applies RoPE in every layer"):
         config_to_hf(cfg.replace(family="llama"))
+
+
+# OLMoE-1B-7B-0125-Instruct's config.json (the architecture's fields, as published).
+OLMOE_1B_7B = {
+    "architectures": ["OlmoeForCausalLM"], "attention_bias": False, "clip_qkv": None, "eos_token_id": 50279,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 1024, "max_position_embeddings": 4096,
+    "model_type": "olmoe", "norm_topk_prob": False, "num_attention_heads": 16, "num_experts": 64,
+    "num_experts_per_tok": 8, "num_hidden_layers": 16, "num_key_value_heads": 16, "pad_token_id": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0, "router_aux_loss_coef": 0.01,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 50304}
+
+
+def test_published_olmoe_config_maps_onto_a_softmax_topk_moe_with_whole_projection_qk_norms():
+    import transformers
+    cfg = config_from_hf(OLMOE_1B_7B)
+    assert (cfg.family, cfg.n_experts, cfg.top_k, cfg.d_ff_expert, cfg.router, cfg.norm_topk_prob) == (
+        "olmoe", 64, 8, 1024, "softmax_topk", False)
+    assert cfg.qk_norm and cfg.qk_norm_over_heads and cfg.pre_norms and not cfg.norm_scale_fp32
+    assert (cfg.head_dim, cfg.router_aux_coef) == (128, 0.01)
+    exported = config_to_hf(cfg)
+    assert config_from_hf(exported) == cfg
+    back = transformers.OlmoeConfig(**copy.deepcopy(exported))
+    assert (back.num_experts, back.num_experts_per_tok, back.intermediate_size, back.norm_topk_prob) == (
+        64, 8, 1024, False)
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    with pytest.raises(HFConfigError, match="clip_qkv=8.0"):
+        config_from_hf({**OLMOE_1B_7B, "clip_qkv": 8.0})
+    with pytest.raises(HFConfigError, match="q_norm spans hidden_size"):
+        config_from_hf({**OLMOE_1B_7B, "head_dim": 64})
+    with pytest.raises(HFConfigError, match="q_norm spans hidden_size"):
+        config_to_hf(cfg.replace(head_dim=64))
+    with pytest.raises(HFConfigError, match="Qwen3MoeForCausalLM requires"):
+        config_to_hf(cfg.replace(family="qwen3_moe"))   # Qwen3-MoE's q/k norms are per head

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: `load_hf` (streamed into sharded params) and `save_hf`.
 
-Families: qwen3_moe, qwen2_moe, gpt_oss (incl. MXFP4 experts on load), mixtral, and the dense llama, mistral,
-qwen2, qwen3, gemma3_text, phi3 (q/k/v and gate/up fused in its files), granite, olmo2, olmo3 and
+Families: qwen3_moe, qwen2_moe, gpt_oss (incl. MXFP4 experts on load), mixtral, olmoe, and the dense llama,
+mistral, qwen2, qwen3, gemma3_text, phi3 (q/k/v and gate/up fused in its files), granite, olmo2, olmo3 and
 smollm3 (NoPE layers).
 """
 from sfrrl_jax.checkpoints.hf.hf_config import (SUPPORTED_FAMILIES, HFConfigError, config_from_hf,

@@ -20,14 +20,14 @@ __all__ = ["ARCHITECTURES", "DENSE_FAMILIES", "DTYPES", "SUPPORTED_FAMILIES", "H
            "config_from_hf", "config_to_hf", "read_hf_config"]
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3",
-                      "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3")
+                      "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                 "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 
 def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> ModelConfig:
@@ -109,6 +109,19 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
             sliding_window=window, layer_types=layer_types,
             dense_layers=dense, d_ff=int_of(hf, "intermediate_size", where) if dense else 0,
         )
+    if family == "olmoe":
+        # OLMoE: Llama's pre-norm block, q/k norms over the whole projection (as OLMo 2's, but
+        # multiplying after the cast), softmax-then-top-k routing over per-expert SwiGLU MLPs
+        require(hf, "hidden_act", ("silu",), where)
+        if hf.get("clip_qkv") is not None:
+            raise HFConfigError(f"{where}: clip_qkv={hf['clip_qkv']!r} is not supported (q/k/v clipping)")
+        if common["head_dim"] * n_heads != d_model:   # HF builds q_norm over hidden_size
+            raise HFConfigError(f"{where}: head_dim={common['head_dim']} x num_attention_heads={n_heads} != "
+                                f"hidden_size={d_model}; HF OLMoE's q_norm spans hidden_size")
+        return ModelConfig(
+            **common, **rope_of(hf, where, 10000.0), n_experts=int_of(hf, "num_experts", where),
+            d_ff_expert=int_of(hf, "intermediate_size", where), router="softmax_topk",
+            norm_topk_prob=bool_of(hf, "norm_topk_prob", where, False), qk_norm=True, qk_norm_over_heads=True)
     if family == "mixtral":
         require(hf, "hidden_act", ("silu",), where)
         window = hf.get("sliding_window")
@@ -227,6 +240,8 @@ def check_exportable(cfg: ModelConfig) -> None:
         "olmo2": olmo,
         "olmo3": {k: v for k, v in olmo.items() if k != "rope_local_theta"},   # its sliding layers' RoPE
         "smollm3": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
+        "olmoe": dict(router="softmax_topk", qk_norm=True, attn_sinks=False, router_bias=False, expert_bias=False,
+                      expert_act="swiglu", d_ff_shared=0, out_bias=cfg.attention_bias),
     }[cfg.family]
     if cfg.family != "phi3":
         want["rope_partial_factor"] = 1.0
@@ -237,6 +252,11 @@ def check_exportable(cfg: ModelConfig) -> None:
                                                                     "logits_divisor")})
     elif cfg.family not in ("gemma3_text", "olmo2", "olmo3"):
         want.update(plain)
+        if cfg.family == "olmoe":   # its q/k norms span the whole projection
+            want["qk_norm_over_heads"] = True
+            if cfg.head_dim * cfg.n_heads != cfg.d_model:
+                raise HFConfigError(f"ModelConfig(family='olmoe') has head_dim={cfg.head_dim} x n_heads={cfg.n_heads} "
+                                    f"!= d_model={cfg.d_model}; HF OlmoeForCausalLM's q_norm spans hidden_size")
     elif cfg.family == "gemma3_text" and (cfg.query_scale is None or (
             cfg.rope_local_theta is None and "sliding" in (cfg.layer_types or ()))):
         raise HFConfigError("ModelConfig(family='gemma3_text') needs query_scale (query_pre_attn_scalar ** -0.5) "
@@ -348,6 +368,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                   use_sliding_window=window is not None, sliding_window=window, max_window_layers=cfg.n_layers,
                   layer_types=[TO_HF_LAYER_TYPES[t] for t in types],
                   intermediate_size=cfg.d_ff if cfg.dense_layers else cfg.d_ff_shared)
+    elif cfg.family == "olmoe":
+        hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert, norm_topk_prob=cfg.norm_topk_prob,
+                  attention_bias=cfg.attention_bias, clip_qkv=None)
     elif cfg.family == "mixtral":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert, sliding_window=window)
     else:

@@ -167,10 +167,10 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
         if quantized:
             raise ValueError(f"MXFP4 weights are only defined for gpt_oss's experts, not a dense {cfg.family} MLP")
         return _dense_mlp(cfg, p)
-    if cfg.family in ("qwen3_moe", "qwen2_moe", "mixtral"):
+    if cfg.family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"):
         if quantized:
             raise ValueError(f"MXFP4 expert weights are only defined for gpt_oss, not {cfg.family}")
-        if cfg.family in ("qwen3_moe", "qwen2_moe"):
+        if cfg.family in ("qwen3_moe", "qwen2_moe", "olmoe"):
             base, router, names = p + "mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj")
         else:
             base, router, names = p + "block_sparse_moe.", "gate.weight", ("w1", "w3", "w2")
