@@ -55,7 +55,9 @@ class OptimizerConfig:
     then cosine from peak to peak * end_lr_ratio over the remaining total_steps - warmup_steps
     steps, constant afterwards.
     max_grad_norm: global-norm clip (None: no clipping).
-    decay_matrices_only: weight decay only on leaves with ndim >= 2 (not norms, biases, scales).
+    decay_matrices_only: weight decay only on weight matrices: not on norm scales, biases (q/k/v/o,
+      the experts' b_*, the router's) or attention sinks, found by name (`decays`), since stacked
+      layers give every per-layer vector a leading layers dim (a norm's scale is [layers, embed]).
     state_shard_axis: mesh axis the moments are further split over (None: like the params).
     offload_state: keep the optimizer state in host memory (`memory_kind='pinned_host'`) between
       updates; each update moves it to the device, applies, and moves it back. Frees the moments'
@@ -206,9 +208,18 @@ def learning_rate_schedule(cfg: OptimizerConfig):
     return schedule
 
 
+def decays(path, leaf) -> bool:
+    """Whether weight decay applies to the param at `path` (a key path into the params) under
+    decay_matrices_only: matrices, not norm scales ('scale'), biases ('*bias', the experts'
+    'b_gate' / 'b_up' / 'b_down') or sinks, as HF's Trainer and verl exclude norms and biases."""
+    name = str(getattr(path[-1], "key", getattr(path[-1], "name", path[-1]))) if path else ""
+    vector = name == "scale" or name == "sinks" or name.endswith("bias") or name.startswith("b_")
+    return getattr(leaf, "ndim", 0) >= 2 and not vector
+
+
 def build_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     """clip_by_global_norm (optional) -> AdamW with the schedule."""
-    mask = (lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)) if cfg.decay_matrices_only else None
+    mask = (lambda params: jax.tree_util.tree_map_with_path(decays, params)) if cfg.decay_matrices_only else None
     adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, mask=mask, mu_dtype=cfg.mu_dtype)
     if cfg.max_grad_norm is None:

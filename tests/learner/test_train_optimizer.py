@@ -69,3 +69,32 @@ def test_mu_dtype_is_checked():
         OptimizerConfig(mu_dtype="int8")
     with pytest.raises(ValueError, match="OptimizerConfig.mu_dtype='fp33' is not a float dtype"):
         OptimizerConfig(mu_dtype="fp33")
+
+
+def test_weight_decay_skips_norms_biases_and_sinks_of_stacked_layers():
+    """decay_matrices_only: a stacked layer's norm scale is [layers, embed] and a q bias
+    [layers, heads, head_dim], as many dims as a matrix; neither may decay (HF's Trainer and verl
+    exclude norms and biases), while every weight matrix does."""
+    import jax
+    import numpy as np
+
+    import sfrrl_jax as S
+    from sfrrl_jax.learner.optimizer import build_optimizer, decays
+    cfg = S.ModelConfig.preset("tiny-moe", attention_bias=True, attn_sinks=True, router_bias=True, expert_bias=True,
+                               qk_norm=True)
+    params = S.init_params(cfg, S.make_mesh(devices=jax.devices()[:1]), seed=0)
+    params = jax.tree.map(lambda p: np.ones(p.shape, np.float32), params)
+    opt = build_optimizer(OptimizerConfig(learning_rate=1e-2, weight_decay=0.5, warmup_steps=0, max_grad_norm=None))
+    zero = jax.tree.map(np.zeros_like, params)
+    updates, _ = opt.update(zero, opt.init(params), params)
+    moved = {jax.tree_util.keystr(p): bool(np.any(np.asarray(u) != 0))
+             for p, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
+    frozen = {k for k, m in moved.items() if not m}
+    assert frozen == {k for k in moved if k.endswith(("['scale']", "bias']", "['sinks']", "['b_gate']", "['b_up']",
+                                                       "['b_down']"))}
+    assert "['layers']['attn_norm']['scale']" in frozen and "['layers']['attn']['q_bias']" in frozen
+    assert "['final_norm']['scale']" in frozen and "['layers']['attn']['q_norm']['scale']" in frozen
+    for matrix in ("['layers']['attn']['q_proj']", "['layers']['moe']['w_gate']", "['embed']['embedding']",
+                   "['layers']['moe']['router']"):
+        assert moved[matrix], matrix
+    assert decays((jax.tree_util.DictKey("w_up"),), np.ones((2, 2))) and not decays((), np.ones(3))
