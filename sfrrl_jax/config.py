@@ -12,8 +12,8 @@ from typing import Iterable, Literal, Sequence
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
 Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text",
-                 "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe"]
-RouterKind = Literal["softmax_topk", "topk_softmax"]
+                 "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe"]
+RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_topk"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 MlpAct = Literal["silu", "gelu_tanh"]   # the gate's activation of a dense (GLU) MLP
 LayerType = Literal["full", "sliding"]
@@ -154,9 +154,17 @@ class ModelConfig:
     shared_expert_gate: bool = False
     top_k: int = 2
     # Routing: 'softmax_topk' = softmax over all experts then top-k (Qwen3-MoE), optionally
-    # renormalised; 'topk_softmax' = top-k logits then softmax over those k (Mixtral, GPT-OSS).
+    # renormalised; 'topk_softmax' = top-k logits then softmax over those k (Mixtral, GPT-OSS);
+    # 'sigmoid_topk' (GLM-4.5, DeepSeek-V3) = sigmoid scores, the top k of scores + a per-expert
+    # selection bias (param 'score_bias', HF's e_score_correction_bias: it moves the choice only,
+    # so it gets no gradient) among the router_topk_groups best of router_groups expert groups (a
+    # group's worth: its two best), weighted by their scores, optionally renormalised, times
+    # router_scale.
     router: RouterKind = "softmax_topk"
     norm_topk_prob: bool = True
+    router_scale: float = 1.0
+    router_groups: int = 1
+    router_topk_groups: int = 1
     router_bias: bool = False
     expert_bias: bool = False
     expert_act: ExpertAct = "swiglu"
@@ -305,6 +313,7 @@ class ModelConfig:
             )
         if self.n_experts and self.top_k > self.n_experts:
             raise ValueError(f"ModelConfig.top_k={self.top_k} > n_experts={self.n_experts}")
+        self._check_router_groups()
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
             if len(self.layer_types) != self.n_layers:
@@ -365,6 +374,24 @@ class ModelConfig:
         # Sorted and plain ints (gin and JSON hand over lists), so equal configs compare equal.
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in layers)))
 
+    def _check_router_groups(self) -> None:
+        check_number("ModelConfig.router_scale", self.router_scale, 0, lo_open=True)
+        check_int_fields(self, ("router_groups", "router_topk_groups"), 1)
+        if self.router_topk_groups > self.router_groups:
+            raise ValueError(f"ModelConfig.router_topk_groups={self.router_topk_groups} > router_groups="
+                             f"{self.router_groups}")
+        if (self.router_groups > 1 or self.router_scale != 1.0) and self.router != "sigmoid_topk":
+            raise ValueError(f"ModelConfig.router_groups / router_scale are sigmoid_topk's (router={self.router!r})")
+        if self.n_experts and self.router_groups > 1:
+            if self.n_experts % self.router_groups:
+                raise ValueError(f"ModelConfig.router_groups={self.router_groups} must divide n_experts="
+                                 f"{self.n_experts}")
+            per_group = self.n_experts // self.router_groups
+            if per_group < 2 or self.top_k > self.router_topk_groups * per_group:
+                raise ValueError(f"ModelConfig: top_k={self.top_k} experts from router_topk_groups="
+                                 f"{self.router_topk_groups} groups of {per_group} (each needs >= 2: a group's "
+                                 "worth is its two best)")
+
     def _check_nope_layers(self) -> None:
         where = "ModelConfig.nope_layers"
         if not isinstance(self.nope_layers, (tuple, list)):
@@ -422,7 +449,7 @@ class ModelConfig:
         attn += d * self.out_bias + h * self.attn_sinks
         if self.qk_norm:
             attn += (h + k) * hd if self.qk_norm_over_heads else 2 * hd
-        moe = d * e + e * 3 * d * f + (e if self.router_bias else 0)
+        moe = d * e + e * 3 * d * f + (e if self.router_bias else 0) + (e if self.router == "sigmoid_topk" else 0)
         if self.expert_bias:
             moe += e * (2 * f + d)
         moe += 3 * d * self.d_ff_shared + d * self.shared_expert_gate

@@ -75,6 +75,15 @@ TINY_SMOLLM3 = S.ModelConfig.preset(
 TINY_OLMOE = S.ModelConfig.preset("tiny-moe", family="olmoe", qk_norm=True, qk_norm_over_heads=True,
                                   norm_topk_prob=False, attention_bias=True)
 
+# GLM-4.5-like: a dense first layer, then sigmoid routing with a selection bias ('score_bias')
+# among 2 of 4 expert groups, scaled by 2.5, an ungated shared expert; RoPE on half of each head,
+# q/k/v biases without the output's, per-head q/k norms.
+TINY_GLM = S.ModelConfig.preset(
+    "tiny-moe", family="glm4_moe", router="sigmoid_topk", router_groups=4, router_topk_groups=2, router_scale=2.5,
+    d_ff_shared=32, dense_layers=(0,), d_ff=40, attention_bias=True, attention_out_bias=False,
+    rope_partial_factor=0.5, qk_norm=True,
+)
+
 # Granite-like (dense): its four multipliers, none 1 or a power of two.
 TINY_GRANITE = S.ModelConfig.preset(
     "tiny-moe", family="granite", n_experts=0, d_ff=40, qk_norm=False, embed_scale=3.5, query_scale=0.11,

@@ -52,6 +52,8 @@ class MoE(nnx.Module):
         self.router = param(rngs, "normal", (d, e), ("embed", "experts_router"), cfg)
         if cfg.router_bias:
             self.router_bias = param(rngs, "zeros", (e,), ("experts_router",), cfg)
+        if cfg.router == "sigmoid_topk":   # the selection bias (no gradient reaches it)
+            self.score_bias = param(rngs, "zeros", (e,), ("experts_router",), cfg)
         self.w_gate = param(rngs, "normal", (e, d, f), ("experts", "embed", "mlp"), cfg)
         self.w_up = param(rngs, "normal", (e, d, f), ("experts", "embed", "mlp"), cfg)
         self.w_down = param(rngs, "normal", (e, f, d), ("experts", "mlp", "embed"), cfg)
@@ -78,7 +80,9 @@ class MoE(nnx.Module):
         replay_ids = replay_mask = None
         if replay is not None:
             replay_ids, replay_mask = replay[0].reshape(b * s, -1), replay[1].reshape(b * s)
-        ids, weights, metrics = route(self.cfg, flat, self.router[...], bias, mask, replay_ids, replay_mask)
+        score_bias = self.score_bias[...] if self.cfg.router == "sigmoid_topk" else None
+        ids, weights, metrics = route(self.cfg, flat, self.router[...], bias, mask, replay_ids, replay_mask,
+                                      score_bias)
         y = moe_experts(self.cfg, flat, ids, weights, self.expert_weights())
         if with_ids:
             metrics = {**metrics, "expert_ids": ids.reshape(b, s, -1)}
@@ -101,8 +105,12 @@ def top_k_by_argmax(x, k: int):
     return jnp.stack(values, axis=-1), jnp.stack(ids, axis=-1).astype(jnp.int32)
 
 
-def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None, replay_ids=None, replay_mask=None):
+def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None, replay_ids=None, replay_mask=None,
+          score_bias=None):
     """Top-k routing. x [tokens, embed] -> ids [tokens, k] int32, weights [tokens, k] fp32, metrics.
+
+    cfg.router picks the rule (`ModelConfig.router`); score_bias [experts]: sigmoid_topk's
+    selection bias (zeros when None).
 
     metrics: 'router_aux_loss' (HF's load-balance loss: n_experts * sum_e frac_e * mean_prob_e,
     frac summed over the k choices) and 'router_z_loss' (mean logsumexp(logits)^2), both over the
@@ -119,8 +127,13 @@ def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None, replay_
     if router_b is not None:
         logits = logits + router_b.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    scores = probs if cfg.router == "softmax_topk" else logits
-    top_scores, ids = top_k_by_argmax(scores, cfg.top_k)
+    if cfg.router == "sigmoid_topk":
+        scores = jax.nn.sigmoid(logits)
+        _, ids = top_k_by_argmax(_grouped_choice(cfg, scores, score_bias), cfg.top_k)
+        top_scores = jnp.take_along_axis(scores, ids, axis=-1)
+    else:
+        scores = probs if cfg.router == "softmax_topk" else logits
+        top_scores, ids = top_k_by_argmax(scores, cfg.top_k)
     extra = {}
     if replay_ids is not None:
         replay_ids = replay_ids.astype(jnp.int32)
@@ -135,6 +148,11 @@ def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None, replay_
         weights = top_scores
         if cfg.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    elif cfg.router == "sigmoid_topk":
+        weights = top_scores
+        if cfg.norm_topk_prob:   # HF's epsilon: sigmoid scores may all be ~0
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        weights = weights * cfg.router_scale
     else:
         weights = jax.nn.softmax(top_scores, axis=-1)
     m = jnp.ones(x.shape[0], jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
@@ -149,6 +167,20 @@ def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None, replay_
         **extra,
     }
     return ids.astype(jnp.int32), weights, metrics
+
+
+def _grouped_choice(cfg: ModelConfig, scores, score_bias):
+    """sigmoid_topk's selection scores [tokens, experts]: scores + score_bias, -inf outside the
+    router_topk_groups groups (of router_groups) whose two best such scores sum highest."""
+    choice = scores if score_bias is None else scores + score_bias.astype(jnp.float32)
+    if cfg.router_groups == 1:
+        return choice
+    t, e = choice.shape
+    grouped = choice.reshape(t, cfg.router_groups, e // cfg.router_groups)
+    best_two, _ = top_k_by_argmax(grouped, 2)
+    _, groups = top_k_by_argmax(jnp.sum(best_two, axis=-1), cfg.router_topk_groups)   # [tokens, topk_groups]
+    kept = jnp.any(jax.nn.one_hot(groups, cfg.router_groups, dtype=bool), axis=1)        # [tokens, groups]
+    return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(t, e)
 
 
 # -- local expert compute ----------------------------------------------------------------------

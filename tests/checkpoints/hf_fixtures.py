@@ -29,6 +29,7 @@ FAMILY_CLASSES = {
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+    "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -191,6 +192,16 @@ CONFIGS = {
         intermediate_size=18, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, attention_bias=True,
         pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # GLM-4.5 in small: a dense first layer, then sigmoid routing with a selection bias among 2 of
+    # 4 expert groups, renormalised and scaled by 2.5, an ungated shared expert two experts wide,
+    # RoPE on half of each head, q/k/v biases (none on o), per-head q/k norms, GQA 3:1.
+    "glm4_moe_groups": ("glm4_moe", dict(
+        vocab_size=91, hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=12, intermediate_size=40, moe_intermediate_size=14, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, num_nextn_predict_layers=0,
+        pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
 }
 
 
@@ -203,6 +214,9 @@ def randomize_(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:
                 p.copy_(1.0 + 0.2 * noise)
             else:
                 p.copy_(std * noise)
+        for name, b in model.named_buffers():   # GLM's routing bias: a buffer, moved to matter
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
 
 def build_model(name: str, seed: int = 0) -> torch.nn.Module:

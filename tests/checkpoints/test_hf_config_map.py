@@ -419,3 +419,48 @@ def test_published_olmoe_config_maps_onto_a_softmax_topk_moe_with_whole_projecti
         config_to_hf(cfg.replace(head_dim=64))
     with pytest.raises(HFConfigError, match="Qwen3MoeForCausalLM requires"):
         config_to_hf(cfg.replace(family="qwen3_moe"))   # Qwen3-MoE's q/k norms are per head
+
+
+# GLM-4.5-Air's config.json (the architecture's fields, as published; 4.x spelling).
+GLM45_AIR = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "eos_token_id": [151329, 151336, 151338],
+    "first_k_dense_replace": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "intermediate_size": 10944, "max_position_embeddings": 131072, "model_type": "glm4_moe",
+    "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8, "num_hidden_layers": 46,
+    "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "pad_token_id": 151329, "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000, "routed_scaling_factor": 1.0,
+    "tie_word_embeddings": False, "topk_group": 1, "torch_dtype": "bfloat16", "use_qk_norm": False,
+    "vocab_size": 151552}
+
+
+def test_published_glm45_air_config_reads_as_transformers_reads_it():
+    import transformers
+    cfg = config_from_hf(GLM45_AIR)
+    theirs = transformers.Glm4MoeConfig(**copy.deepcopy(GLM45_AIR))
+    assert (cfg.family, cfg.router, cfg.n_experts, cfg.top_k, cfg.d_ff_expert, cfg.d_ff_shared) == (
+        "glm4_moe", "sigmoid_topk", 128, 8, 1408, 1408)
+    assert (cfg.dense_layers, cfg.d_ff, cfg.router_scale, cfg.router_groups, cfg.router_topk_groups) == (
+        (0,), 10944, 1.0, 1, 1)
+    assert (cfg.head_dim, cfg.rope_partial_factor, cfg.rope_theta, cfg.qk_norm) == (128, 0.5, 1e6, False)
+    assert cfg.attention_bias and not cfg.out_bias and not cfg.shared_expert_gate and cfg.norm_topk_prob
+    assert theirs.rope_parameters["partial_rotary_factor"] == 0.5 and theirs.first_k_dense_replace == 1
+    exported = config_to_hf(cfg)
+    assert config_from_hf(exported) == cfg
+    back = transformers.Glm4MoeConfig(**copy.deepcopy(exported))
+    assert (back.n_routed_experts, back.n_shared_experts, back.first_k_dense_replace, back.routed_scaling_factor,
+            back.rope_parameters["partial_rotary_factor"]) == (128, 1, 1, 1.0, 0.5)
+    # GLM-4.5 (355B): 2.5x scaled routes; a DeepSeek-style grouped choice reads too
+    grouped = config_from_hf({**GLM45_AIR, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4})
+    assert (grouped.router_scale, grouped.router_groups, grouped.router_topk_groups) == (2.5, 8, 4)
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    for changes, message in (({"n_group": 3}, "router_groups=3 must divide n_experts=128"),
+                             ({"topk_group": 2}, "router_topk_groups=2 > router_groups=1"),
+                             ({"first_k_dense_replace": 46}, "leaves no MoE layer"),
+                             ({"hidden_act": "gelu"}, "hidden_act='gelu'")):
+        with pytest.raises(HFConfigError, match=message):
+            config_from_hf({**GLM45_AIR, **changes})
+    with pytest.raises(HFConfigError, match="dense layers are the first k"):
+        config_to_hf(cfg.replace(dense_layers=(1,)))
+    with pytest.raises(HFConfigError, match="Qwen3MoeForCausalLM requires"):
+        config_to_hf(cfg.replace(family="qwen3_moe"))

@@ -215,3 +215,26 @@ def test_save_hf_rejects_params_that_do_not_fit_the_config(ckpt, mesh, tmp_path)
         save_hf(cfg, params, tmp_path / "out")
     with pytest.raises(HFConfigError, match="attn_sinks"):
         save_hf(cfg.replace(attn_sinks=True), params, tmp_path / "out2")
+
+
+def test_glm_multi_token_prediction_layers_are_not_read_but_other_extras_are_refused(tmp_path, mesh):
+    """GLM-4.5's checkpoints carry its MTP module as layers past num_hidden_layers (transformers
+    skips them): they load as the model without them; a stray tensor elsewhere is still named."""
+    directory = F.save_model(F.build_model("glm4_moe_groups"), tmp_path / "hf")
+    cfg_before, params_before = load_hf(directory, mesh)
+    shard = sorted(directory.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    tensors["model.layers.3.eh_proj.weight"] = np.ones((4, 8), np.float32)
+    tensors["model.layers.3.mlp.experts.0.up_proj.weight"] = np.ones((4, 8), np.float32)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config))
+    cfg, params = load_hf(directory, mesh)
+    assert cfg == cfg_before
+    np.testing.assert_array_equal(np.asarray(params["layers"]["moe"]["score_bias"]),
+                                  np.asarray(params_before["layers"]["moe"]["score_bias"]))
+    tensors["model.layers.1.mlp.extra.weight"] = np.ones((2,), np.float32)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.1.mlp.extra.weight'"):
+        load_hf(directory, mesh)

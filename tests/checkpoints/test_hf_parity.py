@@ -60,8 +60,10 @@ def test_params_land_in_their_target_shardings(loaded, mesh):
     else:                     # a dense family's MLP, with nothing under 'moe'
         assert set(loaded["params"]["layers"]) >= {"mlp"} and "moe" not in loaded["params"]["layers"]
     cfg, hf_layers = loaded["cfg"], loaded["model"].model.layers
-    dense = tuple(i for i, layer in enumerate(hf_layers) if type(layer.mlp).__name__ in ("Qwen3MoeMLP", "Qwen2MoeMLP"))
-    assert cfg.dense_layers == dense    # mlp_only_layers / decoder_sparse_step read as transformers does
+    dense = tuple(i for i, layer in enumerate(hf_layers)
+                  if type(layer.mlp).__name__ in ("Qwen3MoeMLP", "Qwen2MoeMLP", "Glm4MoeMLP"))
+    # mlp_only_layers / decoder_sparse_step / first_k_dense_replace read as transformers does
+    assert cfg.dense_layers == dense
     if dense:  # a mixed stack: the dense layers' MLPs alone under 'dense_layers', in layer order
         stack = loaded["params"]["dense_layers"]
         assert "moe" not in stack and "mlp" not in loaded["params"]["layers"]
@@ -70,14 +72,17 @@ def test_params_land_in_their_target_shardings(loaded, mesh):
         for row, i in enumerate(dense):
             np.testing.assert_array_equal(np.asarray(stack["mlp"]["w_down"][row]),
                                           hf_layers[i].mlp.down_proj.weight.detach().numpy().T)
-    if cfg.d_ff_shared:   # Qwen2-MoE: the shared expert and its gate in every MoE layer, split as a dense MLP
+    if cfg.d_ff_shared:   # Qwen2-MoE / GLM-4.5: the shared expert (and Qwen2's gate) in every MoE layer
         moe_layers = [layer for i, layer in enumerate(hf_layers) if i not in dense]
-        shared, gate = loaded["params"]["layers"]["shared_expert"], loaded["params"]["layers"]["shared_gate"]
+        shared = loaded["params"]["layers"]["shared_expert"]
         assert shared["w_up"].shape == (len(moe_layers), cfg.d_model, cfg.d_ff_shared)
+        assert ("shared_gate" in loaded["params"]["layers"]) == cfg.shared_expert_gate
         for row, layer in enumerate(moe_layers):
-            np.testing.assert_array_equal(np.asarray(shared["w_up"][row]),
-                                          layer.mlp.shared_expert.up_proj.weight.detach().numpy().T)
-            np.testing.assert_array_equal(np.asarray(gate[row]), layer.mlp.shared_expert_gate.weight.detach().numpy().T)
+            theirs = layer.mlp.shared_expert if cfg.shared_expert_gate else layer.mlp.shared_experts
+            np.testing.assert_array_equal(np.asarray(shared["w_up"][row]), theirs.up_proj.weight.detach().numpy().T)
+            if cfg.shared_expert_gate:
+                np.testing.assert_array_equal(np.asarray(loaded["params"]["layers"]["shared_gate"][row]),
+                                              layer.mlp.shared_expert_gate.weight.detach().numpy().T)
 
 
 def test_export_loads_in_transformers_with_identical_logits(loaded, tmp_path):

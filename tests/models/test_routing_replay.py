@@ -8,7 +8,10 @@ import pytest
 
 from sfrrl_jax.models import moe as moe_lib
 
-from model_fixtures import TINY, TINY_GPT_OSS
+from model_fixtures import TINY, TINY_GLM, TINY_GPT_OSS
+
+ROUTERS = pytest.mark.parametrize("cfg", [TINY, TINY_GPT_OSS, TINY_GLM], ids=["softmax_topk", "topk_softmax",
+                                                                           "sigmoid_topk"])
 
 
 def _inputs(cfg, tokens=24, seed=0):
@@ -21,6 +24,9 @@ def _inputs(cfg, tokens=24, seed=0):
 def _reference_weights(cfg, x, router, ids):
     """The weights of experts `ids` [tokens, k] from the router logits, written out per router kind."""
     logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
+    if cfg.router == "sigmoid_topk":
+        w = np.take_along_axis(1 / (1 + np.exp(-logits)), ids, axis=-1)
+        return (w / w.sum(-1, keepdims=True) if cfg.norm_topk_prob else w) * cfg.router_scale
     if cfg.router == "softmax_topk":
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
@@ -31,7 +37,7 @@ def _reference_weights(cfg, x, router, ids):
     return e / e.sum(-1, keepdims=True)
 
 
-@pytest.mark.parametrize("cfg", [TINY, TINY_GPT_OSS], ids=["softmax_topk", "topk_softmax"])
+@ROUTERS
 def test_replaying_its_own_choice_changes_nothing(cfg):
     x, router = _inputs(cfg)
     ids, weights, metrics = moe_lib.route(cfg, x, router)
@@ -42,7 +48,7 @@ def test_replaying_its_own_choice_changes_nothing(cfg):
     assert float(metrics2["router_aux_loss"]) == float(metrics["router_aux_loss"])
 
 
-@pytest.mark.parametrize("cfg", [TINY, TINY_GPT_OSS], ids=["softmax_topk", "topk_softmax"])
+@ROUTERS
 def test_replayed_experts_are_used_where_masked_with_weights_from_the_current_router(cfg):
     x, router = _inputs(cfg)
     own, _, _ = moe_lib.route(cfg, x, router)
@@ -60,7 +66,7 @@ def test_replayed_experts_are_used_where_masked_with_weights_from_the_current_ro
     assert agree < 1.0   # the permutations differ from the router's own choice somewhere
 
 
-@pytest.mark.parametrize("cfg", [TINY, TINY_GPT_OSS], ids=["softmax_topk", "topk_softmax"])
+@ROUTERS
 def test_the_router_gets_the_gradient_of_the_replayed_weights(cfg):
     """d(sum(weights * c))/d(router) equals the gradient of the written-out formula at the
     replayed ids, and is not zero: replay keeps the router learning."""
@@ -74,7 +80,10 @@ def test_the_router_gets_the_gradient_of_the_replayed_weights(cfg):
 
     def reference(r):
         logits = x @ r
-        if cfg.router == "softmax_topk":
+        if cfg.router == "sigmoid_topk":
+            w = jnp.take_along_axis(jax.nn.sigmoid(logits), replay, -1)
+            w = (w / w.sum(-1, keepdims=True) if cfg.norm_topk_prob else w) * cfg.router_scale
+        elif cfg.router == "softmax_topk":
             w = jnp.take_along_axis(jax.nn.softmax(logits, -1), replay, -1)
             w = w / w.sum(-1, keepdims=True) if cfg.norm_topk_prob else w
         else:
@@ -84,6 +93,32 @@ def test_the_router_gets_the_gradient_of_the_replayed_weights(cfg):
     g, g_ref = jax.grad(loss)(router), jax.grad(reference)(router)
     np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-7)
     assert float(jnp.max(jnp.abs(g))) > 1e-3
+
+
+def test_sigmoid_routing_chooses_as_glm_and_deepseek_do():
+    """sigmoid_topk against the rule written out (transformers' Glm4MoeTopkRouter): the choice is
+    by sigmoid + selection bias within the best router_topk_groups groups (a group's worth: its two
+    best), the weights are the chosen sigmoids without the bias, renormalised, times router_scale."""
+    cfg = TINY_GLM
+    x, router = _inputs(cfg, tokens=64)
+    bias = jnp.asarray(np.random.default_rng(3).normal(size=cfg.n_experts) * 0.5, jnp.float32)
+    ids, weights, _ = moe_lib.route(cfg, x, router, score_bias=bias)
+    scores = 1 / (1 + np.exp(-(np.asarray(x, np.float64) @ np.asarray(router, np.float64))))
+    choice = scores + np.asarray(bias, np.float64)
+    grouped = choice.reshape(len(choice), cfg.router_groups, -1)
+    worth = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+    best_groups = np.argsort(-worth, axis=-1)[:, :cfg.router_topk_groups]
+    allowed = np.full_like(grouped, -np.inf)
+    for t, groups in enumerate(best_groups):
+        allowed[t, groups] = grouped[t, groups]
+    want = np.argsort(-allowed.reshape(len(choice), -1), axis=-1)[:, :cfg.top_k]
+    assert [set(r) for r in np.asarray(ids)] == [set(r) for r in want]
+    np.testing.assert_allclose(weights, _reference_weights(cfg, x, router, np.asarray(ids)), rtol=1e-5, atol=1e-6)
+    # the bias and the groups both change choices here (the test can tell them apart)
+    unbiased, _, _ = moe_lib.route(cfg, x, router)
+    ungrouped, _, _ = moe_lib.route(cfg.replace(router_groups=1, router_topk_groups=1), x, router, score_bias=bias)
+    assert np.any(np.asarray(unbiased) != np.asarray(ids)) and np.any(np.asarray(ungrouped) != np.asarray(ids))
+    assert np.asarray(ids).max() < cfg.n_experts and np.allclose(np.asarray(weights).sum(-1), cfg.router_scale)
 
 
 # -- through the forward ---------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Hugging Face checkpoints: `load_hf` (streamed into sharded params) and `save_hf`.
 
-Families: qwen3_moe, qwen2_moe, gpt_oss (incl. MXFP4 experts on load), mixtral, olmoe, and the dense llama,
-mistral, qwen2, qwen3, gemma3_text, phi3 (q/k/v and gate/up fused in its files), granite, olmo2, olmo3 and
-smollm3 (NoPE layers).
+Families: qwen3_moe, qwen2_moe, gpt_oss (incl. MXFP4 experts on load), mixtral, olmoe, glm4_moe, and the dense
+llama, mistral, qwen2, qwen3, gemma3_text, phi3 (q/k/v and gate/up fused in its files), granite, olmo2, olmo3
+and smollm3 (NoPE layers).
 """
 from sfrrl_jax.checkpoints.hf.hf_config import (SUPPORTED_FAMILIES, HFConfigError, config_from_hf,
                                                 config_to_hf, read_hf_config)

@@ -1,12 +1,13 @@
 """config.json readers of the families whose block is not Llama's: Gemma 3 (text, and the language
-model of the multimodal one), Phi-3, OLMo 2/3 and SmolLM3. `hf_config.config_from_hf` dispatches to them."""
+model of the multimodal one), Phi-3, OLMo 2/3, SmolLM3 and GLM-4.5 (MoE). `hf_config.config_from_hf`
+dispatches to them."""
 from __future__ import annotations
 
 import math
 from typing import Any, Mapping
 
-from sfrrl_jax.checkpoints.hf.hf_fields import (LONGROPE_KEYS, HFConfigError, float_of, int_of, layer_types_of, require,
-                                                rope_of, value_of)
+from sfrrl_jax.checkpoints.hf.hf_fields import (LONGROPE_KEYS, HFConfigError, bool_of, float_of, int_of, layer_types_of,
+                                                require, rope_of, value_of)
 from sfrrl_jax.config import ModelConfig
 
 
@@ -199,3 +200,34 @@ def smollm3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConf
     return ModelConfig(**common, **rope_of(hf, where, 2e6), n_experts=0, d_ff=int_of(hf, "intermediate_size", where),
                        nope_layers=tuple(i for i, f in enumerate(flags) if not f), sliding_window=window,
                        layer_types=layer_types)
+
+
+def glm4_moe_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """GLM-4.5 / 4.5-Air / 4.6 (Glm4MoeForCausalLM): q/k/v biases and none on the output, optional
+    per-head q/k norms, RoPE on the leading `partial_rotary_factor` of each head (0.5 by default),
+    the first `first_k_dense_replace` layers dense, the others routed by sigmoid scores with a
+    selection bias among `topk_group` of `n_group` groups, scaled by `routed_scaling_factor`, plus
+    an ungated shared expert of `n_shared_experts` x moe_intermediate_size. The checkpoint's
+    multi-token-prediction layers (past num_hidden_layers) are not read."""
+    require(hf, "hidden_act", ("silu",), where)
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(field) or {})
+    partial = float_of({"partial_rotary_factor": params.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))},
+                       "partial_rotary_factor", where, 0.5)
+    n_layers, shared = common["n_layers"], int_of(hf, "n_shared_experts", where, 1, lo=0)
+    first_dense = int_of(hf, "first_k_dense_replace", where, 1, lo=0)
+    if first_dense >= n_layers:
+        raise HFConfigError(f"{where}: first_k_dense_replace={first_dense} leaves no MoE layer among the {n_layers}")
+    d_ff_expert = int_of(hf, "moe_intermediate_size", where)
+    try:
+        return ModelConfig(
+            **{**common, "attention_bias": bool_of(hf, "attention_bias", where, False)}, attention_out_bias=False,
+            **rope_of({**hf, field: params or None}, where, 10000.0), rope_partial_factor=partial,
+            qk_norm=bool_of(hf, "use_qk_norm", where, False), n_experts=int_of(hf, "n_routed_experts", where),
+            d_ff_expert=d_ff_expert, router="sigmoid_topk", norm_topk_prob=bool_of(hf, "norm_topk_prob", where, True),
+            router_scale=float_of(hf, "routed_scaling_factor", where, 1.0),
+            router_groups=int_of(hf, "n_group", where, 1), router_topk_groups=int_of(hf, "topk_group", where, 1),
+            d_ff_shared=shared * d_ff_expert, dense_layers=tuple(range(first_dense)),
+            d_ff=int_of(hf, "intermediate_size", where) if first_dense else 0)
+    except ValueError as e:   # groups that do not divide the experts, rotated dims, ...
+        raise HFConfigError(f"{where}: {e}") from None

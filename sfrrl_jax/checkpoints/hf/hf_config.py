@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from sfrrl_jax.checkpoints.hf.family_configs import (gemma3_config, gemma3_text_config, olmo_config, phi3_config,
-                                                     smollm3_config)
+from sfrrl_jax.checkpoints.hf.family_configs import (gemma3_config, gemma3_text_config, glm4_moe_config, olmo_config,
+                                                     phi3_config, smollm3_config)
 from sfrrl_jax.checkpoints.hf.hf_fields import (DTYPES, TO_HF_LAYER_TYPES, HFConfigError, bool_of, float_of, int_of,
                                                 layer_types_of, read_hf_config, require, rope_of, rope_to_hf)
 from sfrrl_jax.config import ModelConfig
@@ -20,14 +20,15 @@ __all__ = ["ARCHITECTURES", "DENSE_FAMILIES", "DTYPES", "SUPPORTED_FAMILIES", "H
            "config_from_hf", "config_to_hf", "read_hf_config"]
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3",
-                      "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe")
+                      "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                 "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "glm4_moe": "Glm4MoeForCausalLM"}
 
 
 def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> ModelConfig:
@@ -70,6 +71,8 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         return olmo_config(hf, common, where)
     if family == "smollm3":
         return smollm3_config(hf, common, where)
+    if family == "glm4_moe":
+        return glm4_moe_config(hf, common, where)
     if family == "granite":   # Llama's block with four multipliers
         require(hf, "hidden_act", ("silu",), where)
         if hf.get("mlp_bias"):
@@ -240,10 +243,12 @@ def check_exportable(cfg: ModelConfig) -> None:
         "olmo2": olmo,
         "olmo3": {k: v for k, v in olmo.items() if k != "rope_local_theta"},   # its sliding layers' RoPE
         "smollm3": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
+        "glm4_moe": dict(router="sigmoid_topk", attn_sinks=False, router_bias=False, expert_bias=False,
+                         expert_act="swiglu", out_bias=False, shared_expert_gate=False),
         "olmoe": dict(router="softmax_topk", qk_norm=True, attn_sinks=False, router_bias=False, expert_bias=False,
                       expert_act="swiglu", d_ff_shared=0, out_bias=cfg.attention_bias),
     }[cfg.family]
-    if cfg.family != "phi3":
+    if cfg.family not in ("phi3", "glm4_moe"):
         want["rope_partial_factor"] = 1.0
     if cfg.family == "granite":   # its multipliers, the rest as Llama
         if cfg.query_scale is None:
@@ -268,7 +273,12 @@ def check_exportable(cfg: ModelConfig) -> None:
     if cfg.nope_layers and cfg.family != "smollm3":
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has nope_layers={cfg.nope_layers}; HF "
                             f"{ARCHITECTURES[cfg.family]} applies RoPE in every layer (only smollm3 has NoPE layers)")
-    if cfg.dense_layers and cfg.family not in ("qwen3_moe", "qwen2_moe"):
+    if cfg.family == "glm4_moe" and (cfg.dense_layers != tuple(range(len(cfg.dense_layers)))
+                                     or (cfg.d_ff_shared and cfg.d_ff_shared % cfg.d_ff_expert)):
+        raise HFConfigError(f"ModelConfig(family='glm4_moe'): HF Glm4MoeForCausalLM's dense layers are the first "
+                            f"k (dense_layers={cfg.dense_layers}) and its shared expert a multiple of d_ff_expert "
+                            f"(d_ff_shared={cfg.d_ff_shared}, d_ff_expert={cfg.d_ff_expert})")
+    if cfg.dense_layers and cfg.family not in ("qwen3_moe", "qwen2_moe", "glm4_moe"):
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has dense_layers={cfg.dense_layers}; HF "
                             f"{ARCHITECTURES[cfg.family]} has no dense layers (only qwen3_moe's mlp_only_layers)")
     if cfg.family not in DENSE_FAMILIES and not cfg.is_moe:
@@ -368,6 +378,15 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                   use_sliding_window=window is not None, sliding_window=window, max_window_layers=cfg.n_layers,
                   layer_types=[TO_HF_LAYER_TYPES[t] for t in types],
                   intermediate_size=cfg.d_ff if cfg.dense_layers else cfg.d_ff_shared)
+    elif cfg.family == "glm4_moe":
+        del hf["router_aux_loss_coef"]
+        rope = {**rope_to_hf(cfg), "partial_rotary_factor": cfg.rope_partial_factor}
+        hf.update(rope_parameters=rope, attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm,
+                  n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff_expert,
+                  n_shared_experts=cfg.d_ff_shared // cfg.d_ff_expert, routed_scaling_factor=cfg.router_scale,
+                  n_group=cfg.router_groups, topk_group=cfg.router_topk_groups, norm_topk_prob=cfg.norm_topk_prob,
+                  first_k_dense_replace=len(cfg.dense_layers), num_nextn_predict_layers=0,
+                  intermediate_size=cfg.d_ff if cfg.dense_layers else cfg.d_ff_expert)   # unused without them
     elif cfg.family == "olmoe":
         hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert, norm_topk_prob=cfg.norm_topk_prob,
                   attention_bias=cfg.attention_bias, clip_qkv=None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -42,6 +43,9 @@ def flatten_tree(tree, prefix=()):
             yield prefix + (key,), value
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
 def validate_tensors(files: CheckpointFiles, groups: list[TensorGroup], cfg: ModelConfig) -> None:
     """Every expected HF tensor present with its shape and a usable dtype; nothing unexpected.
 
@@ -54,6 +58,8 @@ def validate_tensors(files: CheckpointFiles, groups: list[TensorGroup], cfg: Mod
         dtypes.update(g.hf_dtypes)
     found = files.tensors
     ignorable = {n for n in found if n.endswith(IGNORED_SUFFIXES)}
+    if cfg.family == "glm4_moe":   # its multi-token-prediction layers, numbered after the model's
+        ignorable |= {n for n in found if (m := _LAYER.match(n)) and int(m.group(1)) >= cfg.n_layers}
     if cfg.tie_embeddings and "lm_head.weight" in found:
         ignorable.add("lm_head.weight")  # tied: the head is the embedding, a stored copy is redundant
     where = f"{files.directory} ({cfg.family})"
@@ -200,7 +206,7 @@ class _LanguageModelFiles:
 def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfig, dict]:
     """Reads an HF directory (`config.json` + safetensors shards) into sharded params on `mesh`.
 
-    Families: qwen3_moe, qwen2_moe, gpt_oss (dense or MXFP4 experts, dequantised on load), mixtral, olmoe, and the
+    Families: qwen3_moe, qwen2_moe, gpt_oss (dense or MXFP4 experts, dequantised on load), mixtral, olmoe, glm4_moe, and the
     dense llama, mistral, qwen2, qwen3, gemma3_text (also the language model of a multimodal gemma3),
     phi3, granite, olmo2, olmo3 and smollm3 (`hf_config.SUPPORTED_FAMILIES`).
     dtype: param (and compute) dtype; default the config's `dtype`/`torch_dtype`, else float32.

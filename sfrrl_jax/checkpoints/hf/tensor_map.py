@@ -190,6 +190,22 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
             groups.append(_single(base + "shared_expert_gate.weight", ("shared_gate",), (1, d), _transpose,
                                   _transpose))
         return groups
+    if cfg.family == "glm4_moe":   # Qwen3-MoE's experts; sigmoid routing's bias; an ungated shared expert
+        if quantized:
+            raise ValueError("MXFP4 expert weights are only defined for gpt_oss, not glm4_moe")
+        m, s = p + "mlp.", cfg.d_ff_shared
+        fmt = m + "experts.{e}.%s.weight"
+        groups = [_single(m + "gate.weight", ("moe", "router"), (e, d), _transpose, _transpose),
+                  _single(m + "gate.e_score_correction_bias", ("moe", "score_bias"), (e,)),
+                  _per_expert(fmt % "gate_proj", ("moe", "w_gate"), e, (f, d)),
+                  _per_expert(fmt % "up_proj", ("moe", "w_up"), e, (f, d)),
+                  _per_expert(fmt % "down_proj", ("moe", "w_down"), e, (d, f))]
+        if s:
+            sh = m + "shared_experts."
+            groups += [_single(sh + "gate_proj.weight", ("shared_expert", "w_gate"), (s, d), _transpose, _transpose),
+                       _single(sh + "up_proj.weight", ("shared_expert", "w_up"), (s, d), _transpose, _transpose),
+                       _single(sh + "down_proj.weight", ("shared_expert", "w_down"), (d, s), _transpose, _transpose)]
+        return groups
     m = p + "mlp."
     x = m + "experts."
     groups = [
