@@ -77,10 +77,14 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
         prompt_text = tokenizer.render(history, tools, add_generation_prompt=True)
         with_turn = tokenizer.render(history + [messages[i]], tools, add_generation_prompt=False)
         cut, stop = _turn_end(with_turn, eot, stops)
+        if stop is None or (with_turn.startswith(prompt_text) and cut <= len(prompt_text)):
+            opener = _next_opener(tokenizer, history, messages[i], messages[i + 1:i + 2], tools, with_turn,
+                                  [eot, *stops])
+            cut, stop = (len(with_turn) + len(opener), opener) if opener else (cut, stop)
         start = _turn_start(tokenizer, history, tools, prompt_text, with_turn, cut) if stop is not None else None
         if start is None:
             raise TemplateDeltaError(f"message {i}: the assistant turn does not extend its generation prompt")
-        body_end = cut - len(stop)
+        body_end = min(cut - len(stop), len(with_turn))
         if messages[i].get("tool_calls") and i + 1 < len(messages):
             stop = _past_turn_stop(tokenizer, history, messages[i:i + 2], tools, with_turn[:body_end], stop,
                                    [eot, *stops])
@@ -98,6 +102,22 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
             mask += [0] * len(delta)
         i = j
     return tokens, mask
+
+
+def _next_opener(tokenizer, history, message, following, tools, with_turn: str, closes) -> str | None:
+    """The stop a turn is learned with where the template writes no close after it (GLM-4.5: each
+    message opens with its role token and none closes): the stop token the render goes on with
+    once the next message follows (`following`; after the last turn, a user message), which is
+    what the model generates to end it (<|observation|> before tool results, <|user|>). None
+    where the render goes on with no stop token."""
+    nxt = list(following) or [{"role": "user", "content": "\u2063"}]
+    try:
+        followed = tokenizer.render(list(history) + [message, *nxt], tools, add_generation_prompt=False)
+    except Exception:   # a template that cannot render the pair
+        return None
+    if not followed.startswith(with_turn):
+        return None
+    return next((close for close in closes if close and followed.startswith(close, len(with_turn))), None)
 
 
 def _past_turn_stop(tokenizer, history, turn_and_next, tools, body: str, stop: str, closes) -> str:

@@ -363,18 +363,65 @@ class Qwen3XmlFormat(FormatBase):
         return dataclasses.replace(turn, reasoning=reasoning)
 
 
+class Glm45Format(Qwen3XmlFormat):
+    """GLM-4.5 / 4.6 tool calls, after an optional `<think>` block: `<tool_call>NAME` then
+    `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs (newlines between them) and
+    `</tool_call>`; the template writes string values raw and the rest as JSON, so each value is
+    read as its tool's schema declares (`with_tools`). A turn ends with the token that opens the
+    next message, <|observation|> (tool results follow) or <|user|>, or with <|endoftext|>."""
+
+    name = "glm45"
+    turn_ends = ("<|observation|>", "<|user|>", "<|endoftext|>")
+
+    def with_tools(self, tools) -> "Glm45Format":
+        return Glm45Format(_schema_properties(tools))
+
+    def _decode(self, body: str, index: int, raw: str) -> ToolCall | ToolCallError:
+        first = body.find("<arg_key>")
+        name = (body if first < 0 else body[:first]).strip()
+        rest = "" if first < 0 else body[first:]
+        props = self._properties.get(name, {})
+        arguments, pos = {}, 0
+        while (start := rest.find("<arg_key>", pos)) >= 0:
+            if rest[pos:start].strip():
+                return ToolCallError(f"unexpected text in the call of {name!r}: {rest[pos:start].strip()[:30]!r}",
+                                     raw=raw, name=name or None)
+            key_end = rest.find("</arg_key>", start)
+            value_start = rest.find("<arg_value>", key_end) if key_end >= 0 else -1
+            value_end = rest.find("</arg_value>", value_start) if value_start >= 0 else -1
+            if value_end < 0 or rest[key_end + len("</arg_key>"):value_start].strip():
+                return ToolCallError(f"an <arg_key> without its <arg_value> in the call of {name!r}", raw=raw,
+                                     name=name or None)
+            key = rest[start + len("<arg_key>"):key_end].strip()
+            if key in arguments:
+                return ToolCallError(f"argument {key!r} given twice in the call of {name!r}", raw=raw,
+                                     name=name or None)
+            arguments[key] = _xml_value(rest[value_start + len("<arg_value>"):value_end], props.get(key))
+            pos = value_end + len("</arg_value>")
+        if rest[pos:].strip():
+            return ToolCallError(f"unexpected text in the call of {name!r}: {rest[pos:].strip()[:30]!r}",
+                                 raw=raw, name=name or None)
+        return make_call(name, arguments, index, raw)
+
+    def parse(self, text: str) -> ParsedTurn:
+        reasoning, rest = split_reasoning(text)
+        turn = tagged_calls(rest, "<tool_call>", "</tool_call>", self._decode, self.turn_ends)
+        return dataclasses.replace(turn, reasoning=reasoning)
+
+
 FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "qwen3_xml": Qwen3XmlFormat, "harmony": HarmonyFormat,
            "llama3_json": Llama3JsonFormat, "llama4_json": Llama4JsonFormat, "mistral": MistralFormat,
            "pythonic": PythonicFormat, "granite": GraniteFormat, "olmo3": Olmo3Format,
-           "deepseek_v3": DeepSeekFormat}
+           "deepseek_v3": DeepSeekFormat, "glm45": Glm45Format}
 
 # What each built-in format's chat templates write, most specific first (harmony's templates
 # also write <|call|>, the compact format's call tag; Qwen3-Coder's write <tool_call> around XML;
 # the pythonic ones (Llama 3.2 / 4) keep Llama's ipython role, and show the list's shape; Llama
 # 4's headers are <|header_start|>, Llama 3's <|start_header_id|>; OLMo 3's wrap its calls in
-# <function_calls>; DeepSeek's write <｜tool▁calls▁begin｜>).
+# <function_calls>; DeepSeek's write <｜tool▁calls▁begin｜>; GLM-4.5's <tool_call> holds <arg_key>s).
 _TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("olmo3", ("<function_calls>",)),
-                     ("deepseek_v3", ("<｜tool▁calls▁begin｜>",)), ("qwen3_xml", ("<function=",)),
+                     ("deepseek_v3", ("<｜tool▁calls▁begin｜>",)), ("glm45", ("<arg_key>",)),
+                     ("qwen3_xml", ("<function=",)),
                      ("qwen3", ("<tool_call>",)), ("mistral", ("[TOOL_CALLS]",)), ("pythonic", ("[func_name1(",)),
                      ("llama4_json", ("<|header_start|>",)), ("llama3_json", ("<|python_tag|>", "ipython")),
                      ("granite", ("<|tool_call|>",)), ("compact", ("<|call|>",)))

@@ -163,9 +163,14 @@ class Tokenizer:
         stop_text = stop_text or self.end_of_turn_token
         before = self.render(history, tools, add_generation_prompt=False, **template_kwargs)
         turn_at, floor = self._turn_start(history, before, tools, template_kwargs)
-        cut, stop_text = self._turn_close(before, stop_text, floor)
-        prefix = before[:cut + len(stop_text)]
         after = self.render(list(history) + list(new_messages), tools, add_generation_prompt, **template_kwargs)
+        if self._opens_next(before, after, stop_text, floor):
+            # GLM-4.5's template closes no turn: the stop the model generated (<|observation|>,
+            # <|user|>) is the opener of the next message, and the delta starts after it
+            cut, prefix = len(before), before + stop_text
+        else:
+            cut, stop_text = self._turn_close(before, stop_text, floor)
+            prefix = before[:cut + len(stop_text)]
         start = self._delta_start(prefix, before[:cut], after, turn_at, stop_text, new_messages)
         if start is None:
             at = next((i for i, (a, b) in enumerate(zip(prefix, after)) if a != b), min(len(prefix), len(after)))
@@ -196,6 +201,14 @@ class Tokenizer:
         except Exception:  # a template that cannot render the shorter history: no floor
             return 0, 0
         return (len(os.path.commonprefix([closed, before])), len(os.path.commonprefix([opened, before])))
+
+    def _opens_next(self, before: str, after: str, stop_text: str, floor: int) -> bool:
+        """Whether the template writes no close of the turn that ends `before` (none of the stops
+        after where it starts, `floor`) and the render with the new messages goes on with
+        `stop_text`, the stop the model generated: that token opens the next message."""
+        if not stop_text or not after.startswith(before + stop_text):
+            return False
+        return all(before.rfind(close) < floor for close in {stop_text, *self._closes()} if close)
 
     def _turn_close(self, before: str, stop_text: str, floor: int) -> tuple[int, str]:
         """(where the close of the assistant turn that ends `before` starts, its text).

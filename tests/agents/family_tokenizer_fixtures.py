@@ -237,6 +237,35 @@ DEEPSEEK_STYLE_TEMPLATE = (
 )
 
 
+# GLM-4.5 (zai-org/GLM-4.5*), written after the published template: [gMASK]<sop>, the tools in a
+# system turn, each message opened by its role token and closed by none, so a turn ends with the
+# token that opens the next: <|observation|> (the tool results, each in <tool_response>) or
+# <|user|>; past answers carry an empty <think></think>; calls are `<tool_call>NAME` with
+# <arg_key>/<arg_value> pairs, string values raw and the rest as JSON.
+GLM45_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+GLM45_STYLE_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{%- if tools -%}<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "<tools>\n{%- for tool in tools %}{{ tool | tojson }}\n{% endfor -%}</tools>\n\nFor each function call, output "
+    "the function name and arguments within the following XML format:\n<tool_call>{function-name}\n"
+    "<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n...\n</tool_call>{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}<|system|>\n{{ m.content }}"
+    "{%- elif m.role == 'user' -%}<|user|>\n{{ m.content }}"
+    "{%- elif m.role == 'assistant' -%}<|assistant|>\n<think></think>"
+    "{%- if m.content and m.content.strip() -%}{{ '\n' + m.content.strip() }}{%- endif -%}"
+    "{%- if m.tool_calls -%}{%- for tc in m.tool_calls -%}{{ '\n<tool_call>' + tc.function.name }}"
+    "{%- for k, v in tc.function.arguments.items() -%}{{ '\n<arg_key>' + k + '</arg_key>\n<arg_value>' }}"
+    "{{- v if v is string else v | tojson }}{{ '</arg_value>' }}{%- endfor -%}{{ '\n</tool_call>' }}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}<|observation|>{%- endif -%}"
+    "{{ '\n<tool_response>\n' + m.content + '\n</tool_response>' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+
 # Gemma 3 (google/gemma-3-*-it), written after the published template: no system role (its text
 # opens the first user turn), strict user/model alternation, contents trimmed, each turn closed
 # by <end_of_turn> and a newline; no tools.
@@ -331,6 +360,14 @@ def build_deepseek_style_tokenizer(directory: Path) -> Path:
     return _build(directory, DEEPSEEK_SPECIALS, {"bos_token": "<｜begin▁of▁sentence｜>",
                                                  "eos_token": "<｜end▁of▁sentence｜>",
                                                  "chat_template": DEEPSEEK_STYLE_TEMPLATE}, ["<｜end▁of▁sentence｜>"])
+
+
+def build_glm45_style_tokenizer(directory: Path) -> Path:
+    """GLM-4.5's layout: eos <|endoftext|>; generation_config.json lists it, <|user|> and
+    <|observation|> (the tokens a turn ends with)."""
+    return _build(directory, GLM45_SPECIALS, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+                                              "chat_template": GLM45_STYLE_TEMPLATE},
+                  ["<|endoftext|>", "<|user|>", "<|observation|>"])
 
 
 def build_gemma3_style_tokenizer(directory: Path) -> Path:

@@ -1,5 +1,5 @@
 """Tool-call formats of the model families (Llama 3 / 4 JSON, Llama 3.2 / 4 pythonic, Mistral,
-Qwen3-Coder XML, gpt-oss harmony, Granite 3, OLMo 3, DeepSeek V3 / R1 / V3.1): the turn's stop tokens (generation_config.json's, refined by
+Qwen3-Coder XML, gpt-oss harmony, Granite 3, OLMo 3, DeepSeek V3 / R1 / V3.1, GLM-4.5): the turn's stop tokens (generation_config.json's, refined by
 the format), the parse (hostile turns included), and the format read from the chat template. The
 loop over each family's template is in test_template_turns.py."""
 import sys
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from sfrrl_jax.agents import ParsedTurn
-from sfrrl_jax.agents.formats import (DeepSeekFormat, GraniteFormat, HarmonyFormat, Llama3JsonFormat, Llama4JsonFormat,
-                                      MistralFormat, Olmo3Format, PythonicFormat, Qwen3Format, Qwen3XmlFormat,
-                                      get_format, infer_format, turn_stop_ids)
+from sfrrl_jax.agents.formats import (DeepSeekFormat, Glm45Format, GraniteFormat, HarmonyFormat, Llama3JsonFormat,
+                                      Llama4JsonFormat, MistralFormat, Olmo3Format, PythonicFormat, Qwen3Format,
+                                      Qwen3XmlFormat, get_format, infer_format, turn_stop_ids)
 from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.protocols import ToolCall
 from sfrrl_jax.tokenizer import load_tokenizer
@@ -464,4 +464,76 @@ def test_deepseek_tool_loop_and_sft_over_a_deepseek_style_template(tmp_path):
     assert _BLOCK + _ds_v3("calculator", '{"expression": "5 - 1"}') + _BLOCK_END + _EOS in learned
     assert learned.endswith("<answer>4</answer>" + _EOS)
     assert tokens == tok.apply_chat_template(demo, calculator_tool_schemas())
+
+
+# ----------------------------------------------------------------------------- GLM-4.5
+
+_CALC = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {
+    "expression": {"type": "string"}, "digits": {"type": "integer"}, "exact": {"type": "boolean"},
+    "tags": {"type": "array"}}}}}]
+
+
+def test_glm45_calls_as_arg_key_value_pairs_read_by_their_schemas():
+    parse = Glm45Format().with_tools(_CALC).parse
+    turn = parse("\n<think>use the tool</think>\nLet me compute.\n<tool_call>calc\n<arg_key>expression</arg_key>\n"
+                 "<arg_value>2 + 3</arg_value>\n<arg_key>digits</arg_key>\n<arg_value>4</arg_value>\n"
+                 "<arg_key>exact</arg_key>\n<arg_value>true</arg_value>\n<arg_key>tags</arg_key>\n"
+                 '<arg_value>["a", 1]</arg_value>\n</tool_call>\n<tool_call>calc\n<arg_key>expression</arg_key>\n'
+                 "<arg_value>42</arg_value>\n</tool_call><|observation|>")
+    assert (turn.reasoning, turn.content) == ("use the tool", "Let me compute.")
+    assert [(c.name, c.arguments, c.call_id) for c in turn.calls] == [
+        ("calc", {"expression": "2 + 3", "digits": 4, "exact": True, "tags": ["a", 1]}, "call_0"),
+        ("calc", {"expression": "42"}, "call_1")]   # a string by its schema, though it reads as JSON
+    assert Glm45Format().parse("<tool_call>calc\n<arg_key>expression</arg_key>\n<arg_value>42</arg_value>\n"
+                               "</tool_call>").calls[0].arguments == {"expression": 42}   # no schema: as JSON
+    assert parse("\n<think></think>\n<answer>5</answer><|user|>") == ParsedTurn("<answer>5</answer>")
+    for text, why in (("<tool_call>calc\n<arg_key>expression</arg_key>\n</tool_call>", "without its <arg_value>"),
+                      ("<tool_call>calc\nexpression=1</tool_call>", "no valid tool name"),
+                      ("<tool_call>calc\n<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>a</arg_key>"
+                       "<arg_value>2</arg_value></tool_call>", "given twice"),
+                      ("<tool_call>calc\n<arg_key>a</arg_key><arg_value>1</arg_value>", "unterminated")):
+        assert any(why in e.message for e in parse(text).errors), (text, parse(text))
+    assert infer_format("{{ '<tool_call>' + name + '<arg_key>' }}") == "glm45" and get_format("glm45") == Glm45Format()
+    for text in ("<tool_call>" * 50000, "<tool_call>f" + "<arg_key>k</arg_key>" * 30000 + "</tool_call>",
+                 "<tool_call>f" + "<arg_key>k</arg_key><arg_value>1</arg_value>" * 20000 + "</tool_call>"):
+        start = time.perf_counter()
+        assert isinstance(parse(text), ParsedTurn) and time.perf_counter() - start < 10
+
+
+def test_glm45_loop_and_sft_where_each_turn_ends_with_the_next_messages_opener(tmp_path):
+    """GLM-4.5's template closes no turn: the model ends a call with <|observation|> and an answer
+    with <|user|>, the tokens that open the next message. The observation delta starts after the
+    generated opener, and SFT learns each turn with the opener the template writes after it."""
+    import asyncio
+
+    from sfrrl_jax.agents import calculator_demonstration, calculator_environment, calculator_tool_schemas, run_agent
+    from sfrrl_jax.agents.demos import render_sft_example
+    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.launch.agentic import FAMILY_FORMATS
+    from sfrrl_jax.testing.scripted_engine import ScriptedEngine
+    from family_tokenizer_fixtures import GLM45_STYLE_TEMPLATE, build_glm45_style_tokenizer
+
+    tok = load_tokenizer(build_glm45_style_tokenizer(tmp_path))
+    assert infer_format(tok.chat_template_source) == infer_format(GLM45_STYLE_TEMPLATE) == FAMILY_FORMATS["glm4_moe"]
+    assert set(turn_stop_ids(Glm45Format(), tok)) == set(_ids(tok, "<|endoftext|>", "<|user|>", "<|observation|>"))
+    engine = ScriptedEngine(["\n<think>use it</think>\n<tool_call>calculator\n<arg_key>expression</arg_key>\n"
+                             "<arg_value>2 + 3</arg_value>\n</tool_call><|observation|>",
+                             "\n<think></think>\n<answer>5</answer><|user|>"], tokenizer=tok)
+    env = calculator_environment()
+    try:
+        traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
+                                     AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048)))
+    finally:
+        env.close()
+    assert (traj.error, traj.finish_reason, traj.reward) == (None, "answer", 1.0)
+    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    assert observation == "\n<tool_response>\n5\n</tool_response><|assistant|>"
+    demo = calculator_demonstration(arithmetic_task("2 + 3 - 1", "t"))
+    tokens, mask = render_sft_example(tok, demo, calculator_tool_schemas())
+    learned = tok.decode([t for t, m in zip(tokens, mask) if m])
+    assert ("<tool_call>calculator\n<arg_key>expression</arg_key>\n<arg_value>5 - 1</arg_value>\n</tool_call>"
+            "<|observation|>") in learned
+    assert learned.endswith("<answer>4</answer><|user|>")
+    # the template's render of the transcript, plus the opener the last answer is learned with
+    assert tokens == tok.apply_chat_template(demo, calculator_tool_schemas()) + _ids(tok, "<|user|>")
 
