@@ -42,9 +42,9 @@ def cdtype(cfg: ModelConfig):
 
 
 class RMSNorm(nnx.Module):
-    """y = x / rms(x) * scale over the trailing `dims` dims (fp32 statistics, HF-compatible
-    rounding): one dim of size `dim` (logical axis `logical_axis`), or, with `dims` a shape, all
-    of them at once (`logical_axis` a tuple; OLMo's q/k norms over [heads, head_dim]).
+    """y = x / rms(x) * scale (fp32 statistics, HF-compatible rounding) over the last dim, of size
+    `dim` (logical axis `logical_axis`), or, with `dim` a shape, over its trailing dims at once
+    (`logical_axis` one name per dim; OLMo's q/k norms over [heads, head_dim]).
 
     With cfg.norm_offset (Gemma: 1.0) the factor is (offset + scale), the weights are stored as
     offsets (initialised to 0). The product is taken in fp32 before the cast with an offset or
@@ -272,7 +272,8 @@ class Attention(nnx.Module):
         if cfg.query_scale is not None and cfg.query_scale * math.sqrt(cfg.head_dim) != 1.0:
             q = q * jnp.asarray(cfg.query_scale * math.sqrt(cfg.head_dim), q.dtype)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-        k = constrain(_rope_unless_nope(k, positions, cfg, window, rope), ("batch", "seq", "kv_heads", "head_dim"))
+        k = _rope_unless_nope(k, positions, cfg, window, rope)
+        k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         return q, k, v
 

@@ -52,8 +52,10 @@ class MoE(nnx.Module):
         self.router = param(rngs, "normal", (d, e), ("embed", "experts_router"), cfg)
         if cfg.router_bias:
             self.router_bias = param(rngs, "zeros", (e,), ("experts_router",), cfg)
-        if cfg.router == "sigmoid_topk":   # the selection bias (no gradient reaches it)
-            self.score_bias = param(rngs, "zeros", (e,), ("experts_router",), cfg)
+        if cfg.router == "sigmoid_topk":
+            # the selection bias: no gradient reaches it; fp32 whatever param_dtype, as HF keeps
+            # it (its experts' sigmoid scores differ by less than bf16 resolves)
+            self.score_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=("experts_router",))
         self.w_gate = param(rngs, "normal", (e, d, f), ("experts", "embed", "mlp"), cfg)
         self.w_up = param(rngs, "normal", (e, d, f), ("experts", "embed", "mlp"), cfg)
         self.w_down = param(rngs, "normal", (e, f, d), ("experts", "mlp", "embed"), cfg)

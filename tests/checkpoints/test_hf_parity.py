@@ -133,6 +133,23 @@ def test_bfloat16_load_and_roundtrip(tmp_path, mesh):
         np.testing.assert_array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
 
 
+def test_glm_selection_bias_stays_fp32_in_a_bfloat16_model_both_ways(tmp_path, mesh):
+    """GLM's e_score_correction_bias, which transformers keeps in fp32: a bf16 load keeps it
+    exact (the sigmoid scores it shifts differ by less than bf16 resolves) and exports it as F32."""
+    from safetensors import safe_open
+    model = F.build_model("glm4_moe_groups", seed=2)
+    directory = F.save_model(model, tmp_path / "hf")
+    cfg, params = load_hf(directory, mesh, dtype="bfloat16")
+    bias = params["layers"]["moe"]["score_bias"]
+    assert bias.dtype == np.float32 and params["layers"]["moe"]["router"].dtype == np.dtype("bfloat16")
+    np.testing.assert_array_equal(np.asarray(bias[0]), model.model.layers[1].mlp.gate.e_score_correction_bias.numpy())
+    out = save_hf(cfg, params, tmp_path / "bf16")
+    with safe_open(str(out / "model.safetensors"), "np") as f:
+        name = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert f.get_slice(name).get_dtype() == "F32"
+        np.testing.assert_array_equal(f.get_tensor(name), np.asarray(bias[0]))
+
+
 def test_longrope_takes_the_long_factors_from_the_original_length_on_as_transformers_does(tmp_path, mesh):
     """Phi-3.5 / Phi-4-mini: the short factors while every position of the call is below
     original_max_position_embeddings (16 here), the long ones once one reaches it."""

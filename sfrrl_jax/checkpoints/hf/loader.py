@@ -235,8 +235,9 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
         leaf for g in glob for leaf in g.leaves}
     if covered != set(shapes):
         raise AssertionError(f"tensor map for {cfg.family} covers {sorted(covered ^ set(shapes))} wrongly")
-    dtype_np = jnp.dtype(cfg.param_dtype)
-    builders = {p: _LeafBuilder(p, shapes[p].shape, dtype_np, shardings[p], p[0] in STACK_KEYS)
+    # each leaf in its param's dtype: cfg.param_dtype, but fp32 where the model keeps one so
+    # (sigmoid routing's selection bias)
+    builders = {p: _LeafBuilder(p, shapes[p].shape, jnp.dtype(shapes[p].dtype), shardings[p], p[0] in STACK_KEYS)
                 for p in shapes}
     read = files.read
 
