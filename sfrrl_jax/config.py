@@ -280,7 +280,7 @@ class ModelConfig:
         if self.n_experts == 0 and self.d_ff < 1:
             raise ValueError("ModelConfig.n_experts=0 (a dense MLP) needs d_ff >= 1, the MLP's width")
         self._check_dense_layers()
-        self._check_nope_layers()
+        self._layer_indices("nope_layers")
         if self.attention_out_bias is not None:
             check_bool("ModelConfig.attention_out_bias", self.attention_out_bias)
         check_int("ModelConfig.sliding_window", self.sliding_window, 0, optional=True)  # 0: no window
@@ -353,15 +353,23 @@ class ModelConfig:
                                  f"of dims: {rotated // 2} (head_dim={self.head_dim} x rope_partial_factor="
                                  f"{self.rope_partial_factor} / 2)")
 
-    def _check_dense_layers(self) -> None:
-        where = "ModelConfig.dense_layers"
-        if not isinstance(self.dense_layers, (tuple, list)):
-            raise ValueError(f"{where} must be a tuple of layer indices, got {self.dense_layers!r}")
-        layers = tuple(self.dense_layers)
+    def _layer_indices(self, field: str) -> tuple[int, ...]:
+        """The field's layer indices, checked (in range, distinct) and sorted as plain ints (gin and
+        JSON hand over lists, so equal configs compare equal); stored back."""
+        where, value = f"ModelConfig.{field}", getattr(self, field)
+        if not isinstance(value, (tuple, list)):
+            raise ValueError(f"{where} must be a tuple of layer indices, got {value!r}")
+        layers = tuple(value)
         for k, i in enumerate(layers):
             check_int(f"{where}[{k}]", i, 0, self.n_layers - 1)
         if len(set(layers)) != len(layers):
             raise ValueError(f"{where}={layers} repeats a layer index")
+        object.__setattr__(self, field, tuple(sorted(int(i) for i in layers)))
+        return layers
+
+    def _check_dense_layers(self) -> None:
+        where = "ModelConfig.dense_layers"
+        layers = self._layer_indices("dense_layers")
         if layers and not self.n_experts:
             raise ValueError(f"{where}={layers} needs n_experts > 0 (a dense model's layers are all dense)")
         if layers and self.d_ff < 1:
@@ -371,8 +379,6 @@ class ModelConfig:
             # empty MoE stack; say so rather than build one.
             raise ValueError(f"{where}={layers} names every layer; a model without MoE layers is "
                              "n_experts=0 with d_ff")
-        # Sorted and plain ints (gin and JSON hand over lists), so equal configs compare equal.
-        object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in layers)))
 
     def _check_router_groups(self) -> None:
         check_number("ModelConfig.router_scale", self.router_scale, 0, lo_open=True)
@@ -391,17 +397,6 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig: top_k={self.top_k} experts from router_topk_groups="
                                  f"{self.router_topk_groups} groups of {per_group} (each needs >= 2: a group's "
                                  "worth is its two best)")
-
-    def _check_nope_layers(self) -> None:
-        where = "ModelConfig.nope_layers"
-        if not isinstance(self.nope_layers, (tuple, list)):
-            raise ValueError(f"{where} must be a tuple of layer indices, got {self.nope_layers!r}")
-        layers = tuple(self.nope_layers)
-        for k, i in enumerate(layers):
-            check_int(f"{where}[{k}]", i, 0, self.n_layers - 1)
-        if len(set(layers)) != len(layers):
-            raise ValueError(f"{where}={layers} repeats a layer index")
-        object.__setattr__(self, "nope_layers", tuple(sorted(int(i) for i in layers)))
 
     # -- derived -----------------------------------------------------------------------------
     @property

@@ -314,6 +314,7 @@ class Qwen3XmlFormat(FormatBase):
 
     name = "qwen3_xml"
     turn_ends = ("<|im_end|>",)
+    _SUFFIXES = ("<|im_end|>", "<|endoftext|>")
 
     def __init__(self, properties: Mapping[str, Mapping[str, Any]] | None = None):
         self._properties = dict(properties or {})
@@ -352,15 +353,20 @@ class Qwen3XmlFormat(FormatBase):
                                      name=name or None)
             arguments[key] = _xml_value(value, props.get(key))
             pos = end + len("</parameter>")
-        if rest[pos:].strip():
-            return ToolCallError(f"unexpected text in the call of {name!r}: {rest[pos:].strip()[:30]!r}",
-                                 raw=raw, name=name or None)
-        return make_call(name, arguments, index, raw)
+        return _xml_call(name, arguments, rest[pos:], index, raw)
 
     def parse(self, text: str) -> ParsedTurn:
         reasoning, rest = split_reasoning(text)
-        turn = tagged_calls(rest, "<tool_call>", "</tool_call>", self._decode, ("<|im_end|>", "<|endoftext|>"))
+        turn = tagged_calls(rest, "<tool_call>", "</tool_call>", self._decode, self._SUFFIXES)
         return dataclasses.replace(turn, reasoning=reasoning)
+
+
+def _xml_call(name: str, arguments: dict, tail: str, index: int, raw: str) -> ToolCall | ToolCallError:
+    """The call, unless text follows its last argument (`tail`)."""
+    if tail.strip():
+        return ToolCallError(f"unexpected text in the call of {name!r}: {tail.strip()[:30]!r}", raw=raw,
+                             name=name or None)
+    return make_call(name, arguments, index, raw)
 
 
 class Glm45Format(Qwen3XmlFormat):
@@ -371,7 +377,7 @@ class Glm45Format(Qwen3XmlFormat):
     next message, <|observation|> (tool results follow) or <|user|>, or with <|endoftext|>."""
 
     name = "glm45"
-    turn_ends = ("<|observation|>", "<|user|>", "<|endoftext|>")
+    turn_ends = _SUFFIXES = ("<|observation|>", "<|user|>", "<|endoftext|>")
 
     def with_tools(self, tools) -> "Glm45Format":
         return Glm45Format(_schema_properties(tools))
@@ -398,15 +404,7 @@ class Glm45Format(Qwen3XmlFormat):
                                      name=name or None)
             arguments[key] = _xml_value(rest[value_start + len("<arg_value>"):value_end], props.get(key))
             pos = value_end + len("</arg_value>")
-        if rest[pos:].strip():
-            return ToolCallError(f"unexpected text in the call of {name!r}: {rest[pos:].strip()[:30]!r}",
-                                 raw=raw, name=name or None)
-        return make_call(name, arguments, index, raw)
-
-    def parse(self, text: str) -> ParsedTurn:
-        reasoning, rest = split_reasoning(text)
-        turn = tagged_calls(rest, "<tool_call>", "</tool_call>", self._decode, self.turn_ends)
-        return dataclasses.replace(turn, reasoning=reasoning)
+        return _xml_call(name, arguments, rest[pos:], index, raw)
 
 
 FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "qwen3_xml": Qwen3XmlFormat, "harmony": HarmonyFormat,

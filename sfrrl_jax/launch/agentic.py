@@ -78,10 +78,10 @@ KIND_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
 #: Tool-call format of a model family (`ModelConfig.family`, from config.json's model_type), for a
 #: chat template whose markup names none: Qwen2.5/Qwen3 write Hermes-style <tool_call> JSON,
 #: gpt-oss the harmony channels, Granite 3 `<|tool_call|>` JSON, OLMo 3 pythonic calls in
-#: <function_calls> (OLMo 2's Tulu template has no tools), GLM-4.5 <arg_key>/<arg_value> pairs. Llama, Mistral and Mixtral
-#: checkpoints differ (Llama 3.1's template
-#: writes JSON calls, SmolLM2's none; Mistral v0.3's [TOOL_CALLS], v0.1's none): their template
-#: decides, or `AgenticRollout.tool_format`.
+#: <function_calls> (OLMo 2's Tulu template has no tools), GLM-4.5 <arg_key>/<arg_value> pairs.
+#: Llama, Mistral and Mixtral checkpoints differ (Llama 3.1's template writes JSON calls,
+#: SmolLM2's none; Mistral v0.3's [TOOL_CALLS], v0.1's none): their template decides, or
+#: `AgenticRollout.tool_format`.
 FAMILY_FORMATS = {"qwen2": "qwen3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "gpt_oss": "harmony",
                   "granite": "granite", "olmo3": "olmo3", "glm4_moe": "glm45"}
 

@@ -1,7 +1,8 @@
 """Tool-call formats of the model families (Llama 3 / 4 JSON, Llama 3.2 / 4 pythonic, Mistral,
-Qwen3-Coder XML, gpt-oss harmony, Granite 3, OLMo 3, DeepSeek V3 / R1 / V3.1, GLM-4.5): the turn's stop tokens (generation_config.json's, refined by
-the format), the parse (hostile turns included), and the format read from the chat template. The
-loop over each family's template is in test_template_turns.py."""
+Qwen3-Coder XML, gpt-oss harmony, Granite 3, OLMo 3, DeepSeek V3 / R1 / V3.1, GLM-4.5): the turn's
+stop tokens (generation_config.json's, refined by the format), the parse (hostile turns
+included), and the format read from the chat template. The loop over the older families'
+templates is in test_template_turns.py; the newer ones' loops and SFT are here."""
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,25 @@ from hf_tokenizer_fixtures import build_qwen3_style_tokenizer  # noqa: E402
 
 def _ids(tok, *tokens):
     return [tok.token_to_id(t) for t in tokens]
+
+
+def _calculator_loop(tok, turns) -> str:
+    """Runs the agent loop on '2 + 3' with the scripted `turns` (a call, then the answer): it must
+    end answered and rewarded, with the tool's result; returns the first observation delta."""
+    import asyncio
+
+    from sfrrl_jax.agents import calculator_environment, run_agent
+    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.testing.scripted_engine import ScriptedEngine
+    env = calculator_environment()
+    try:
+        traj = asyncio.run(run_agent(ScriptedEngine(turns, tokenizer=tok), env, arithmetic_task("2 + 3", "t0"), tok,
+                                     AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048)))
+    finally:
+        env.close()
+    assert (traj.error, traj.finish_reason, traj.reward) == (None, "answer", 1.0)
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
+    return tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
 
 
 # ----------------------------------------------------------------------------- stop tokens
@@ -284,27 +304,16 @@ def test_granite_calls_as_a_list_or_one_object_after_each_tag():
 
 
 def test_granite_tool_loop_and_sft_over_a_granite_style_template(tmp_path):
-    import asyncio
-
-    from sfrrl_jax.agents import calculator_demonstration, calculator_environment, calculator_tool_schemas, run_agent
+    from sfrrl_jax.agents import calculator_demonstration, calculator_tool_schemas
     from sfrrl_jax.agents.demos import render_sft_example
     from sfrrl_jax.agents.tasks import arithmetic_task
-    from sfrrl_jax.testing.scripted_engine import ScriptedEngine
     from family_tokenizer_fixtures import GRANITE_STYLE_TEMPLATE, build_granite_style_tokenizer
 
     tok = load_tokenizer(build_granite_style_tokenizer(tmp_path))
     assert infer_format(tok.chat_template_source) == infer_format(GRANITE_STYLE_TEMPLATE) == "granite"
-    engine = ScriptedEngine(['<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2 + 3"}}]'
-                             '<|end_of_text|>', "<answer>5</answer><|end_of_text|>"], tokenizer=tok)
-    env = calculator_environment()
-    try:
-        traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
-                                     AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048)))
-    finally:
-        env.close()
-    assert (traj.error, traj.finish_reason, traj.reward) == (None, "answer", 1.0)
-    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
-    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    observation = _calculator_loop(tok, [
+        '<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2 + 3"}}]<|end_of_text|>',
+        "<answer>5</answer><|end_of_text|>"])
     assert observation == "\n<|start_of_role|>tool_response<|end_of_role|>5<|end_of_text|>\n" \
                           "<|start_of_role|>assistant<|end_of_role|>"
     tokens, mask = render_sft_example(tok, calculator_demonstration(arithmetic_task("2 + 3 - 1", "t")),
@@ -341,7 +350,8 @@ def test_olmo3_calls_one_a_line_inside_function_calls():
     assert two.content == "and" and [type(c).__name__ for c in two.calls] == ["ToolCall", "ToolCall", "ToolCallError"]
     assert [c.call_id for c in two.tool_calls] == ["call_0", "call_1"]
     assert "positional arguments" in two.errors[0].message
-    for text, why in (("<function_calls>f(a=1", "unterminated"), ("<function_calls></function_calls>", "without a call"),
+    for text, why in (("<function_calls>f(a=1", "unterminated"),
+                      ("<function_calls></function_calls>", "without a call"),
                       ("<function_calls>import os</function_calls>", "one name(key=value, ...) a line"),
                       ("<function_calls>f(a=__import__('os'))</function_calls>", "literal value"),
                       ("<function_calls>f(a=1)) + (</function_calls>", "malformed")):
@@ -357,30 +367,18 @@ def test_olmo3_calls_one_a_line_inside_function_calls():
 
 
 def test_olmo3_tool_loop_and_sft_over_an_olmo3_style_template(tmp_path):
-    import asyncio
-
-    from sfrrl_jax.agents import calculator_demonstration, calculator_environment, calculator_tool_schemas, run_agent
+    from sfrrl_jax.agents import calculator_demonstration, calculator_tool_schemas
     from sfrrl_jax.agents.demos import render_sft_example
     from sfrrl_jax.agents.tasks import arithmetic_task
     from sfrrl_jax.launch.agentic import FAMILY_FORMATS
-    from sfrrl_jax.testing.scripted_engine import ScriptedEngine
     from family_tokenizer_fixtures import OLMO3_STYLE_TEMPLATE, build_olmo3_style_tokenizer
 
     tok = load_tokenizer(build_olmo3_style_tokenizer(tmp_path))
     assert infer_format(tok.chat_template_source) == infer_format(OLMO3_STYLE_TEMPLATE) == FAMILY_FORMATS["olmo3"]
     im_end, eos = _ids(tok, "<|im_end|>", "<|endoftext|>")
     assert set(turn_stop_ids(Olmo3Format(), tok)) == {im_end, eos}
-    engine = ScriptedEngine(['<function_calls>calculator(expression="2 + 3")</function_calls><|im_end|>',
-                             "<answer>5</answer><|endoftext|>"], tokenizer=tok)
-    env = calculator_environment()
-    try:
-        traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
-                                     AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048)))
-    finally:
-        env.close()
-    assert (traj.error, traj.finish_reason, traj.reward) == (None, "answer", 1.0)
-    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
-    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    observation = _calculator_loop(tok, ['<function_calls>calculator(expression="2 + 3")</function_calls><|im_end|>',
+                                         "<answer>5</answer><|endoftext|>"])
     assert observation == "\n<|im_start|>environment\n5<|im_end|>\n<|im_start|>assistant\n"
     tokens, mask = render_sft_example(tok, calculator_demonstration(arithmetic_task("2 + 3 - 1", "t")),
                                       calculator_tool_schemas())
@@ -427,7 +425,8 @@ def test_deepseek_calls_in_the_v3_and_v31_layouts():
                       (_BLOCK + _ds_v31("f", "[1]") + _BLOCK_END, "must be a JSON object"),
                       (_BLOCK + _ds_v31("f", "{}") + _BLOCK_END + "more", "unexpected text after")):
         assert any(why in e.message for e in parse(text).errors), (text, parse(text))
-    assert infer_format("{{ '<｜tool▁calls▁begin｜>' }}") == "deepseek_v3" and get_format("deepseek_v3") == DeepSeekFormat()
+    assert infer_format("{{ '<｜tool▁calls▁begin｜>' }}") == "deepseek_v3"
+    assert get_format("deepseek_v3") == DeepSeekFormat()
     for text in (_BLOCK + _CB * 50000, _BLOCK + _ds_v31("f", "{") * 30000, _BLOCK + _CB + "function" + _SEP
                  + "f\n```json\n" + "```  " * 30000 + "x" + _CE, _BLOCK + _ds_v31("f", "[" * 100000)):
         start = time.perf_counter()
@@ -435,27 +434,15 @@ def test_deepseek_calls_in_the_v3_and_v31_layouts():
 
 
 def test_deepseek_tool_loop_and_sft_over_a_deepseek_style_template(tmp_path):
-    import asyncio
-
-    from sfrrl_jax.agents import calculator_demonstration, calculator_environment, calculator_tool_schemas, run_agent
+    from sfrrl_jax.agents import calculator_demonstration, calculator_tool_schemas
     from sfrrl_jax.agents.demos import render_sft_example
     from sfrrl_jax.agents.tasks import arithmetic_task
-    from sfrrl_jax.testing.scripted_engine import ScriptedEngine
     from family_tokenizer_fixtures import DEEPSEEK_STYLE_TEMPLATE, build_deepseek_style_tokenizer
 
     tok = load_tokenizer(build_deepseek_style_tokenizer(tmp_path))
     assert infer_format(tok.chat_template_source) == infer_format(DEEPSEEK_STYLE_TEMPLATE) == "deepseek_v3"
-    engine = ScriptedEngine([_BLOCK + _ds_v3("calculator", '{"expression": "2 + 3"}') + _BLOCK_END + _EOS,
-                             "<answer>5</answer>" + _EOS], tokenizer=tok)
-    env = calculator_environment()
-    try:
-        traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
-                                     AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048)))
-    finally:
-        env.close()
-    assert (traj.error, traj.finish_reason, traj.reward) == (None, "answer", 1.0)
-    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
-    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    observation = _calculator_loop(tok, [_BLOCK + _ds_v3("calculator", '{"expression": "2 + 3"}') + _BLOCK_END + _EOS,
+                                         "<answer>5</answer>" + _EOS])
     # the results, and no generation prompt after them: the model goes on where they end
     assert observation == "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>5<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
     demo = calculator_demonstration(arithmetic_task("2 + 3 - 1", "t"))
@@ -504,29 +491,18 @@ def test_glm45_loop_and_sft_where_each_turn_ends_with_the_next_messages_opener(t
     """GLM-4.5's template closes no turn: the model ends a call with <|observation|> and an answer
     with <|user|>, the tokens that open the next message. The observation delta starts after the
     generated opener, and SFT learns each turn with the opener the template writes after it."""
-    import asyncio
-
-    from sfrrl_jax.agents import calculator_demonstration, calculator_environment, calculator_tool_schemas, run_agent
+    from sfrrl_jax.agents import calculator_demonstration, calculator_tool_schemas
     from sfrrl_jax.agents.demos import render_sft_example
     from sfrrl_jax.agents.tasks import arithmetic_task
     from sfrrl_jax.launch.agentic import FAMILY_FORMATS
-    from sfrrl_jax.testing.scripted_engine import ScriptedEngine
     from family_tokenizer_fixtures import GLM45_STYLE_TEMPLATE, build_glm45_style_tokenizer
 
     tok = load_tokenizer(build_glm45_style_tokenizer(tmp_path))
     assert infer_format(tok.chat_template_source) == infer_format(GLM45_STYLE_TEMPLATE) == FAMILY_FORMATS["glm4_moe"]
     assert set(turn_stop_ids(Glm45Format(), tok)) == set(_ids(tok, "<|endoftext|>", "<|user|>", "<|observation|>"))
-    engine = ScriptedEngine(["\n<think>use it</think>\n<tool_call>calculator\n<arg_key>expression</arg_key>\n"
-                             "<arg_value>2 + 3</arg_value>\n</tool_call><|observation|>",
-                             "\n<think></think>\n<answer>5</answer><|user|>"], tokenizer=tok)
-    env = calculator_environment()
-    try:
-        traj = asyncio.run(run_agent(engine, env, arithmetic_task("2 + 3", "t0"), tok,
-                                     AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048)))
-    finally:
-        env.close()
-    assert (traj.error, traj.finish_reason, traj.reward) == (None, "answer", 1.0)
-    observation = tok.decode(traj.tokens[traj.turns[0].gen_end:traj.turns[0].obs_end])
+    observation = _calculator_loop(tok, [
+        "\n<think>use it</think>\n<tool_call>calculator\n<arg_key>expression</arg_key>\n<arg_value>2 + 3</arg_value>\n"
+        "</tool_call><|observation|>", "\n<think></think>\n<answer>5</answer><|user|>"])
     assert observation == "\n<tool_response>\n5\n</tool_response><|assistant|>"
     demo = calculator_demonstration(arithmetic_task("2 + 3 - 1", "t"))
     tokens, mask = render_sft_example(tok, demo, calculator_tool_schemas())

@@ -206,9 +206,10 @@ class _LanguageModelFiles:
 def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfig, dict]:
     """Reads an HF directory (`config.json` + safetensors shards) into sharded params on `mesh`.
 
-    Families: qwen3_moe, qwen2_moe, gpt_oss (dense or MXFP4 experts, dequantised on load), mixtral, olmoe, glm4_moe, and the
-    dense llama, mistral, qwen2, qwen3, gemma3_text (also the language model of a multimodal gemma3),
-    phi3, granite, olmo2, olmo3 and smollm3 (`hf_config.SUPPORTED_FAMILIES`).
+    Families: qwen3_moe, qwen2_moe, gpt_oss (dense or MXFP4 experts, dequantised on load), mixtral,
+    olmoe, glm4_moe, and the dense llama, mistral, qwen2, qwen3, gemma3_text (also the language
+    model of a multimodal gemma3), phi3, granite, olmo2, olmo3 and smollm3
+    (`hf_config.SUPPORTED_FAMILIES`).
     dtype: param (and compute) dtype; default the config's `dtype`/`torch_dtype`, else float32.
     Returns (cfg, params) with params laid out as `sfrrl_jax.models.transformer.param_shapes(cfg)`
     and sharded as `sfrrl_jax.models.api.param_shardings(cfg, mesh)`.
