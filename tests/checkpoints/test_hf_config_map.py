@@ -455,6 +455,7 @@ def test_published_glm45_air_config_reads_as_transformers_reads_it():
     assert (grouped.router_scale, grouped.router_groups, grouped.router_topk_groups) == (2.5, 8, 4)
     from sfrrl_jax.checkpoints.hf import HFConfigError
     for changes, message in (({"n_group": 3}, "router_groups=3 must divide n_experts=128"),
+                             ({"n_group": 0}, "^config.json: n_group=0 must be >= 1$"),   # named once
                              ({"topk_group": 2}, "router_topk_groups=2 > router_groups=1"),
                              ({"first_k_dense_replace": 46}, "leaves no MoE layer"),
                              ({"hidden_act": "gelu"}, "hidden_act='gelu'")):

@@ -129,6 +129,8 @@ def phi3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
     try:
         return ModelConfig(**common, **extra, n_experts=0, d_ff=int_of(hf, "intermediate_size", where),
                            sliding_window=window, layer_types=("sliding",) * common["n_layers"] if window else None)
+    except HFConfigError:   # a field's own error already names it
+        raise
     except ValueError as e:   # factor counts and the rotated dims are checked by ModelConfig
         raise HFConfigError(f"{where}: {e}") from None
 
@@ -172,6 +174,8 @@ def olmo_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
         return ModelConfig(**common, **extra, n_experts=0, d_ff=int_of(hf, "intermediate_size", where),
                            qk_norm=True, qk_norm_over_heads=True, pre_norms=False, sandwich_norms=True,
                            norm_scale_fp32=True)
+    except HFConfigError:   # a field's own error already names it
+        raise
     except ValueError as e:
         raise HFConfigError(f"{where}: {e}") from None
 
@@ -229,5 +233,7 @@ def glm4_moe_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelCon
             router_groups=int_of(hf, "n_group", where, 1), router_topk_groups=int_of(hf, "topk_group", where, 1),
             d_ff_shared=shared * d_ff_expert, dense_layers=tuple(range(first_dense)),
             d_ff=int_of(hf, "intermediate_size", where) if first_dense else 0)
+    except HFConfigError:   # a field's own error already names it
+        raise
     except ValueError as e:   # groups that do not divide the experts, rotated dims, ...
         raise HFConfigError(f"{where}: {e}") from None
