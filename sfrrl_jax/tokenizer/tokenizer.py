@@ -164,10 +164,12 @@ class Tokenizer:
         before = self.render(history, tools, add_generation_prompt=False, **template_kwargs)
         turn_at, floor = self._turn_start(history, before, tools, template_kwargs)
         after = self.render(list(history) + list(new_messages), tools, add_generation_prompt, **template_kwargs)
-        if self._opens_next(before, after, stop_text, floor):
+        if self._closes_nothing(before, after, stop_text, floor):
             # GLM-4.5's template closes no turn: the stop the model generated (<|observation|>,
-            # <|user|>) is the opener of the next message, and the delta starts after it
-            cut, prefix = len(before), before + stop_text
+            # <|user|>) is the opener of the next message, and the delta starts after it; after
+            # another stop (or none: the turn ran out of tokens) the delta starts with the opener
+            opener = after.startswith(before + stop_text)
+            cut, prefix = len(before), before + stop_text if opener else before
         else:
             cut, stop_text = self._turn_close(before, stop_text, floor)
             prefix = before[:cut + len(stop_text)]
@@ -202,11 +204,11 @@ class Tokenizer:
             return 0, 0
         return (len(os.path.commonprefix([closed, before])), len(os.path.commonprefix([opened, before])))
 
-    def _opens_next(self, before: str, after: str, stop_text: str, floor: int) -> bool:
+    def _closes_nothing(self, before: str, after: str, stop_text: str, floor: int) -> bool:
         """Whether the template writes no close of the turn that ends `before` (none of the stops
-        after where it starts, `floor`) and the render with the new messages goes on with
-        `stop_text`, the stop the model generated: that token opens the next message."""
-        if not stop_text or not after.startswith(before + stop_text):
+        after where the turn starts, `floor` > 0) and renders the history alike once new messages
+        follow: the next message's opener is then what ends the turn."""
+        if floor <= 0 or not after.startswith(before):
             return False
         return all(before.rfind(close) < floor for close in {stop_text, *self._closes()} if close)
 

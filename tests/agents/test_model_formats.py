@@ -504,6 +504,11 @@ def test_glm45_loop_and_sft_where_each_turn_ends_with_the_next_messages_opener(t
         "\n<think>use it</think>\n<tool_call>calculator\n<arg_key>expression</arg_key>\n<arg_value>2 + 3</arg_value>\n"
         "</tool_call><|observation|>", "\n<think></think>\n<answer>5</answer><|user|>"])
     assert observation == "\n<tool_response>\n5\n</tool_response><|assistant|>"
+    # a call ended with another stop (<|user|>): the delta brings the opener the template writes
+    observation = _calculator_loop(tok, [
+        "\n<tool_call>calculator\n<arg_key>expression</arg_key>\n<arg_value>2 + 3</arg_value>\n</tool_call><|user|>",
+        "\n<answer>5</answer><|user|>"])
+    assert observation == "<|observation|>\n<tool_response>\n5\n</tool_response><|assistant|>"
     demo = calculator_demonstration(arithmetic_task("2 + 3 - 1", "t"))
     tokens, mask = render_sft_example(tok, demo, calculator_tool_schemas())
     learned = tok.decode([t for t, m in zip(tokens, mask) if m])
