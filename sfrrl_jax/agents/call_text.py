@@ -96,34 +96,39 @@ def strip_suffixes(text: str, suffixes: tuple[str, ...]) -> str:
     return text
 
 
-def tagged_calls(text: str, open_tag: str, close_tag: str, decode_body, stop_suffixes) -> ParsedTurn:
-    """Shared scanner for formats that wrap each call in open/close tags inside the turn's text."""
+def tagged_calls(text: str, open_tag: str, close_tag: str, decode_body, stop_suffixes,
+                 retries: int = 16) -> ParsedTurn:
+    """Shared scanner for formats that wrap calls in open/close tags inside the turn's text:
+    `decode_body(body, index, raw)` reads one block into a call or its error, or a tuple of them
+    (a block that holds several calls, OLMo 3's). A block ends at the nearest close tag, unless
+    that sits inside it (e.g. in a JSON string) and a later one closes a block that decodes: at
+    most `retries` later close tags are tried in a turn, so a hostile turn of many bad blocks costs
+    one decode each (collecting every later close tag for every block made n calls cost O(n^2):
+    16,000 calls, 18 s on the event loop)."""
     content, calls, pos = [], [], 0
     while (start := text.find(open_tag, pos)) >= 0:
         content.append(text[pos:start])
         body_start = start + len(open_tag)
-        # At most 16 candidate close tags: collecting every later one made a turn of n calls
-        # cost O(n^2) (16,000 calls: 18 s on the event loop).
-        ends = []
         end = text.find(close_tag, body_start)
-        while end >= 0 and len(ends) < 16:
-            ends.append(end)
-            end = text.find(close_tag, end + len(close_tag))
-        if not ends:
+        if end < 0:
             calls.append(ToolCallError(f"unterminated tool call: missing {close_tag}", raw=text[start:]))
             pos = len(text)
             break
-        # The nearest close tag, unless it sits inside the JSON (e.g. in a string) and a later one
-        # closes a body that decodes.
-        first, chosen = None, None
-        for e in ends:
-            item = decode_body(text[body_start:e], len(calls), text[start:e + len(close_tag)])
-            first = first or (item, e)
-            if isinstance(item, ToolCall):
-                chosen = (item, e)
+
+        def block(close: int) -> tuple:
+            item = decode_body(text[body_start:close], len(calls), text[start:close + len(close_tag)])
+            return item if isinstance(item, tuple) else (item,)
+
+        items = block(end)
+        later = text.find(close_tag, end + len(close_tag))
+        while retries > 0 and later >= 0 and any(isinstance(c, ToolCallError) for c in items):
+            retries -= 1
+            wider = block(later)
+            if not any(isinstance(c, ToolCallError) for c in wider):
+                items, end = wider, later
                 break
-        item, end = chosen or first
-        calls.append(item)
+            later = text.find(close_tag, later + len(close_tag))
+        calls += items
         pos = end + len(close_tag)
     content.append(text[pos:])
     return ParsedTurn(content=strip_suffixes("".join(content), stop_suffixes).strip(), calls=tuple(calls))

@@ -10,10 +10,11 @@ scan before it is parsed).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import warnings
 
-from sfrrl_jax.agents.call_text import FormatBase, ParsedTurn, make_call, split_reasoning, strip_suffixes
+from sfrrl_jax.agents.call_text import FormatBase, ParsedTurn, make_call, split_reasoning, strip_suffixes, tagged_calls
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 
 
@@ -165,10 +166,6 @@ def _read_calls(source: str, nodes: list[ast.Call], first_index: int) -> tuple[T
     return tuple(calls)
 
 
-def _failed(calls) -> bool:
-    return any(isinstance(c, ToolCallError) for c in calls)
-
-
 class Olmo3Format(FormatBase):
     """OLMo 3 Instruct / Think: calls inside <function_calls> ... </function_calls>, one
     `name(key=value, ...)` a line, values as its template writes them (JSON: true/false/null,
@@ -184,35 +181,10 @@ class Olmo3Format(FormatBase):
 
     def parse(self, text: str) -> ParsedTurn:
         reasoning, rest = split_reasoning(text)
-        body = strip_suffixes(rest, self.turn_ends)
-        content, calls, pos, retries = [], [], 0, 16
-        while (start := body.find(self._OPEN, pos)) >= 0:
-            content.append(body[pos:start])
-            inner = start + len(self._OPEN)
-            end = body.find(self._CLOSE, inner)
-            if end < 0:
-                calls.append(ToolCallError(f"unterminated tool call: missing {self._CLOSE}", raw=body[start:]))
-                pos = len(body)
-                break
-            block = self._block(body[inner:end], len(calls))
-            # the nearest close tag, unless it sits inside an argument's string and a later one
-            # closes a block that parses: at most 16 later ones tried in a turn, so a hostile
-            # turn of many bad blocks costs one parse each
-            later = body.find(self._CLOSE, end + len(self._CLOSE))
-            while _failed(block) and later >= 0 and retries > 0:
-                retries -= 1
-                wider = self._block(body[inner:later], len(calls))
-                if not _failed(wider):
-                    block, end = wider, later
-                    break
-                later = body.find(self._CLOSE, later + len(self._CLOSE))
-            calls += block
-            pos = end + len(self._CLOSE)
-        content.append(body[pos:])
-        return ParsedTurn(content="".join(content).strip(), calls=tuple(calls), reasoning=reasoning)
+        turn = tagged_calls(strip_suffixes(rest, self.turn_ends), self._OPEN, self._CLOSE, self._block, ())
+        return dataclasses.replace(turn, reasoning=reasoning)
 
-    def _block(self, source: str, first_index: int) -> tuple[ToolCall | ToolCallError, ...]:
-        raw = self._OPEN + source + self._CLOSE
+    def _block(self, source: str, first_index: int, raw: str) -> tuple[ToolCall | ToolCallError, ...]:
         text = source.strip()
         tree = _parse(text, "exec") if text else ToolCallError(f"{self._OPEN} without a call", raw=raw)
         if isinstance(tree, ToolCallError):
