@@ -71,6 +71,7 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
     mask = [0] * len(tokens)
     eot = tokenizer.end_of_turn_token
     stops = [s for s in dict.fromkeys(tokenizer.decode([t]) for t in tokenizer.stop_token_ids) if s and s != eot]
+    closes = [eot, *stops]
     i = first
     while i < len(messages):
         history = list(messages[:i])
@@ -78,16 +79,20 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
         with_turn = tokenizer.render(history + [messages[i]], tools, add_generation_prompt=False)
         cut, stop = _turn_end(with_turn, eot, stops)
         if stop is None or (with_turn.startswith(prompt_text) and cut <= len(prompt_text)):
-            opener = _next_opener(tokenizer, history, messages[i], messages[i + 1:i + 2], tools, with_turn,
-                                  [eot, *stops])
+            # the template closes no turn (GLM-4.5): the turn ends with the next message's opener
+            following = messages[i + 1:i + 2] or [{"role": "user", "content": "\u2063"}]
+            opener = _close_written_after(tokenizer, history, [messages[i], *following], tools, with_turn, closes)
             cut, stop = (len(with_turn) + len(opener), opener) if opener else (cut, stop)
         start = _turn_start(tokenizer, history, tools, prompt_text, with_turn, cut) if stop is not None else None
         if start is None:
             raise TemplateDeltaError(f"message {i}: the assistant turn does not extend its generation prompt")
-        body_end = min(cut - len(stop), len(with_turn))
+        body_end = cut - len(stop)
         if messages[i].get("tool_calls") and i + 1 < len(messages):
-            stop = _past_turn_stop(tokenizer, history, messages[i:i + 2], tools, with_turn[:body_end], stop,
-                                   [eot, *stops])
+            # a call is learned closed as the template closes a past turn (OLMo 3: <|im_end|>,
+            # where the conversation's last answer gets eos), which a model trained on whole
+            # conversations writes; the example is then the template's render of the transcript
+            stop = _close_written_after(tokenizer, history, messages[i:i + 2], tools, with_turn[:body_end],
+                                        closes) or stop
         generated = tokenizer.encode(with_turn[start:body_end] + stop)
         if fmt is not None:
             _check_reads_back(fmt, tokenizer.decode(generated), messages[i], i)
@@ -104,36 +109,18 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
     return tokens, mask
 
 
-def _next_opener(tokenizer, history, message, following, tools, with_turn: str, closes) -> str | None:
-    """The stop a turn is learned with where the template writes no close after it (GLM-4.5: each
-    message opens with its role token and none closes): the stop token the render goes on with
-    once the next message follows (`following`; after the last turn, a user message), which is
-    what the model generates to end it (<|observation|> before tool results, <|user|>). None
-    where the render goes on with no stop token."""
-    nxt = list(following) or [{"role": "user", "content": "\u2063"}]
-    try:
-        followed = tokenizer.render(list(history) + [message, *nxt], tools, add_generation_prompt=False)
-    except Exception:   # a template that cannot render the pair
-        return None
-    if not followed.startswith(with_turn):
-        return None
-    return next((close for close in closes if close and followed.startswith(close, len(with_turn))), None)
-
-
-def _past_turn_stop(tokenizer, history, turn_and_next, tools, body: str, stop: str, closes) -> str:
-    """The stop a call turn is learned with: as the template closes it once a message follows
-    (`turn_and_next`: the turn and that message), where that is another stop token than the one
-    it closes the conversation's last turn with (`stop`). OLMo 3's closes past turns with
-    <|im_end|> and the last with eos: its model, trained on whole conversations, ends a call with
-    <|im_end|>, and the example then equals the template's render of the whole transcript.
-    `body`: the render with the turn last, up to its stop."""
+def _close_written_after(tokenizer, history, turn_and_next, tools, body: str, closes) -> str | None:
+    """The stop token (one of `closes`) the template writes right after `body` (the render with
+    the turn last, up to its end) once the next message follows it (`turn_and_next`: the turn and
+    that message); None where it renders the turn otherwise, writes none there, or cannot render
+    the pair."""
     try:
         followed = tokenizer.render(list(history) + list(turn_and_next), tools, add_generation_prompt=False)
-    except Exception:   # a template that cannot render the pair: the turn as it renders last
-        return stop
+    except Exception:   # a template that refuses the pair
+        return None
     if not followed.startswith(body):
-        return stop
-    return next((close for close in closes if close and followed.startswith(close, len(body))), stop)
+        return None
+    return next((close for close in closes if close and followed.startswith(close, len(body))), None)
 
 
 def _reading_format(tokenizer, tools, tool_format) -> ToolCallFormat | None:
