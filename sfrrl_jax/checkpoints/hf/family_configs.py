@@ -39,6 +39,27 @@ def gemma3_text_config(hf: Mapping[str, Any], where: str) -> dict:
     return merged
 
 
+def per_kind_rope(hf: Mapping[str, Any], where: str, default_theta: float, local_theta_key: str,
+                  default_local_theta: float) -> tuple[dict, float]:
+    """(the full layers' RoPE fields, the sliding layers' base) of a model whose two layer kinds
+    rotate differently (Gemma 3, OLMo 3): transformers 5 writes one rope_parameters set per kind;
+    4.x files have the full layers' rope_theta / rope_scaling and the sliding layers' base under
+    `local_theta_key`. The sliding layers' RoPE is unscaled; another type is refused by name."""
+    per_kind = hf.get("rope_parameters")
+    if isinstance(per_kind, Mapping) and ("full_attention" in per_kind or "sliding_attention" in per_kind):
+        full = dict(hf, rope_parameters=per_kind.get("full_attention") or {"rope_theta": default_theta})
+        local, at = per_kind.get("sliding_attention") or {}, f"{where} rope_parameters.sliding_attention"
+        local_theta = float_of(local, "rope_theta", at, default_local_theta)
+        local_kind = local.get("rope_type", local.get("type", "default"))
+    else:
+        full = dict(hf, rope_scaling=hf.get("rope_scaling") or None)
+        local_theta, local_kind = float_of(hf, local_theta_key, where, default_local_theta), "default"
+    if local_kind != "default":
+        raise HFConfigError(f"{where}: the sliding layers' rope type {local_kind!r} is not supported (supported: "
+                            "['default'])")
+    return rope_of(full, where, default_theta), local_theta
+
+
 def gemma3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
     """Gemma 3 (text): Qwen3-like q/k norms, norms whose weights are offsets from one, a norm on
     each sublayer's output too, a GeGLU MLP, embeddings scaled by sqrt(hidden_size), the
@@ -60,22 +81,8 @@ def gemma3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfi
         hf_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
     layer_types = layer_types_of(hf_types, n_layers, where)
     window = int_of(hf, "sliding_window", where) if "sliding" in layer_types else None
-    # RoPE: transformers 5 writes one parameter set per layer kind; 4.x files have the global
-    # layers' rope_theta / rope_scaling and the local layers' rope_local_base_freq
-    per_kind = hf.get("rope_parameters")
-    if isinstance(per_kind, Mapping) and ("full_attention" in per_kind or "sliding_attention" in per_kind):
-        full = dict(hf, rope_parameters=per_kind.get("full_attention") or {"rope_theta": 1e6})
-        local = per_kind.get("sliding_attention") or {}
-        local_theta = float_of(local, "rope_theta", f"{where} rope_parameters.sliding_attention", 10000.0)
-        local_kind = local.get("rope_type", local.get("type", "default"))
-    else:
-        full = dict(hf, rope_scaling=hf.get("rope_scaling") or None)
-        local_theta = float_of(hf, "rope_local_base_freq", where, 10000.0)
-        local_kind = "default"
-    if local_kind != "default":
-        raise HFConfigError(f"{where}: the sliding layers' rope type {local_kind!r} is not supported (supported: "
-                            "['default'])")
-    rope = rope_of(full, where, 1e6)
+    # 4.x files: the local layers' base is rope_local_base_freq
+    rope, local_theta = per_kind_rope(hf, where, 1e6, "rope_local_base_freq", 10000.0)
     d_model = common["d_model"]
     return ModelConfig(
         **common, **rope, n_experts=0, d_ff=int_of(hf, "intermediate_size", where), qk_norm=True,
@@ -153,23 +160,12 @@ def olmo_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
         hf_types = hf.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
                                              for i in range(n_layers)]
         layer_types = layer_types_of(hf_types, n_layers, where)
-        per_kind = hf.get("rope_parameters")
-        if isinstance(per_kind, Mapping) and ("full_attention" in per_kind or "sliding_attention" in per_kind):
-            full = dict(hf, rope_parameters=per_kind.get("full_attention") or {})
-            local = dict(hf, rope_parameters=per_kind.get("sliding_attention") or {})
-            local_at = f"{where} rope_parameters.sliding_attention"
-        else:   # 4.x: rope_theta for both kinds, rope_scaling for the full layers
-            full = dict(hf, rope_scaling=hf.get("rope_scaling") or None)
-            local = dict(hf, rope_scaling=None, rope_parameters=None)
-            local_at = where
-        extra.update(rope_of(full, where, 10000.0))
-        local_rope = rope_of(local, local_at, 10000.0)
-        if local_rope["rope_type"] != "default":
-            raise HFConfigError(f"{local_at}: the sliding layers' rope type {local_rope['rope_type']!r} is not "
-                                "supported (supported: ['default'])")
+        # 4.x files: rope_theta is both kinds' base, rope_scaling the full layers' alone
+        rope, local_theta = per_kind_rope(hf, where, 10000.0, "rope_theta", 10000.0)
+        extra.update(rope)
         if "sliding" in layer_types:
             extra.update(sliding_window=int_of(hf, "sliding_window", where, 4096), layer_types=layer_types,
-                         rope_local_theta=local_rope["rope_theta"])
+                         rope_local_theta=local_theta)
     try:
         return ModelConfig(**common, **extra, n_experts=0, d_ff=int_of(hf, "intermediate_size", where),
                            qk_norm=True, qk_norm_over_heads=True, pre_norms=False, sandwich_norms=True,

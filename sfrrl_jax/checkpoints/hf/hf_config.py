@@ -313,17 +313,19 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "hidden_act": "silu", "dtype": cfg.param_dtype,
     }
     window = cfg.sliding_window if "sliding" in (cfg.layer_types or ()) else None
+    layer_types = [TO_HF_LAYER_TYPES[t] for t in cfg.layer_types or ("full",) * cfg.n_layers]
+    # Gemma 3's and OLMo 3's RoPE per layer kind: the sliding layers' unscaled
+    local_rope = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+    per_kind_rope = {"full_attention": rope_to_hf(cfg), "sliding_attention": local_rope}
+    partial_rope = {**rope_to_hf(cfg), "partial_rotary_factor": cfg.rope_partial_factor}   # Phi-3's, GLM's
     if cfg.family == "gemma3_text":
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"], hf["hidden_act"]
-        types = cfg.layer_types or ("full",) * cfg.n_layers
         scalar = cfg.query_scale ** -2
         hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, hidden_activation="gelu_pytorch_tanh",
                   query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar,
-                  sliding_window=window, layer_types=[TO_HF_LAYER_TYPES[t] for t in types],
+                  sliding_window=window, layer_types=layer_types,
                   final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False,
-                  rope_parameters={"full_attention": rope_to_hf(cfg),
-                                   "sliding_attention": {"rope_type": "default",
-                                                         "rope_theta": cfg.rope_local_theta or cfg.rope_theta}})
+                  rope_parameters=per_kind_rope)
     elif cfg.family == "granite":
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
         hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, mlp_bias=False,
@@ -331,25 +333,19 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                   residual_multiplier=cfg.residual_scale, logits_scaling=cfg.logits_divisor)
     elif cfg.family == "smollm3":
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
-        types = cfg.layer_types or ("full",) * cfg.n_layers
         hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, mlp_bias=False,
                   no_rope_layers=[int(r) for r in cfg.layer_ropes], use_sliding_window=window is not None,
-                  sliding_window=window, layer_types=[TO_HF_LAYER_TYPES[t] for t in types],
+                  sliding_window=window, layer_types=layer_types,
                   pad_token_id=None)   # SmolLM3Config's default (128004) is an embedding row HF checks
     elif cfg.family in ("olmo2", "olmo3"):
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
         hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias)
         if cfg.family == "olmo3":
-            types = cfg.layer_types or ("full",) * cfg.n_layers
-            hf.update(sliding_window=window, layer_types=[TO_HF_LAYER_TYPES[t] for t in types],
-                      rope_parameters={"full_attention": rope_to_hf(cfg),
-                                       "sliding_attention": {"rope_type": "default",
-                                                             "rope_theta": cfg.rope_local_theta or cfg.rope_theta}})
+            hf.update(sliding_window=window, layer_types=layer_types, rope_parameters=per_kind_rope)
     elif cfg.family == "phi3":
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
-        rope = {**rope_to_hf(cfg), "partial_rotary_factor": cfg.rope_partial_factor}
         # pad_token_id: Phi3Config's default (32000) is an embedding row HF checks against the vocabulary
-        hf.update(intermediate_size=cfg.d_ff, sliding_window=window, rope_parameters=rope,
+        hf.update(intermediate_size=cfg.d_ff, sliding_window=window, rope_parameters=partial_rope,
                   original_max_position_embeddings=cfg.rope_original_max_len, pad_token_id=None)
     elif cfg.family in DENSE_FAMILIES:
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
@@ -358,9 +354,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             del hf["attention_bias"], hf["mlp_bias"]   # not MistralConfig fields: it has neither
             hf["sliding_window"] = window
         elif cfg.family != "llama":
-            types = cfg.layer_types or ("full",) * cfg.n_layers
             hf.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=cfg.n_layers,
-                      layer_types=[TO_HF_LAYER_TYPES[t] for t in types])
+                      layer_types=layer_types)
             if cfg.family == "qwen2":
                 del hf["attention_bias"]   # Qwen2's q/k/v biases are not optional
     elif cfg.family == "qwen3_moe":
@@ -371,17 +366,15 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         if cfg.dense_layers:  # the dense layers' MLP width (transformers' default would be 6144)
             hf["intermediate_size"] = cfg.d_ff
     elif cfg.family == "qwen2_moe":
-        types = cfg.layer_types or ("full",) * cfg.n_layers
         hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff_expert,
                   shared_expert_intermediate_size=cfg.d_ff_shared, norm_topk_prob=cfg.norm_topk_prob,
                   qkv_bias=cfg.attention_bias, decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers),
                   use_sliding_window=window is not None, sliding_window=window, max_window_layers=cfg.n_layers,
-                  layer_types=[TO_HF_LAYER_TYPES[t] for t in types],
+                  layer_types=layer_types,
                   intermediate_size=cfg.d_ff if cfg.dense_layers else cfg.d_ff_shared)
     elif cfg.family == "glm4_moe":
         del hf["router_aux_loss_coef"]
-        rope = {**rope_to_hf(cfg), "partial_rotary_factor": cfg.rope_partial_factor}
-        hf.update(rope_parameters=rope, attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm,
+        hf.update(rope_parameters=partial_rope, attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm,
                   n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff_expert,
                   n_shared_experts=cfg.d_ff_shared // cfg.d_ff_expert, routed_scaling_factor=cfg.router_scale,
                   n_group=cfg.router_groups, topk_group=cfg.router_topk_groups, norm_topk_prob=cfg.norm_topk_prob,
@@ -393,9 +386,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     elif cfg.family == "mixtral":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert, sliding_window=window)
     else:
-        types = cfg.layer_types or ("full",) * cfg.n_layers
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert,
                   attention_bias=True, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
                   sliding_window=cfg.sliding_window,
-                  layer_types=[TO_HF_LAYER_TYPES[t] for t in types])
+                  layer_types=layer_types)
     return hf
