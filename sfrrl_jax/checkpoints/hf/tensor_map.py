@@ -167,44 +167,31 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
         if quantized:
             raise ValueError(f"MXFP4 weights are only defined for gpt_oss's experts, not a dense {cfg.family} MLP")
         return _dense_mlp(cfg, p)
-    if cfg.family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"):
+    if cfg.family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"):
         if quantized:
             raise ValueError(f"MXFP4 expert weights are only defined for gpt_oss, not {cfg.family}")
-        if cfg.family in ("qwen3_moe", "qwen2_moe", "olmoe"):
-            base, router, names = p + "mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj")
+        if cfg.family == "mixtral":
+            base, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
         else:
-            base, router, names = p + "block_sparse_moe.", "gate.weight", ("w1", "w3", "w2")
+            base, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
         fmt = base + "experts.{e}.%s.weight"
         groups = [
-            _single(base + router, ("moe", "router"), (e, d), _transpose, _transpose),
+            _single(base + "gate.weight", ("moe", "router"), (e, d), _transpose, _transpose),
             _per_expert(fmt % names[0], ("moe", "w_gate"), e, (f, d)),
             _per_expert(fmt % names[1], ("moe", "w_up"), e, (f, d)),
             _per_expert(fmt % names[2], ("moe", "w_down"), e, (d, f)),
         ]
-        if cfg.d_ff_shared:   # Qwen2-MoE's shared expert ([out, in] linears) and its gate [1, embed]
-            s, m = cfg.d_ff_shared, base + "shared_expert."
+        if cfg.router == "sigmoid_topk":   # GLM's selection bias, beside the router's weight
+            groups.append(_single(base + "gate.e_score_correction_bias", ("moe", "score_bias"), (e,)))
+        if cfg.d_ff_shared:   # the shared expert ([out, in] linears): Qwen2-MoE's, GLM's (`shared_experts`)
+            s = cfg.d_ff_shared
+            m = base + ("shared_experts." if cfg.family == "glm4_moe" else "shared_expert.")
             groups += [_single(m + "gate_proj.weight", ("shared_expert", "w_gate"), (s, d), _transpose, _transpose),
                        _single(m + "up_proj.weight", ("shared_expert", "w_up"), (s, d), _transpose, _transpose),
                        _single(m + "down_proj.weight", ("shared_expert", "w_down"), (d, s), _transpose, _transpose)]
-        if cfg.shared_expert_gate:
+        if cfg.shared_expert_gate:   # Qwen2-MoE's gate [1, embed] on it
             groups.append(_single(base + "shared_expert_gate.weight", ("shared_gate",), (1, d), _transpose,
                                   _transpose))
-        return groups
-    if cfg.family == "glm4_moe":   # Qwen3-MoE's experts; sigmoid routing's bias; an ungated shared expert
-        if quantized:
-            raise ValueError("MXFP4 expert weights are only defined for gpt_oss, not glm4_moe")
-        m, s = p + "mlp.", cfg.d_ff_shared
-        fmt = m + "experts.{e}.%s.weight"
-        groups = [_single(m + "gate.weight", ("moe", "router"), (e, d), _transpose, _transpose),
-                  _single(m + "gate.e_score_correction_bias", ("moe", "score_bias"), (e,)),
-                  _per_expert(fmt % "gate_proj", ("moe", "w_gate"), e, (f, d)),
-                  _per_expert(fmt % "up_proj", ("moe", "w_up"), e, (f, d)),
-                  _per_expert(fmt % "down_proj", ("moe", "w_down"), e, (d, f))]
-        if s:
-            sh = m + "shared_experts."
-            groups += [_single(sh + "gate_proj.weight", ("shared_expert", "w_gate"), (s, d), _transpose, _transpose),
-                       _single(sh + "up_proj.weight", ("shared_expert", "w_up"), (s, d), _transpose, _transpose),
-                       _single(sh + "down_proj.weight", ("shared_expert", "w_down"), (d, s), _transpose, _transpose)]
         return groups
     m = p + "mlp."
     x = m + "experts."
