@@ -215,14 +215,15 @@ def _dense_config(hf: Mapping[str, Any], family: str, common: dict, where: str) 
 def check_exportable(cfg: ModelConfig) -> None:
     """Raises if `cfg` uses a variant the HF class of its family cannot express."""
     dense = dict(n_experts=0, attn_sinks=False, router_bias=False, expert_bias=False)
-    # Gemma's and Granite's variants of the block: none in the other families' HF classes
+    # what every family's HF class requires unless its own entry below says otherwise: none of
+    # Gemma's, Granite's, OLMo's or Phi-3's variants of the block
     plain = dict(norm_offset=0.0, sandwich_norms=False, mlp_act="silu", embed_scale=1.0, query_scale=None,
                  rope_local_theta=None, residual_scale=1.0, logits_divisor=1.0, pre_norms=True,
-                 qk_norm_over_heads=False, norm_scale_fp32=False)
+                 qk_norm_over_heads=False, norm_scale_fp32=False, rope_partial_factor=1.0)
     # OLMo 2/3's post-norm block and whole-projection q/k norms, the rest as Llama
-    olmo = dict(plain, **dense, qk_norm=True, qk_norm_over_heads=True, pre_norms=False, sandwich_norms=True,
+    olmo = dict(dense, qk_norm=True, qk_norm_over_heads=True, pre_norms=False, sandwich_norms=True,
                 norm_scale_fp32=True, out_bias=cfg.attention_bias)
-    want = {
+    family = {
         "llama": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
         "mistral": dict(dense, qk_norm=False, attention_bias=False, out_bias=False),
         "qwen2": dict(dense, qk_norm=False, attention_bias=True, out_bias=False),
@@ -236,33 +237,30 @@ def check_exportable(cfg: ModelConfig) -> None:
         "gpt_oss": dict(router="topk_softmax", qk_norm=False, attn_sinks=True, router_bias=True,
                         expert_bias=True, expert_act="gptoss_swiglu", attention_bias=True, d_ff_shared=0),
         "gemma3_text": dict(dense, qk_norm=True, out_bias=cfg.attention_bias, norm_offset=1.0, sandwich_norms=True,
-                            mlp_act="gelu_tanh", embed_scale=cfg.d_model ** 0.5, residual_scale=1.0,
-                            logits_divisor=1.0, pre_norms=True, qk_norm_over_heads=False),
+                            mlp_act="gelu_tanh", embed_scale=cfg.d_model ** 0.5),
         "phi3": dict(dense, qk_norm=False, attention_bias=False, out_bias=False),
         "granite": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
         "olmo2": olmo,
-        "olmo3": {k: v for k, v in olmo.items() if k != "rope_local_theta"},   # its sliding layers' RoPE
+        "olmo3": olmo,
         "smollm3": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
         "glm4_moe": dict(router="sigmoid_topk", attn_sinks=False, router_bias=False, expert_bias=False,
                          expert_act="swiglu", out_bias=False, shared_expert_gate=False),
-        "olmoe": dict(router="softmax_topk", qk_norm=True, attn_sinks=False, router_bias=False, expert_bias=False,
-                      expert_act="swiglu", d_ff_shared=0, out_bias=cfg.attention_bias),
+        "olmoe": dict(router="softmax_topk", qk_norm=True, qk_norm_over_heads=True, attn_sinks=False,
+                      router_bias=False, expert_bias=False, expert_act="swiglu", d_ff_shared=0,
+                      out_bias=cfg.attention_bias),
     }[cfg.family]
-    if cfg.family not in ("phi3", "glm4_moe"):
-        want["rope_partial_factor"] = 1.0
-    if cfg.family == "granite":   # its multipliers, the rest as Llama
-        if cfg.query_scale is None:
-            raise HFConfigError("ModelConfig(family='granite') needs query_scale (attention_multiplier)")
-        want.update({k: v for k, v in plain.items() if k not in ("embed_scale", "query_scale", "residual_scale",
-                                                                    "logits_divisor")})
-    elif cfg.family not in ("gemma3_text", "olmo2", "olmo3"):
-        want.update(plain)
-        if cfg.family == "olmoe":   # its q/k norms span the whole projection
-            want["qk_norm_over_heads"] = True
-            if cfg.head_dim * cfg.n_heads != cfg.d_model:
-                raise HFConfigError(f"ModelConfig(family='olmoe') has head_dim={cfg.head_dim} x n_heads={cfg.n_heads} "
-                                    f"!= d_model={cfg.d_model}; HF OlmoeForCausalLM's q_norm spans hidden_size")
-    elif cfg.family == "gemma3_text" and (cfg.query_scale is None or (
+    # the fields a family's HF class reads from its config.json, whatever their value
+    free = {"granite": ("embed_scale", "query_scale", "residual_scale", "logits_divisor"),
+            "gemma3_text": ("query_scale", "rope_local_theta", "norm_scale_fp32"),   # its offset: fp32 anyway
+            "olmo3": ("rope_local_theta",), "phi3": ("rope_partial_factor",),
+            "glm4_moe": ("rope_partial_factor",)}.get(cfg.family, ())
+    want = {k: v for k, v in {**plain, **family}.items() if k not in free}
+    if cfg.family == "granite" and cfg.query_scale is None:
+        raise HFConfigError("ModelConfig(family='granite') needs query_scale (attention_multiplier)")
+    if cfg.family == "olmoe" and cfg.head_dim * cfg.n_heads != cfg.d_model:
+        raise HFConfigError(f"ModelConfig(family='olmoe') has head_dim={cfg.head_dim} x n_heads={cfg.n_heads} "
+                            f"!= d_model={cfg.d_model}; HF OlmoeForCausalLM's q_norm spans hidden_size")
+    if cfg.family == "gemma3_text" and (cfg.query_scale is None or (
             cfg.rope_local_theta is None and "sliding" in (cfg.layer_types or ()))):
         raise HFConfigError("ModelConfig(family='gemma3_text') needs query_scale (query_pre_attn_scalar ** -0.5) "
                             "and, with sliding layers, rope_local_theta (rope_local_base_freq)")
