@@ -12,7 +12,8 @@ from typing import Iterable, Literal, Sequence
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
 Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text",
-                 "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe"]
+                 "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe",
+                 "deepseek_v3"]
 RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_topk"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 MlpAct = Literal["silu", "gelu_tanh"]   # the gate's activation of a dense (GLU) MLP
@@ -177,6 +178,17 @@ class ModelConfig:
     attention_bias: bool = False       # q/k/v biases (and the output's, unless attention_out_bias says)
     attention_out_bias: bool | None = None  # None: as attention_bias (GPT-OSS both; Qwen2 q/k/v only)
     attn_sinks: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, Moonlight; `models.mla`), on when
+    # mla_kv_rank > 0: keys and values come from a per-token latent of mla_kv_rank dims (normed)
+    # and one RoPE key of mla_rope_dim dims shared by every head; a head's query is mla_nope_dim
+    # unrotated and mla_rope_dim rotated dims (through a normed latent of mla_q_rank dims where
+    # that is > 0), its value mla_v_dim dims. The KV cache holds the latent and the RoPE key as
+    # one KV head, so n_kv_heads must be 1 and head_dim mla_kv_rank + mla_rope_dim.
+    mla_kv_rank: int = 0
+    mla_q_rank: int = 0
+    mla_nope_dim: int = 0
+    mla_rope_dim: int = 0
+    mla_v_dim: int = 0
     sliding_window: int | None = None
     layer_types: tuple[LayerType, ...] | None = None  # None: all 'full'
     rope_theta: float = 10000.0
@@ -271,7 +283,8 @@ class ModelConfig:
         check_int_fields(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                 "d_ff_expert", "top_k", "max_seq_len", "rope_original_max_len",
                                 "attention_block_q", "attention_block_k"), 1)
-        check_int_fields(self, ("n_experts", "d_ff", "moe_chunk_tokens", "d_ff_shared"), 0)
+        check_int_fields(self, ("n_experts", "d_ff", "moe_chunk_tokens", "d_ff_shared", "mla_kv_rank", "mla_q_rank",
+                                "mla_nope_dim", "mla_rope_dim", "mla_v_dim"), 0)
         if self.d_ff_shared and not self.n_experts:
             raise ValueError(f"ModelConfig.d_ff_shared={self.d_ff_shared} needs n_experts > 0 (a shared expert "
                              "sits beside routed ones; a dense model's MLP width is d_ff)")
@@ -294,6 +307,7 @@ class ModelConfig:
         check_number_fields(self, ("norm_offset",), 0)
         check_number_fields(self, ("embed_scale", "residual_scale", "logits_divisor"), 0, lo_open=True)
         check_number_fields(self, ("query_scale", "rope_local_theta"), 0, lo_open=True, optional=True)
+        self._check_latent_attention()
         self._check_rope_dims()
         check_number_fields(self, ("rope_theta", "rope_factor", "rms_eps", "swiglu_limit", "swiglu_alpha",
                                    "rope_low_freq_factor", "rope_high_freq_factor"), 0, lo_open=True)
@@ -337,7 +351,9 @@ class ModelConfig:
         check_number("ModelConfig.rope_partial_factor", self.rope_partial_factor, 0, 1, lo_open=True)
         check_number("ModelConfig.rope_attention_factor", self.rope_attention_factor, 0, lo_open=True,
                      optional=True)
-        rotated = int(self.head_dim * self.rope_partial_factor)
+        rotated = self.rotary_dim
+        if self.mla_kv_rank and (rotated < 2 or rotated % 2):
+            raise ValueError(f"ModelConfig.mla_rope_dim={rotated}: RoPE rotates an even number >= 2 of dims")
         if rotated < 2 or rotated % 2:
             raise ValueError(f"ModelConfig.rope_partial_factor={self.rope_partial_factor} rotates {rotated} of "
                              f"head_dim={self.head_dim} dims; RoPE rotates an even number >= 2")
@@ -352,6 +368,34 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{k} has {len(value)} factors; longrope needs one per rotated pair "
                                  f"of dims: {rotated // 2} (head_dim={self.head_dim} x rope_partial_factor="
                                  f"{self.rope_partial_factor} / 2)")
+
+    def _check_latent_attention(self) -> None:
+        mla = ("mla_q_rank", "mla_nope_dim", "mla_rope_dim", "mla_v_dim")
+        if not self.mla_kv_rank:
+            set_ = {k: getattr(self, k) for k in mla if getattr(self, k)}
+            if set_:
+                raise ValueError(f"ModelConfig{set_} are latent attention's: they need mla_kv_rank >= 1")
+            return
+        need = ("mla_nope_dim", "mla_rope_dim", "mla_v_dim")
+        for k in need:
+            if getattr(self, k) < 1:
+                raise ValueError(f"ModelConfig.{k}={getattr(self, k)}: latent attention (mla_kv_rank="
+                                 f"{self.mla_kv_rank}) needs {list(need)} >= 1")
+        cache_dim = self.mla_kv_rank + self.mla_rope_dim
+        if self.n_kv_heads != 1 or self.head_dim != cache_dim:
+            raise ValueError(f"ModelConfig: latent attention caches one KV head of mla_kv_rank + mla_rope_dim = "
+                             f"{cache_dim} dims; set n_kv_heads=1 (got {self.n_kv_heads}) and head_dim={cache_dim} "
+                             f"(got {self.head_dim})")
+        unsupported = {k: getattr(self, k) for k in ("qk_norm", "attention_bias", "attn_sinks")
+                       if getattr(self, k)}
+        if self.rope_partial_factor != 1.0:
+            unsupported["rope_partial_factor"] = self.rope_partial_factor
+        if self.rope_type == "longrope":
+            unsupported["rope_type"] = self.rope_type
+        if unsupported:
+            raise ValueError(f"ModelConfig{unsupported}: not supported with latent attention (mla_kv_rank="
+                             f"{self.mla_kv_rank}): its RoPE dims are mla_rope_dim, it has no q/k norms, "
+                             "biases or sinks")
 
     def _layer_indices(self, field: str) -> tuple[int, ...]:
         """The field's layer indices, checked (in range, distinct) and sorted as plain ints (gin and
@@ -405,6 +449,12 @@ class ModelConfig:
         return tuple(i not in self.nope_layers for i in range(self.n_layers))
 
     @property
+    def rotary_dim(self) -> int:
+        """The dims of a head RoPE rotates: mla_rope_dim with latent attention, else the leading
+        head_dim x rope_partial_factor."""
+        return self.mla_rope_dim if self.mla_kv_rank else int(self.head_dim * self.rope_partial_factor)
+
+    @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
@@ -439,6 +489,11 @@ class ModelConfig:
         d, h, k, hd, e, f = (self.d_model, self.n_heads, self.n_kv_heads, self.head_dim,
                              self.n_experts, self.d_ff_expert)
         attn = d * hd * (h + 2 * k) + h * hd * d
+        if self.mla_kv_rank:   # the latents' projections and norms, per-head up-projections, output
+            r, qk = self.mla_kv_rank, self.mla_nope_dim + self.mla_rope_dim
+            q = self.mla_q_rank * (d + 1 + h * qk) if self.mla_q_rank else d * h * qk
+            attn = q + d * (r + self.mla_rope_dim) + r + r * h * (self.mla_nope_dim + self.mla_v_dim) + \
+                h * self.mla_v_dim * d
         if self.attention_bias:
             attn += hd * (h + 2 * k)
         attn += d * self.out_bias + h * self.attn_sinks

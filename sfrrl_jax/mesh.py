@@ -47,6 +47,7 @@ LOGICAL_AXIS_RULES: Mapping[str, Any] = {
     "heads": TENSOR_AXIS,
     "kv_heads": TENSOR_AXIS,
     "head_dim": None,
+    "latent": None,          # latent attention's compressed query / key-value dims (models.mla)
     "mlp": TENSOR_AXIS,
     "experts": EXPERT_AXIS,
     "experts_router": None,  # router logits are computed for all experts on every token shard

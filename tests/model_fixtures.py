@@ -84,6 +84,14 @@ TINY_GLM = S.ModelConfig.preset(
     rope_partial_factor=0.5, qk_norm=True,
 )
 
+# DeepSeek-V3-like: latent attention (a query latent; value dims apart from the key's), cached
+# as one KV head of kv_rank + rope = 32 dims; GLM's MoE (groups, scale, shared expert, dense first layer).
+TINY_DEEPSEEK = S.ModelConfig.preset(
+    "tiny-moe", family="deepseek_v3", router="sigmoid_topk", router_groups=4, router_topk_groups=2, router_scale=2.5,
+    d_ff_shared=32, dense_layers=(0,), d_ff=40, qk_norm=False, n_kv_heads=1, head_dim=32, mla_kv_rank=24,
+    mla_rope_dim=8, mla_nope_dim=12, mla_v_dim=10, mla_q_rank=20,
+)
+
 # Granite-like (dense): its four multipliers, none 1 or a power of two.
 TINY_GRANITE = S.ModelConfig.preset(
     "tiny-moe", family="granite", n_experts=0, d_ff=40, qk_norm=False, embed_scale=3.5, query_scale=0.11,

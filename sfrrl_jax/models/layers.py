@@ -22,10 +22,11 @@ from sfrrl_jax.models.attention_pallas import pallas_attention
 from sfrrl_jax.models.context_parallel import context_parallel_attention, context_size
 
 
-def param(rngs: nnx.Rngs | None, init: str, shape, logical_axes, cfg: ModelConfig) -> nnx.Param:
-    """A parameter initialised as 'normal' (std cfg.init_std), 'ones' or 'zeros'."""
+def param(rngs: nnx.Rngs | None, init: str, shape, logical_axes, cfg: ModelConfig, dtype=None) -> nnx.Param:
+    """A parameter initialised as 'normal' (std cfg.init_std), 'ones' or 'zeros', stored in `dtype`
+    (default cfg.param_dtype)."""
     assert len(shape) == len(logical_axes), (shape, logical_axes)
-    dtype = jnp.dtype(cfg.param_dtype)
+    dtype = jnp.dtype(cfg.param_dtype if dtype is None else dtype)
     if init == "normal":
         value = cfg.init_std * jax.random.normal(rngs.params(), shape, jnp.float32)
     elif init == "ones":
@@ -89,8 +90,9 @@ class Embed(nnx.Module):
 # -- rotary embeddings --------------------------------------------------------------------------
 
 def rope_dim(cfg: ModelConfig) -> int:
-    """The dims of a head RoPE rotates (the leading ones; all unless cfg.rope_partial_factor < 1)."""
-    return int(cfg.head_dim * cfg.rope_partial_factor)
+    """The dims of a head RoPE rotates (the leading ones; all unless cfg.rope_partial_factor < 1;
+    latent attention's mla_rope_dim)."""
+    return cfg.rotary_dim
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> tuple[jax.Array, float]:
@@ -174,7 +176,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig, window=None
     return jnp.concatenate(parts, axis=-1).astype(x.dtype)
 
 
-def _rope_unless_nope(x, positions, cfg: ModelConfig, window, rope) -> jax.Array:
+def rope_unless_nope(x, positions, cfg: ModelConfig, window, rope) -> jax.Array:
     """apply_rope, or x as it is where `rope` is False (Python: no rotation computed; traced: the
     scan's per-layer flag, both computed and one kept)."""
     if rope is True:
@@ -268,11 +270,11 @@ class Attention(nnx.Module):
                        v + self.v_bias[...].astype(dt))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = _rope_unless_nope(q, positions, cfg, window, rope)
+        q = rope_unless_nope(q, positions, cfg, window, rope)
         if cfg.query_scale is not None and cfg.query_scale * math.sqrt(cfg.head_dim) != 1.0:
             q = q * jnp.asarray(cfg.query_scale * math.sqrt(cfg.head_dim), q.dtype)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-        k = _rope_unless_nope(k, positions, cfg, window, rope)
+        k = rope_unless_nope(k, positions, cfg, window, rope)
         k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         return q, k, v
@@ -293,22 +295,27 @@ class Attention(nnx.Module):
 
         window: int scalar, may be traced (0 = unlimited); rope: bool, may be traced (False: a
         NoPE layer, `project_qkv`). cfg.attention_impl picks the core:
-        'blockwise' never builds a [s, s] array (forward or backward); 'naive' is the reference.
-        Where the sequence is split (a `context` axis > 1, or `expert` when the rows do not
-        split over it) the core runs on each shard's queries against all-gathered keys
-        (`models.context_parallel`).
+        'blockwise' never builds a [s, s] array (forward or backward); 'naive' is the reference
+        (`self_attention`).
         """
         q, k, v = self.project_qkv(x, positions, window, rope)
-        core = attention_core(self.cfg)
-        if context_size(q.shape[0]) > 1:
-            out = context_parallel_attention(core, q, k, v, positions, segment_ids, window,
-                                             self.sink_logits())
-        else:
-            out = core(q, k, v, positions, positions, segment_ids, segment_ids, window, self.sink_logits())
-        # The cores' internal layouts (blocks, gathers) are their own; pin the result's. The name
-        # lets the 'attention_out' remat policies keep it (the blockwise core names its own too).
-        out = checkpoint_name(constrain(out, ("batch", "seq", "heads", "head_dim")), "attention_out")
-        return self.output(out)
+        return self.output(self_attention(self.cfg, q, k, v, positions, segment_ids, window, self.sink_logits()))
+
+
+def self_attention(cfg: ModelConfig, q, k, v, positions, segment_ids, window, sinks=None) -> jax.Array:
+    """The training forward's attention over a packed batch: q [b, s, heads, d]; k, v [b, s,
+    kv_heads, d]; positions, segment_ids [b, s] -> [b, s, heads, d], by the core
+    cfg.attention_impl names (`attention_core`). Where the sequence is split (a `context` axis
+    > 1, or `expert` when the rows do not split over it) the core runs on each shard's queries
+    against all-gathered keys (`models.context_parallel`)."""
+    core = attention_core(cfg)
+    if context_size(q.shape[0]) > 1:
+        out = context_parallel_attention(core, q, k, v, positions, segment_ids, window, sinks)
+    else:
+        out = core(q, k, v, positions, positions, segment_ids, segment_ids, window, sinks)
+    # The cores' internal layouts (blocks, gathers) are their own; pin the result's. The name
+    # lets the 'attention_out' remat policies keep it (the blockwise core names its own too).
+    return checkpoint_name(constrain(out, ("batch", "seq", "heads", "head_dim")), "attention_out")
 
 
 def attention_core(cfg: ModelConfig):

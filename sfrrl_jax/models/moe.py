@@ -49,12 +49,15 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, e, f = cfg.d_model, cfg.n_experts, cfg.d_ff_expert
         self.cfg = cfg
-        self.router = param(rngs, "normal", (d, e), ("embed", "experts_router"), cfg)
+        # sigmoid_topk (GLM-4.5, DeepSeek-V3): the router's weight and the selection bias are fp32
+        # whatever param_dtype, as HF keeps them (the experts' sigmoid scores differ by less than
+        # bf16 resolves); no gradient reaches the bias
+        sigmoid = cfg.router == "sigmoid_topk"
+        self.router = param(rngs, "normal", (d, e), ("embed", "experts_router"), cfg,
+                            jnp.float32 if sigmoid else None)
         if cfg.router_bias:
             self.router_bias = param(rngs, "zeros", (e,), ("experts_router",), cfg)
-        if cfg.router == "sigmoid_topk":
-            # the selection bias: no gradient reaches it; fp32 whatever param_dtype, as HF keeps
-            # it (its experts' sigmoid scores differ by less than bf16 resolves)
+        if sigmoid:
             self.score_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=("experts_router",))
         self.w_gate = param(rngs, "normal", (e, d, f), ("experts", "embed", "mlp"), cfg)
         self.w_up = param(rngs, "normal", (e, d, f), ("experts", "embed", "mlp"), cfg)

@@ -23,7 +23,8 @@ from flax import nnx
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import constrain
 from sfrrl_jax.models.context_parallel import from_zigzag, pad_for_context, to_zigzag
-from sfrrl_jax.models.layers import Attention, DenseMLP, Embed, RMSNorm, cdtype, param
+from sfrrl_jax.models.layers import DenseMLP, Embed, RMSNorm, cdtype, param
+from sfrrl_jax.models.mla import attention_for
 from sfrrl_jax.models.moe import MoE
 
 Params = dict  # nested dict of jax.Array; see `param_logical_axes` for its layout
@@ -39,7 +40,7 @@ class Block(nnx.Module):
         if cfg.pre_norms:
             self.attn_norm = RMSNorm(cfg.d_model, cfg)
             self.mlp_norm = RMSNorm(cfg.d_model, cfg)
-        self.attn = Attention(cfg, rngs)
+        self.attn = attention_for(cfg)(cfg, rngs)
         if cfg.sandwich_norms:   # Gemma: the sublayers' outputs are normed too, before the residual add
             self.post_attn_norm = RMSNorm(cfg.d_model, cfg)
             self.post_mlp_norm = RMSNorm(cfg.d_model, cfg)

@@ -30,6 +30,7 @@ FAMILY_CLASSES = {
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -202,6 +203,29 @@ CONFIGS = {
         first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, num_nextn_predict_layers=0,
         pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # DeepSeek-V3 in small: latent attention with a query latent (q_lora_rank), interleaved RoPE,
+    # YaRN with mscale_all_dim (the scores' scale) and mscale (the cos/sin scale); v_head_dim
+    # apart from the nope and rope dims; GLM's MoE (a dense first layer, 2 of 4 groups, scale 2.5).
+    "deepseek_v3_mla": ("deepseek_v3", dict(
+        vocab_size=83, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=20, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+        intermediate_size=40, moe_intermediate_size=14, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        first_k_dense_replace=1, num_nextn_predict_layers=0, pad_token_id=0, eos_token_id=1,
+        max_position_embeddings=64, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.8,
+                         "mscale_all_dim": 0.7, "original_max_position_embeddings": 16, "beta_fast": 32,
+                         "beta_slow": 1})),
+    # Moonlight / DeepSeek-V2-Lite-like attention: no query latent, RoPE halves (rope_interleave
+    # false), plain RoPE; un-normalised routes, one group.
+    "deepseek_v3_noq": ("deepseek_v3", dict(
+        vocab_size=71, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=12,
+        intermediate_size=24, moe_intermediate_size=10, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=2, n_group=1, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=False,
+        first_k_dense_replace=1, num_nextn_predict_layers=0, pad_token_id=0, eos_token_id=1,
+        max_position_embeddings=64, rope_interleave=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0})),
 }
 
 

@@ -465,3 +465,88 @@ def test_published_glm45_air_config_reads_as_transformers_reads_it():
         config_to_hf(cfg.replace(dense_layers=(1,)))
     with pytest.raises(HFConfigError, match="Qwen3MoeForCausalLM requires"):
         config_to_hf(cfg.replace(family="qwen3_moe"))
+
+
+# DeepSeek-V3's config.json (the architecture's fields, as published: FP8 weights, YaRN with mscale).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "v_head_dim": 128, "vocab_size": 129280}
+
+# Moonlight-16B-A3B's (Kimi's DeepSeek-V3 architecture): no query latent, plain RoPE, bf16.
+MOONLIGHT_16B = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "bos_token_id": 163584,
+    "eos_token_id": 163585, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 11264, "kv_lora_rank": 512, "max_position_embeddings": 8192, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+    "norm_topk_prob": True, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+    "num_key_value_heads": 16, "num_nextn_predict_layers": 0, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.446, "scoring_func": "sigmoid", "tie_word_embeddings": False, "topk_group": 1,
+    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 163840}
+
+
+def test_published_deepseek_v3_configs_read_as_transformers_reads_them():
+    import math
+
+    import transformers
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    with pytest.raises(HFConfigError, match=r"quantization_config \(quant_method='fp8'\) is not supported"):
+        config_from_hf(DEEPSEEK_V3)
+    bf16 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}   # dequantised, as released by others
+    cfg = config_from_hf(bf16)
+    theirs = transformers.DeepseekV3Config(**copy.deepcopy(bf16))
+    assert (cfg.family, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == ("deepseek_v3", 128, 1, 576)  # cache: one head
+    assert (cfg.mla_q_rank, cfg.mla_kv_rank, cfg.mla_nope_dim, cfg.mla_rope_dim, cfg.mla_v_dim) == (
+        theirs.q_lora_rank, theirs.kv_lora_rank, theirs.qk_nope_head_dim, theirs.qk_rope_head_dim, theirs.v_head_dim)
+    assert (cfg.router, cfg.n_experts, cfg.top_k, cfg.router_groups, cfg.router_topk_groups, cfg.router_scale) == (
+        "sigmoid_topk", 256, 8, 8, 4, 2.5)
+    assert (cfg.dense_layers, cfg.d_ff, cfg.d_ff_expert, cfg.d_ff_shared) == ((0, 1, 2), 18432, 2048, 2048)
+    # transformers' scale: 1/sqrt(192) x mscale(40, mscale_all_dim=1)^2; cos/sin x mscale / mscale_all_dim
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    def scaling(hf_cfg):   # DeepseekV3Attention.scaling, without building a 128-head layer
+        return yarn_apply_mscale(hf_cfg.rope_parameters, hf_cfg.qk_head_dim ** -0.5)
+    assert cfg.query_scale == pytest.approx(scaling(theirs), rel=1e-12)
+    assert cfg.query_scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(192), rel=1e-12)
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_attention_factor, cfg.rope_original_max_len) == (
+        "yarn", 40.0, 1.0, 4096)
+    exported = config_to_hf(cfg)
+    assert config_from_hf(exported) == cfg
+    back = transformers.DeepseekV3Config(**copy.deepcopy(exported))
+    assert scaling(back) == pytest.approx(scaling(theirs), rel=1e-12)
+    assert (back.num_key_value_heads, back.q_lora_rank, back.rope_interleave) == (128, 1536, True)
+
+    moon = config_from_hf(MOONLIGHT_16B)
+    assert (moon.mla_q_rank, moon.query_scale, moon.rope_type, moon.rope_theta, moon.d_ff_shared) == (
+        0, None, "default", 50000.0, 2816)
+    assert (moon.router_scale, moon.router_groups, moon.dense_layers, moon.head_dim) == (2.446, 1, (0,), 576)
+    assert config_from_hf(config_to_hf(moon)) == moon
+    assert transformers.DeepseekV3Config(**copy.deepcopy(config_to_hf(moon))).q_lora_rank is None
+    for changes, message in (({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+                             ({"topk_method": "greedy"}, "topk_method='greedy'"),
+                             ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
+                             ({"attention_bias": True}, "attention_bias=True is not supported with latent"),
+                             ({"qk_rope_head_dim": 7}, "mla_rope_dim=7: RoPE rotates an even number"),
+                             ({"kv_lora_rank": None}, "kv_lora_rank")):
+        with pytest.raises(HFConfigError, match=message):
+            config_from_hf({**MOONLIGHT_16B, **changes})
+    with pytest.raises(HFConfigError, match="attention is latent"):
+        config_to_hf(moon.replace(mla_kv_rank=0, mla_q_rank=0, mla_nope_dim=0, mla_rope_dim=0, mla_v_dim=0,
+                                  n_kv_heads=16, head_dim=128))
+    with pytest.raises(HFConfigError, match="scales scores only by YaRN's mscale_all_dim"):
+        config_to_hf(moon.replace(query_scale=0.1))
+    with pytest.raises(HFConfigError, match="Glm4MoeForCausalLM requires"):
+        config_to_hf(moon.replace(family="glm4_moe"))

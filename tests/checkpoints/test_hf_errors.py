@@ -217,10 +217,12 @@ def test_save_hf_rejects_params_that_do_not_fit_the_config(ckpt, mesh, tmp_path)
         save_hf(cfg.replace(attn_sinks=True), params, tmp_path / "out2")
 
 
-def test_glm_multi_token_prediction_layers_are_not_read_but_other_extras_are_refused(tmp_path, mesh):
-    """GLM-4.5's checkpoints carry its MTP module as layers past num_hidden_layers (transformers
-    skips them): they load as the model without them; a stray tensor elsewhere is still named."""
-    directory = F.save_model(F.build_model("glm4_moe_groups"), tmp_path / "hf")
+@pytest.mark.parametrize("fixture", ["glm4_moe_groups", "deepseek_v3_mla"])
+def test_multi_token_prediction_layers_are_not_read_but_other_extras_are_refused(tmp_path, mesh, fixture):
+    """GLM-4.5's and DeepSeek-V3's checkpoints carry their MTP module as layers past
+    num_hidden_layers (transformers skips them): they load as the model without them; a stray
+    tensor elsewhere is still named."""
+    directory = F.save_model(F.build_model(fixture), tmp_path / "hf")
     cfg_before, params_before = load_hf(directory, mesh)
     shard = sorted(directory.glob("*.safetensors"))[0]
     tensors = load_file(shard)

@@ -61,7 +61,7 @@ def test_params_land_in_their_target_shardings(loaded, mesh):
         assert set(loaded["params"]["layers"]) >= {"mlp"} and "moe" not in loaded["params"]["layers"]
     cfg, hf_layers = loaded["cfg"], loaded["model"].model.layers
     dense = tuple(i for i, layer in enumerate(hf_layers)
-                  if type(layer.mlp).__name__ in ("Qwen3MoeMLP", "Qwen2MoeMLP", "Glm4MoeMLP"))
+                  if type(layer.mlp).__name__ in ("Qwen3MoeMLP", "Qwen2MoeMLP", "Glm4MoeMLP", "DeepseekV3MLP"))
     # mlp_only_layers / decoder_sparse_step / first_k_dense_replace read as transformers does
     assert cfg.dense_layers == dense
     if dense:  # a mixed stack: the dense layers' MLPs alone under 'dense_layers', in layer order
@@ -110,6 +110,16 @@ def test_import_export_import_is_bit_identical(loaded, tmp_path, mesh):
     exported = {n: load_file(str(info.file))[n] for n, info in CheckpointFiles(out).tensors.items()}
     if cfg.tie_embeddings:
         original.pop("lm_head.weight", None)
+    if not getattr(loaded["model"].config, "rope_interleave", True):
+        # DeepSeek's export pairs adjacent RoPE dims (rope_interleave, its checkpoints' layout): a
+        # checkpoint that rotates halves comes back with its RoPE rows 0..r/2-1 at the even rows
+        assert json.loads((out / "config.json").read_text())["rope_interleave"] is True
+        r = cfg.mla_rope_dim
+        for n in [n for n in original if n.endswith(("q_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight"))]:
+            w = original[n].reshape(-1, cfg.mla_nope_dim + r, original[n].shape[-1]) if "q_" in n else original[n]
+            rope = w[..., -r:, :].copy()
+            w[..., -r:, :][..., 0::2, :], w[..., -r:, :][..., 1::2, :] = rope[..., :r // 2, :], rope[..., r // 2:, :]
+            original[n] = w.reshape(original[n].shape)
     assert set(exported) == set(original)
     for n in original:
         np.testing.assert_array_equal(exported[n], original[n], err_msg=n)
@@ -133,21 +143,27 @@ def test_bfloat16_load_and_roundtrip(tmp_path, mesh):
         np.testing.assert_array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
 
 
-def test_glm_selection_bias_stays_fp32_in_a_bfloat16_model_both_ways(tmp_path, mesh):
-    """GLM's e_score_correction_bias, which transformers keeps in fp32: a bf16 load keeps it
-    exact (the sigmoid scores it shifts differ by less than bf16 resolves) and exports it as F32."""
+@pytest.mark.parametrize("fixture", ["glm4_moe_groups", "deepseek_v3_mla"])
+def test_sigmoid_router_stays_fp32_in_a_bfloat16_model_both_ways(tmp_path, mesh, fixture):
+    """GLM's and DeepSeek's router weight and e_score_correction_bias, which transformers keeps in
+    fp32 (`_keep_in_fp32_modules_strict`): a bf16 load keeps them exact (the sigmoid scores the
+    bias shifts differ by less than bf16 resolves) and exports them as F32; the rest is bf16."""
     from safetensors import safe_open
-    model = F.build_model("glm4_moe_groups", seed=2)
+    model = F.build_model(fixture, seed=2)
     directory = F.save_model(model, tmp_path / "hf")
     cfg, params = load_hf(directory, mesh, dtype="bfloat16")
-    bias = params["layers"]["moe"]["score_bias"]
-    assert bias.dtype == np.float32 and params["layers"]["moe"]["router"].dtype == np.dtype("bfloat16")
-    np.testing.assert_array_equal(np.asarray(bias[0]), model.model.layers[1].mlp.gate.e_score_correction_bias.numpy())
+    moe = params["layers"]["moe"]
+    assert moe["score_bias"].dtype == moe["router"].dtype == np.float32 and moe["w_up"].dtype == np.dtype("bfloat16")
+    gate = model.model.layers[1].mlp.gate
+    np.testing.assert_array_equal(np.asarray(moe["score_bias"][0]), gate.e_score_correction_bias.numpy())
+    np.testing.assert_array_equal(np.asarray(moe["router"][0]), gate.weight.detach().numpy().T)
     out = save_hf(cfg, params, tmp_path / "bf16")
     with safe_open(str(out / "model.safetensors"), "np") as f:
-        name = "model.layers.1.mlp.gate.e_score_correction_bias"
-        assert f.get_slice(name).get_dtype() == "F32"
-        np.testing.assert_array_equal(f.get_tensor(name), np.asarray(bias[0]))
+        for name, ours in (("model.layers.1.mlp.gate.e_score_correction_bias", moe["score_bias"][0]),
+                           ("model.layers.1.mlp.gate.weight", moe["router"][0].T)):
+            assert f.get_slice(name).get_dtype() == "F32"
+            np.testing.assert_array_equal(f.get_tensor(name), np.asarray(ours))
+        assert f.get_slice("model.layers.1.mlp.experts.0.up_proj.weight").get_dtype() == "BF16"
 
 
 def test_longrope_takes_the_long_factors_from_the_original_length_on_as_transformers_does(tmp_path, mesh):

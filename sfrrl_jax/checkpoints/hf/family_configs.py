@@ -1,5 +1,5 @@
 """config.json readers of the families whose block is not Llama's: Gemma 3 (text, and the language
-model of the multimodal one), Phi-3, OLMo 2/3, SmolLM3 and GLM-4.5 (MoE). `hf_config.config_from_hf`
+model of the multimodal one), Phi-3, OLMo 2/3, SmolLM3, GLM-4.5 and DeepSeek-V3 (MoE). `hf_config.config_from_hf`
 dispatches to them."""
 from __future__ import annotations
 
@@ -202,34 +202,85 @@ def smollm3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConf
                        layer_types=layer_types)
 
 
-def glm4_moe_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
-    """GLM-4.5 / 4.5-Air / 4.6 (Glm4MoeForCausalLM): q/k/v biases and none on the output, optional
-    per-head q/k norms, RoPE on the leading `partial_rotary_factor` of each head (0.5 by default),
-    the first `first_k_dense_replace` layers dense, the others routed by sigmoid scores with a
-    selection bias among `topk_group` of `n_group` groups, scaled by `routed_scaling_factor`, plus
-    an ungated shared expert of `n_shared_experts` x moe_intermediate_size. The checkpoint's
-    multi-token-prediction layers (past num_hidden_layers) are not read."""
+def _grouped_sigmoid_moe(hf: Mapping[str, Any], n_layers: int, where: str) -> dict:
+    """The MoE of GLM-4.5 and DeepSeek-V3 (one rule): the first `first_k_dense_replace` layers
+    dense (intermediate_size wide), the others routed by sigmoid scores with a selection bias
+    among `topk_group` of `n_group` groups, optionally renormalised, scaled by
+    `routed_scaling_factor`, plus an ungated shared expert of `n_shared_experts` x
+    moe_intermediate_size."""
     require(hf, "hidden_act", ("silu",), where)
-    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    params = dict(hf.get(field) or {})
-    partial = float_of({"partial_rotary_factor": params.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))},
-                       "partial_rotary_factor", where, 0.5)
-    n_layers, shared = common["n_layers"], int_of(hf, "n_shared_experts", where, 1, lo=0)
+    shared = int_of(hf, "n_shared_experts", where, 1, lo=0)
     first_dense = int_of(hf, "first_k_dense_replace", where, 1, lo=0)
     if first_dense >= n_layers:
         raise HFConfigError(f"{where}: first_k_dense_replace={first_dense} leaves no MoE layer among the {n_layers}")
     d_ff_expert = int_of(hf, "moe_intermediate_size", where)
+    return dict(n_experts=int_of(hf, "n_routed_experts", where), d_ff_expert=d_ff_expert, router="sigmoid_topk",
+                norm_topk_prob=bool_of(hf, "norm_topk_prob", where, True),
+                router_scale=float_of(hf, "routed_scaling_factor", where, 1.0),
+                router_groups=int_of(hf, "n_group", where, 1), router_topk_groups=int_of(hf, "topk_group", where, 1),
+                d_ff_shared=shared * d_ff_expert, dense_layers=tuple(range(first_dense)),
+                d_ff=int_of(hf, "intermediate_size", where) if first_dense else 0)
+
+
+def _checked(where: str, **fields) -> ModelConfig:
+    """ModelConfig(**fields), a ValueError of its checks (groups that do not divide the experts,
+    rotated dims, ...) as an HFConfigError naming the file."""
     try:
-        return ModelConfig(
-            **{**common, "attention_bias": bool_of(hf, "attention_bias", where, False)}, attention_out_bias=False,
-            **rope_of({**hf, field: params or None}, where, 10000.0), rope_partial_factor=partial,
-            qk_norm=bool_of(hf, "use_qk_norm", where, False), n_experts=int_of(hf, "n_routed_experts", where),
-            d_ff_expert=d_ff_expert, router="sigmoid_topk", norm_topk_prob=bool_of(hf, "norm_topk_prob", where, True),
-            router_scale=float_of(hf, "routed_scaling_factor", where, 1.0),
-            router_groups=int_of(hf, "n_group", where, 1), router_topk_groups=int_of(hf, "topk_group", where, 1),
-            d_ff_shared=shared * d_ff_expert, dense_layers=tuple(range(first_dense)),
-            d_ff=int_of(hf, "intermediate_size", where) if first_dense else 0)
+        return ModelConfig(**fields)
     except HFConfigError:   # a field's own error already names it
         raise
-    except ValueError as e:   # groups that do not divide the experts, rotated dims, ...
+    except ValueError as e:
         raise HFConfigError(f"{where}: {e}") from None
+
+
+def glm4_moe_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """GLM-4.5 / 4.5-Air / 4.6 (Glm4MoeForCausalLM): q/k/v biases and none on the output, optional
+    per-head q/k norms, RoPE on the leading `partial_rotary_factor` of each head (0.5 by default),
+    the MoE of `_grouped_sigmoid_moe`. The checkpoint's multi-token-prediction layers (past
+    num_hidden_layers) are not read."""
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(field) or {})
+    partial = float_of({"partial_rotary_factor": params.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))},
+                       "partial_rotary_factor", where, 0.5)
+    return _checked(where, **{**common, "attention_bias": bool_of(hf, "attention_bias", where, False)},
+                    attention_out_bias=False, **rope_of({**hf, field: params or None}, where, 10000.0),
+                    rope_partial_factor=partial, qk_norm=bool_of(hf, "use_qk_norm", where, False),
+                    **_grouped_sigmoid_moe(hf, common["n_layers"], where))
+
+
+def deepseek_v3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """DeepSeek-V3 / R1, Kimi K2, Moonlight (DeepseekV3ForCausalLM): multi-head latent attention
+    (`q_lora_rank`, null for none; `kv_lora_rank`; `qk_nope_head_dim`, `qk_rope_head_dim`,
+    `v_head_dim`), cached as one KV head of kv_lora_rank + qk_rope_head_dim dims, with the scores
+    scaled by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times YaRN's mscale(factor,
+    mscale_all_dim)^2 where the rope parameters give one, as transformers does; the MoE of
+    `_grouped_sigmoid_moe`. `rope_interleave` is the checkpoint's layout (the loader's concern).
+    Multi-token-prediction layers (past num_hidden_layers) are not read; FP8-quantised weights are
+    refused (dequantise them to bf16 first)."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        raise HFConfigError(f"{where}: quantization_config (quant_method={method!r}) is not supported: load a "
+                            "checkpoint with bf16 or fp32 weights (DeepSeek's FP8 blocks dequantised)")
+    require(hf, "scoring_func", ("sigmoid",), where)
+    require(hf, "topk_method", ("noaux_tc",), where)
+    require(hf, "moe_layer_freq", (1,), where)
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise HFConfigError(f"{where}: {flag}=True is not supported with latent attention (no biases)")
+    nope, rope_dims = int_of(hf, "qk_nope_head_dim", where), int_of(hf, "qk_rope_head_dim", where)
+    kv_rank = int_of(hf, "kv_lora_rank", where)
+    q_rank = 0 if hf.get("q_lora_rank") is None else int_of(hf, "q_lora_rank", where)
+    rope = rope_of(hf, where, 10000.0)
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    all_dim = (hf.get(field) or {}).get("mscale_all_dim")
+    query_scale = None
+    if rope["rope_type"] != "default" and all_dim:
+        factor = rope["rope_factor"]
+        m = 0.1 * float_of({"mscale_all_dim": all_dim}, "mscale_all_dim", where) * math.log(factor) + 1.0 \
+            if factor > 1 else 1.0
+        query_scale = (nope + rope_dims) ** -0.5 * m * m
+    return _checked(where, **{**common, "n_kv_heads": 1, "head_dim": kv_rank + rope_dims, "attention_bias": False},
+                    **rope, query_scale=query_scale, mla_kv_rank=kv_rank, mla_q_rank=q_rank, mla_nope_dim=nope,
+                    mla_rope_dim=rope_dims, mla_v_dim=int_of(hf, "v_head_dim", where),
+                    **_grouped_sigmoid_moe(hf, common["n_layers"], where))

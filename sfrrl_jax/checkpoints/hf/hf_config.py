@@ -8,10 +8,11 @@ with the offending key named, rather than loaded wrongly. The typed field reader
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
-from sfrrl_jax.checkpoints.hf.family_configs import (gemma3_config, gemma3_text_config, glm4_moe_config, olmo_config,
-                                                     phi3_config, smollm3_config)
+from sfrrl_jax.checkpoints.hf.family_configs import (deepseek_v3_config, gemma3_config, gemma3_text_config,
+                                                     glm4_moe_config, olmo_config, phi3_config, smollm3_config)
 from sfrrl_jax.checkpoints.hf.hf_fields import (DTYPES, TO_HF_LAYER_TYPES, HFConfigError, bool_of, float_of, int_of,
                                                 layer_types_of, read_hf_config, require, rope_of, rope_to_hf)
 from sfrrl_jax.config import ModelConfig
@@ -20,7 +21,7 @@ __all__ = ["ARCHITECTURES", "DENSE_FAMILIES", "DTYPES", "SUPPORTED_FAMILIES", "H
            "config_from_hf", "config_to_hf", "read_hf_config"]
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3",
-                      "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe")
+                      "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe", "deepseek_v3")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -28,7 +29,7 @@ ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCa
                  "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmoe": "OlmoeForCausalLM",
-                 "glm4_moe": "Glm4MoeForCausalLM"}
+                 "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> ModelConfig:
@@ -73,6 +74,8 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         return smollm3_config(hf, common, where)
     if family == "glm4_moe":
         return glm4_moe_config(hf, common, where)
+    if family == "deepseek_v3":
+        return deepseek_v3_config(hf, common, where)
     if family == "granite":   # Llama's block with four multipliers
         require(hf, "hidden_act", ("silu",), where)
         if hf.get("mlp_bias"):
@@ -219,7 +222,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     # Gemma's, Granite's, OLMo's or Phi-3's variants of the block
     plain = dict(norm_offset=0.0, sandwich_norms=False, mlp_act="silu", embed_scale=1.0, query_scale=None,
                  rope_local_theta=None, residual_scale=1.0, logits_divisor=1.0, pre_norms=True,
-                 qk_norm_over_heads=False, norm_scale_fp32=False, rope_partial_factor=1.0)
+                 qk_norm_over_heads=False, norm_scale_fp32=False, rope_partial_factor=1.0, mla_kv_rank=0)
     # OLMo 2/3's post-norm block and whole-projection q/k norms, the rest as Llama
     olmo = dict(dense, qk_norm=True, qk_norm_over_heads=True, pre_norms=False, sandwich_norms=True,
                 norm_scale_fp32=True, out_bias=cfg.attention_bias)
@@ -245,6 +248,9 @@ def check_exportable(cfg: ModelConfig) -> None:
         "smollm3": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
         "glm4_moe": dict(router="sigmoid_topk", attn_sinks=False, router_bias=False, expert_bias=False,
                          expert_act="swiglu", out_bias=False, shared_expert_gate=False),
+        "deepseek_v3": dict(router="sigmoid_topk", attn_sinks=False, router_bias=False, expert_bias=False,
+                            expert_act="swiglu", shared_expert_gate=False, qk_norm=False, attention_bias=False,
+                            out_bias=False),
         "olmoe": dict(router="softmax_topk", qk_norm=True, qk_norm_over_heads=True, attn_sinks=False,
                       router_bias=False, expert_bias=False, expert_act="swiglu", d_ff_shared=0,
                       out_bias=cfg.attention_bias),
@@ -253,7 +259,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     free = {"granite": ("embed_scale", "query_scale", "residual_scale", "logits_divisor"),
             "gemma3_text": ("query_scale", "rope_local_theta", "norm_scale_fp32"),   # its offset: fp32 anyway
             "olmo3": ("rope_local_theta",), "phi3": ("rope_partial_factor",),
-            "glm4_moe": ("rope_partial_factor",)}.get(cfg.family, ())
+            "glm4_moe": ("rope_partial_factor",), "deepseek_v3": ("query_scale", "mla_kv_rank")}.get(cfg.family, ())
     want = {k: v for k, v in {**plain, **family}.items() if k not in free}
     if cfg.family == "granite" and cfg.query_scale is None:
         raise HFConfigError("ModelConfig(family='granite') needs query_scale (attention_multiplier)")
@@ -271,12 +277,20 @@ def check_exportable(cfg: ModelConfig) -> None:
     if cfg.nope_layers and cfg.family != "smollm3":
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has nope_layers={cfg.nope_layers}; HF "
                             f"{ARCHITECTURES[cfg.family]} applies RoPE in every layer (only smollm3 has NoPE layers)")
-    if cfg.family == "glm4_moe" and (cfg.dense_layers != tuple(range(len(cfg.dense_layers)))
-                                     or (cfg.d_ff_shared and cfg.d_ff_shared % cfg.d_ff_expert)):
-        raise HFConfigError(f"ModelConfig(family='glm4_moe'): HF Glm4MoeForCausalLM's dense layers are the first "
+    if cfg.family == "deepseek_v3" and not cfg.mla_kv_rank:
+        raise HFConfigError("ModelConfig(family='deepseek_v3') has mla_kv_rank=0; HF DeepseekV3ForCausalLM's "
+                            "attention is latent (set the mla_* fields)")
+    if cfg.family == "deepseek_v3" and cfg.query_scale is not None and (cfg.rope_type != "yarn"
+                                                                        or cfg.rope_factor <= 1):
+        raise HFConfigError(f"ModelConfig(family='deepseek_v3') has query_scale={cfg.query_scale}; HF "
+                            "DeepseekV3ForCausalLM scales scores only by YaRN's mscale_all_dim (rope_type='yarn', "
+                            "rope_factor > 1)")
+    if cfg.family in ("glm4_moe", "deepseek_v3") and (cfg.dense_layers != tuple(range(len(cfg.dense_layers)))
+                                                      or (cfg.d_ff_shared and cfg.d_ff_shared % cfg.d_ff_expert)):
+        raise HFConfigError(f"ModelConfig(family={cfg.family!r}): HF {ARCHITECTURES[cfg.family]}'s dense layers are the first "
                             f"k (dense_layers={cfg.dense_layers}) and its shared expert a multiple of d_ff_expert "
                             f"(d_ff_shared={cfg.d_ff_shared}, d_ff_expert={cfg.d_ff_expert})")
-    if cfg.dense_layers and cfg.family not in ("qwen3_moe", "qwen2_moe", "glm4_moe"):
+    if cfg.dense_layers and cfg.family not in ("qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3"):
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has dense_layers={cfg.dense_layers}; HF "
                             f"{ARCHITECTURES[cfg.family]} has no dense layers (only qwen3_moe's mlp_only_layers)")
     if cfg.family not in DENSE_FAMILIES and not cfg.is_moe:
@@ -370,14 +384,17 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                   use_sliding_window=window is not None, sliding_window=window, max_window_layers=cfg.n_layers,
                   layer_types=layer_types,
                   intermediate_size=cfg.d_ff if cfg.dense_layers else cfg.d_ff_shared)
-    elif cfg.family == "glm4_moe":
+    elif cfg.family in ("glm4_moe", "deepseek_v3"):
         del hf["router_aux_loss_coef"]
-        hf.update(rope_parameters=partial_rope, attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm,
-                  n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff_expert,
+        hf.update(n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff_expert,
                   n_shared_experts=cfg.d_ff_shared // cfg.d_ff_expert, routed_scaling_factor=cfg.router_scale,
                   n_group=cfg.router_groups, topk_group=cfg.router_topk_groups, norm_topk_prob=cfg.norm_topk_prob,
                   first_k_dense_replace=len(cfg.dense_layers), num_nextn_predict_layers=0,
                   intermediate_size=cfg.d_ff if cfg.dense_layers else cfg.d_ff_expert)   # unused without them
+        if cfg.family == "glm4_moe":
+            hf.update(rope_parameters=partial_rope, attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm)
+        else:
+            hf.update(_latent_attention_to_hf(cfg))
     elif cfg.family == "olmoe":
         hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert, norm_topk_prob=cfg.norm_topk_prob,
                   attention_bias=cfg.attention_bias, clip_qkv=None)
@@ -389,3 +406,19 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                   sliding_window=cfg.sliding_window,
                   layer_types=layer_types)
     return hf
+
+
+def _latent_attention_to_hf(cfg: ModelConfig) -> dict:
+    """DeepseekV3Config's attention fields for latent attention. Its scores' extra scale (our
+    query_scale) is written as YaRN's mscale_all_dim, rounded to 12 digits so that reading it
+    back computes the same float; its weights in the interleaved RoPE layout (tensor_map)."""
+    qk = cfg.mla_nope_dim + cfg.mla_rope_dim
+    rope = rope_to_hf(cfg)
+    if cfg.query_scale is not None:
+        m = math.sqrt(cfg.query_scale * math.sqrt(qk))
+        rope["mscale_all_dim"] = round((m - 1.0) / (0.1 * math.log(cfg.rope_factor)), 12)
+    # HF expands every head's key and value and repeats them by heads // num_key_value_heads
+    return dict(rope_parameters=rope, num_key_value_heads=cfg.n_heads, head_dim=cfg.mla_rope_dim,
+                q_lora_rank=cfg.mla_q_rank or None, kv_lora_rank=cfg.mla_kv_rank, qk_nope_head_dim=cfg.mla_nope_dim,
+                qk_rope_head_dim=cfg.mla_rope_dim, v_head_dim=cfg.mla_v_dim, rope_interleave=True,
+                attention_bias=False)

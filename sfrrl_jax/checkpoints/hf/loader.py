@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.checkpoints.hf.hf_config import config_from_hf, read_hf_config
+from sfrrl_jax.checkpoints.hf.hf_fields import bool_of
 from sfrrl_jax.checkpoints.hf.safetensors_io import CheckpointError, CheckpointFiles, read_tensor
 from sfrrl_jax.checkpoints.hf.tensor_map import (IGNORED_SUFFIXES, TensorGroup, global_groups,
                                                  is_mxfp4, layer_groups)
@@ -58,7 +59,7 @@ def validate_tensors(files: CheckpointFiles, groups: list[TensorGroup], cfg: Mod
         dtypes.update(g.hf_dtypes)
     found = files.tensors
     ignorable = {n for n in found if n.endswith(IGNORED_SUFFIXES)}
-    if cfg.family == "glm4_moe":   # its multi-token-prediction layers, numbered after the model's
+    if cfg.family in ("glm4_moe", "deepseek_v3"):   # multi-token-prediction layers, numbered after the model's
         ignorable |= {n for n in found if (m := _LAYER.match(n)) and int(m.group(1)) >= cfg.n_layers}
     if cfg.tie_embeddings and "lm_head.weight" in found:
         ignorable.add("lm_head.weight")  # tied: the head is the embedding, a stored copy is redundant
@@ -207,7 +208,7 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
     """Reads an HF directory (`config.json` + safetensors shards) into sharded params on `mesh`.
 
     Families: qwen3_moe, qwen2_moe, gpt_oss (dense or MXFP4 experts, dequantised on load), mixtral,
-    olmoe, glm4_moe, and the dense llama, mistral, qwen2, qwen3, gemma3_text (also the language
+    olmoe, glm4_moe, deepseek_v3 (latent attention), and the dense llama, mistral, qwen2, qwen3, gemma3_text (also the language
     model of a multimodal gemma3), phi3, granite, olmo2, olmo3 and smollm3
     (`hf_config.SUPPORTED_FAMILIES`).
     dtype: param (and compute) dtype; default the config's `dtype`/`torch_dtype`, else float32.
@@ -225,7 +226,9 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
     if hf.get("model_type") == "gemma3":   # the language model of Gemma3ForConditionalGeneration
         files = _LanguageModelFiles(files)
     quantized = is_mxfp4(files.tensors)
-    per_layer = [layer_groups(cfg, layer, quantized) for layer in range(cfg.n_layers)]
+    # DeepSeek's RoPE rows pair adjacent dims unless config.json says otherwise (tensor_map)
+    interleaved = bool_of(hf, "rope_interleave", str(path / "config.json"), True)
+    per_layer = [layer_groups(cfg, layer, quantized, interleaved) for layer in range(cfg.n_layers)]
     glob = global_groups(cfg)
     validate_tensors(files, [g for gs in per_layer for g in gs] + glob, cfg)
 

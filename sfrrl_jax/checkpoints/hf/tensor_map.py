@@ -90,7 +90,58 @@ def _mxfp4_dense(proj, shape_out, in_dim):
     return dense, {blocks: b_shape, scales: s_shape}, {blocks: "U8", scales: "U8"}
 
 
-def _attention(cfg: ModelConfig, p: str) -> list[TensorGroup]:
+def _latent_attention(cfg: ModelConfig, p: str, rope_interleaved: bool) -> list[TensorGroup]:
+    """DeepSeek-V3's MLA (`models.mla`). Each head's query rows are [nope, rope], kv_a_proj's
+    [kv_rank latent, rope], kv_b_proj's per head [nope key, value]. With `rope_interleaved` (the
+    checkpoint's `rope_interleave`, DeepSeek's default) RoPE pairs adjacent dims; ours rotates
+    halves, so the rope rows are taken evens first, then odds: the rotation of the permuted rows
+    is the permuted rotation, and q and k permuted alike give the same scores. Export writes
+    the interleaved layout (what DeepSeek's checkpoints and other engines use)."""
+    d, h, r, q_rank = cfg.d_model, cfg.n_heads, cfg.mla_kv_rank, cfg.mla_q_rank
+    nope, rope, v = cfg.mla_nope_dim, cfg.mla_rope_dim, cfg.mla_v_dim
+    a = p + "self_attn."
+    order = np.r_[0:rope:2, 1:rope:2] if rope_interleaved else np.arange(rope)   # ours[j] = HF[order[j]]
+    back = np.argsort(order)
+
+    def rope_rows(w, idx):   # w [..., rows, in] whose last `rope` rows are RoPE's
+        return np.concatenate([w[..., :-rope, :], w[..., -rope:, :][..., idx, :]], axis=-2)
+
+    def query(in_dim):   # HF [h * (nope + rope), in] <-> ours [in, h, nope + rope]
+        return (lambda w: np.ascontiguousarray(rope_rows(w.reshape(h, nope + rope, in_dim), order).transpose(2, 0, 1)),
+                lambda w: np.ascontiguousarray(rope_rows(w.transpose(1, 2, 0), back).reshape(-1, in_dim)))
+
+    kv_b, k_leaf, v_leaf = a + "kv_b_proj.weight", ("attn", "k_b_proj"), ("attn", "v_b_proj")
+
+    def kv_b_load(read, rows):   # HF [h * (nope + v), r]: per head its key rows, then its value rows
+        w = read(kv_b, None).reshape(h, nope + v, r)
+        return {k_leaf: np.ascontiguousarray(w[:, :nope].transpose(2, 0, 1)),
+                v_leaf: np.ascontiguousarray(w[:, nope:].transpose(2, 0, 1))}
+
+    def kv_b_dump(leaves):
+        both = np.concatenate([leaves[k_leaf].transpose(1, 2, 0), leaves[v_leaf].transpose(1, 2, 0)], axis=1)
+        return {kv_b: np.ascontiguousarray(both.reshape(h * (nope + v), r))}
+
+    if q_rank:
+        groups = [_single(a + "q_a_proj.weight", ("attn", "q_a_proj"), (q_rank, d), _transpose, _transpose),
+                  _single(a + "q_a_layernorm.weight", ("attn", "q_a_norm", "scale"), (q_rank,)),
+                  _single(a + "q_b_proj.weight", ("attn", "q_b_proj"), (h * (nope + rope), q_rank), *query(q_rank))]
+    else:
+        groups = [_single(a + "q_proj.weight", ("attn", "q_proj"), (h * (nope + rope), d), *query(d))]
+    return groups + [
+        _single(a + "kv_a_proj_with_mqa.weight", ("attn", "kv_a_proj"), (r + rope, d),
+                lambda w: np.ascontiguousarray(rope_rows(w, order).T),
+                lambda w: np.ascontiguousarray(rope_rows(w.T, back))),
+        _single(a + "kv_a_layernorm.weight", ("attn", "kv_a_norm", "scale"), (r,)),
+        TensorGroup((k_leaf, v_leaf), {kv_b: (h * (nope + v), r)}, kv_b_load, kv_b_dump),
+        _single(a + "o_proj.weight", ("attn", "o_proj"), (d, h * v),
+                lambda w: np.ascontiguousarray(w.reshape(d, h, v).transpose(1, 2, 0)),
+                lambda w: np.ascontiguousarray(w.transpose(2, 0, 1).reshape(d, h * v))),
+    ]
+
+
+def _attention(cfg: ModelConfig, p: str, rope_interleaved: bool = True) -> list[TensorGroup]:
+    if cfg.mla_kv_rank:
+        return _latent_attention(cfg, p, rope_interleaved)
     d, h, k, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     a = p + "self_attn."
 
@@ -167,7 +218,7 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
         if quantized:
             raise ValueError(f"MXFP4 weights are only defined for gpt_oss's experts, not a dense {cfg.family} MLP")
         return _dense_mlp(cfg, p)
-    if cfg.family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"):
+    if cfg.family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3"):
         if quantized:
             raise ValueError(f"MXFP4 expert weights are only defined for gpt_oss, not {cfg.family}")
         if cfg.family == "mixtral":
@@ -181,11 +232,11 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
             _per_expert(fmt % names[1], ("moe", "w_up"), e, (f, d)),
             _per_expert(fmt % names[2], ("moe", "w_down"), e, (d, f)),
         ]
-        if cfg.router == "sigmoid_topk":   # GLM's selection bias, beside the router's weight
+        if cfg.router == "sigmoid_topk":   # GLM's and DeepSeek's selection bias, beside the router's weight
             groups.append(_single(base + "gate.e_score_correction_bias", ("moe", "score_bias"), (e,)))
-        if cfg.d_ff_shared:   # the shared expert ([out, in] linears): Qwen2-MoE's, GLM's (`shared_experts`)
+        if cfg.d_ff_shared:   # the shared expert ([out, in] linears): Qwen2-MoE's, GLM's and DeepSeek's (`shared_experts`)
             s = cfg.d_ff_shared
-            m = base + ("shared_experts." if cfg.family == "glm4_moe" else "shared_expert.")
+            m = base + ("shared_experts." if cfg.family in ("glm4_moe", "deepseek_v3") else "shared_expert.")
             groups += [_single(m + "gate_proj.weight", ("shared_expert", "w_gate"), (s, d), _transpose, _transpose),
                        _single(m + "up_proj.weight", ("shared_expert", "w_up"), (s, d), _transpose, _transpose),
                        _single(m + "down_proj.weight", ("shared_expert", "w_down"), (d, s), _transpose, _transpose)]
@@ -214,9 +265,11 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
     return groups
 
 
-def layer_groups(cfg: ModelConfig, layer: int, quantized: bool = False) -> list[TensorGroup]:
+def layer_groups(cfg: ModelConfig, layer: int, quantized: bool = False,
+                 rope_interleaved: bool = True) -> list[TensorGroup]:
     """The groups of layer `layer` (HF names `model.layers.{layer}.*`); their leaves live in the
-    stack `models.transformer.layer_slot(cfg, layer)` names."""
+    stack `models.transformer.layer_slot(cfg, layer)` names. rope_interleaved: latent attention's
+    RoPE rows pair adjacent dims in the checkpoint (`_latent_attention`)."""
     p = f"model.layers.{layer}."
     if not cfg.pre_norms:
         # OLMo 2/3's post-norms: its post_attention_layernorm norms the attention's output
@@ -232,7 +285,7 @@ def layer_groups(cfg: ModelConfig, layer: int, quantized: bool = False) -> list[
     else:
         norms = [_single(p + "input_layernorm.weight", ("attn_norm", "scale"), (cfg.d_model,)),
                  _single(p + "post_attention_layernorm.weight", ("mlp_norm", "scale"), (cfg.d_model,))]
-    return [*norms, *_attention(cfg, p), *_experts(cfg, p, quantized, cfg.layer_is_dense(layer))]
+    return [*norms, *_attention(cfg, p, rope_interleaved), *_experts(cfg, p, quantized, cfg.layer_is_dense(layer))]
 
 
 def global_groups(cfg: ModelConfig) -> list[TensorGroup]:
