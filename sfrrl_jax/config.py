@@ -13,7 +13,7 @@ from typing import Iterable, Literal, Sequence
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
 Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text",
                  "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe",
-                 "deepseek_v3"]
+                 "deepseek_v2", "deepseek_v3"]
 RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_topk"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 MlpAct = Literal["silu", "gelu_tanh"]   # the gate's activation of a dense (GLU) MLP
@@ -159,11 +159,14 @@ class ModelConfig:
     # 'sigmoid_topk' (GLM-4.5, DeepSeek-V3) = sigmoid scores, the top k of scores + a per-expert
     # selection bias (param 'score_bias', HF's e_score_correction_bias: it moves the choice only,
     # so it gets no gradient) among the router_topk_groups best of router_groups expert groups (a
-    # group's worth: its two best), weighted by their scores, optionally renormalised, times
-    # router_scale.
+    # group's worth: its two best), weighted by their scores, optionally renormalised.
     router: RouterKind = "softmax_topk"
     norm_topk_prob: bool = True
+    # The chosen experts' weights are multiplied by router_scale (DeepSeek's routed_scaling_factor;
+    # 'softmax_topk' and 'sigmoid_topk'). router_fp32 stores the router's weight in fp32 whatever
+    # param_dtype, as transformers keeps GLM-4.5's and DeepSeek's (`_keep_in_fp32_modules`).
     router_scale: float = 1.0
+    router_fp32: bool = False
     router_groups: int = 1
     router_topk_groups: int = 1
     router_bias: bool = False
@@ -299,7 +302,7 @@ class ModelConfig:
         check_int("ModelConfig.sliding_window", self.sliding_window, 0, optional=True)  # 0: no window
         check_bool_fields(self, ("norm_topk_prob", "router_bias", "expert_bias", "qk_norm", "attention_bias",
                                  "attn_sinks", "rope_truncate", "tie_embeddings", "sandwich_norms",
-                                 "qk_norm_over_heads", "pre_norms", "norm_scale_fp32"))
+                                 "qk_norm_over_heads", "pre_norms", "norm_scale_fp32", "router_fp32"))
         if not (self.pre_norms or self.sandwich_norms):
             raise ValueError("ModelConfig.pre_norms=False needs sandwich_norms=True (a block with no norm at all)")
         if self.qk_norm_over_heads and not self.qk_norm:
@@ -430,8 +433,10 @@ class ModelConfig:
         if self.router_topk_groups > self.router_groups:
             raise ValueError(f"ModelConfig.router_topk_groups={self.router_topk_groups} > router_groups="
                              f"{self.router_groups}")
-        if (self.router_groups > 1 or self.router_scale != 1.0) and self.router != "sigmoid_topk":
-            raise ValueError(f"ModelConfig.router_groups / router_scale are sigmoid_topk's (router={self.router!r})")
+        if self.router_groups > 1 and self.router != "sigmoid_topk":
+            raise ValueError(f"ModelConfig.router_groups is sigmoid_topk's (router={self.router!r})")
+        if self.router_scale != 1.0 and self.router == "topk_softmax":
+            raise ValueError("ModelConfig.router_scale is softmax_topk's and sigmoid_topk's (router='topk_softmax')")
         if self.n_experts and self.router_groups > 1:
             if self.n_experts % self.router_groups:
                 raise ValueError(f"ModelConfig.router_groups={self.router_groups} must divide n_experts="

@@ -49,15 +49,13 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, e, f = cfg.d_model, cfg.n_experts, cfg.d_ff_expert
         self.cfg = cfg
-        # sigmoid_topk (GLM-4.5, DeepSeek-V3): the router's weight and the selection bias are fp32
-        # whatever param_dtype, as HF keeps them (the experts' sigmoid scores differ by less than
-        # bf16 resolves); no gradient reaches the bias
-        sigmoid = cfg.router == "sigmoid_topk"
         self.router = param(rngs, "normal", (d, e), ("embed", "experts_router"), cfg,
-                            jnp.float32 if sigmoid else None)
+                            jnp.float32 if cfg.router_fp32 else None)
         if cfg.router_bias:
             self.router_bias = param(rngs, "zeros", (e,), ("experts_router",), cfg)
-        if sigmoid:
+        if cfg.router == "sigmoid_topk":
+            # the selection bias: no gradient reaches it; fp32 whatever param_dtype, as HF keeps
+            # it (its experts' sigmoid scores differ by less than bf16 resolves)
             self.score_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=("experts_router",))
         self.w_gate = param(rngs, "normal", (e, d, f), ("experts", "embed", "mlp"), cfg)
         self.w_up = param(rngs, "normal", (e, d, f), ("experts", "embed", "mlp"), cfg)
@@ -153,6 +151,8 @@ def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None, replay_
         weights = top_scores
         if cfg.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        if cfg.router_scale != 1.0:   # DeepSeek-V2's routed_scaling_factor
+            weights = weights * cfg.router_scale
     elif cfg.router == "sigmoid_topk":
         weights = top_scores
         if cfg.norm_topk_prob:   # HF's epsilon: sigmoid scores may all be ~0

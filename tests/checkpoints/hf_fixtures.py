@@ -31,6 +31,7 @@ FAMILY_CLASSES = {
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -226,6 +227,17 @@ CONFIGS = {
         first_k_dense_replace=1, num_nextn_predict_layers=0, pad_token_id=0, eos_token_id=1,
         max_position_embeddings=64, rope_interleave=False,
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0})),
+    # DeepSeek-V2-Lite in small: latent attention without a query latent, RoPE as complex pairs,
+    # YaRN with mscale = mscale_all_dim (V2-Lite's 0.707); softmax routing never renormalised,
+    # scaled by 1.6; a dense first layer, a shared expert two experts wide.
+    "deepseek_v2_lite": ("deepseek_v2", dict(
+        vocab_size=79, hidden_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=None, kv_lora_rank=20, qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=8,
+        intermediate_size=36, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=2, routed_scaling_factor=1.6, topk_method="greedy", first_k_dense_replace=1,
+        pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 16})),
 }
 
 

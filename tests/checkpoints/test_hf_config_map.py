@@ -550,3 +550,48 @@ def test_published_deepseek_v3_configs_read_as_transformers_reads_them():
         config_to_hf(moon.replace(query_scale=0.1))
     with pytest.raises(HFConfigError, match="Glm4MoeForCausalLM requires"):
         config_to_hf(moon.replace(family="glm4_moe"))
+
+
+# DeepSeek-V2-Lite's config.json (as published).
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2",
+    "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+    "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+    "num_key_value_heads": 16, "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+    "v_head_dim": 128, "vocab_size": 102400}
+
+
+def test_published_deepseek_v2_lite_config_reads_as_transformers_reads_it():
+    import transformers
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import yarn_apply_mscale
+    cfg = config_from_hf(DEEPSEEK_V2_LITE)
+    theirs = transformers.DeepseekV2Config(**copy.deepcopy(DEEPSEEK_V2_LITE))
+    assert (cfg.family, cfg.n_kv_heads, cfg.head_dim, cfg.mla_q_rank, cfg.mla_kv_rank, cfg.mla_v_dim) == (
+        "deepseek_v2", 1, 576, 0, 512, 128)
+    assert (cfg.router, cfg.norm_topk_prob, cfg.router_scale, cfg.router_fp32, cfg.n_experts, cfg.top_k) == (
+        "softmax_topk", False, 1.0, True, 64, 6)
+    assert (cfg.dense_layers, cfg.d_ff, cfg.d_ff_expert, cfg.d_ff_shared) == ((0,), 10944, 1408, 2816)
+    assert cfg.query_scale == pytest.approx(yarn_apply_mscale(theirs.rope_parameters, 192 ** -0.5), rel=1e-12)
+    assert cfg.rope_attention_factor == 1.0   # mscale / mscale_all_dim
+    exported = config_to_hf(cfg)
+    assert config_from_hf(exported) == cfg
+    back = transformers.DeepseekV2Config(**copy.deepcopy(exported))
+    assert (back.topk_method, back.routed_scaling_factor, back.q_lora_rank, back.first_k_dense_replace) == (
+        "greedy", 1.0, None, 1)
+    assert yarn_apply_mscale(back.rope_parameters, 192 ** -0.5) == pytest.approx(cfg.query_scale, rel=1e-12)
+    # DeepSeek-V2 / V2.5 (236B): group-limited routing, refused by name
+    with pytest.raises(HFConfigError, match="topk_method='group_limited_greedy' is not supported"):
+        config_from_hf({**DEEPSEEK_V2_LITE, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3})
+    with pytest.raises(HFConfigError, match="DeepseekV2ForCausalLM requires"):
+        config_to_hf(cfg.replace(norm_topk_prob=True))
+    with pytest.raises(HFConfigError, match="DeepseekV3ForCausalLM requires"):
+        config_to_hf(cfg.replace(family="deepseek_v3"))

@@ -61,7 +61,8 @@ def test_params_land_in_their_target_shardings(loaded, mesh):
         assert set(loaded["params"]["layers"]) >= {"mlp"} and "moe" not in loaded["params"]["layers"]
     cfg, hf_layers = loaded["cfg"], loaded["model"].model.layers
     dense = tuple(i for i, layer in enumerate(hf_layers)
-                  if type(layer.mlp).__name__ in ("Qwen3MoeMLP", "Qwen2MoeMLP", "Glm4MoeMLP", "DeepseekV3MLP"))
+                  if type(layer.mlp).__name__ in ("Qwen3MoeMLP", "Qwen2MoeMLP", "Glm4MoeMLP", "DeepseekV3MLP",
+                                                 "DeepseekV2MLP"))
     # mlp_only_layers / decoder_sparse_step / first_k_dense_replace read as transformers does
     assert cfg.dense_layers == dense
     if dense:  # a mixed stack: the dense layers' MLPs alone under 'dense_layers', in layer order
@@ -143,26 +144,29 @@ def test_bfloat16_load_and_roundtrip(tmp_path, mesh):
         np.testing.assert_array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
 
 
-@pytest.mark.parametrize("fixture", ["glm4_moe_groups", "deepseek_v3_mla"])
-def test_sigmoid_router_stays_fp32_in_a_bfloat16_model_both_ways(tmp_path, mesh, fixture):
-    """GLM's and DeepSeek's router weight and e_score_correction_bias, which transformers keeps in
-    fp32 (`_keep_in_fp32_modules_strict`): a bf16 load keeps them exact (the sigmoid scores the
-    bias shifts differ by less than bf16 resolves) and exports them as F32; the rest is bf16."""
+@pytest.mark.parametrize("fixture", ["glm4_moe_groups", "deepseek_v3_mla", "deepseek_v2_lite"])
+def test_router_stays_fp32_in_a_bfloat16_model_both_ways(tmp_path, mesh, fixture):
+    """GLM's and DeepSeek's router weight and (sigmoid routing's) e_score_correction_bias, which
+    transformers keeps in fp32 (`_keep_in_fp32_modules_strict`): a bf16 load keeps them exact (the
+    sigmoid scores the bias shifts differ by less than bf16 resolves) and exports them as F32;
+    the rest is bf16."""
     from safetensors import safe_open
     model = F.build_model(fixture, seed=2)
     directory = F.save_model(model, tmp_path / "hf")
     cfg, params = load_hf(directory, mesh, dtype="bfloat16")
-    moe = params["layers"]["moe"]
-    assert moe["score_bias"].dtype == moe["router"].dtype == np.float32 and moe["w_up"].dtype == np.dtype("bfloat16")
-    gate = model.model.layers[1].mlp.gate
-    np.testing.assert_array_equal(np.asarray(moe["score_bias"][0]), gate.e_score_correction_bias.numpy())
-    np.testing.assert_array_equal(np.asarray(moe["router"][0]), gate.weight.detach().numpy().T)
+    moe, gate = params["layers"]["moe"], model.model.layers[1].mlp.gate
+    assert cfg.router_fp32 and moe["w_up"].dtype == np.dtype("bfloat16")
+    kept = {"model.layers.1.mlp.gate.weight": (moe["router"], gate.weight.detach().numpy().T)}
+    if cfg.router == "sigmoid_topk":
+        kept["model.layers.1.mlp.gate.e_score_correction_bias"] = (moe["score_bias"], gate.e_score_correction_bias.numpy())
+    for ours, theirs in kept.values():
+        assert ours.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(ours[0]), theirs)
     out = save_hf(cfg, params, tmp_path / "bf16")
     with safe_open(str(out / "model.safetensors"), "np") as f:
-        for name, ours in (("model.layers.1.mlp.gate.e_score_correction_bias", moe["score_bias"][0]),
-                           ("model.layers.1.mlp.gate.weight", moe["router"][0].T)):
+        for name, (ours, _) in kept.items():
             assert f.get_slice(name).get_dtype() == "F32"
-            np.testing.assert_array_equal(f.get_tensor(name), np.asarray(ours))
+            np.testing.assert_array_equal(f.get_tensor(name), np.asarray(ours[0]).T if ours.ndim == 3 else ours[0])
         assert f.get_slice("model.layers.1.mlp.experts.0.up_proj.weight").get_dtype() == "BF16"
 
 

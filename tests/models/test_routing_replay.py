@@ -31,7 +31,7 @@ def _reference_weights(cfg, x, router, ids):
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         w = np.take_along_axis(probs, ids, axis=-1)
-        return w / w.sum(-1, keepdims=True) if cfg.norm_topk_prob else w
+        return (w / w.sum(-1, keepdims=True) if cfg.norm_topk_prob else w) * cfg.router_scale
     top = np.take_along_axis(logits, ids, axis=-1)
     e = np.exp(top - top.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)

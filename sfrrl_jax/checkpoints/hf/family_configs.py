@@ -202,24 +202,29 @@ def smollm3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConf
                        layer_types=layer_types)
 
 
-def _grouped_sigmoid_moe(hf: Mapping[str, Any], n_layers: int, where: str) -> dict:
-    """The MoE of GLM-4.5 and DeepSeek-V3 (one rule): the first `first_k_dense_replace` layers
-    dense (intermediate_size wide), the others routed by sigmoid scores with a selection bias
-    among `topk_group` of `n_group` groups, optionally renormalised, scaled by
-    `routed_scaling_factor`, plus an ungated shared expert of `n_shared_experts` x
-    moe_intermediate_size."""
+def _deepseek_moe(hf: Mapping[str, Any], n_layers: int, where: str, first_dense_default: int,
+                  shared_default: int) -> dict:
+    """DeepSeek's MoE layout, GLM-4.5's too: the first `first_k_dense_replace` layers dense
+    (intermediate_size wide), the others `n_routed_experts` experts plus an ungated shared expert
+    of `n_shared_experts` x moe_intermediate_size (the defaults: their config classes')."""
     require(hf, "hidden_act", ("silu",), where)
-    shared = int_of(hf, "n_shared_experts", where, 1, lo=0)
-    first_dense = int_of(hf, "first_k_dense_replace", where, 1, lo=0)
+    first_dense = int_of(hf, "first_k_dense_replace", where, first_dense_default, lo=0)
     if first_dense >= n_layers:
         raise HFConfigError(f"{where}: first_k_dense_replace={first_dense} leaves no MoE layer among the {n_layers}")
     d_ff_expert = int_of(hf, "moe_intermediate_size", where)
-    return dict(n_experts=int_of(hf, "n_routed_experts", where), d_ff_expert=d_ff_expert, router="sigmoid_topk",
+    return dict(n_experts=int_of(hf, "n_routed_experts", where), d_ff_expert=d_ff_expert,
+                d_ff_shared=int_of(hf, "n_shared_experts", where, shared_default, lo=0) * d_ff_expert,
+                dense_layers=tuple(range(first_dense)), d_ff=int_of(hf, "intermediate_size", where) if first_dense else 0)
+
+
+def _grouped_sigmoid_moe(hf: Mapping[str, Any], n_layers: int, where: str) -> dict:
+    """The MoE of GLM-4.5 and DeepSeek-V3 (one rule): `_deepseek_moe`'s layers, routed by sigmoid
+    scores with a selection bias among `topk_group` of `n_group` groups, optionally renormalised,
+    scaled by `routed_scaling_factor`; the router kept in fp32, as transformers keeps it."""
+    return dict(_deepseek_moe(hf, n_layers, where, 1, 1), router="sigmoid_topk", router_fp32=True,
                 norm_topk_prob=bool_of(hf, "norm_topk_prob", where, True),
                 router_scale=float_of(hf, "routed_scaling_factor", where, 1.0),
-                router_groups=int_of(hf, "n_group", where, 1), router_topk_groups=int_of(hf, "topk_group", where, 1),
-                d_ff_shared=shared * d_ff_expert, dense_layers=tuple(range(first_dense)),
-                d_ff=int_of(hf, "intermediate_size", where) if first_dense else 0)
+                router_groups=int_of(hf, "n_group", where, 1), router_topk_groups=int_of(hf, "topk_group", where, 1))
 
 
 def _checked(where: str, **fields) -> ModelConfig:
@@ -248,29 +253,24 @@ def glm4_moe_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelCon
                     **_grouped_sigmoid_moe(hf, common["n_layers"], where))
 
 
-def deepseek_v3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
-    """DeepSeek-V3 / R1, Kimi K2, Moonlight (DeepseekV3ForCausalLM): multi-head latent attention
-    (`q_lora_rank`, null for none; `kv_lora_rank`; `qk_nope_head_dim`, `qk_rope_head_dim`,
-    `v_head_dim`), cached as one KV head of kv_lora_rank + qk_rope_head_dim dims, with the scores
+def _latent_attention_fields(hf: Mapping[str, Any], where: str) -> dict:
+    """DeepSeek-V2/V3's multi-head latent attention as ModelConfig fields: `q_lora_rank` (null:
+    none), `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, cached as one KV
+    head of kv_lora_rank + qk_rope_head_dim dims; RoPE as `rope_of` reads it, and the scores
     scaled by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times YaRN's mscale(factor,
-    mscale_all_dim)^2 where the rope parameters give one, as transformers does; the MoE of
-    `_grouped_sigmoid_moe`. `rope_interleave` is the checkpoint's layout (the loader's concern).
-    Multi-token-prediction layers (past num_hidden_layers) are not read; FP8-quantised weights are
-    refused (dequantise them to bf16 first)."""
+    mscale_all_dim)^2 where the rope parameters give one, as transformers does. FP8-quantised
+    weights, biases and other routers' scoring are refused by name."""
     quant = hf.get("quantization_config")
     if quant:
         method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
         raise HFConfigError(f"{where}: quantization_config (quant_method={method!r}) is not supported: load a "
                             "checkpoint with bf16 or fp32 weights (DeepSeek's FP8 blocks dequantised)")
-    require(hf, "scoring_func", ("sigmoid",), where)
-    require(hf, "topk_method", ("noaux_tc",), where)
     require(hf, "moe_layer_freq", (1,), where)
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise HFConfigError(f"{where}: {flag}=True is not supported with latent attention (no biases)")
     nope, rope_dims = int_of(hf, "qk_nope_head_dim", where), int_of(hf, "qk_rope_head_dim", where)
     kv_rank = int_of(hf, "kv_lora_rank", where)
-    q_rank = 0 if hf.get("q_lora_rank") is None else int_of(hf, "q_lora_rank", where)
     rope = rope_of(hf, where, 10000.0)
     field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     all_dim = (hf.get(field) or {}).get("mscale_all_dim")
@@ -280,7 +280,31 @@ def deepseek_v3_config(hf: Mapping[str, Any], common: dict, where: str) -> Model
         m = 0.1 * float_of({"mscale_all_dim": all_dim}, "mscale_all_dim", where) * math.log(factor) + 1.0 \
             if factor > 1 else 1.0
         query_scale = (nope + rope_dims) ** -0.5 * m * m
-    return _checked(where, **{**common, "n_kv_heads": 1, "head_dim": kv_rank + rope_dims, "attention_bias": False},
-                    **rope, query_scale=query_scale, mla_kv_rank=kv_rank, mla_q_rank=q_rank, mla_nope_dim=nope,
-                    mla_rope_dim=rope_dims, mla_v_dim=int_of(hf, "v_head_dim", where),
+    return dict(rope, n_kv_heads=1, head_dim=kv_rank + rope_dims, attention_bias=False, query_scale=query_scale,
+                mla_kv_rank=kv_rank, mla_q_rank=0 if hf.get("q_lora_rank") is None else int_of(hf, "q_lora_rank", where),
+                mla_nope_dim=nope, mla_rope_dim=rope_dims, mla_v_dim=int_of(hf, "v_head_dim", where))
+
+
+def deepseek_v3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """DeepSeek-V3 / R1, Kimi K2, Moonlight (DeepseekV3ForCausalLM): latent attention
+    (`_latent_attention_fields`; `rope_interleave` is the checkpoint's layout, the loader's
+    concern) and the MoE of `_grouped_sigmoid_moe`. Multi-token-prediction layers (past num_hidden_layers) are not read."""
+    require(hf, "scoring_func", ("sigmoid",), where)
+    require(hf, "topk_method", ("noaux_tc",), where)
+    return _checked(where, **{**common, **_latent_attention_fields(hf, where)},
                     **_grouped_sigmoid_moe(hf, common["n_layers"], where))
+
+
+def deepseek_v2_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """DeepSeek-V2-Lite / V2 / V2.5 (DeepseekV2ForCausalLM): latent attention with RoPE on adjacent
+    pairs (`_latent_attention_fields`), the first `first_k_dense_replace` layers dense, the others
+    routed by softmax then top-k (`topk_method='greedy'`; 'group_limited_greedy' is refused),
+    never renormalised (transformers ignores norm_topk_prob here), times `routed_scaling_factor`,
+    plus an ungated shared expert of `n_shared_experts` x moe_intermediate_size; the router in
+    fp32 as transformers keeps it."""
+    require(hf, "scoring_func", ("softmax",), where)
+    require(hf, "topk_method", ("greedy",), where)
+    return _checked(where, **{**common, **_latent_attention_fields(hf, where)}, router="softmax_topk",
+                    router_fp32=True, norm_topk_prob=False,
+                    router_scale=float_of(hf, "routed_scaling_factor", where, 1.0),
+                    **_deepseek_moe(hf, common["n_layers"], where, 0, 2))

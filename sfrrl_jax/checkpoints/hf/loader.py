@@ -208,7 +208,7 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
     """Reads an HF directory (`config.json` + safetensors shards) into sharded params on `mesh`.
 
     Families: qwen3_moe, qwen2_moe, gpt_oss (dense or MXFP4 experts, dequantised on load), mixtral,
-    olmoe, glm4_moe, deepseek_v3 (latent attention), and the dense llama, mistral, qwen2, qwen3, gemma3_text (also the language
+    olmoe, glm4_moe, deepseek_v2 / deepseek_v3 (latent attention), and the dense llama, mistral, qwen2, qwen3, gemma3_text (also the language
     model of a multimodal gemma3), phi3, granite, olmo2, olmo3 and smollm3
     (`hf_config.SUPPORTED_FAMILIES`).
     dtype: param (and compute) dtype; default the config's `dtype`/`torch_dtype`, else float32.
@@ -227,7 +227,8 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
         files = _LanguageModelFiles(files)
     quantized = is_mxfp4(files.tensors)
     # DeepSeek's RoPE rows pair adjacent dims unless config.json says otherwise (tensor_map)
-    interleaved = bool_of(hf, "rope_interleave", str(path / "config.json"), True)
+    # (DeepSeek-V2's always do: transformers rotates them as complex pairs)
+    interleaved = cfg.family == "deepseek_v2" or bool_of(hf, "rope_interleave", str(path / "config.json"), True)
     per_layer = [layer_groups(cfg, layer, quantized, interleaved) for layer in range(cfg.n_layers)]
     glob = global_groups(cfg)
     validate_tensors(files, [g for gs in per_layer for g in gs] + glob, cfg)

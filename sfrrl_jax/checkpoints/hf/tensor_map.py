@@ -218,7 +218,7 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
         if quantized:
             raise ValueError(f"MXFP4 weights are only defined for gpt_oss's experts, not a dense {cfg.family} MLP")
         return _dense_mlp(cfg, p)
-    if cfg.family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3"):
+    if cfg.family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"):
         if quantized:
             raise ValueError(f"MXFP4 expert weights are only defined for gpt_oss, not {cfg.family}")
         if cfg.family == "mixtral":
@@ -236,7 +236,7 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
             groups.append(_single(base + "gate.e_score_correction_bias", ("moe", "score_bias"), (e,)))
         if cfg.d_ff_shared:   # the shared expert ([out, in] linears): Qwen2-MoE's, GLM's and DeepSeek's (`shared_experts`)
             s = cfg.d_ff_shared
-            m = base + ("shared_experts." if cfg.family in ("glm4_moe", "deepseek_v3") else "shared_expert.")
+            m = base + ("shared_expert." if cfg.family == "qwen2_moe" else "shared_experts.")
             groups += [_single(m + "gate_proj.weight", ("shared_expert", "w_gate"), (s, d), _transpose, _transpose),
                        _single(m + "up_proj.weight", ("shared_expert", "w_up"), (s, d), _transpose, _transpose),
                        _single(m + "down_proj.weight", ("shared_expert", "w_down"), (d, s), _transpose, _transpose)]
