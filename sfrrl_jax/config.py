@@ -460,6 +460,12 @@ class ModelConfig:
         return self.mla_rope_dim if self.mla_kv_rank else int(self.head_dim * self.rope_partial_factor)
 
     @property
+    def value_cache_dim(self) -> int:
+        """The width of the engine's value cache: head_dim, or 0 with latent attention, whose
+        values are its cached keys ([latent, RoPE key]: one array holds both)."""
+        return 0 if self.mla_kv_rank else self.head_dim
+
+    @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
 

@@ -30,7 +30,8 @@ def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len
            with_routes: bool = False, k_len: int | None = None, logits_at=None, slots=None):
     """Runs `tokens` [b, t] at positions starts[:, None] + 0..t-1 against cache rows.
 
-    cache_k, cache_v: [layers, b, max_len, kv_heads, head_dim] (the rows of the slots involved),
+    cache_k, cache_v: [layers, b, max_len, kv_heads, head_dim] (the rows of the slots involved;
+    cache_v cfg.value_cache_dim wide: empty with latent attention, whose values are cache_k),
     or with `slots` [b] int32 the whole caches [layers, slots, max_len, ...], row i of the batch
     being cache row slots[i]: written in place, each layer's row read by a select and a sum
     over the slot axis (that axis is split over devices, and XLA partitions a gather or dynamic
@@ -149,6 +150,9 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
     k_valid = k_pos < valid_len[:, None]
     ones_q = jnp.ones((b, t), jnp.int32)
     core = _cache_attention(cfg, t, positions, k_pos, ones_q, k_valid)
+    # latent attention's values are its keys ([latent, RoPE key], `models.mla`): the value cache
+    # is empty (cfg.value_cache_dim 0) and the key cache serves both
+    shared = cfg.value_cache_dim == 0
     x = constrain(model.embed(tokens), ("batch", "seq", "embed"))
 
     def body(block, carry, window, layer, rope):
@@ -157,12 +161,14 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
         h = block.attn_input(x)
         q, k, v = block.attn.project_qkv(h, positions, window, rope)
         ck_all = write(ck_all, layer, positions, k)
-        cv_all = write(cv_all, layer, positions, v)
+        if not shared:
+            cv_all = write(cv_all, layer, positions, v)
         if attend_cache is not None:
-            att = attend_cache(ck_all, cv_all, layer, positions, q, k, v, window, block.attn.sink_logits())
+            att = attend_cache(ck_all, ck_all if shared else cv_all, layer, positions, q, k, v, window,
+                               block.attn.sink_logits())
         else:
             ck = read(ck_all, layer, positions, k).astype(q.dtype)
-            cv = read(cv_all, layer, positions, v).astype(q.dtype)
+            cv = ck if shared else read(cv_all, layer, positions, v).astype(q.dtype)
             att = core(q, ck, cv, window, block.attn.sink_logits())
         x = x + block.attn_residual(block.attn.output(att))
         y, metrics = block.ffn(block.ffn_input(x), with_ids=with_routes)

@@ -77,9 +77,7 @@ class PagedEngineSteps(EngineSteps):
         self.kind_scratch = np.asarray(paging.pool_pages or (paging.num_pages,), np.int32)
         self.overlay = any(w > 0 for w in paging.windows)
         super().__init__(cfg, mesh, max_slots, max_len, buckets, cache_dtype, record_routes, decode_buckets)
-        shape = (units, paging.page_size, cfg.n_kv_heads, cfg.head_dim)
-        self.cache_shape = shape
-        self.cache_sharding = sharding_for(mesh, PAGE_POOL_AXES, shape)
+        self._set_cache_shapes((units, paging.page_size, cfg.n_kv_heads, cfg.head_dim), PAGE_POOL_AXES)
         self.table_shape = (max_slots, len(self.kind_scratch), self.pages_per_slot)
         self.table_sharding = sharding_for(mesh, ("slots", None, None), self.table_shape)
         # rebuilt with the pool's shapes (the base class built it for the dense layout)
@@ -92,7 +90,8 @@ class PagedEngineSteps(EngineSteps):
     def bytes_per_token(self) -> int:
         """KV-cache bytes one token of one sequence takes in a full-attention layout (keys and
         values, every layer); a window layer holds at most its window's pages of a sequence."""
-        return 2 * self.cfg.n_layers * self.cfg.n_kv_heads * self.cfg.head_dim * self.cache_dtype.itemsize
+        cfg = self.cfg
+        return cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + cfg.value_cache_dim) * self.cache_dtype.itemsize
 
     def upload_table(self, table: np.ndarray) -> jax.Array:
         """The host page table [max_slots, kinds, pages_per_slot] as the state's `page_table`."""

@@ -78,7 +78,8 @@ class DecodeState:
     """All slots' decoding state. Dense cache: cache_k/v [layers, slots, max_len, kv_heads,
     head_dim], page_table None. Paged (`engine.paged`): cache_k/v [units, page_size, kv_heads,
     head_dim] (every layer's pages and scratch page) and page_table [slots, kinds,
-    pages_per_slot] int32."""
+    pages_per_slot] int32. cache_v's last dim is cfg.value_cache_dim: 0 with latent attention,
+    whose values are read from cache_k."""
 
     cache_k: jax.Array
     cache_v: jax.Array
@@ -142,10 +143,8 @@ class EngineSteps:
             self.buckets += (max_len,)
         self.decode_buckets = _check_decode_buckets(decode_buckets, max_len)
         self.cache_dtype = jnp.dtype(cache_dtype or cfg.compute_dtype)
-        shape = (cfg.n_layers, max_slots, max_len, cfg.n_kv_heads, cfg.head_dim)
-        self.cache_sharding = sharding_for(mesh, CACHE_AXES, shape)
+        self._set_cache_shapes((cfg.n_layers, max_slots, max_len, cfg.n_kv_heads, cfg.head_dim), CACHE_AXES)
         self.slot_sharding = sharding_for(mesh, ("slots",), (max_slots,))
-        self.cache_shape = shape
         self._init = jax.jit(self._init_impl, out_shardings=self._state_shardings())
         self._prefill = jax.jit(self._prefill_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
@@ -154,9 +153,17 @@ class EngineSteps:
         self._append = jax.jit(self._append_impl, donate_argnums=(1,))
         self._free = jax.jit(self._free_impl, donate_argnums=(0,))
 
+    def _set_cache_shapes(self, shape, axes) -> None:
+        """The key cache's shape and sharding (`axes` its logical names), and the value cache's:
+        the same but cfg.value_cache_dim wide (0 with latent attention, which reads its values
+        from the keys' cache)."""
+        self.cache_shape, self.cache_sharding = shape, sharding_for(self.mesh, axes, shape)
+        self.value_cache_shape = shape[:-1] + (self.cfg.value_cache_dim,)
+        self.value_cache_sharding = sharding_for(self.mesh, axes, self.value_cache_shape)
+
     # -- sizes ----------------------------------------------------------------------------------
     def cache_bytes(self) -> int:
-        return 2 * int(np.prod(self.cache_shape)) * self.cache_dtype.itemsize
+        return (int(np.prod(self.cache_shape)) + int(np.prod(self.value_cache_shape))) * self.cache_dtype.itemsize
 
     def bucket_for(self, n: int) -> int:
         if n < 1:
@@ -249,7 +256,7 @@ class EngineSteps:
             sampling=SamplingParams(temperature=s, top_k=s, top_p=s, seed=s), max_new=s,
             stop_ids=sharding_for(self.mesh, ("slots", None), (self.max_slots, MAX_STOP_IDS)),
         )
-        return DecodeState(cache_k=self.cache_sharding, cache_v=self.cache_sharding, lengths=s,
+        return DecodeState(cache_k=self.cache_sharding, cache_v=self.value_cache_sharding, lengths=s,
                            last_token=s, generated=s, draws=s, active=s, request=req)
 
     def _init_impl(self):
@@ -257,7 +264,7 @@ class EngineSteps:
         zeros = jnp.zeros((n,), jnp.int32)
         return DecodeState(
             cache_k=jnp.zeros(self.cache_shape, self.cache_dtype),
-            cache_v=jnp.zeros(self.cache_shape, self.cache_dtype),
+            cache_v=jnp.zeros(self.value_cache_shape, self.cache_dtype),
             lengths=zeros, last_token=zeros, generated=zeros, draws=zeros,
             active=jnp.zeros((n,), bool),
             request=_expand(SlotRequest.make(), n),
@@ -270,11 +277,14 @@ class EngineSteps:
 
     def _prefill_rows(self, params, tokens, true_lengths, request):
         """Prefill of tokens [n, t] (true_lengths [n], request fields [n, ...]) from an empty
-        cache: (cache_k, cache_v [layers, n, t, kv_heads, head_dim], first ResultTokens [n])."""
+        cache: (cache_k [layers, n, t, kv_heads, head_dim], cache_v (cfg.value_cache_dim wide), first
+        ResultTokens [n])."""
         n, t = tokens.shape
-        ck = jnp.zeros((self.cfg.n_layers, n, t, self.cfg.n_kv_heads, self.cfg.head_dim), self.cache_dtype)
-        logits, ck, cv, *routes = extend(self.cfg, params, tokens, jnp.zeros((n,), jnp.int32), ck,
-                                         jnp.zeros_like(ck), true_lengths, self.record_routes,
+        cfg = self.cfg
+        ck = jnp.zeros((cfg.n_layers, n, t, cfg.n_kv_heads, cfg.head_dim), self.cache_dtype)
+        cv = jnp.zeros(ck.shape[:-1] + (cfg.value_cache_dim,), self.cache_dtype)
+        logits, ck, cv, *routes = extend(cfg, params, tokens, jnp.zeros((n,), jnp.int32), ck,
+                                         cv, true_lengths, self.record_routes,
                                          logits_at=true_lengths - 1)
         tok, lp, raw = sample(logits[:, 0], request.sampling, jnp.zeros((n,), jnp.int32))
         done = _finish(request, tok, 1, true_lengths, self.max_len)

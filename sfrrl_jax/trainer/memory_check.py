@@ -35,16 +35,17 @@ def rollout_resident_bytes(engine_steps, train_step, params, early_group_buffers
                            per_device: bool = True) -> dict[str, int]:
     """name -> bytes held in device memory throughout a rollout (see the module docstring).
 
-    engine_steps: the engine's `EngineSteps` (its `cache_shape` / `cache_sharding`); train_step:
+    engine_steps: the engine's `EngineSteps` (its key and value caches' shapes and shardings); train_step:
     a `learner.TrainStep`; early_group_buffers: float32 param-shaped buffers of early-sample
     groups (`TrainerConfig.early_groups` x 2 or 3)."""
-    cache = jax.ShapeDtypeStruct(engine_steps.cache_shape, engine_steps.cache_dtype,
-                                 sharding=engine_steps.cache_sharding)
+    cache = [jax.ShapeDtypeStruct(shape, engine_steps.cache_dtype, sharding=sharding)   # keys, values
+             for shape, sharding in ((engine_steps.cache_shape, engine_steps.cache_sharding),
+                                     (engine_steps.value_cache_shape, engine_steps.value_cache_sharding))]
     f32_like_params = jax.tree.map(
         lambda p: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=getattr(p, "sharding", None)), params)
     sums = tree_bytes(f32_like_params, per_device)
     parts = {
-        "KV cache": 2 * tree_bytes(cache, per_device),
+        "KV cache": tree_bytes(cache, per_device),
         "params": tree_bytes(params, per_device),
         "optimizer state": tree_bytes(train_step.abstract_opt_state(params), per_device),
         "gradient sums": 0 if train_step.offloads_accumulator else sums,
