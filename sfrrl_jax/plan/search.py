@@ -5,7 +5,8 @@
     print(search_markdown(results, model_cfg, n_devices, plan_cfg))
 
 Candidates: every mesh data x expert x context x tensor = N (expert dividing n_experts, tensor
-dividing n_kv_heads: a tensor split the KV heads cannot take leaves attention replicated), every
+dividing n_kv_heads: a tensor split the KV heads cannot take leaves attention replicated; with
+latent attention, whose cache is one head, n_heads), every
 remat policy of `SearchSpace.remats`, every micro-batch row count of `SearchSpace.rows` (default:
 1, 2, 4, ... up to the trainer's micro-batch rows), at the trainer's length.
 
@@ -97,7 +98,9 @@ def meshes(cfg: ModelConfig, n: int):
         if n % (d * e * c):
             continue
         t = n // (d * e * c)
-        if cfg.n_experts % e == 0 and cfg.n_kv_heads % t == 0:
+        # latent attention's heads split over tensor whatever its one cached KV head does
+        heads = cfg.n_heads if cfg.mla_kv_rank else cfg.n_kv_heads
+        if cfg.n_experts % e == 0 and heads % t == 0:
             yield (d, e, c, t)
 
 

@@ -164,3 +164,14 @@ def test_swapped_cache_and_offloaded_sums_leave_their_phases():
         assert s[name].peak < b[name].peak
     text = swapped.to_markdown()
     assert "swapped to pinned_host during micro-steps" in text and "**gradient sums** pinned_host" in text
+
+
+def test_search_splits_latent_attention_heads_over_tensor():
+    """A latent-attention model caches one KV head, but its n_heads query / value heads split over
+    `tensor`: the search offers tensor splits dividing n_heads, as for MHA."""
+    from sfrrl_jax.plan.search import meshes
+    mla = ModelConfig.preset("tiny-moe", family="deepseek_v3", router="sigmoid_topk", qk_norm=False, n_kv_heads=1,
+                             head_dim=32, mla_kv_rank=24, mla_rope_dim=8, mla_nope_dim=12, mla_v_dim=10)
+    assert {t for *_, t in meshes(mla, 8)} == {1, 2, 4}          # n_heads = 4
+    assert {t for *_, t in meshes(mla.replace(mla_kv_rank=0, mla_rope_dim=0, mla_nope_dim=0, mla_v_dim=0,
+                                              head_dim=16), 8)} == {1}   # one KV head of plain attention
