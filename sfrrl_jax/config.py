@@ -13,7 +13,7 @@ from typing import Iterable, Literal, Sequence
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
 Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text",
                  "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe",
-                 "deepseek_v2", "deepseek_v3"]
+                 "deepseek_v2", "deepseek_v3", "glm4_moe_lite"]
 RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_topk"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 MlpAct = Literal["silu", "gelu_tanh"]   # the gate's activation of a dense (GLU) MLP

@@ -32,6 +32,7 @@ FAMILY_CLASSES = {
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+    "glm4_moe_lite": (transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -238,6 +239,16 @@ CONFIGS = {
         pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
                          "mscale_all_dim": 0.707, "original_max_position_embeddings": 16})),
+    # GLM-4.7-Flash in small: DeepSeek-V3's latent attention (a query latent, values wider than
+    # the key's nope dims, interleaved RoPE) and GLM's MoE, its dense layers named per layer: the
+    # second and the fourth, not a leading run.
+    "glm4_moe_lite_types": ("glm4_moe_lite", dict(
+        vocab_size=87, hidden_size=40, num_hidden_layers=4, num_attention_heads=5, num_key_value_heads=5,
+        q_lora_rank=16, kv_lora_rank=18, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=14,
+        intermediate_size=30, moe_intermediate_size=10, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True,
+        mlp_layer_types=["sparse", "dense", "sparse", "dense"], pad_token_id=0, eos_token_id=1,
+        max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }
 
 

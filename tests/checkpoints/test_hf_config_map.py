@@ -463,6 +463,8 @@ def test_published_glm45_air_config_reads_as_transformers_reads_it():
             config_from_hf({**GLM45_AIR, **changes})
     with pytest.raises(HFConfigError, match="dense layers are the first k"):
         config_to_hf(cfg.replace(dense_layers=(1,)))
+    with pytest.raises(HFConfigError, match="shared expert is a multiple of d_ff_expert wide"):
+        config_to_hf(cfg.replace(d_ff_shared=1000))
     with pytest.raises(HFConfigError, match="Qwen3MoeForCausalLM requires"):
         config_to_hf(cfg.replace(family="qwen3_moe"))
 
@@ -595,3 +597,40 @@ def test_published_deepseek_v2_lite_config_reads_as_transformers_reads_it():
         config_to_hf(cfg.replace(norm_topk_prob=True))
     with pytest.raises(HFConfigError, match="DeepseekV3ForCausalLM requires"):
         config_to_hf(cfg.replace(family="deepseek_v3"))
+
+
+# GLM-4.7-Flash's config.json (the architecture's fields; MTP layer, first_k_dense_replace unread).
+GLM47_FLASH = {
+    "architectures": ["Glm4MoeLiteForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "dtype": "bfloat16", "eos_token_id": [154820, 154827, 154829], "first_k_dense_replace": 1, "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 10240, "kv_lora_rank": 512, "max_position_embeddings": 202752,
+    "model_type": "glm4_moe_lite", "moe_intermediate_size": 1536, "n_group": 1, "n_routed_experts": 64,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 20, "num_experts_per_tok": 4,
+    "num_hidden_layers": 47, "num_key_value_heads": 20, "num_nextn_predict_layers": 1, "pad_token_id": 154820,
+    "partial_rotary_factor": 1.0, "q_lora_rank": 768, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000, "routed_scaling_factor": 1.8,
+    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "v_head_dim": 256,
+    "vocab_size": 154880}
+
+
+def test_published_glm47_flash_config_reads_as_transformers_reads_it():
+    import transformers
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    cfg = config_from_hf(GLM47_FLASH)
+    theirs = transformers.Glm4MoeLiteConfig(**copy.deepcopy(GLM47_FLASH))
+    assert (cfg.family, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mla_q_rank, cfg.mla_v_dim) == (
+        "glm4_moe_lite", 20, 1, 576, 768, 256)
+    assert cfg.dense_layers == tuple(i for i, t in enumerate(theirs.mlp_layer_types) if t == "dense") == (0,)
+    assert (cfg.router, cfg.router_scale, cfg.router_fp32, cfg.top_k, cfg.d_ff_shared, cfg.query_scale) == (
+        "sigmoid_topk", 1.8, True, 4, 1536, None)
+    exported = config_to_hf(cfg)
+    assert config_from_hf(exported) == cfg
+    assert transformers.Glm4MoeLiteConfig(**copy.deepcopy(exported)).mlp_layer_types == theirs.mlp_layer_types
+    spread = config_from_hf({**GLM47_FLASH, "mlp_layer_types": ["dense", "sparse"] * 23 + ["dense"]})
+    assert spread.dense_layers == tuple(range(0, 47, 2)) and config_from_hf(config_to_hf(spread)) == spread
+    for changes, message in (({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
+                             ({"mlp_layer_types": ["dense"] * 47}, "at least one 'sparse'"),
+                             ({"mlp_layer_types": ["sparse"] * 46}, "each of the 47 layers"),
+                             ({"topk_method": "greedy"}, "topk_method='greedy'")):
+        with pytest.raises(HFConfigError, match=message):
+            config_from_hf({**GLM47_FLASH, **changes})

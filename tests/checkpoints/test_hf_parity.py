@@ -62,7 +62,7 @@ def test_params_land_in_their_target_shardings(loaded, mesh):
     cfg, hf_layers = loaded["cfg"], loaded["model"].model.layers
     dense = tuple(i for i, layer in enumerate(hf_layers)
                   if type(layer.mlp).__name__ in ("Qwen3MoeMLP", "Qwen2MoeMLP", "Glm4MoeMLP", "DeepseekV3MLP",
-                                                 "DeepseekV2MLP"))
+                                                 "DeepseekV2MLP", "Glm4MoeLiteMLP"))
     # mlp_only_layers / decoder_sparse_step / first_k_dense_replace read as transformers does
     assert cfg.dense_layers == dense
     if dense:  # a mixed stack: the dense layers' MLPs alone under 'dense_layers', in layer order

@@ -308,3 +308,28 @@ def deepseek_v2_config(hf: Mapping[str, Any], common: dict, where: str) -> Model
                     router_fp32=True, norm_topk_prob=False,
                     router_scale=float_of(hf, "routed_scaling_factor", where, 1.0),
                     **_deepseek_moe(hf, common["n_layers"], where, 0, 2))
+
+
+def glm4_moe_lite_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """GLM-4.7-Flash (Glm4MoeLiteForCausalLM): DeepSeek-V3's latent attention and GLM's MoE
+    (`_grouped_sigmoid_moe`), its dense layers the ones `mlp_layer_types` names 'dense' (by
+    default the first; transformers reads no first_k_dense_replace here). RoPE over all of
+    qk_rope_head_dim: a partial_rotary_factor below 1 is refused."""
+    require(hf, "topk_method", ("noaux_tc",), where)
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(field) or {})
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is not None and float_of({"partial_rotary_factor": partial}, "partial_rotary_factor", where) != 1.0:
+        raise HFConfigError(f"{where}: partial_rotary_factor={partial} is not supported with latent attention "
+                            "(RoPE rotates all of qk_rope_head_dim)")
+    hf = {**hf, field: params or None}
+    n_layers = common["n_layers"]
+    types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n_layers - 1)
+    if (not isinstance(types, list) or len(types) != n_layers or set(types) - {"dense", "sparse"}
+            or "sparse" not in types):
+        raise HFConfigError(f"{where}: mlp_layer_types={types!r} must name each of the {n_layers} layers 'dense' or "
+                            "'sparse', at least one 'sparse'")
+    dense = tuple(i for i, t in enumerate(types) if t == "dense")
+    moe = dict(_grouped_sigmoid_moe({**hf, "first_k_dense_replace": 0}, n_layers, where), dense_layers=dense,
+               d_ff=int_of(hf, "intermediate_size", where) if dense else 0)
+    return _checked(where, **{**common, **_latent_attention_fields(hf, where)}, **moe)

@@ -12,8 +12,8 @@ import math
 from typing import Any, Mapping
 
 from sfrrl_jax.checkpoints.hf.family_configs import (deepseek_v2_config, deepseek_v3_config, gemma3_config,
-                                                     gemma3_text_config, glm4_moe_config, olmo_config, phi3_config,
-                                                     smollm3_config)
+                                                     gemma3_text_config, glm4_moe_config, glm4_moe_lite_config,
+                                                     olmo_config, phi3_config, smollm3_config)
 from sfrrl_jax.checkpoints.hf.hf_fields import (DTYPES, TO_HF_LAYER_TYPES, HFConfigError, bool_of, float_of, int_of,
                                                 layer_types_of, read_hf_config, require, rope_of, rope_to_hf)
 from sfrrl_jax.config import ModelConfig
@@ -23,8 +23,8 @@ __all__ = ["ARCHITECTURES", "DENSE_FAMILIES", "DTYPES", "SUPPORTED_FAMILIES", "H
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3",
                       "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe",
-                      "deepseek_v2", "deepseek_v3")
-DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")   # latent attention
+                      "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+LATENT_ATTENTION_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -33,7 +33,7 @@ ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCa
                  "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmoe": "OlmoeForCausalLM",
                  "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
 
 
 def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> ModelConfig:
@@ -82,6 +82,8 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         return deepseek_v3_config(hf, common, where)
     if family == "deepseek_v2":
         return deepseek_v2_config(hf, common, where)
+    if family == "glm4_moe_lite":
+        return glm4_moe_lite_config(hf, common, where)
     if family == "granite":   # Llama's block with four multipliers
         require(hf, "hidden_act", ("silu",), where)
         if hf.get("mlp_bias"):
@@ -259,6 +261,7 @@ def check_exportable(cfg: ModelConfig) -> None:
                          expert_act="swiglu", out_bias=False, shared_expert_gate=False),
         "deepseek_v3": dict(latent, router="sigmoid_topk"),
         "deepseek_v2": dict(latent, router="softmax_topk", norm_topk_prob=False),
+        "glm4_moe_lite": dict(latent, router="sigmoid_topk"),
         "olmoe": dict(router="softmax_topk", qk_norm=True, qk_norm_over_heads=True, attn_sinks=False,
                       router_bias=False, expert_bias=False, expert_act="swiglu", d_ff_shared=0,
                       out_bias=cfg.attention_bias),
@@ -268,7 +271,8 @@ def check_exportable(cfg: ModelConfig) -> None:
             "gemma3_text": ("query_scale", "rope_local_theta", "norm_scale_fp32"),   # its offset: fp32 anyway
             "olmo3": ("rope_local_theta",), "phi3": ("rope_partial_factor",),
             "glm4_moe": ("rope_partial_factor",), "deepseek_v3": ("query_scale", "mla_kv_rank"),
-            "deepseek_v2": ("query_scale", "mla_kv_rank")}.get(cfg.family, ())
+            "deepseek_v2": ("query_scale", "mla_kv_rank"),
+            "glm4_moe_lite": ("query_scale", "mla_kv_rank")}.get(cfg.family, ())
     want = {k: v for k, v in {**plain, **family}.items() if k not in free}
     if cfg.family == "granite" and cfg.query_scale is None:
         raise HFConfigError("ModelConfig(family='granite') needs query_scale (attention_multiplier)")
@@ -286,20 +290,23 @@ def check_exportable(cfg: ModelConfig) -> None:
     if cfg.nope_layers and cfg.family != "smollm3":
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has nope_layers={cfg.nope_layers}; HF "
                             f"{ARCHITECTURES[cfg.family]} applies RoPE in every layer (only smollm3 has NoPE layers)")
-    if cfg.family in DEEPSEEK_FAMILIES and not cfg.mla_kv_rank:
+    if cfg.family in LATENT_ATTENTION_FAMILIES and not cfg.mla_kv_rank:
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has mla_kv_rank=0; HF {ARCHITECTURES[cfg.family]}'s "
                             "attention is latent (set the mla_* fields)")
-    if cfg.family in DEEPSEEK_FAMILIES and cfg.query_scale is not None and (cfg.rope_type != "yarn"
+    if cfg.family in LATENT_ATTENTION_FAMILIES and cfg.query_scale is not None and (cfg.rope_type != "yarn"
                                                                             or cfg.rope_factor <= 1):
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has query_scale={cfg.query_scale}; HF "
                             f"{ARCHITECTURES[cfg.family]} scales scores only by YaRN's mscale_all_dim "
                             "(rope_type='yarn', rope_factor > 1)")
-    if cfg.family in ("glm4_moe", *DEEPSEEK_FAMILIES) and (cfg.dense_layers != tuple(range(len(cfg.dense_layers)))
-                                                      or (cfg.d_ff_shared and cfg.d_ff_shared % cfg.d_ff_expert)):
-        raise HFConfigError(f"ModelConfig(family={cfg.family!r}): HF {ARCHITECTURES[cfg.family]}'s dense layers are the first "
-                            f"k (dense_layers={cfg.dense_layers}) and its shared expert a multiple of d_ff_expert "
-                            f"(d_ff_shared={cfg.d_ff_shared}, d_ff_expert={cfg.d_ff_expert})")
-    if cfg.dense_layers and cfg.family not in ("qwen3_moe", "qwen2_moe", "glm4_moe", *DEEPSEEK_FAMILIES):
+    first_k = cfg.family in ("glm4_moe", "deepseek_v2", "deepseek_v3")   # glm4_moe_lite names them per layer
+    if first_k and cfg.dense_layers != tuple(range(len(cfg.dense_layers))):
+        raise HFConfigError(f"ModelConfig(family={cfg.family!r}): HF {ARCHITECTURES[cfg.family]}'s dense layers are "
+                            f"the first k (dense_layers={cfg.dense_layers})")
+    if cfg.family in ("glm4_moe", *LATENT_ATTENTION_FAMILIES) and cfg.d_ff_shared % cfg.d_ff_expert:
+        raise HFConfigError(f"ModelConfig(family={cfg.family!r}): HF {ARCHITECTURES[cfg.family]}'s shared expert is "
+                            f"a multiple of d_ff_expert wide (d_ff_shared={cfg.d_ff_shared}, "
+                            f"d_ff_expert={cfg.d_ff_expert})")
+    if cfg.dense_layers and cfg.family not in ("qwen3_moe", "qwen2_moe", "glm4_moe", *LATENT_ATTENTION_FAMILIES):
         raise HFConfigError(f"ModelConfig(family={cfg.family!r}) has dense_layers={cfg.dense_layers}; HF "
                             f"{ARCHITECTURES[cfg.family]} has no dense layers (only qwen3_moe's mlp_only_layers)")
     if cfg.family not in DENSE_FAMILIES and not cfg.is_moe:
@@ -393,7 +400,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                   use_sliding_window=window is not None, sliding_window=window, max_window_layers=cfg.n_layers,
                   layer_types=layer_types,
                   intermediate_size=cfg.d_ff if cfg.dense_layers else cfg.d_ff_shared)
-    elif cfg.family in ("glm4_moe", *DEEPSEEK_FAMILIES):
+    elif cfg.family in ("glm4_moe", *LATENT_ATTENTION_FAMILIES):
         del hf["router_aux_loss_coef"]
         hf.update(n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff_expert,
                   n_shared_experts=cfg.d_ff_shared // cfg.d_ff_expert, routed_scaling_factor=cfg.router_scale,
@@ -404,6 +411,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             hf.update(rope_parameters=partial_rope, attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm)
         else:
             hf.update(_latent_attention_to_hf(cfg))
+        if cfg.family == "glm4_moe_lite":   # its dense layers by name, wherever they are
+            del hf["first_k_dense_replace"]
+            hf["mlp_layer_types"] = ["dense" if cfg.layer_is_dense(i) else "sparse" for i in range(cfg.n_layers)]
         if cfg.family == "deepseek_v2":   # softmax routing, never renormalised, no groups
             for k in ("n_group", "topk_group", "norm_topk_prob", "num_nextn_predict_layers", "rope_interleave"):
                 del hf[k]

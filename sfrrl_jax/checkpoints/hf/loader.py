@@ -59,7 +59,7 @@ def validate_tensors(files: CheckpointFiles, groups: list[TensorGroup], cfg: Mod
         dtypes.update(g.hf_dtypes)
     found = files.tensors
     ignorable = {n for n in found if n.endswith(IGNORED_SUFFIXES)}
-    if cfg.family in ("glm4_moe", "deepseek_v3"):   # multi-token-prediction layers, numbered after the model's
+    if cfg.family in ("glm4_moe", "deepseek_v3", "glm4_moe_lite"):   # MTP layers, numbered after the model's
         ignorable |= {n for n in found if (m := _LAYER.match(n)) and int(m.group(1)) >= cfg.n_layers}
     if cfg.tie_embeddings and "lm_head.weight" in found:
         ignorable.add("lm_head.weight")  # tied: the head is the embedding, a stored copy is redundant
@@ -208,9 +208,9 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
     """Reads an HF directory (`config.json` + safetensors shards) into sharded params on `mesh`.
 
     Families: qwen3_moe, qwen2_moe, gpt_oss (dense or MXFP4 experts, dequantised on load), mixtral,
-    olmoe, glm4_moe, deepseek_v2 / deepseek_v3 (latent attention), and the dense llama, mistral, qwen2, qwen3, gemma3_text (also the language
-    model of a multimodal gemma3), phi3, granite, olmo2, olmo3 and smollm3
-    (`hf_config.SUPPORTED_FAMILIES`).
+    olmoe, glm4_moe, the latent-attention deepseek_v2, deepseek_v3 and glm4_moe_lite, and the
+    dense llama, mistral, qwen2, qwen3, gemma3_text (also the language model of a multimodal
+    gemma3), phi3, granite, olmo2, olmo3 and smollm3 (`hf_config.SUPPORTED_FAMILIES`).
     dtype: param (and compute) dtype; default the config's `dtype`/`torch_dtype`, else float32.
     Returns (cfg, params) with params laid out as `sfrrl_jax.models.transformer.param_shapes(cfg)`
     and sharded as `sfrrl_jax.models.api.param_shardings(cfg, mesh)`.
