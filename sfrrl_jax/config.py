@@ -181,7 +181,7 @@ class ModelConfig:
     attention_bias: bool = False       # q/k/v biases (and the output's, unless attention_out_bias says)
     attention_out_bias: bool | None = None  # None: as attention_bias (GPT-OSS both; Qwen2 q/k/v only)
     attn_sinks: bool = False
-    # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, Moonlight; `models.mla`), on when
+    # Multi-head latent attention (DeepSeek-V2/V3, Moonlight, GLM-4.7-Flash; `models.mla`), on when
     # mla_kv_rank > 0: keys and values come from a per-token latent of mla_kv_rank dims (normed)
     # and one RoPE key of mla_rope_dim dims shared by every head; a head's query is mla_nope_dim
     # unrotated and mla_rope_dim rotated dims (through a normed latent of mla_q_rank dims where

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2, Moonlight), on when cfg.mla_kv_rank > 0.
+"""Multi-head latent attention (MLA: DeepSeek-V2/V3, Moonlight, GLM-4.7-Flash), on when cfg.mla_kv_rank > 0.
 
 Per token, keys and values come from a latent c = norm(x @ kv_a)[:kv_rank] of mla_kv_rank dims
 and one RoPE key k_rope (the rest of x @ kv_a, rotated) that every head shares. Head i's key is

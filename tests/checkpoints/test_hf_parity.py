@@ -158,7 +158,8 @@ def test_router_stays_fp32_in_a_bfloat16_model_both_ways(tmp_path, mesh, fixture
     assert cfg.router_fp32 and moe["w_up"].dtype == np.dtype("bfloat16")
     kept = {"model.layers.1.mlp.gate.weight": (moe["router"], gate.weight.detach().numpy().T)}
     if cfg.router == "sigmoid_topk":
-        kept["model.layers.1.mlp.gate.e_score_correction_bias"] = (moe["score_bias"], gate.e_score_correction_bias.numpy())
+        kept["model.layers.1.mlp.gate.e_score_correction_bias"] = (moe["score_bias"],
+                                                                    gate.e_score_correction_bias.numpy())
     for ours, theirs in kept.values():
         assert ours.dtype == np.float32
         np.testing.assert_array_equal(np.asarray(ours[0]), theirs)

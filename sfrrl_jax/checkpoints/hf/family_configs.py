@@ -214,7 +214,8 @@ def _deepseek_moe(hf: Mapping[str, Any], n_layers: int, where: str, first_dense_
     d_ff_expert = int_of(hf, "moe_intermediate_size", where)
     return dict(n_experts=int_of(hf, "n_routed_experts", where), d_ff_expert=d_ff_expert,
                 d_ff_shared=int_of(hf, "n_shared_experts", where, shared_default, lo=0) * d_ff_expert,
-                dense_layers=tuple(range(first_dense)), d_ff=int_of(hf, "intermediate_size", where) if first_dense else 0)
+                dense_layers=tuple(range(first_dense)),
+                d_ff=int_of(hf, "intermediate_size", where) if first_dense else 0)
 
 
 def _grouped_sigmoid_moe(hf: Mapping[str, Any], n_layers: int, where: str) -> dict:
@@ -281,14 +282,16 @@ def _latent_attention_fields(hf: Mapping[str, Any], where: str) -> dict:
             if factor > 1 else 1.0
         query_scale = (nope + rope_dims) ** -0.5 * m * m
     return dict(rope, n_kv_heads=1, head_dim=kv_rank + rope_dims, attention_bias=False, query_scale=query_scale,
-                mla_kv_rank=kv_rank, mla_q_rank=0 if hf.get("q_lora_rank") is None else int_of(hf, "q_lora_rank", where),
+                mla_kv_rank=kv_rank,
+                mla_q_rank=0 if hf.get("q_lora_rank") is None else int_of(hf, "q_lora_rank", where),
                 mla_nope_dim=nope, mla_rope_dim=rope_dims, mla_v_dim=int_of(hf, "v_head_dim", where))
 
 
 def deepseek_v3_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
-    """DeepSeek-V3 / R1, Kimi K2, Moonlight (DeepseekV3ForCausalLM): latent attention
-    (`_latent_attention_fields`; `rope_interleave` is the checkpoint's layout, the loader's
-    concern) and the MoE of `_grouped_sigmoid_moe`. Multi-token-prediction layers (past num_hidden_layers) are not read."""
+    """DeepSeek-V3 / R1 and Moonlight (DeepseekV3ForCausalLM; Kimi K2's config names its own
+    model_type, not read): latent attention (`_latent_attention_fields`; `rope_interleave` is the
+    checkpoint's layout, the loader's concern) and the MoE of `_grouped_sigmoid_moe`.
+    Multi-token-prediction layers (past num_hidden_layers) are not read."""
     require(hf, "scoring_func", ("sigmoid",), where)
     require(hf, "topk_method", ("noaux_tc",), where)
     return _checked(where, **{**common, **_latent_attention_fields(hf, where)},

@@ -235,7 +235,7 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
         ]
         if cfg.router == "sigmoid_topk":   # GLM's and DeepSeek's selection bias, beside the router's weight
             groups.append(_single(base + "gate.e_score_correction_bias", ("moe", "score_bias"), (e,)))
-        if cfg.d_ff_shared:   # the shared expert ([out, in] linears): Qwen2-MoE's, GLM's and DeepSeek's (`shared_experts`)
+        if cfg.d_ff_shared:   # the shared expert ([out, in] linears): Qwen2-MoE's; GLM's, DeepSeek's `shared_experts`
             s = cfg.d_ff_shared
             m = base + ("shared_expert." if cfg.family == "qwen2_moe" else "shared_experts.")
             groups += [_single(m + "gate_proj.weight", ("shared_expert", "w_gate"), (s, d), _transpose, _transpose),
