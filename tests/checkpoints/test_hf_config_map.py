@@ -530,6 +530,8 @@ def test_published_deepseek_v3_configs_read_as_transformers_reads_them():
     back = transformers.DeepseekV3Config(**copy.deepcopy(exported))
     assert scaling(back) == pytest.approx(scaling(theirs), rel=1e-12)
     assert (back.num_key_value_heads, back.q_lora_rank, back.rope_interleave) == (128, 1536, True)
+    unscaled = config_from_hf({**bf16, "rope_scaling": {**bf16["rope_scaling"], "factor": 1.0}})
+    assert unscaled.query_scale is None and config_from_hf(config_to_hf(unscaled)) == unscaled   # mscale(1) = 1
 
     moon = config_from_hf(MOONLIGHT_16B)
     assert (moon.mla_q_rank, moon.query_scale, moon.rope_type, moon.rope_theta, moon.d_ff_shared) == (

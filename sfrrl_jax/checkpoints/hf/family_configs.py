@@ -1,6 +1,6 @@
 """config.json readers of the families whose block is not Llama's: Gemma 3 (text, and the language
-model of the multimodal one), Phi-3, OLMo 2/3, SmolLM3, GLM-4.5 and DeepSeek-V3 (MoE). `hf_config.config_from_hf`
-dispatches to them."""
+model of the multimodal one), Phi-3, OLMo 2/3, SmolLM3, GLM-4.5 (MoE) and the latent-attention
+DeepSeek-V2 / V3 and GLM-4.7-Flash (MoE). `hf_config.config_from_hf` dispatches to them."""
 from __future__ import annotations
 
 import math
@@ -276,10 +276,8 @@ def _latent_attention_fields(hf: Mapping[str, Any], where: str) -> dict:
     field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     all_dim = (hf.get(field) or {}).get("mscale_all_dim")
     query_scale = None
-    if rope["rope_type"] != "default" and all_dim:
-        factor = rope["rope_factor"]
-        m = 0.1 * float_of({"mscale_all_dim": all_dim}, "mscale_all_dim", where) * math.log(factor) + 1.0 \
-            if factor > 1 else 1.0
+    if rope["rope_type"] != "default" and all_dim and rope["rope_factor"] > 1:   # else mscale is 1
+        m = 0.1 * float_of({"mscale_all_dim": all_dim}, "mscale_all_dim", where) * math.log(rope["rope_factor"]) + 1
         query_scale = (nope + rope_dims) ** -0.5 * m * m
     return dict(rope, n_kv_heads=1, head_dim=kv_rank + rope_dims, attention_bias=False, query_scale=query_scale,
                 mla_kv_rank=kv_rank,
@@ -299,12 +297,12 @@ def deepseek_v3_config(hf: Mapping[str, Any], common: dict, where: str) -> Model
 
 
 def deepseek_v2_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
-    """DeepSeek-V2-Lite / V2 / V2.5 (DeepseekV2ForCausalLM): latent attention with RoPE on adjacent
-    pairs (`_latent_attention_fields`), the first `first_k_dense_replace` layers dense, the others
-    routed by softmax then top-k (`topk_method='greedy'`; 'group_limited_greedy' is refused),
-    never renormalised (transformers ignores norm_topk_prob here), times `routed_scaling_factor`,
-    plus an ungated shared expert of `n_shared_experts` x moe_intermediate_size; the router in
-    fp32 as transformers keeps it."""
+    """DeepSeek-V2-Lite (DeepseekV2ForCausalLM): latent attention with RoPE on adjacent pairs
+    (`_latent_attention_fields`), the first `first_k_dense_replace` layers dense, the others
+    routed by softmax then top-k (`topk_method='greedy'`; V2's and V2.5's 'group_limited_greedy'
+    is refused by name), never renormalised (transformers ignores norm_topk_prob here), times
+    `routed_scaling_factor`, plus an ungated shared expert of `n_shared_experts` x
+    moe_intermediate_size; the router in fp32 as transformers keeps it."""
     require(hf, "scoring_func", ("softmax",), where)
     require(hf, "topk_method", ("greedy",), where)
     return _checked(where, **{**common, **_latent_attention_fields(hf, where)}, router="softmax_topk",
