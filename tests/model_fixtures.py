@@ -88,7 +88,7 @@ TINY_GLM = S.ModelConfig.preset(
 # as one KV head of kv_rank + rope = 32 dims; GLM's MoE (groups, scale, shared expert, dense first layer).
 TINY_DEEPSEEK = S.ModelConfig.preset(
     "tiny-moe", family="deepseek_v3", router="sigmoid_topk", router_groups=4, router_topk_groups=2, router_scale=2.5,
-    d_ff_shared=32, dense_layers=(0,), d_ff=40, qk_norm=False, n_kv_heads=1, head_dim=32, mla_kv_rank=24,
+    d_ff_shared=64, dense_layers=(0,), d_ff=40, qk_norm=False, n_kv_heads=1, head_dim=32, mla_kv_rank=24,
     mla_rope_dim=8, mla_nope_dim=12, mla_v_dim=10, mla_q_rank=20,
 )
 

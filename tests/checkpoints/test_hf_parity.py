@@ -17,6 +17,7 @@ from sfrrl_jax.checkpoints.hf.safetensors_io import INDEX_FILE, CheckpointFiles
 from sfrrl_jax.models.api import param_shardings
 
 import hf_fixtures as F
+from model_fixtures import TINY_DEEPSEEK, randomize
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +216,14 @@ def test_the_language_model_of_a_multimodal_gemma3_loads_and_exports_as_a_text_m
     text_model = F.load_transformers(tmp_path / "out")
     assert type(text_model).__name__ == "Gemma3ForCausalLM"
     assert np.abs(F.hf_logits(text_model, tokens) - ref).max() <= 1e-4
+
+
+def test_a_latent_attention_model_built_here_exports_to_transformers(tmp_path, mesh):
+    """A DeepSeek-V3-like model made with our config (router in the param dtype, the rope rows in
+    our halves layout) exports in DeepSeek's layout: transformers computes our logits."""
+    cfg = TINY_DEEPSEEK
+    params = randomize(S.init_params(cfg, mesh, seed=0), seed=3, scale=0.2)
+    model = F.load_transformers(save_hf(cfg, params, tmp_path / "export"))
+    assert model.config.rope_interleave and model.config.q_lora_rank == cfg.mla_q_rank
+    tokens = F.tokens_for(cfg.vocab_size, seq=20)
+    assert np.abs(np.asarray(S.forward(cfg, params, tokens)) - F.hf_logits(model, tokens)).max() <= 1e-4

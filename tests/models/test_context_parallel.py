@@ -94,7 +94,7 @@ def test_context_parallel_matches_single_device(case, sizes, axes):
     attn = g8["layers"]["attn"]
     if "k_proj" in attn:
         assert np.abs(attn["k_proj"]).max() > 1e-3
-    else:   # latent attention's key up-projection (measured 5.9e-4 here)
+    else:   # latent attention's key up-projection (measured 6.1e-4 here)
         assert np.abs(attn["k_b_proj"]).max() > 1e-4
     assert np.abs(g8["layers"]["moe"]["w_down"]).max() > 1e-3
 
