@@ -6,12 +6,9 @@ import numpy as np
 import pytest
 
 import sfrrl_jax as S
-from sfrrl_jax.learner import make_train_step
-from sfrrl_jax.learner.optimizer import OptimizerConfig
-from sfrrl_jax.rl.config import LossConfig
 
-from model_fixtures import (TINY_DENSE, TINY_GEMMA, TINY_GRANITE, TINY_OLMO, TINY_PHI, TINY_SMOLLM3, host, randomize,
-                            replicate_on, single_device_mesh)
+from model_fixtures import (TINY_DENSE, TINY_GEMMA, TINY_GRANITE, TINY_OLMO, TINY_PHI, TINY_SMOLLM3,
+                            check_mesh_step_equals_one_device, host, randomize, single_device_mesh)
 
 
 @pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_GEMMA, TINY_PHI, TINY_GRANITE, TINY_OLMO, TINY_SMOLLM3],
@@ -27,24 +24,8 @@ def test_dense_forward_and_train_step_on_a_mesh_equal_one_device(cfg):
     assert ("post_attn_norm" in params["layers"]) == ("post_mlp_norm" in params["layers"]) == cfg.sandwich_norms
     assert ("attn_norm" in params["layers"]) == ("mlp_norm" in params["layers"]) == cfg.pre_norms
     assert S.models.transformer.count_params(params) == cfg.param_count()
-    rng = np.random.RandomState(1)
-    tokens = rng.randint(1, cfg.vocab_size, (4, 12)).astype(np.int32)
-    got = S.forward(cfg, params, tokens)
-    one = replicate_on(jax.tree.map(host, params), single_device_mesh())   # no buffer shared with params (donated below)
-    np.testing.assert_allclose(host(got), host(S.forward(cfg, one, tokens)), atol=1e-5, rtol=0)
-    batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens, np.float32),
-             "advantages": rng.normal(size=4).astype(np.float32),
-             "rollout_logprobs": np.full(tokens.shape, -2.0, np.float32)}
-    before = host(mlp["w_down"])
-    ts = make_train_step(cfg, LossConfig(), OptimizerConfig(learning_rate=1e-3))
-    new, _, metrics = ts.step(params, ts.init_opt_state(params), batch)     # params donated
-    new_one, _, metrics_one = ts.step(one, ts.init_opt_state(one), batch)
-    np.testing.assert_allclose(float(metrics["loss"]), float(metrics_one["loss"]), rtol=1e-5)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(new_one)):
-        # one Adam step (lr 1e-3) turns the mesh's other summation order into up to 1.8e-6 here;
-        # 5e-5 (5 % of a step) leaves room for another CPU's rounding
-        np.testing.assert_allclose(host(a), host(b), atol=5e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
-    assert np.abs(host(new["layers"]["mlp"]["w_down"]) - before).max() > 1e-5   # the MLP trains
+    before, new = check_mesh_step_equals_one_device(cfg, params)
+    assert np.abs(host(new["layers"]["mlp"]["w_down"]) - before["layers"]["mlp"]["w_down"]).max() > 1e-5   # trains
 
 
 def test_dense_config_errors_name_the_field():

@@ -8,13 +8,10 @@ import pytest
 
 import sfrrl_jax as S
 from flax import nnx
-from sfrrl_jax.learner import make_train_step
-from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.models.layers import attend, attention_mask
 from sfrrl_jax.models.mla import LatentAttention
-from sfrrl_jax.rl.config import LossConfig
 
-from model_fixtures import TINY_DEEPSEEK, host, randomize, replicate_on, single_device_mesh
+from model_fixtures import TINY_DEEPSEEK, check_mesh_step_equals_one_device, host, randomize
 
 VARIANTS = {
     "q_latent": TINY_DEEPSEEK,
@@ -58,22 +55,9 @@ def test_latent_attention_on_a_tensor_split_mesh_trains_as_on_one_device():
                          "o_proj"}
     assert attn["q_b_proj"].sharding.spec[2] == "tensor" and attn["v_b_proj"].sharding.spec[2] == "tensor"
     assert S.models.transformer.count_params(params) == cfg.param_count()
-    rng = np.random.RandomState(1)
-    tokens = rng.randint(1, cfg.vocab_size, (4, 12)).astype(np.int32)
-    one = replicate_on(jax.tree.map(host, params), single_device_mesh())
-    np.testing.assert_allclose(host(S.forward(cfg, params, tokens)), host(S.forward(cfg, one, tokens)),
-                               atol=1e-5, rtol=0)
-    batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens, np.float32),
-             "advantages": rng.normal(size=4).astype(np.float32),
-             "rollout_logprobs": np.full(tokens.shape, -2.0, np.float32)}
-    before = jax.tree.map(host, params["layers"]["attn"])
-    ts = make_train_step(cfg, LossConfig(), OptimizerConfig(learning_rate=1e-3))
-    new, _, metrics = ts.step(params, ts.init_opt_state(params), batch)     # params donated
-    new_one, _, metrics_one = ts.step(one, ts.init_opt_state(one), batch)
-    np.testing.assert_allclose(float(metrics["loss"]), float(metrics_one["loss"]), rtol=1e-5)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(new_one)):
-        np.testing.assert_allclose(host(a), host(b), atol=5e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(new["layers"]["attn"])[0], jax.tree.leaves(before)):
+    before, new = check_mesh_step_equals_one_device(cfg, params)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(new["layers"]["attn"])[0],
+                            jax.tree.leaves(before["layers"]["attn"])):
         assert np.abs(host(a) - b).max() > 1e-5, jax.tree_util.keystr(path)   # a gradient reaches it
 
 
