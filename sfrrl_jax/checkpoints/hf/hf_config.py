@@ -432,9 +432,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def _latent_attention_to_hf(cfg: ModelConfig) -> dict:
-    """DeepseekV3Config's attention fields for latent attention. Its scores' extra scale (our
-    query_scale) is written as YaRN's mscale_all_dim, rounded to 12 digits so that reading it
-    back computes the same float; its weights in the interleaved RoPE layout (tensor_map)."""
+    """The latent-attention fields of DeepseekV2Config / V3Config / Glm4MoeLiteConfig. The scores'
+    extra scale (our query_scale) is written as YaRN's mscale_all_dim, rounded to 12 digits so that
+    reading it back computes the same float; the weights go in the interleaved RoPE layout
+    (tensor_map)."""
     qk = cfg.mla_nope_dim + cfg.mla_rope_dim
     rope = rope_to_hf(cfg)
     if cfg.query_scale is not None:
