@@ -16,7 +16,7 @@ import os
 from typing import Any, Sequence
 
 from sfrrl_jax.agents.environments import CALCULATOR_SYSTEM_PROMPT
-from sfrrl_jax.agents.formats import ToolCallFormat, infer_format, trajectory_format
+from sfrrl_jax.agents.formats import ToolCallFormat, infer_format, renders_tool_calls, trajectory_format
 from sfrrl_jax.agents.protocols import Message, Task
 from sfrrl_jax.agents.tools import CalculatorTool, evaluate_arithmetic, format_number, tool_schema
 from sfrrl_jax.tokenizer.tokenizer import TemplateDeltaError
@@ -95,7 +95,7 @@ def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[d
                                         closes) or stop
         generated = tokenizer.encode(with_turn[start:body_end] + stop)
         if fmt is not None:
-            _check_reads_back(fmt, tokenizer.decode(generated), messages[i], i)
+            _check_reads_back(fmt, tokenizer.decode(generated), messages[i], i, tokenizer)
         tokens += generated
         mask += [1] * len(generated)
         j = i + 1
@@ -151,7 +151,7 @@ def _message_calls(message: Message, index: int) -> list[tuple[str, Any]]:
     return calls
 
 
-def _check_reads_back(fmt, text: str, message: Message, index: int) -> None:
+def _check_reads_back(fmt, text: str, message: Message, index: int, tokenizer) -> None:
     """Raises unless `fmt` reads the learned `text` as exactly the message's calls."""
     want = _message_calls(message, index)
     parsed = fmt.parse(text)
@@ -160,11 +160,13 @@ def _check_reads_back(fmt, text: str, message: Message, index: int) -> None:
         def shown(calls):
             return [f"{n}({json.dumps(a, sort_keys=True, default=repr)})" for n, a in calls]
         read = [f"error: {e.message}" for e in parsed.errors] + shown(got)
+        hint = ("Set tool_format to the format the template writes, or fix the template" if renders_tool_calls(
+            tokenizer) else "This template renders an assistant message's content only, not its tool_calls (as "
+            "SmolLM3's): write the calls into the content as the model writes them")
         raise ValueError(
             f"message {index}: the chat template renders the assistant turn as {text[:300]!r}, which the "
             f"{fmt!r} tool-call format reads as {read or 'an answer without calls'}, not the message's calls "
-            f"{shown(want) or '(none)'}: a model trained on it would write turns the rollout misreads. Set "
-            f"tool_format to the format the template writes, or fix the template")
+            f"{shown(want) or '(none)'}: a model trained on it would write turns the rollout misreads. {hint}")
 
 
 def _turn_start(tokenizer, history, tools, prompt_text: str, with_turn: str, cut: int) -> int | None:

@@ -27,6 +27,7 @@ from sfrrl_jax.agents.call_text import (FormatBase, ParsedTurn, decode_object, j
 from sfrrl_jax.agents.deepseek_format import DeepSeekFormat
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 from sfrrl_jax.agents.pythonic_format import Olmo3Format, PythonicFormat
+from sfrrl_jax.tokenizer.chat_template import template_reads_key
 
 
 class ToolCallFormat(Protocol):
@@ -423,6 +424,13 @@ _TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("olmo3", ("<function_calls>
                      ("qwen3", ("<tool_call>",)), ("mistral", ("[TOOL_CALLS]",)), ("pythonic", ("[func_name1(",)),
                      ("llama4_json", ("<|header_start|>",)), ("llama3_json", ("<|python_tag|>", "ipython")),
                      ("granite", ("<|tool_call|>",)), ("compact", ("<|call|>",)))
+
+
+def renders_tool_calls(tokenizer) -> bool:
+    """Whether the tokenizer's chat template reads an assistant message's `tool_calls` (assumed so
+    where the tokenizer does not show its template). SmolLM3's shows the content alone."""
+    source = getattr(tokenizer, "chat_template_source", None)
+    return not isinstance(source, str) or template_reads_key(source, "tool_calls")
 
 
 def infer_format(chat_template: str | None) -> str | None:

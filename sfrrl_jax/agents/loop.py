@@ -29,7 +29,7 @@ import time
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from sfrrl_jax.agents.call_text import TOOL_NAME
-from sfrrl_jax.agents.formats import get_format, trajectory_format, turn_stop_ids
+from sfrrl_jax.agents.formats import get_format, renders_tool_calls, trajectory_format, turn_stop_ids
 from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment, Episode, GenerationRequest,
                                        Message, Task, ToolCall, ToolCallError, ToolResult)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
@@ -279,6 +279,12 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                     assistant["reasoning_content"] = parsed.reasoning
                 if parsed.tool_calls:
                     assistant["tool_calls"] = [c.as_message_entry() for c in parsed.tool_calls]
+                if (parsed.calls or parsed.reasoning) and not renders_tool_calls(tokenizer):
+                    # a template that shows only an assistant message's content (SmolLM3's) would
+                    # render this turn without its calls or reasoning: the content is the turn as
+                    # generated
+                    kept = completion.tokens[:-1] if completion.finish_reason == "stop" else completion.tokens
+                    assistant["content"] = tokenizer.decode(kept)
                 messages.append(assistant)
                 shown.append(assistant)
                 traj.final_text = parsed.content

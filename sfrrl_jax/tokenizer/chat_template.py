@@ -19,6 +19,8 @@ import datetime
 import json
 
 import jinja2
+import jinja2.meta
+import jinja2.nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -77,13 +79,38 @@ def _strftime_now(fmt):
     return datetime.datetime.now().strftime(fmt)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the environment HF templates expect (trim/lstrip blocks, tojson, ...)."""
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the environment HF templates expect (trim/lstrip blocks, tojson, ...)."""
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template does not compile: line {e.lineno}: {e.message}") from e
+
+
+def template_reads_key(source: str, key: str) -> bool:
+    """Whether a chat template reads `key` of some object (`message.tool_calls`,
+    `message['tool_calls']`, `'tool_calls' in message`): an attribute or a string constant of
+    that name in its code, not in its text or comments."""
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template does not compile: line {e.lineno}: {e.message}") from e
+    return any(n.attr == key for n in tree.find_all(jinja2.nodes.Getattr)) or any(
+        n.value == key for n in tree.find_all(jinja2.nodes.Const))
+
+
+def template_variables(source: str) -> set[str]:
+    """The variables a chat template reads from its caller (`messages`, `tools`, SmolLM3's
+    `xml_tools`, ...), not counting the ones it sets itself."""
+    try:
+        return set(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template does not compile: line {e.lineno}: {e.message}") from e

@@ -18,7 +18,7 @@ from typing import Any, Collection, Mapping, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from sfrrl_jax.tokenizer.chat_template import ChatTemplateError, compile_chat_template
+from sfrrl_jax.tokenizer.chat_template import ChatTemplateError, compile_chat_template, template_variables
 from sfrrl_jax.tokenizer.untrusted import UntrustedEncoder, mark_untrusted
 
 # Tried in order when a directory does not name its end-of-turn token (`end_of_turn_token`).
@@ -48,6 +48,8 @@ class Tokenizer:
         self.name = name
         self.chat_template_source = chat_template
         self._template = compile_chat_template(chat_template) if chat_template else None
+        # SmolLM3's template reads the tools from `xml_tools` and ignores HF's `tools`
+        self._xml_tools = bool(chat_template) and "xml_tools" in template_variables(chat_template)
         self.bos_token = _token_string(config.get("bos_token"))
         self.eos_token = _token_string(config.get("eos_token"))
         self.pad_token = _token_string(config.get("pad_token"))
@@ -122,14 +124,18 @@ class Tokenizer:
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = False, **template_kwargs: Any) -> str:
-        """The chat template's text for `messages` (HF semantics, incl. the `tools` variable)."""
+        """The chat template's text for `messages` (HF semantics, incl. the `tools` variable; a
+        template that reads its tools from `xml_tools` instead, SmolLM3's, gets them there too
+        unless the call or `with_template_kwargs` gives that variable)."""
         if self._template is None:
             raise ChatTemplateError(f"{self.name}: the tokenizer directory has no chat_template")
+        tools = list(tools) if tools else None
+        extra = {"xml_tools": tools} if self._xml_tools else {}
         return self._template.render(
-            messages=list(messages), tools=list(tools) if tools else None,
+            messages=list(messages), tools=tools,
             add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
             eos_token=self.eos_token or "", pad_token=self.pad_token or "",
-            **{**self.template_kwargs, **template_kwargs})
+            **{**extra, **self.template_kwargs, **template_kwargs})
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             tools: Sequence[Mapping[str, Any]] | None = None,

@@ -287,6 +287,25 @@ GEMMA3_STYLE_TEMPLATE = (
 )
 
 
+# SmolLM3's layout (written after its published template): ChatML turns; the tools come in the
+# `xml_tools` variable, not HF's `tools`, each printed as a Python dict; an assistant message is
+# its content alone (tool_calls are never read); tool results are user turns.
+SMOLLM3_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+SMOLLM3_STYLE_TEMPLATE = (
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- else %}{{- 'You are SmolLM.' }}{%- endif %}"
+    "{%- if xml_tools %}{{- '\\n### Tools\\n<tools>\\n' }}{%- for tool in xml_tools %}{{- tool | string }}{{- '\\n' }}"
+    "{%- endfor %}{{- '</tools>\\nReturn each call as <tool_call>\\n'"
+    "'{\"name\": ..., \"arguments\": ...}\\n</tool_call>' }}"
+    "{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- for m in messages %}{%- set content = m.content if m.content is string else '' %}"
+    "{%- if m.role == 'user' or m.role == 'tool' %}{{- '<|im_start|>user\\n' + content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
 def _build(directory: Path, specials: list[str], config: dict, eos_list: list[str] | None) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -369,6 +388,12 @@ def build_glm45_style_tokenizer(directory: Path) -> Path:
     return _build(directory, GLM45_SPECIALS, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
                                               "chat_template": GLM45_STYLE_TEMPLATE},
                   ["<|endoftext|>", "<|user|>", "<|observation|>"])
+
+
+def build_smollm3_style_tokenizer(directory: Path) -> Path:
+    """SmolLM3's layout: eos <|im_end|>, which ends every turn."""
+    return _build(directory, SMOLLM3_SPECIALS, {"eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+                                                "chat_template": SMOLLM3_STYLE_TEMPLATE}, ["<|im_end|>"])
 
 
 def build_gemma3_style_tokenizer(directory: Path) -> Path:

@@ -518,3 +518,50 @@ def test_glm45_loop_and_sft_where_each_turn_ends_with_the_next_messages_opener(t
     # the template's render of the transcript, plus the opener the last answer is learned with
     assert tokens == tok.apply_chat_template(demo, calculator_tool_schemas()) + _ids(tok, "<|user|>")
 
+
+
+def test_smollm3_template_gets_its_tools_and_the_turns_as_generated(tmp_path):
+    """SmolLM3's template reads the tools from `xml_tools` (HF's `tools` it ignores) and renders an
+    assistant message's content alone, never its tool_calls. The tools reach the prompt; the loop
+    keeps a call turn's text (reasoning and calls) as its content, so the template's render of the
+    trajectory's messages is the trajectory, and SFT on them learns the turns as generated. SFT on
+    messages whose calls are only in tool_calls is refused, saying why."""
+    import asyncio
+
+    from sfrrl_jax.agents import calculator_demonstration, calculator_environment, calculator_tool_schemas, run_agent
+    from sfrrl_jax.agents.demos import render_sft_example
+    from sfrrl_jax.agents.formats import renders_tool_calls
+    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.testing.scripted_engine import ScriptedEngine
+    from family_tokenizer_fixtures import build_smollm3_style_tokenizer
+
+    tok = load_tokenizer(build_smollm3_style_tokenizer(tmp_path))
+    schemas = calculator_tool_schemas()
+    assert infer_format(tok.chat_template_source) == "qwen3" and not renders_tool_calls(tok)
+    from types import SimpleNamespace as Tok   # read in code (an attribute, a key), not in the text
+    assert [renders_tool_calls(Tok(chat_template_source=t)) for t in (
+        "no tool_calls here{{ m.content }}", "{{ m.tool_calls }}", "{% if 'tool_calls' in m %}x{% endif %}")] == [
+        False, True, True]
+    hello = [{"role": "user", "content": "hi"}]
+    assert "### Tools" in tok.render(hello, schemas) and "'name': 'calculator'" in tok.render(hello, schemas)
+    assert "### Tools" not in tok.with_template_kwargs(xml_tools=None).render(hello, schemas)   # a given one wins
+    call = ('<think>\nuse it\n</think>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n'
+            '</tool_call><|im_end|>')
+    env = calculator_environment()
+    try:
+        traj = asyncio.run(run_agent(ScriptedEngine([call, "<think>\nok\n</think>\n<answer>5</answer><|im_end|>"],
+                                                    tokenizer=tok), env, arithmetic_task("2 + 3", "t0"), tok,
+                                     AgentConfig(max_turns=3, max_new_tokens_per_turn=96, max_total_tokens=2048)))
+    finally:
+        env.close()
+    assert (traj.error, traj.finish_reason, traj.reward) == (None, "answer", 1.0)
+    turn = next(m for m in traj.messages if m["role"] == "assistant")
+    assert turn["content"] == call.removesuffix("<|im_end|>")
+    assert turn["tool_calls"][0]["function"]["name"] == "calculator"
+    rendered = tok.apply_chat_template(traj.messages, schemas)
+    assert rendered[:len(traj.tokens)] == list(traj.tokens) and tok.decode(rendered[len(traj.tokens):]) == "\n"
+    tokens, mask = render_sft_example(tok, traj.messages, schemas)
+    assert tokens == list(traj.tokens)
+    assert tok.decode([t for t, m in zip(tokens, mask) if m]).startswith(call)
+    with pytest.raises(ValueError, match="renders an assistant message's content only, not its tool_calls"):
+        render_sft_example(tok, calculator_demonstration(arithmetic_task("2 + 3", "t")), schemas)
