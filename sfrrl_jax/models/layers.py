@@ -50,12 +50,12 @@ class RMSNorm(nnx.Module):
     With cfg.norm_offset (Gemma: 1.0) the factor is (offset + scale), the weights are stored as
     offsets (initialised to 0). The product is taken in fp32 before the cast with an offset or
     cfg.norm_scale_fp32, as HF's Gemma3RMSNorm and Olmo2RMSNorm do; otherwise the normalised x is
-    cast first, as Llama's."""
+    cast first, as Llama's. `eps` overrides cfg.rms_eps (latent attention's norms)."""
 
-    def __init__(self, dim, cfg: ModelConfig, logical_axis="embed", rngs=None):
+    def __init__(self, dim, cfg: ModelConfig, logical_axis="embed", rngs=None, eps: float | None = None):
         shape = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
         axes = tuple(logical_axis) if isinstance(logical_axis, (tuple, list)) else (logical_axis,)
-        self.eps = cfg.rms_eps
+        self.eps = cfg.rms_eps if eps is None else eps
         self.offset = float(cfg.norm_offset)
         self.fp32_product = bool(cfg.norm_offset or cfg.norm_scale_fp32)
         self.axes = tuple(range(-len(shape), 0))

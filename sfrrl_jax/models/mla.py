@@ -31,6 +31,12 @@ from sfrrl_jax.mesh import constrain
 from sfrrl_jax.models.layers import Attention, RMSNorm, cdtype, param, rope_unless_nope, self_attention
 
 
+# The latents' RMSNorm epsilon: DeepSeek's reference code and transformers build q_a_layernorm and
+# kv_a_layernorm with their default 1e-6 whatever the config's rms_norm_eps (Moonlight's and
+# GLM-4.7-Flash's is 1e-5).
+LATENT_NORM_EPS = 1e-6
+
+
 class LatentAttention(nnx.Module):
     """MLA's params (per layer): q_proj [embed, heads, nope + rope], or q_a_proj [embed, q_rank],
     q_a_norm, q_b_proj [q_rank, heads, nope + rope]; kv_a_proj [embed, kv_rank + rope]; kv_a_norm
@@ -42,12 +48,12 @@ class LatentAttention(nnx.Module):
         self.cfg = cfg
         if q_rank:
             self.q_a_proj = param(rngs, "normal", (d, q_rank), ("embed", "latent"), cfg)
-            self.q_a_norm = RMSNorm(q_rank, cfg, logical_axis="latent")
+            self.q_a_norm = RMSNorm(q_rank, cfg, logical_axis="latent", eps=LATENT_NORM_EPS)
             self.q_b_proj = param(rngs, "normal", (q_rank, h, nope + rope), ("latent", "heads", "head_dim"), cfg)
         else:
             self.q_proj = param(rngs, "normal", (d, h, nope + rope), ("embed", "heads", "head_dim"), cfg)
         self.kv_a_proj = param(rngs, "normal", (d, r + rope), ("embed", "latent"), cfg)
-        self.kv_a_norm = RMSNorm(r, cfg, logical_axis="latent")
+        self.kv_a_norm = RMSNorm(r, cfg, logical_axis="latent", eps=LATENT_NORM_EPS)
         self.k_b_proj = param(rngs, "normal", (r, h, nope), ("latent", "heads", "head_dim"), cfg)
         self.v_b_proj = param(rngs, "normal", (r, h, v), ("latent", "heads", "head_dim"), cfg)
         self.o_proj = param(rngs, "normal", (h, v, d), ("heads", "head_dim", "embed"), cfg)

@@ -219,13 +219,14 @@ CONFIGS = {
                          "mscale_all_dim": 0.7, "original_max_position_embeddings": 16, "beta_fast": 32,
                          "beta_slow": 1})),
     # Moonlight / DeepSeek-V2-Lite-like attention: no query latent, RoPE halves (rope_interleave
-    # false), plain RoPE; un-normalised routes, one group.
+    # false), plain RoPE; un-normalised routes, one group; a large rms_norm_eps (the latent's norm
+    # keeps 1e-6).
     "deepseek_v3_noq": ("deepseek_v3", dict(
         vocab_size=71, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
         q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=12,
         intermediate_size=24, moe_intermediate_size=10, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=2, n_group=1, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=False,
-        first_k_dense_replace=1, num_nextn_predict_layers=0, pad_token_id=0, eos_token_id=1,
+        first_k_dense_replace=1, num_nextn_predict_layers=0, pad_token_id=0, eos_token_id=1, rms_norm_eps=0.05,
         max_position_embeddings=64, rope_interleave=False,
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0})),
     # DeepSeek-V2-Lite in small: latent attention without a query latent, RoPE as complex pairs,
@@ -241,13 +242,13 @@ CONFIGS = {
                          "mscale_all_dim": 0.707, "original_max_position_embeddings": 16})),
     # GLM-4.7-Flash in small: DeepSeek-V3's latent attention (a query latent, values wider than
     # the key's nope dims, interleaved RoPE) and GLM's MoE, its dense layers named per layer: the
-    # second and the fourth, not a leading run.
+    # second and the fourth, not a leading run. A large rms_norm_eps: the latents' norms keep 1e-6.
     "glm4_moe_lite_types": ("glm4_moe_lite", dict(
         vocab_size=87, hidden_size=40, num_hidden_layers=4, num_attention_heads=5, num_key_value_heads=5,
         q_lora_rank=16, kv_lora_rank=18, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=14,
         intermediate_size=30, moe_intermediate_size=10, n_routed_experts=8, num_experts_per_tok=2,
         n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True,
-        mlp_layer_types=["sparse", "dense", "sparse", "dense"], pad_token_id=0, eos_token_id=1,
+        mlp_layer_types=["sparse", "dense", "sparse", "dense"], pad_token_id=0, eos_token_id=1, rms_norm_eps=0.05,
         max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }
 
