@@ -89,17 +89,11 @@ class Embed(nnx.Module):
 
 # -- rotary embeddings --------------------------------------------------------------------------
 
-def rope_dim(cfg: ModelConfig) -> int:
-    """The dims of a head RoPE rotates (the leading ones; all unless cfg.rope_partial_factor < 1;
-    latent attention's mla_rope_dim)."""
-    return cfg.rotary_dim
-
-
 def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> tuple[jax.Array, float]:
-    """Inverse frequencies [rope_dim // 2] and the attention (cos/sin) scale for `cfg`'s RoPE;
+    """Inverse frequencies [cfg.rotary_dim // 2] and the attention (cos/sin) scale for `cfg`'s RoPE;
     `local`: the sliding layers' own (cfg.rope_local_theta, unscaled), where the config has one;
     `long`: longrope's long factors."""
-    dim, base = rope_dim(cfg), cfg.rope_theta
+    dim, base = cfg.rotary_dim, cfg.rope_theta
     if local and cfg.rope_local_theta is not None:
         base = cfg.rope_local_theta
     exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
@@ -151,7 +145,7 @@ def _llama3_inv_freq(inv_freq: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig, window=None) -> jax.Array:
-    """Rotates halves of the head dim's first rope_dim dims. x [batch, seq, heads, head_dim];
+    """Rotates halves of the head dim's first cfg.rotary_dim dims. x [batch, seq, heads, head_dim];
     positions [batch, seq].
     window (int scalar, may be traced; a sliding layer's > 0): picks the sliding layers' RoPE
     where cfg.rope_local_theta gives them their own."""

@@ -270,9 +270,8 @@ def check_exportable(cfg: ModelConfig) -> None:
     free = {"granite": ("embed_scale", "query_scale", "residual_scale", "logits_divisor"),
             "gemma3_text": ("query_scale", "rope_local_theta", "norm_scale_fp32"),   # its offset: fp32 anyway
             "olmo3": ("rope_local_theta",), "phi3": ("rope_partial_factor",),
-            "glm4_moe": ("rope_partial_factor",), "deepseek_v3": ("query_scale", "mla_kv_rank"),
-            "deepseek_v2": ("query_scale", "mla_kv_rank"),
-            "glm4_moe_lite": ("query_scale", "mla_kv_rank")}.get(cfg.family, ())
+            "glm4_moe": ("rope_partial_factor",),
+            **{f: ("query_scale", "mla_kv_rank") for f in LATENT_ATTENTION_FAMILIES}}.get(cfg.family, ())
     want = {k: v for k, v in {**plain, **family}.items() if k not in free}
     if cfg.family == "granite" and cfg.query_scale is None:
         raise HFConfigError("ModelConfig(family='granite') needs query_scale (attention_multiplier)")
