@@ -259,13 +259,8 @@ def _latent_attention_fields(hf: Mapping[str, Any], where: str) -> dict:
     none), `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, cached as one KV
     head of kv_lora_rank + qk_rope_head_dim dims; RoPE as `rope_of` reads it, and the scores
     scaled by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times YaRN's mscale(factor,
-    mscale_all_dim)^2 where the rope parameters give one, as transformers does. FP8-quantised
-    weights, biases and other routers' scoring are refused by name."""
-    quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
-        raise HFConfigError(f"{where}: quantization_config (quant_method={method!r}) is not supported: load a "
-                            "checkpoint with bf16 or fp32 weights (DeepSeek's FP8 blocks dequantised)")
+    mscale_all_dim)^2 where the rope parameters give one, as transformers does. Biases and other
+    routers' scoring are refused by name. (FP8 weights are the loader's concern: `fp8_blocks`.)"""
     require(hf, "moe_layer_freq", (1,), where)
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
