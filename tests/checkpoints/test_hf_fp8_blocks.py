@@ -161,9 +161,8 @@ def test_transformers_dequantises_to_the_format_reference(deepseek_fp8):
         expert = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
         if expert:   # transformers holds the experts fused: down_proj [E, D, F], gate_up_proj [E, 2F, D]
             prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
-            f = value.shape[0]
-            theirs = (state[prefix + ".down_proj"][e] if proj == "down" else
-                      state[prefix + ".gate_up_proj"][e][:f] if proj == "gate" else state[prefix + ".gate_up_proj"][e][f:])
+            f, gate_up = value.shape[0], state[prefix + ".gate_up_proj"][e]
+            theirs = {"down": state[prefix + ".down_proj"][e], "gate": gate_up[:f], "up": gate_up[f:]}[proj]
         else:
             theirs = state[name]
         np.testing.assert_array_equal(theirs, value, err_msg=name)
