@@ -95,7 +95,7 @@ def test_published_deepseek_v3_configs_read_as_transformers_reads_them():
     from sfrrl_jax.checkpoints.hf import HFConfigError
     bf16 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}   # dequantised, as released by others
     cfg = config_from_hf(bf16)
-    assert config_from_hf(DEEPSEEK_V3) == cfg   # FP8 storage is the loader's concern (test_hf_fp8_blocks)
+    assert config_from_hf(DEEPSEEK_V3) == cfg   # FP8 storage is the loader's concern (test_hf_fp8_weights)
     theirs = transformers.DeepseekV3Config(**copy.deepcopy(bf16))
     assert (cfg.family, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == ("deepseek_v3", 128, 1, 576)  # cache: one head
     assert (cfg.mla_q_rank, cfg.mla_kv_rank, cfg.mla_nope_dim, cfg.mla_rope_dim, cfg.mla_v_dim) == (

@@ -4,10 +4,10 @@ Families: qwen3_moe, qwen2_moe, gpt_oss (incl. MXFP4 experts on load), mixtral, 
 latent-attention deepseek_v2, deepseek_v3 and glm4_moe_lite (DeepSeek's interleaved RoPE rows permuted on
 load, written back interleaved), and the dense
 llama, mistral, qwen2, qwen3, gemma3_text, phi3 (q/k/v and gate/up fused in its files), granite, olmo2, olmo3
-and smollm3 (NoPE layers). Block-scaled FP8 weights (DeepSeek-V3's format, `*-FP8` releases) are
-dequantised on load.
+and smollm3 (NoPE layers). FP8 weights (DeepSeek-V3's block scales, `*-FP8` releases, compressed-tensors'
+float-quantized format) are dequantised on load.
 """
-from sfrrl_jax.checkpoints.hf.fp8_blocks import dequantize_fp8_blocks
+from sfrrl_jax.checkpoints.hf.fp8_weights import dequantize_fp8
 from sfrrl_jax.checkpoints.hf.hf_config import (SUPPORTED_FAMILIES, HFConfigError, config_from_hf,
                                                 config_to_hf, read_hf_config)
 from sfrrl_jax.checkpoints.hf.loader import load_hf
@@ -16,4 +16,4 @@ from sfrrl_jax.checkpoints.hf.safetensors_io import CheckpointError
 from sfrrl_jax.checkpoints.hf.saver import save_hf
 
 __all__ = ["SUPPORTED_FAMILIES", "CheckpointError", "HFConfigError", "config_from_hf", "config_to_hf",
-           "dequantize_fp8_blocks", "dequantize_mxfp4", "load_hf", "read_hf_config", "save_hf"]
+           "dequantize_fp8", "dequantize_mxfp4", "load_hf", "read_hf_config", "save_hf"]

@@ -260,7 +260,7 @@ def _latent_attention_fields(hf: Mapping[str, Any], where: str) -> dict:
     head of kv_lora_rank + qk_rope_head_dim dims; RoPE as `rope_of` reads it, and the scores
     scaled by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times YaRN's mscale(factor,
     mscale_all_dim)^2 where the rope parameters give one, as transformers does. Biases and other
-    routers' scoring are refused by name. (FP8 weights are the loader's concern: `fp8_blocks`.)"""
+    routers' scoring are refused by name. (FP8 weights are the loader's concern: `fp8_weights`.)"""
     require(hf, "moe_layer_freq", (1,), where)
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sfrrl_jax.checkpoints.hf.fp8_blocks import Fp8BlockFiles, fp8_block_size
+from sfrrl_jax.checkpoints.hf.fp8_weights import Fp8WeightFiles, fp8_scheme
 from sfrrl_jax.checkpoints.hf.hf_config import config_from_hf, read_hf_config
 from sfrrl_jax.checkpoints.hf.hf_fields import bool_of
 from sfrrl_jax.checkpoints.hf.safetensors_io import CheckpointError, CheckpointFiles, read_tensor
@@ -208,8 +208,8 @@ class _LanguageModelFiles:
 def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfig, dict]:
     """Reads an HF directory (`config.json` + safetensors shards) into sharded params on `mesh`.
 
-    Block-scaled FP8 weights (`quant_method: "fp8"`, DeepSeek's format) are dequantised on load
-    (`fp8_blocks`), as are GPT-OSS's MXFP4 experts.
+    FP8 weights (`quant_method` "fp8", DeepSeek's block scales, or "compressed-tensors") are
+    dequantised on load (`fp8_weights`), as are GPT-OSS's MXFP4 experts.
     Families: qwen3_moe, qwen2_moe, gpt_oss (dense or MXFP4 experts), mixtral,
     olmoe, glm4_moe, the latent-attention deepseek_v2, deepseek_v3 and glm4_moe_lite, and the
     dense llama, mistral, qwen2, qwen3, gemma3_text (also the language model of a multimodal
@@ -228,9 +228,9 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
     files = CheckpointFiles(path)
     if hf.get("model_type") == "gemma3":   # the language model of Gemma3ForConditionalGeneration
         files = _LanguageModelFiles(files)
-    block = fp8_block_size(hf, str(path / "config.json"))
-    if block is not None:   # FP8 weights read as the float32 values they stand for
-        files = Fp8BlockFiles(files, block)
+    scheme = fp8_scheme(hf, str(path / "config.json"))
+    if scheme is not None:   # FP8 weights read as the float32 values they stand for
+        files = Fp8WeightFiles(files, scheme)
     quantized = is_mxfp4(files.tensors)
     # DeepSeek's RoPE rows pair adjacent dims unless config.json says otherwise (tensor_map)
     # (DeepSeek-V2's always do: transformers rotates them as complex pairs)

@@ -1,8 +1,9 @@
-"""Block-scaled FP8 checkpoints (DeepSeek-V3's `quant_method: "fp8"` format): dequantised on load.
+"""FP8 checkpoints, dequantised on load: DeepSeek-V3's block scales (`quant_method: "fp8"`) and
+compressed-tensors' float-quantized format (GLM-4.5-FP8, llm-compressor's FP8-dynamic releases).
 
-The reference quantiser and dequantiser here are written tile by tile from the format's definition,
-independent of the library. Transformers' own FP8 loader (which dequantises on a machine without
-a GPU) is the outside reference for the values and the logits.
+The reference quantiser and dequantiser here are written tile by tile from the formats'
+definitions, independent of the library. Transformers' own loaders (which dequantise on a machine
+without a GPU; the compressed-tensors package for its format) are the outside reference.
 """
 import json
 import re
@@ -11,11 +12,12 @@ import shutil
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file, save_file
 
 import sfrrl_jax as S
-from sfrrl_jax.checkpoints.hf import CheckpointError, dequantize_fp8_blocks, load_hf, save_hf
-from sfrrl_jax.checkpoints.hf.fp8_blocks import Fp8BlockFiles
+from sfrrl_jax.checkpoints.hf import CheckpointError, dequantize_fp8, load_hf, save_hf
+from sfrrl_jax.checkpoints.hf.fp8_weights import Fp8Scheme, Fp8WeightFiles
 from sfrrl_jax.checkpoints.hf.safetensors_io import CheckpointFiles, ShardedWriter
 
 import hf_fixtures as F
@@ -25,26 +27,26 @@ E4M3_MAX = 448.0
 _KEPT = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "e_score_correction_bias")
 
 
-def reference_quantize(w: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:
-    """w [..., out, in] -> (float8_e4m3fn values, float32 scale_inv [..., ceil(out/bo), ceil(in/bi)]):
-    each tile scaled so its largest magnitude is e4m3's largest, 448."""
-    bo, bi = block
+def reference_quantize(w: np.ndarray, tile, scale_dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """w [..., out, in] -> (float8_e4m3fn values, scales [..., ceil(out/tile[0]), ceil(in/tile[1])] in
+    `scale_dtype`): each tile divided by its stored scale, which maps its largest magnitude to
+    e4m3's largest, 448."""
+    bo, bi = tile
     rows, cols = w.shape[-2:]
     grid = w.shape[:-2] + (-(-rows // bo), -(-cols // bi))
-    q, scale = np.zeros(w.shape, ml_dtypes.float8_e4m3fn), np.ones(grid, np.float32)
+    q, scale = np.zeros(w.shape, ml_dtypes.float8_e4m3fn), np.ones(grid, scale_dtype)
     for lead in np.ndindex(*w.shape[:-2]):
         for i in range(grid[-2]):
             for j in range(grid[-1]):
-                tile = w[lead + (slice(i * bo, (i + 1) * bo), slice(j * bi, (j + 1) * bi))].astype(np.float32)
-                peak = np.abs(tile).max()
-                s = np.float32(peak / E4M3_MAX) if peak > 0 else np.float32(1.0)
-                scale[lead + (i, j)] = s
-                q[lead + (slice(i * bo, (i + 1) * bo), slice(j * bi, (j + 1) * bi))] = (tile / s).astype(q.dtype)
+                at = lead + (slice(i * bo, (i + 1) * bo), slice(j * bi, (j + 1) * bi))
+                peak = np.abs(w[at].astype(np.float32)).max()
+                scale[lead + (i, j)] = peak / E4M3_MAX if peak > 0 else 1.0
+                q[at] = (w[at].astype(np.float32) / np.float32(scale[lead + (i, j)])).astype(q.dtype)
     return q, scale
 
 
-def reference_dequantize(q: np.ndarray, scale: np.ndarray, block) -> np.ndarray:
-    bo, bi = block
+def reference_dequantize(q: np.ndarray, scale: np.ndarray, tile) -> np.ndarray:
+    bo, bi = tile
     out = np.empty(q.shape, np.float32)
     for index in np.ndindex(*q.shape):
         *lead, r, c = index
@@ -52,21 +54,48 @@ def reference_dequantize(q: np.ndarray, scale: np.ndarray, block) -> np.ndarray:
     return out
 
 
-def quantize_directory(model, directory, block) -> dict:
-    """save_pretrained, then every linear weight but the kept ones as FP8 + `weight_scale_inv`;
-    returns {name: the dense float32 value each quantised weight stands for}."""
+def compressed_tensors_config(weights: dict) -> dict:
+    """quantization_config as llm-compressor writes an FP8-dynamic model's (GLM-4.5-FP8's shape)."""
+    return {"config_groups": {"group_0": {
+        "input_activations": {"dynamic": True, "num_bits": 8, "strategy": "token", "symmetric": True, "type": "float"},
+        "output_activations": None, "targets": ["Linear"],
+        "weights": {"dynamic": False, "num_bits": 8, "observer": "minmax", "symmetric": True, "type": "float",
+                    **weights}}},
+        "format": "float-quantized", "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+
+
+_STRATEGY_TILE = {"tensor": (None, None), "channel": (1, None), "group": (1, 6), "block": (8, 16)}
+
+
+def quantize_directory(model, directory, block=None, strategy=None) -> dict:
+    """save_pretrained, then every linear weight but the kept ones as FP8: with `block`, DeepSeek's
+    float32 `weight_scale_inv` tiles; with `strategy`, compressed-tensors' bf16 `weight_scale`.
+    Returns {name: the dense float32 value each quantised weight stands for}."""
     F.save_model(model, directory)
     tensors = load_file(str(directory / "model.safetensors"))
     dense = {}
     for name in sorted(tensors):
-        if tensors[name].ndim >= 2 and not any(k in name for k in _KEPT):
-            q, scale = reference_quantize(tensors[name], block)
+        w = tensors[name]
+        if w.ndim < 2 or any(k in name for k in _KEPT):
+            continue
+        if block:
+            q, scale = reference_quantize(w, block)
             tensors[name], tensors[name + "_scale_inv"] = q, scale
             dense[name] = reference_dequantize(q, scale, block)
+        else:
+            rows, cols = _STRATEGY_TILE[strategy]
+            tile = (rows or w.shape[-2], cols or w.shape[-1])
+            q, scale = reference_quantize(w, tile, ml_dtypes.bfloat16)
+            tensors[name] = q
+            tensors[name + "_scale"] = scale.reshape(1) if strategy == "tensor" else scale   # as published
+            dense[name] = reference_dequantize(q, scale, tile)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                     "weight_block_size": list(block)}
+    extra = {"group": {"group_size": 6}, "block": {"block_structure": [8, 16]}}.get(strategy, {})
+    config["quantization_config"] = (
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+        if block else compressed_tensors_config({"strategy": strategy, **extra}))
     (directory / "config.json").write_text(json.dumps(config))
     return dense
 
@@ -79,7 +108,7 @@ def read_all(directory) -> dict:
 
 def dense_twin(directory, dense, target):
     """The same checkpoint with the quantised weights written as their float32 values."""
-    tensors = {n: t for n, t in read_all(directory).items() if not n.endswith("_scale_inv")}
+    tensors = {n: t for n, t in read_all(directory).items() if not n.endswith(("_scale_inv", "_scale"))}
     tensors.update(dense)
     target.mkdir()
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
@@ -98,6 +127,29 @@ def _leaves(params):
     return {"/".join(p): np.asarray(v) for p, v in S.checkpoints.hf.loader.flatten_tree(params)}
 
 
+def assert_loads_alike(a, b, mesh, dtypes=(None,)):
+    """load_hf of directories a and b gives bit-identical params, in each of `dtypes`."""
+    for dtype in dtypes:
+        ours, theirs = _leaves(load_hf(a, mesh, dtype=dtype)[1]), _leaves(load_hf(b, mesh, dtype=dtype)[1])
+        assert ours.keys() == theirs.keys()
+        for path, value in ours.items():
+            assert value.dtype == theirs[path].dtype, path
+            np.testing.assert_array_equal(value, theirs[path], err_msg=path)
+
+
+def _experts_fused(state: dict, name: str, f: int):
+    """transformers' in-memory tensor for HF name `name`: it holds experts fused, down_proj
+    [E, D, F] and gate_up_proj [E, 2F, D]; `f` is the expert's rows (F, or D for down_proj)."""
+    expert = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+    if not expert:
+        return state[name]
+    prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+    if proj == "down":
+        return state[prefix + ".down_proj"][e]
+    gate_up = state[prefix + ".gate_up_proj"][e]
+    return gate_up[:f] if proj == "gate" else gate_up[f:]
+
+
 def test_dequantize_matches_the_format_reference():
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 256, (3, 13, 21), dtype=np.uint8)
@@ -106,11 +158,11 @@ def test_dequantize_matches_the_format_reference():
     q = codes.view(ml_dtypes.float8_e4m3fn)
     block = (4, 8)                                        # neither divides: the last tiles are cut short
     scale = rng.uniform(1e-4, 3.0, (3, 4, 3)).astype(np.float32)
-    ours = dequantize_fp8_blocks(q, scale, block)
+    ours = dequantize_fp8(q, scale, block)
     assert ours.dtype == np.float32 and ours.shape == (3, 13, 21)
     np.testing.assert_array_equal(ours, reference_dequantize(q, scale, block))
     with pytest.raises(ValueError, match=r"needs scales of shape \(3, 4, 3\), got \(3, 4, 2\)"):
-        dequantize_fp8_blocks(q, scale[..., :2], block)
+        dequantize_fp8(q, scale[..., :2], block)
 
 
 def test_reads_of_rows_and_every_scale_dtype(tmp_path):
@@ -128,7 +180,7 @@ def test_reads_of_rows_and_every_scale_dtype(tmp_path):
     for n, a in specs.items():
         writer.write(n, a)
     writer.finish()
-    files = Fp8BlockFiles(CheckpointFiles(tmp_path), block)
+    files = Fp8WeightFiles(CheckpointFiles(tmp_path), Fp8Scheme("_scale_inv", block))
     assert sorted(files.tensors) == ["a.weight", "experts.down_proj", "norm.weight"]
     assert (files.tensors["a.weight"].dtype, files.tensors["a.weight"].shape) == ("F32", (13, 21))
     full2 = files.read("a.weight")
@@ -158,14 +210,7 @@ def test_transformers_dequantises_to_the_format_reference(deepseek_fp8):
     state = {n: t.numpy() for n, t in deepseek_fp8["theirs"].state_dict().items()}
     assert len(deepseek_fp8["dense"]) > 20
     for name, value in deepseek_fp8["dense"].items():
-        expert = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
-        if expert:   # transformers holds the experts fused: down_proj [E, D, F], gate_up_proj [E, 2F, D]
-            prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
-            f, gate_up = value.shape[0], state[prefix + ".gate_up_proj"][e]
-            theirs = {"down": state[prefix + ".down_proj"][e], "gate": gate_up[:f], "up": gate_up[f:]}[proj]
-        else:
-            theirs = state[name]
-        np.testing.assert_array_equal(theirs, value, err_msg=name)
+        np.testing.assert_array_equal(_experts_fused(state, name, value.shape[0]), value, err_msg=name)
 
 
 def test_load_fp8_deepseek_v3_matches_transformers_and_a_dense_checkpoint(deepseek_fp8, mesh, tmp_path):
@@ -174,11 +219,8 @@ def test_load_fp8_deepseek_v3_matches_transformers_and_a_dense_checkpoint(deepse
     assert np.abs(ours - deepseek_fp8["ref"]).max() <= 1e-4
     np.testing.assert_array_equal(ours.argmax(-1), deepseek_fp8["ref"].argmax(-1))
     # exactly the params of the same weights stored dense
-    _, dense_params = load_hf(dense_twin(deepseek_fp8["dir"], deepseek_fp8["dense"], tmp_path / "dense"), mesh)
-    ours_leaves, dense_leaves = _leaves(params), _leaves(dense_params)
-    assert ours_leaves.keys() == dense_leaves.keys()
-    for path, value in ours_leaves.items():
-        np.testing.assert_array_equal(value, dense_leaves[path], err_msg=path)
+    assert_loads_alike(deepseek_fp8["dir"], dense_twin(deepseek_fp8["dir"], deepseek_fp8["dense"], tmp_path / "dense"),
+                       mesh)
     # Export writes the dense weights and no quantization_config; transformers reads them back.
     out = save_hf(cfg, params, tmp_path / "export")
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
@@ -192,14 +234,31 @@ def test_fp8_moe_with_cut_tiles_equals_its_dense_twin_expert_sharded(mesh, tmp_p
     experts read alone) equals the dense checkpoint's, in float32 and in bfloat16."""
     model = F.build_model("qwen3_gqa3", seed=4)
     dense = quantize_directory(model, tmp_path / "fp8", (8, 16))
-    twin = dense_twin(tmp_path / "fp8", dense, tmp_path / "dense")
-    for dtype in (None, "bfloat16"):
-        _, ours = load_hf(tmp_path / "fp8", mesh, dtype=dtype)
-        _, theirs = load_hf(twin, mesh, dtype=dtype)
-        ours, theirs = _leaves(ours), _leaves(theirs)
-        for path, value in ours.items():
-            assert value.dtype == theirs[path].dtype, path
-            np.testing.assert_array_equal(value, theirs[path], err_msg=path)
+    assert_loads_alike(tmp_path / "fp8", dense_twin(tmp_path / "fp8", dense, tmp_path / "dense"), mesh,
+                       (None, "bfloat16"))
+
+
+
+@pytest.mark.parametrize("fixture, strategy", [("glm4_moe_groups", "tensor"), ("glm4_moe_groups", "channel"),
+                                               ("qwen3_dense", "group"), ("qwen3_dense", "block")])
+def test_compressed_tensors_fp8_equals_its_dense_twin_and_the_package(fixture, strategy, mesh, tmp_path):
+    """bf16 scales per tensor, output channel, group of 6 inputs or 8x16 block (cut at the edges).
+    GLM-4.5 in small (GLM-4.5-FP8 is a compressed-tensors release), experts one tensor each; a
+    dense Qwen3 for groups and blocks (transformers' merge of per-expert tensors mis-broadcasts
+    group scales)."""
+    from transformers import CompressedTensorsConfig
+    model = F.build_model(fixture, seed=2)
+    dense = quantize_directory(model, tmp_path / "fp8", strategy=strategy)
+    assert_loads_alike(tmp_path / "fp8", dense_twin(tmp_path / "fp8", dense, tmp_path / "dense"), mesh,
+                       (None, "bfloat16"))
+    # compressed-tensors' own dequantisation multiplies in the scale's dtype (bf16): our bf16 values
+    _, cls = F.FAMILY_CLASSES[F.CONFIGS[fixture][0]]
+    package = cls.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16, attn_implementation="eager",
+                                  quantization_config=CompressedTensorsConfig(dequantize=True))
+    state = {n: t.float().numpy() for n, t in package.state_dict().items()}
+    for name, value in dense.items():
+        np.testing.assert_array_equal(_experts_fused(state, name, value.shape[0]),
+                                      value.astype(ml_dtypes.bfloat16).astype(np.float32), err_msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +289,16 @@ def test_bad_fp8_tensors_are_named(small_fp8, mesh, tmp_path, edit, message):
         load_hf(directory, mesh)
 
 
+def _with_group(quant: dict, key: str, value) -> dict:
+    """quant with group_0's `key` set to value, or (for key 'group_1') a second group."""
+    quant = json.loads(json.dumps(quant))
+    if key == "group_1":
+        quant["config_groups"]["group_1"] = value
+    else:
+        quant["config_groups"]["group_0"][key] = value
+    return quant
+
+
 @pytest.mark.parametrize("quant, message", [
     ({"quant_method": "awq", "bits": 4}, r"quant_method='awq' is not supported"),
     ({"quant_method": "fp8", "weight_block_size": [4, 4], "activation_scheme": "static"},
@@ -237,6 +306,21 @@ def test_bad_fp8_tensors_are_named(small_fp8, mesh, tmp_path, edit, message):
     ({"quant_method": "fp8", "weight_block_size": [4, 4], "fmt": "e5m2"}, r"fmt='e5m2' is not supported"),
     ({"quant_method": "fp8"}, r"weight_block_size=None must be two positive integers"),
     ({"quant_method": "fp8", "weight_block_size": [128, 0]}, r"weight_block_size=\[128, 0\] must be"),
+    ({**compressed_tensors_config({"strategy": "channel"}), "format": "pack-quantized"},
+     r"format='pack-quantized' is not supported"),
+    ({**compressed_tensors_config({"strategy": "channel"}), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+     r"kv_cache_scheme=.* is not supported"),
+    ({**compressed_tensors_config({"strategy": "channel"}), "transform_config": {"config_groups": {"u": {}}}},
+     r"transform_config=.* is not supported"),
+    (compressed_tensors_config({"strategy": "channel", "type": "int"}),
+     r"config_groups.group_0.weights.type='int' is not supported"),
+    (compressed_tensors_config({"strategy": "group"}), r"config_groups.group_0.weights.strategy='group' is not"),
+    (_with_group(compressed_tensors_config({"strategy": "channel"}), "input_activations",
+                 {"dynamic": False, "num_bits": 8, "strategy": "tensor", "type": "float"}),
+     r"config_groups.group_0.input_activations=.* is not supported \(supported: none, or dynamic input"),
+    (_with_group(compressed_tensors_config({"strategy": "channel"}), "group_1",
+                 compressed_tensors_config({"strategy": "tensor"})["config_groups"]["group_0"]),
+     r"config_groups scale weights in 2 ways"),
 ])
 def test_unsupported_quantization_configs_are_named(small_fp8, mesh, tmp_path, quant, message):
     directory = shutil.copytree(small_fp8, tmp_path / "hf")
