@@ -26,8 +26,11 @@ def _operand(text: str) -> str:
     return f"({text})" if text.startswith("-") else text
 
 
-def calculator_demonstration(task: Task, system_prompt: str | None = CALCULATOR_SYSTEM_PROMPT) -> list[Message]:
-    """A correct transcript for an 'arithmetic' task, checked against the calculator as it is built."""
+def calculator_demonstration(task: Task, system_prompt: str | None = CALCULATOR_SYSTEM_PROMPT,
+                             call_id: str = "call_0") -> list[Message]:
+    """A correct transcript for an 'arithmetic' task, checked against the calculator as it is built.
+    `call_id`: each call's id, which templates that write ids teach the model (Kimi K2's are
+    'functions.calculator:0')."""
     if task.kind != "arithmetic":
         raise ValueError(f"task {task.task_id}: calculator demonstrations need kind 'arithmetic', got {task.kind!r}")
     messages: list[Message] = []
@@ -41,10 +44,10 @@ def calculator_demonstration(task: Task, system_prompt: str | None = CALCULATOR_
         expression = f"{_operand(left)} {op} {_operand(right)}"
         if format_number(evaluate_arithmetic(expression)) != value:
             raise AssertionError(f"task {task.task_id}: step {i} {expression} != {value}")
-        call = {"id": "call_0", "type": "function", "function": {"name": "calculator",
-                                                                  "arguments": {"expression": expression}}}
+        call = {"id": call_id, "type": "function", "function": {"name": "calculator",
+                                                                 "arguments": {"expression": expression}}}
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        messages.append({"role": "tool", "name": "calculator", "tool_call_id": "call_0", "content": value})
+        messages.append({"role": "tool", "name": "calculator", "tool_call_id": call_id, "content": value})
     messages.append({"role": "assistant", "content": f"<answer>{task.answer}</answer>"})
     return messages
 
@@ -160,9 +163,15 @@ def _check_reads_back(fmt, text: str, message: Message, index: int, tokenizer) -
         def shown(calls):
             return [f"{n}({json.dumps(a, sort_keys=True, default=repr)})" for n, a in calls]
         read = [f"error: {e.message}" for e in parsed.errors] + shown(got)
-        hint = ("Set tool_format to the format the template writes, or fix the template" if renders_tool_calls(
-            tokenizer) else "This template renders an assistant message's content only, not its tool_calls (as "
-            "SmolLM3's): write the calls into the content as the model writes them")
+        ids = {e.get("id") for e in message.get("tool_calls") or () if isinstance(e, dict)}
+        if not renders_tool_calls(tokenizer):
+            hint = ("This template renders an assistant message's content only, not its tool_calls (as SmolLM3's): "
+                    "write the calls into the content as the model writes them")
+        elif any(name in ids for name, _ in got):
+            hint = ("The template writes each call's id where the model names the tool: give the calls the ids the "
+                    "model writes (Kimi K2's: 'functions.NAME:INDEX')")
+        else:
+            hint = "Set tool_format to the format the template writes, or fix the template"
         raise ValueError(
             f"message {index}: the chat template renders the assistant turn as {text[:300]!r}, which the "
             f"{fmt!r} tool-call format reads as {read or 'an answer without calls'}, not the message's calls "

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Protocol
 
 from sfrrl_jax.agents.call_text import (FormatBase, ParsedTurn, decode_object, json_objects, make_call, named_call,
                                         split_reasoning, strip_suffixes, tagged_calls)
-from sfrrl_jax.agents.deepseek_format import DeepSeekFormat
+from sfrrl_jax.agents.deepseek_format import DeepSeekFormat, KimiK2Format
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 from sfrrl_jax.agents.pythonic_format import Olmo3Format, PythonicFormat
 from sfrrl_jax.tokenizer.chat_template import template_reads_key
@@ -411,15 +411,17 @@ class Glm45Format(Qwen3XmlFormat):
 FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "qwen3_xml": Qwen3XmlFormat, "harmony": HarmonyFormat,
            "llama3_json": Llama3JsonFormat, "llama4_json": Llama4JsonFormat, "mistral": MistralFormat,
            "pythonic": PythonicFormat, "granite": GraniteFormat, "olmo3": Olmo3Format,
-           "deepseek_v3": DeepSeekFormat, "glm45": Glm45Format}
+           "deepseek_v3": DeepSeekFormat, "kimi_k2": KimiK2Format, "glm45": Glm45Format}
 
 # What each built-in format's chat templates write, most specific first (harmony's templates
 # also write <|call|>, the compact format's call tag; Qwen3-Coder's write <tool_call> around XML;
 # the pythonic ones (Llama 3.2 / 4) keep Llama's ipython role, and show the list's shape; Llama
 # 4's headers are <|header_start|>, Llama 3's <|start_header_id|>; OLMo 3's wrap its calls in
-# <function_calls>; DeepSeek's write <｜tool▁calls▁begin｜>; GLM-4.5's <tool_call> holds <arg_key>s).
+# <function_calls>; DeepSeek's write <｜tool▁calls▁begin｜>, Kimi K2's <|tool_calls_section_begin|>;
+# GLM-4.5's <tool_call> holds <arg_key>s).
 _TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("olmo3", ("<function_calls>",)),
-                     ("deepseek_v3", ("<｜tool▁calls▁begin｜>",)), ("glm45", ("<arg_key>",)),
+                     ("deepseek_v3", ("<｜tool▁calls▁begin｜>",)), ("kimi_k2", ("<|tool_calls_section_begin|>",)),
+                     ("glm45", ("<arg_key>",)),
                      ("qwen3_xml", ("<function=",)),
                      ("qwen3", ("<tool_call>",)), ("mistral", ("[TOOL_CALLS]",)), ("pythonic", ("[func_name1(",)),
                      ("llama4_json", ("<|header_start|>",)), ("llama3_json", ("<|python_tag|>", "ipython")),

@@ -80,7 +80,8 @@ KIND_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
 #: gpt-oss the harmony channels, Granite 3 `<|tool_call|>` JSON, OLMo 3 pythonic calls in
 #: <function_calls> (OLMo 2's Tulu template has no tools), GLM-4.5 <arg_key>/<arg_value> pairs.
 #: Llama, Mistral and Mixtral checkpoints differ (Llama 3.1's template writes JSON calls,
-#: SmolLM2's none; Mistral v0.3's [TOOL_CALLS], v0.1's none): their template decides, or
+#: SmolLM2's none; Mistral v0.3's [TOOL_CALLS], v0.1's none), and Kimi K2 reads as deepseek_v3
+#: (its architecture) but writes calls of its own ('kimi_k2'): their template decides, or
 #: `AgenticRollout.tool_format`.
 FAMILY_FORMATS = {"qwen2": "qwen3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "gpt_oss": "harmony",
                   "granite": "granite", "olmo3": "olmo3", "glm4_moe": "glm45", "deepseek_v3": "deepseek_v3",

@@ -306,6 +306,40 @@ SMOLLM3_STYLE_TEMPLATE = (
 )
 
 
+# Kimi K2 (Instruct / Thinking), written after the published prompt format: the tools declared
+# first as a JSON list in a `tool_declare` system turn, a default system prompt when the
+# conversation has none, every message <|im_ROLE|>NAME<|im_middle|>...<|im_end|>; an assistant
+# turn opens with its thinking (empty up to the last plain answer, the message's
+# reasoning_content after it), then its content and a <|tool_calls_section_begin|> section whose
+# calls carry their ids (`functions.NAME:INDEX`); a tool result is headed "## Return of ID".
+KIMI_K2_SPECIALS = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+                    "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>"]
+KIMI_K2_STYLE_TEMPLATE = (
+    "{%- set ns = namespace(last_answer=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'assistant' and not m.get('tool_calls') -%}"
+    "{%- set ns.last_answer = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif -%}"
+    "{%- if not messages or messages[0].role != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant.<|im_end|>{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}<|im_user|>{{ m.get('name') or 'user' }}<|im_middle|>"
+    "{%- elif m.role == 'assistant' -%}<|im_assistant|>{{ m.get('name') or 'assistant' }}<|im_middle|>"
+    "{%- else -%}<|im_system|>{{ m.get('name') or m.role }}<|im_middle|>{%- endif -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "<think>{{ m.get('reasoning_content') or '' if loop.index0 > ns.last_answer else '' }}</think>"
+    "{{- m.content or '' -}}"
+    "{%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>"
+    "{%- for tc in m.tool_calls -%}<|tool_call_begin|>{{ tc.id }}<|tool_call_argument_begin|>"
+    "{%- if tc.function.arguments is string -%}{{ tc.function.arguments }}"
+    "{%- else -%}{{ tc.function.arguments | tojson }}{%- endif -%}<|tool_call_end|>{%- endfor -%}"
+    "<|tool_calls_section_end|>{%- endif -%}"
+    "{%- elif m.role == 'tool' -%}## Return of {{ m.tool_call_id }}\n{{ m.content }}"
+    "{%- else -%}{{ m.content }}{%- endif -%}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
 def _build(directory: Path, specials: list[str], config: dict, eos_list: list[str] | None) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -381,6 +415,12 @@ def build_deepseek_style_tokenizer(directory: Path) -> Path:
                                                  "eos_token": "<｜end▁of▁sentence｜>",
                                                  "chat_template": DEEPSEEK_STYLE_TEMPLATE}, ["<｜end▁of▁sentence｜>"])
 
+
+def build_kimi_k2_style_tokenizer(directory: Path) -> Path:
+    """Kimi K2's layout: eos [EOS], which no turn writes; generation_config.json stops on
+    <|im_end|>, which ends every message."""
+    return _build(directory, KIMI_K2_SPECIALS, {"bos_token": "[BOS]", "eos_token": "[EOS]",
+                                                "chat_template": KIMI_K2_STYLE_TEMPLATE}, ["<|im_end|>"])
 
 def build_glm45_style_tokenizer(directory: Path) -> Path:
     """GLM-4.5's layout: eos <|endoftext|>; generation_config.json lists it, <|user|> and
