@@ -75,6 +75,27 @@ DEEPSEEK_V3 = {
     "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
     "v_head_dim": 128, "vocab_size": 129280}
 
+# Kimi K2 Instruct's (DeepSeek-V3's architecture under model_type kimi_k2: 384 experts in one
+# group, 64 heads, YaRN x32 over 4096 positions, FP8 blocks).
+KIMI_K2 = {**DEEPSEEK_V3, "model_type": "kimi_k2", "bos_token_id": 163584, "eos_token_id": 163585,
+           "first_k_dense_replace": 1, "max_position_embeddings": 131072, "n_group": 1, "n_routed_experts": 384,
+           "num_attention_heads": 64, "num_key_value_heads": 64, "num_nextn_predict_layers": 0,
+           "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096, "type": "yarn"},
+           "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "topk_group": 1, "vocab_size": 163840}
+
+
+def test_kimi_k2_reads_as_deepseek_v3():
+    import math
+    cfg = config_from_hf(KIMI_K2)
+    assert cfg == config_from_hf({**KIMI_K2, "model_type": "deepseek_v3"}).replace(name="kimi_k2")
+    assert (cfg.family, cfg.n_heads, cfg.n_experts, cfg.top_k, cfg.router_groups, cfg.router_scale) == (
+        "deepseek_v3", 64, 384, 8, 1, 2.827)
+    assert (cfg.dense_layers, cfg.rope_factor, cfg.rope_theta) == ((0,), 32.0, 50000.0)
+    assert cfg.query_scale == pytest.approx((0.1 * math.log(32) + 1) ** 2 / math.sqrt(192), rel=1e-12)
+    assert config_to_hf(cfg)["model_type"] == "deepseek_v3"   # written as the architecture transformers reads
+
+
 # Moonlight-16B-A3B's (Kimi's DeepSeek-V3 architecture): no query latent, plain RoPE, bf16.
 MOONLIGHT_16B = {
     "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "bos_token_id": 163584,

@@ -24,6 +24,8 @@ __all__ = ["ARCHITECTURES", "DENSE_FAMILIES", "DTYPES", "SUPPORTED_FAMILIES", "H
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3",
                       "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe",
                       "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+# Kimi K2 (Instruct, Thinking's bf16 / FP8 weights) is DeepSeek-V3's architecture under its own model_type
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 LATENT_ATTENTION_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
@@ -42,9 +44,12 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
     family = hf.get("model_type")
     if family == "gemma3":
         return config_from_hf(gemma3_text_config(hf, where), dtype, f"{where} text_config")
+    if family in MODEL_TYPE_ALIASES:   # another name for an architecture we read
+        return config_from_hf({**hf, "model_type": MODEL_TYPE_ALIASES[family],
+                               "_name_or_path": hf.get("_name_or_path") or family}, dtype, where)
     if family not in SUPPORTED_FAMILIES:
         raise HFConfigError(f"{where}: model_type {family!r} is not supported; supported model_types: "
-                            f"{list(SUPPORTED_FAMILIES)}")
+                            f"{list(SUPPORTED_FAMILIES) + list(MODEL_TYPE_ALIASES)}")
     d_model = int_of(hf, "hidden_size", where)
     n_heads = int_of(hf, "num_attention_heads", where)
     if dtype is not None:
