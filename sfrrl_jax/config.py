@@ -160,6 +160,8 @@ class ModelConfig:
     # selection bias (param 'score_bias', HF's e_score_correction_bias: it moves the choice only,
     # so it gets no gradient) among the router_topk_groups best of router_groups expert groups (a
     # group's worth: its two best), weighted by their scores, optionally renormalised.
+    # 'softmax_topk' with router_groups > 1 is DeepSeek-V2's 'group_limited_greedy': the top k among
+    # the router_topk_groups groups whose best probability is highest.
     router: RouterKind = "softmax_topk"
     norm_topk_prob: bool = True
     # The chosen experts' weights are multiplied by router_scale (DeepSeek's routed_scaling_factor;
@@ -433,8 +435,8 @@ class ModelConfig:
         if self.router_topk_groups > self.router_groups:
             raise ValueError(f"ModelConfig.router_topk_groups={self.router_topk_groups} > router_groups="
                              f"{self.router_groups}")
-        if self.router_groups > 1 and self.router != "sigmoid_topk":
-            raise ValueError(f"ModelConfig.router_groups is sigmoid_topk's (router={self.router!r})")
+        if self.router_groups > 1 and self.router == "topk_softmax":
+            raise ValueError("ModelConfig.router_groups is softmax_topk's and sigmoid_topk's (router='topk_softmax')")
         if self.router_scale != 1.0 and self.router == "topk_softmax":
             raise ValueError("ModelConfig.router_scale is softmax_topk's and sigmoid_topk's (router='topk_softmax')")
         if self.n_experts and self.router_groups > 1:
@@ -442,10 +444,11 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.router_groups={self.router_groups} must divide n_experts="
                                  f"{self.n_experts}")
             per_group = self.n_experts // self.router_groups
-            if per_group < 2 or self.top_k > self.router_topk_groups * per_group:
+            least = 2 if self.router == "sigmoid_topk" else 1   # sigmoid_topk's group's worth is its two best
+            if per_group < least or self.top_k > self.router_topk_groups * per_group:
                 raise ValueError(f"ModelConfig: top_k={self.top_k} experts from router_topk_groups="
-                                 f"{self.router_topk_groups} groups of {per_group} (each needs >= 2: a group's "
-                                 "worth is its two best)")
+                                 f"{self.router_topk_groups} groups of {per_group} (a sigmoid_topk group needs >= 2: "
+                                 "its worth is its two best)")
 
     # -- derived -----------------------------------------------------------------------------
     @property

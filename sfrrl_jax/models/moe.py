@@ -134,6 +134,10 @@ def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None, replay_
         scores = jax.nn.sigmoid(logits)
         _, ids = top_k_by_argmax(_grouped_choice(cfg, scores, score_bias), cfg.top_k)
         top_scores = jnp.take_along_axis(scores, ids, axis=-1)
+    elif cfg.router == "softmax_topk" and cfg.router_groups > 1:   # DeepSeek-V2's group_limited_greedy
+        scores = probs
+        _, ids = top_k_by_argmax(_grouped_choice(cfg, scores, None), cfg.top_k)
+        top_scores = jnp.take_along_axis(scores, ids, axis=-1)
     else:
         scores = probs if cfg.router == "softmax_topk" else logits
         top_scores, ids = top_k_by_argmax(scores, cfg.top_k)
@@ -175,15 +179,20 @@ def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None, replay_
 
 
 def _grouped_choice(cfg: ModelConfig, scores, score_bias):
-    """sigmoid_topk's selection scores [tokens, experts]: scores + score_bias, -inf outside the
-    router_topk_groups groups (of router_groups) whose two best such scores sum highest."""
+    """Selection scores [tokens, experts]: scores + score_bias, -inf outside the router_topk_groups
+    groups (of router_groups) worth the most: sigmoid_topk's worth is a group's two best such
+    scores summed (DeepSeek-V3), softmax_topk's its best probability (DeepSeek-V2)."""
     choice = scores if score_bias is None else scores + score_bias.astype(jnp.float32)
     if cfg.router_groups == 1:
         return choice
     t, e = choice.shape
     grouped = choice.reshape(t, cfg.router_groups, e // cfg.router_groups)
-    best_two, _ = top_k_by_argmax(grouped, 2)
-    _, groups = top_k_by_argmax(jnp.sum(best_two, axis=-1), cfg.router_topk_groups)   # [tokens, topk_groups]
+    if cfg.router == "sigmoid_topk":
+        best_two, _ = top_k_by_argmax(grouped, 2)
+        worth = jnp.sum(best_two, axis=-1)
+    else:
+        worth = jnp.max(grouped, axis=-1)
+    _, groups = top_k_by_argmax(worth, cfg.router_topk_groups)   # [tokens, topk_groups]
     kept = jnp.any(jax.nn.one_hot(groups, cfg.router_groups, dtype=bool), axis=1)        # [tokens, groups]
     return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(t, e)
 

@@ -240,6 +240,15 @@ CONFIGS = {
         pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
                          "mscale_all_dim": 0.707, "original_max_position_embeddings": 16})),
+    # DeepSeek-V2 / V2.5 / Coder-V2 in small: V2-Lite's attention with a query latent, the experts
+    # chosen within the 2 of 4 groups whose best probability is highest (group_limited_greedy).
+    "deepseek_v2_groups": ("deepseek_v2", dict(
+        vocab_size=73, hidden_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=16, kv_lora_rank=20, qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=8,
+        intermediate_size=36, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, routed_scaling_factor=1.3, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        first_k_dense_replace=1, pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # GLM-4.7-Flash in small: DeepSeek-V3's latent attention (a query latent, values wider than
     # the key's nope dims, interleaved RoPE) and GLM's MoE, its dense layers named per layer: the
     # second and the fourth, not a leading run. A large rms_norm_eps: the latents' norms keep 1e-6.

@@ -200,9 +200,21 @@ def test_published_deepseek_v2_lite_config_reads_as_transformers_reads_it():
     assert (back.topk_method, back.routed_scaling_factor, back.q_lora_rank, back.first_k_dense_replace) == (
         "greedy", 1.0, None, 1)
     assert yarn_apply_mscale(back.rope_parameters, 192 ** -0.5) == pytest.approx(cfg.query_scale, rel=1e-12)
-    # DeepSeek-V2 / V2.5 (236B): group-limited routing, refused by name
-    with pytest.raises(HFConfigError, match="topk_method='group_limited_greedy' is not supported"):
-        config_from_hf({**DEEPSEEK_V2_LITE, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3})
+    # DeepSeek-V2 / V2.5 (236B): experts chosen within the 3 of 8 groups whose best probability is highest
+    v2 = {**DEEPSEEK_V2_LITE, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3,
+          "n_routed_experts": 160, "routed_scaling_factor": 16.0, "q_lora_rank": 1536}
+    big = config_from_hf(v2)
+    assert (big.router, big.router_groups, big.router_topk_groups, big.n_experts, big.router_scale) == (
+        "softmax_topk", 8, 3, 160, 16.0)
+    assert config_from_hf(config_to_hf(big)) == big
+    back = transformers.DeepseekV2Config(**copy.deepcopy(config_to_hf(big)))
+    assert (back.topk_method, back.n_group, back.topk_group) == ("group_limited_greedy", 8, 3)
+    with pytest.raises(HFConfigError, match=r"topk_method='noaux_tc' is not supported"):
+        config_from_hf({**v2, "topk_method": "noaux_tc"})
+    # a family whose HF class has no groups refuses them on export
+    from sfrrl_jax.config import PRESETS
+    with pytest.raises(HFConfigError, match=r"Qwen3MoeForCausalLM requires \{'router_groups': 1"):
+        config_to_hf(PRESETS["tiny-moe"].replace(family="qwen3_moe", router_groups=2))
     with pytest.raises(HFConfigError, match="DeepseekV2ForCausalLM requires"):
         config_to_hf(cfg.replace(norm_topk_prob=True))
     with pytest.raises(HFConfigError, match="DeepseekV3ForCausalLM requires"):

@@ -121,6 +121,35 @@ def test_sigmoid_routing_chooses_as_glm_and_deepseek_do():
     assert np.asarray(ids).max() < cfg.n_experts and np.allclose(np.asarray(weights).sum(-1), cfg.router_scale)
 
 
+
+def test_group_limited_softmax_routing_chooses_as_deepseek_v2_does():
+    """softmax_topk with groups against the rule written out (transformers' DeepseekV2TopkRouter,
+    'group_limited_greedy'): the top k probabilities within the router_topk_groups groups whose
+    best probability is highest, weighted by those probabilities (not renormalised here) times
+    router_scale; replayed choices keep their own weights."""
+    # 3 of 8 experts from 2 of 4 groups (with k <= the groups kept the best group maxima hold the top k)
+    cfg = TINY_GLM.replace(router="softmax_topk", norm_topk_prob=False, router_scale=1.6, top_k=3)
+    x, router = _inputs(cfg, tokens=64)
+    ids, weights, _ = moe_lib.route(cfg, x, router)
+    logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    grouped = probs.reshape(len(probs), cfg.router_groups, -1)
+    best_groups = np.argsort(-grouped.max(-1), axis=-1)[:, :cfg.router_topk_groups]
+    allowed = np.zeros_like(grouped)   # transformers masks the other groups with 0
+    for t, groups in enumerate(best_groups):
+        allowed[t, groups] = grouped[t, groups]
+    want = np.argsort(-allowed.reshape(len(probs), -1), axis=-1)[:, :cfg.top_k]
+    assert [set(r) for r in np.asarray(ids)] == [set(r) for r in want]
+    np.testing.assert_allclose(weights, _reference_weights(cfg, x, router, np.asarray(ids)), rtol=1e-5, atol=1e-6)
+    ungrouped, _, _ = moe_lib.route(cfg.replace(router_groups=1, router_topk_groups=1), x, router)
+    assert np.any(np.asarray(ungrouped) != np.asarray(ids))   # the groups change choices here
+    replayed, replayed_w, m = moe_lib.route(cfg, x, router, replay_ids=ungrouped)
+    np.testing.assert_array_equal(replayed, ungrouped)
+    np.testing.assert_allclose(replayed_w, _reference_weights(cfg, x, router, np.asarray(ungrouped)), rtol=1e-5,
+                               atol=1e-6)
+    assert float(m["routing_agreement"]) < 1.0
+
 # -- through the forward ---------------------------------------------------------------------------
 
 import sfrrl_jax as S  # noqa: E402

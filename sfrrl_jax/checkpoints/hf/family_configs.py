@@ -292,16 +292,20 @@ def deepseek_v3_config(hf: Mapping[str, Any], common: dict, where: str) -> Model
 
 
 def deepseek_v2_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
-    """DeepSeek-V2-Lite (DeepseekV2ForCausalLM): latent attention with RoPE on adjacent pairs
-    (`_latent_attention_fields`), the first `first_k_dense_replace` layers dense, the others
-    routed by softmax then top-k (`topk_method='greedy'`; V2's and V2.5's 'group_limited_greedy'
-    is refused by name), never renormalised (transformers ignores norm_topk_prob here), times
-    `routed_scaling_factor`, plus an ungated shared expert of `n_shared_experts` x
-    moe_intermediate_size; the router in fp32 as transformers keeps it."""
+    """DeepSeek-V2 / V2.5 / V2-Lite, Coder-V2 (DeepseekV2ForCausalLM): latent attention with RoPE on
+    adjacent pairs (`_latent_attention_fields`), the first `first_k_dense_replace` layers dense,
+    the others routed by softmax then top-k (`topk_method='greedy'`; 'group_limited_greedy': among
+    the `topk_group` of `n_group` groups whose best probability is highest), never renormalised
+    (transformers ignores norm_topk_prob here), times `routed_scaling_factor`, plus an ungated
+    shared expert of `n_shared_experts` x moe_intermediate_size; the router in fp32 as
+    transformers keeps it."""
     require(hf, "scoring_func", ("softmax",), where)
-    require(hf, "topk_method", ("greedy",), where)
+    require(hf, "topk_method", ("greedy", "group_limited_greedy"), where)
+    groups = {}
+    if hf.get("topk_method") == "group_limited_greedy":
+        groups = dict(router_groups=int_of(hf, "n_group", where), router_topk_groups=int_of(hf, "topk_group", where))
     return _checked(where, **{**common, **_latent_attention_fields(hf, where)}, router="softmax_topk",
-                    router_fp32=True, norm_topk_prob=False,
+                    router_fp32=True, norm_topk_prob=False, **groups,
                     router_scale=float_of(hf, "routed_scaling_factor", where, 1.0),
                     **_deepseek_moe(hf, common["n_layers"], where, 0, 2))
 

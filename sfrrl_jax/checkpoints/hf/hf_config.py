@@ -235,7 +235,8 @@ def check_exportable(cfg: ModelConfig) -> None:
     # Gemma's, Granite's, OLMo's or Phi-3's variants of the block
     plain = dict(norm_offset=0.0, sandwich_norms=False, mlp_act="silu", embed_scale=1.0, query_scale=None,
                  rope_local_theta=None, residual_scale=1.0, logits_divisor=1.0, pre_norms=True,
-                 qk_norm_over_heads=False, norm_scale_fp32=False, rope_partial_factor=1.0, mla_kv_rank=0)
+                 qk_norm_over_heads=False, norm_scale_fp32=False, rope_partial_factor=1.0, mla_kv_rank=0,
+                 router_groups=1, router_topk_groups=1)
     # DeepSeek's latent attention (no biases, norms or sinks) and ungated shared expert
     latent = dict(attn_sinks=False, router_bias=False, expert_bias=False, expert_act="swiglu", shared_expert_gate=False,
                   qk_norm=False, attention_bias=False, out_bias=False)
@@ -275,8 +276,9 @@ def check_exportable(cfg: ModelConfig) -> None:
     free = {"granite": ("embed_scale", "query_scale", "residual_scale", "logits_divisor"),
             "gemma3_text": ("query_scale", "rope_local_theta", "norm_scale_fp32"),   # its offset: fp32 anyway
             "olmo3": ("rope_local_theta",), "phi3": ("rope_partial_factor",),
-            "glm4_moe": ("rope_partial_factor",),
-            **{f: ("query_scale", "mla_kv_rank") for f in LATENT_ATTENTION_FAMILIES}}.get(cfg.family, ())
+            "glm4_moe": ("rope_partial_factor", "router_groups", "router_topk_groups"),
+            **{f: ("query_scale", "mla_kv_rank", "router_groups", "router_topk_groups")
+               for f in LATENT_ATTENTION_FAMILIES}}.get(cfg.family, ())
     want = {k: v for k, v in {**plain, **family}.items() if k not in free}
     if cfg.family == "granite" and cfg.query_scale is None:
         raise HFConfigError("ModelConfig(family='granite') needs query_scale (attention_multiplier)")
@@ -418,10 +420,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         if cfg.family == "glm4_moe_lite":   # its dense layers by name, wherever they are
             del hf["first_k_dense_replace"]
             hf["mlp_layer_types"] = ["dense" if cfg.layer_is_dense(i) else "sparse" for i in range(cfg.n_layers)]
-        if cfg.family == "deepseek_v2":   # softmax routing, never renormalised, no groups
-            for k in ("n_group", "topk_group", "norm_topk_prob", "num_nextn_predict_layers", "rope_interleave"):
+        if cfg.family == "deepseek_v2":   # softmax routing, never renormalised, groups limited or not
+            for k in ("norm_topk_prob", "num_nextn_predict_layers", "rope_interleave"):
                 del hf[k]
-            hf.update(topk_method="greedy")
+            hf.update(topk_method="group_limited_greedy" if cfg.router_groups > 1 else "greedy")
     elif cfg.family == "olmoe":
         hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert, norm_topk_prob=cfg.norm_topk_prob,
                   attention_bias=cfg.attention_bias, clip_qkv=None)
