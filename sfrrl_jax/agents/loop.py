@@ -33,7 +33,7 @@ from sfrrl_jax.agents.formats import get_format, renders_tool_calls, trajectory_
 from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment, Episode, GenerationRequest,
                                        Message, Task, ToolCall, ToolCallError, ToolResult)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
-from sfrrl_jax.config import check_int, check_int_fields, check_number, check_seed
+from sfrrl_jax.checks import check_int, check_int_fields, check_number, check_seed
 from sfrrl_jax.tokenizer.protocol import TokenizerProtocol
 
 _log = logging.getLogger(__name__)

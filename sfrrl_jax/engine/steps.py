@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sfrrl_jax.config import ModelConfig, check_int, check_number, check_seed
+from sfrrl_jax.checks import check_int, check_number, check_seed
+from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.model_step import CACHE_AXES, extend
 from sfrrl_jax.engine.sampling import SamplingParams, sample
 from sfrrl_jax.mesh import sharding_for

@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from sfrrl_jax.config import check_int, check_number, check_seed
+from sfrrl_jax.checks import check_int, check_number, check_seed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from sfrrl_jax.config import check_int
+from sfrrl_jax.checks import check_int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,8 +46,8 @@ import jax
 import numpy as np
 
 from sfrrl_jax.agents.protocols import Task
-from sfrrl_jax.config import (ModelConfig, check_bool_fields, check_int, check_int_fields, check_seed,
-                              check_str)
+from sfrrl_jax.checks import check_bool_fields, check_int, check_int_fields, check_seed, check_str
+from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import MESH_AXES, make_mesh
 from sfrrl_jax.models.api import check_mesh_fits, init_params, param_shardings
 from sfrrl_jax.models.transformer import param_shapes

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sfrrl_jax.config import check_bool, check_int, check_number, check_str
+from sfrrl_jax.checks import check_bool, check_int, check_number, check_str
 # HOST_MEMORY is re-exported: the learner names it from here
 from sfrrl_jax.mesh import HOST_MEMORY, with_memory_kind as mesh_with_memory_kind  # noqa: F401
 

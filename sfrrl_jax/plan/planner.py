@@ -42,7 +42,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from sfrrl_jax.config import ModelConfig, check_bool, check_int, check_number
+from sfrrl_jax.checks import check_bool, check_int, check_number
+from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.plan.abstract import (GB, TrainSetup, device_bytes, engine_abstract, host_bytes, microbatch,
                                      request_abstract, shard_bytes)

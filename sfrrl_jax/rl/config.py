@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from sfrrl_jax.config import check_int, check_int_fields, check_number, check_number_fields
+from sfrrl_jax.checks import check_int, check_int_fields, check_number, check_number_fields
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 Objective = Literal["policy", "sft"]

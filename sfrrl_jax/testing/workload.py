@@ -24,7 +24,7 @@ import numpy as np
 
 from sfrrl_jax.agents.protocols import GenerationRequest, Task, ToolCall
 from sfrrl_jax.agents.tools import ToolRunner, ToolRunnerConfig
-from sfrrl_jax.config import (check_bool_fields, check_int_fields, check_number, check_number_fields, check_seed,
+from sfrrl_jax.checks import (check_bool_fields, check_int_fields, check_number, check_number_fields, check_seed,
                               check_str)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
 

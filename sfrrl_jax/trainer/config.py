@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from sfrrl_jax.config import PagedAttention, check_bool_fields, check_int, check_int_fields, check_seed
+from sfrrl_jax.checks import check_bool_fields, check_int, check_int_fields, check_seed
+from sfrrl_jax.config import PagedAttention
 from sfrrl_jax.rl.config import AdvantageConfig
 
 Mode = Literal["sync", "pipelined", "one_step_off"]
