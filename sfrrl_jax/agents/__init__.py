@@ -3,9 +3,10 @@ registry, reward functions, the agent loop."""
 from sfrrl_jax.agents.demos import calculator_demonstration, calculator_tool_schemas, render_sft_example
 from sfrrl_jax.agents.environments import (ToolEnvironment, calculator_environment, countdown_environment,
                                            qa_environment)
-from sfrrl_jax.agents.formats import (CompactFormat, DeepSeekFormat, GraniteFormat, HarmonyFormat, KimiK2Format,
-                                      Llama3JsonFormat, Llama4JsonFormat, MistralFormat, Olmo3Format, ParsedTurn,
-                                      PythonicFormat, Qwen3Format, Qwen3XmlFormat, ToolCallFormat, get_format, infer_format)
+from sfrrl_jax.agents.formats import (CompactFormat, DeepSeekDsmlFormat, DeepSeekFormat, GraniteFormat, HarmonyFormat,
+                                      KimiK2Format, Llama3JsonFormat, Llama4JsonFormat, MiniMaxM2Format, MistralFormat,
+                                      Olmo3Format, ParsedTurn, PythonicFormat, Qwen3Format, Qwen3XmlFormat,
+                                      ToolCallFormat, get_format, infer_format)
 from sfrrl_jax.agents.loop import AgentConfig, run_agent, run_many
 from sfrrl_jax.agents.protocols import (Completion, EngineProtocol, Environment, GenerationRequest, RewardFn, Task,
                                         Tool, ToolCall, ToolCallError, ToolResult)
@@ -22,8 +23,8 @@ from sfrrl_jax.agents.trajectory import Trajectory, Turn
 
 __all__ = [
     "AgentConfig", "CalculatorTool", "CompactFormat", "Completion", "DatasetError", "EngineProtocol", "Environment",
-    "DeepSeekFormat", "FunctionTool", "GenerationRequest", "GraniteFormat", "HarmonyFormat", "KimiK2Format",
-    "Llama3JsonFormat",
+    "DeepSeekDsmlFormat", "DeepSeekFormat", "FunctionTool", "GenerationRequest", "GraniteFormat", "HarmonyFormat",
+    "KimiK2Format", "Llama3JsonFormat", "MiniMaxM2Format",
     "Llama4JsonFormat", "MistralFormat", "Olmo3Format", "ParsedTurn", "PythonicFormat",
     "PythonSandbox", "PythonTool", "Qwen3Format", "Qwen3XmlFormat", "RewardError", "RewardFn", "RewardSum",
     "SandboxConfig", "SandboxResult", "Task", "TaskKind",

@@ -185,3 +185,48 @@ def split_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</th
     if opened >= 0:
         return text[opened + len(open_tag):].strip(), text[:opened].strip()
     return "", text
+
+
+def schema_properties(tools) -> dict[str, dict]:
+    """{tool name: its parameters' JSON-schema properties} of OpenAI-style tool schemas."""
+    out = {}
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+        props = (fn.get("parameters") or {}).get("properties") if isinstance(fn, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(props, dict):
+            out[fn["name"]] = props
+    return out
+
+
+def xml_value(text: str, schema: object) -> object:
+    """A parameter's text as its schema's type (the template wrote strings raw, the rest as JSON
+    or Python's str of it); text that does not read as that type stays text, for the tool's own
+    argument check to refuse."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = [k for k in (kinds if isinstance(kinds, list) else [kinds]) if k not in (None, "null")]
+    kind = kinds[0] if kinds else None
+    if kind == "string":
+        return text
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(text.strip().lower(), text)
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    if kind == "integer":
+        return value if isinstance(value, int) and not isinstance(value, bool) else text
+    if kind == "number":
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else text
+    if kind == "object":
+        return value if isinstance(value, dict) else text
+    if kind == "array":
+        return value if isinstance(value, list) else text
+    return value if not isinstance(value, str) else text   # no schema: what the JSON says
+
+
+def xml_call(name: str, arguments: dict, tail: str, index: int, raw: str) -> ToolCall | ToolCallError:
+    """The call, unless text follows its last argument (`tail`)."""
+    if tail.strip():
+        return ToolCallError(f"unexpected text in the call of {name!r}: {tail.strip()[:30]!r}", raw=raw,
+                             name=name or None)
+    return make_call(name, arguments, index, raw)

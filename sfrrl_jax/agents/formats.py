@@ -18,13 +18,14 @@ Unknown tools and schema violations are checked later, by the tool runner, which
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import Any, Mapping, Protocol
 
 from sfrrl_jax.agents.call_text import (FormatBase, ParsedTurn, decode_object, json_objects, make_call, named_call,
-                                        split_reasoning, strip_suffixes, tagged_calls)
+                                        schema_properties, split_reasoning, strip_suffixes, tagged_calls, xml_call,
+                                        xml_value)
 from sfrrl_jax.agents.deepseek_format import DeepSeekFormat, KimiK2Format
+from sfrrl_jax.agents.invoke_format import DeepSeekDsmlFormat, MiniMaxM2Format
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 from sfrrl_jax.agents.pythonic_format import Olmo3Format, PythonicFormat
 from sfrrl_jax.tokenizer.chat_template import template_reads_key
@@ -270,43 +271,6 @@ class MistralFormat(FormatBase):
         return ParsedTurn(content=content.strip(), calls=tuple(calls))
 
 
-def _schema_properties(tools) -> dict[str, dict]:
-    """{tool name: its parameters' JSON-schema properties} of OpenAI-style tool schemas."""
-    out = {}
-    for tool in tools or ():
-        fn = tool.get("function", tool) if isinstance(tool, dict) else {}
-        props = (fn.get("parameters") or {}).get("properties") if isinstance(fn, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(props, dict):
-            out[fn["name"]] = props
-    return out
-
-
-def _xml_value(text: str, schema: object) -> object:
-    """A parameter's text as its schema's type (the template wrote strings raw, the rest as JSON
-    or Python's str of it); text that does not read as that type stays text, for the tool's own
-    argument check to refuse."""
-    kinds = schema.get("type") if isinstance(schema, dict) else None
-    kinds = [k for k in (kinds if isinstance(kinds, list) else [kinds]) if k not in (None, "null")]
-    kind = kinds[0] if kinds else None
-    if kind == "string":
-        return text
-    if kind == "boolean":
-        return {"true": True, "false": False}.get(text.strip().lower(), text)
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        return text
-    if kind == "integer":
-        return value if isinstance(value, int) and not isinstance(value, bool) else text
-    if kind == "number":
-        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else text
-    if kind == "object":
-        return value if isinstance(value, dict) else text
-    if kind == "array":
-        return value if isinstance(value, list) else text
-    return value if not isinstance(value, str) else text   # no schema: what the JSON says
-
-
 class Qwen3XmlFormat(FormatBase):
     """Qwen3-Coder / Qwen3.5 XML tool calls, after an optional `<think>` block:
     `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`.
@@ -321,7 +285,7 @@ class Qwen3XmlFormat(FormatBase):
         self._properties = dict(properties or {})
 
     def with_tools(self, tools) -> "Qwen3XmlFormat":
-        return Qwen3XmlFormat(_schema_properties(tools))
+        return Qwen3XmlFormat(schema_properties(tools))
 
     def _decode(self, body: str, index: int, raw: str) -> ToolCall | ToolCallError:
         body = body.strip()
@@ -352,22 +316,14 @@ class Qwen3XmlFormat(FormatBase):
             if key in arguments:
                 return ToolCallError(f"parameter {key!r} given twice in the call of {name!r}", raw=raw,
                                      name=name or None)
-            arguments[key] = _xml_value(value, props.get(key))
+            arguments[key] = xml_value(value, props.get(key))
             pos = end + len("</parameter>")
-        return _xml_call(name, arguments, rest[pos:], index, raw)
+        return xml_call(name, arguments, rest[pos:], index, raw)
 
     def parse(self, text: str) -> ParsedTurn:
         reasoning, rest = split_reasoning(text)
         turn = tagged_calls(rest, "<tool_call>", "</tool_call>", self._decode, self._SUFFIXES)
         return dataclasses.replace(turn, reasoning=reasoning)
-
-
-def _xml_call(name: str, arguments: dict, tail: str, index: int, raw: str) -> ToolCall | ToolCallError:
-    """The call, unless text follows its last argument (`tail`)."""
-    if tail.strip():
-        return ToolCallError(f"unexpected text in the call of {name!r}: {tail.strip()[:30]!r}", raw=raw,
-                             name=name or None)
-    return make_call(name, arguments, index, raw)
 
 
 class Glm45Format(Qwen3XmlFormat):
@@ -381,7 +337,7 @@ class Glm45Format(Qwen3XmlFormat):
     turn_ends = _SUFFIXES = ("<|observation|>", "<|user|>", "<|endoftext|>")
 
     def with_tools(self, tools) -> "Glm45Format":
-        return Glm45Format(_schema_properties(tools))
+        return Glm45Format(schema_properties(tools))
 
     def _decode(self, body: str, index: int, raw: str) -> ToolCall | ToolCallError:
         first = body.find("<arg_key>")
@@ -403,23 +359,26 @@ class Glm45Format(Qwen3XmlFormat):
             if key in arguments:
                 return ToolCallError(f"argument {key!r} given twice in the call of {name!r}", raw=raw,
                                      name=name or None)
-            arguments[key] = _xml_value(rest[value_start + len("<arg_value>"):value_end], props.get(key))
+            arguments[key] = xml_value(rest[value_start + len("<arg_value>"):value_end], props.get(key))
             pos = value_end + len("</arg_value>")
-        return _xml_call(name, arguments, rest[pos:], index, raw)
+        return xml_call(name, arguments, rest[pos:], index, raw)
 
 
 FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "qwen3_xml": Qwen3XmlFormat, "harmony": HarmonyFormat,
            "llama3_json": Llama3JsonFormat, "llama4_json": Llama4JsonFormat, "mistral": MistralFormat,
            "pythonic": PythonicFormat, "granite": GraniteFormat, "olmo3": Olmo3Format,
-           "deepseek_v3": DeepSeekFormat, "kimi_k2": KimiK2Format, "glm45": Glm45Format}
+           "deepseek_v3": DeepSeekFormat, "deepseek_v32": DeepSeekDsmlFormat, "kimi_k2": KimiK2Format,
+           "minimax_m2": MiniMaxM2Format, "glm45": Glm45Format}
 
 # What each built-in format's chat templates write, most specific first (harmony's templates
 # also write <|call|>, the compact format's call tag; Qwen3-Coder's write <tool_call> around XML;
 # the pythonic ones (Llama 3.2 / 4) keep Llama's ipython role, and show the list's shape; Llama
 # 4's headers are <|header_start|>, Llama 3's <|start_header_id|>; OLMo 3's wrap its calls in
-# <function_calls>; DeepSeek's write <｜tool▁calls▁begin｜>, Kimi K2's <|tool_calls_section_begin|>;
+# <function_calls>; DeepSeek's write <｜tool▁calls▁begin｜> (V3.2's its DSML token ｜DSML｜, which its
+# template keeps in a variable), Kimi K2's <|tool_calls_section_begin|>, MiniMax-M2's <minimax:tool_call>;
 # GLM-4.5's <tool_call> holds <arg_key>s).
-_TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("olmo3", ("<function_calls>",)),
+_TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("deepseek_v32", ("｜DSML｜",)),
+                     ("minimax_m2", ("<minimax:tool_call>",)), ("olmo3", ("<function_calls>",)),
                      ("deepseek_v3", ("<｜tool▁calls▁begin｜>",)), ("kimi_k2", ("<|tool_calls_section_begin|>",)),
                      ("glm45", ("<arg_key>",)),
                      ("qwen3_xml", ("<function=",)),

@@ -340,6 +340,72 @@ KIMI_K2_STYLE_TEMPLATE = (
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 )
 
+# MiniMax-M2, written after its published prompt format: ]~!b[]~b]ROLE headers, every message
+# closed by [e~[, the tools as <tool> JSON lines in the system turn; an assistant turn's thinking
+# (after the last user message only) in <think>...</think>, its calls as <invoke>s in one
+# <minimax:tool_call> block, strings raw and other values as JSON; a run of tool results in one
+# ]~b]tool message of <response>s. The generation prompt opens the thinking.
+MINIMAX_M2_SPECIALS = ["]~!b[", "]~b]", "[e~[", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"]
+MINIMAX_M2_STYLE_TEMPLATE = (   # no whitespace control: every newline written is in the text or an expression
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "]~!b[]~b]system\n{{ messages[0].content if messages and messages[0].role == 'system' "
+    "else 'You are a helpful assistant.' }}"
+    "{% if tools %}{{ '\n\n# Tools\n<tools>' }}{% for t in tools %}{{ '\n<tool>' }}{{ t.function | tojson }}</tool>"
+    "{% endfor %}{{ '\n</tools>\nCall tools as <minimax:tool_call><invoke name=\"NAME\"><parameter name=\"KEY\">'"
+    " + 'VALUE</parameter></invoke></minimax:tool_call>' }}{% endif %}[e~[{{ '\n' }}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}]~b]user{{ '\n' }}{{ m.content }}[e~[{{ '\n' }}"
+    "{% elif m.role == 'assistant' %}]~b]ai{{ '\n' }}"
+    "{% if m.get('reasoning_content') and loop.index0 > ns.last_user %}"
+    "<think>{{ '\n' + m.reasoning_content + '\n' }}</think>{{ '\n\n' }}{% endif %}{{ m.content or '' }}"
+    "{% if m.get('tool_calls') %}{{ '\n<minimax:tool_call>\n' }}{% for tc in m.tool_calls %}"
+    "<invoke name=\"{{ tc.function.name }}\">{{ '\n' }}{% for k, v in tc.function.arguments.items() %}"
+    "<parameter name=\"{{ k }}\">{{ v if v is string else v | tojson }}</parameter>{{ '\n' }}{% endfor %}"
+    "</invoke>{{ '\n' }}{% endfor %}</minimax:tool_call>{% endif %}[e~[{{ '\n' }}"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}]~b]tool{% endif %}"
+    "{{ '\n<response>' }}{{ m.content }}</response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}[e~[{{ '\n' }}{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}]~b]ai{{ '\n<think>\n' }}{% endif %}"
+)
+
+# DeepSeek-V3.2, written after its published encoding: the DSML token kept in a variable, the tools
+# and the call syntax in the system prompt, <｜User｜>...<｜Assistant｜> then <think> for the last
+# user message (</think> for earlier ones); an assistant turn is its reasoning (after the last
+# user message) and </think>, its content, then its calls as DSML invokes, strings marked
+# string="true", other values JSON; the results follow in <function_results>, then <think> again.
+DEEPSEEK_V32_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
+                         "</think>", "｜DSML｜"]
+DEEPSEEK_V32_STYLE_TEMPLATE = (   # no whitespace control, as above
+    "{% set dsml = '｜DSML｜' %}{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{{ bos_token }}{% if messages and messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}"
+    "{% if tools %}{{ '\n\n## Tools\nCall functions in a <' + dsml + 'function_calls> block of <' + dsml }}"
+    "invoke name=\"NAME\"> elements, each parameter <{{ dsml }}parameter name=\"KEY\" string=\"true|false\">"
+    "VALUE</{{ dsml }}parameter>.{{ '\n<functions>' }}{% for t in tools %}{{ '\n' }}{{ t | tojson }}{% endfor %}"
+    "{{ '\n</functions>\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<｜User｜>{{ m.content }}<｜Assistant｜>"
+    "{{ '<think>' if loop.index0 == ns.last_user else '</think>' }}"
+    "{% elif m.role == 'assistant' %}"
+    "{% if loop.index0 > ns.last_user %}{{ m.get('reasoning_content') or '' }}</think>{% endif %}"
+    "{{ m.content or '' }}"
+    "{% if m.get('tool_calls') %}{{ '\n\n<' + dsml + 'function_calls>' }}{% for tc in m.tool_calls %}"
+    "{{ '\n<' + dsml }}invoke name=\"{{ tc.function.name }}\">"
+    "{% for k, v in tc.function.arguments.items() %}{{ '\n<' + dsml }}parameter name=\"{{ k }}\" "
+    "string=\"{{ 'true' if v is string else 'false' }}\">{{ v if v is string else v | tojson }}</{{ dsml }}parameter>"
+    "{% endfor %}{{ '\n</' + dsml + 'invoke>' }}{% endfor %}{{ '\n</' + dsml + 'function_calls>' }}{% endif %}"
+    "{{ eos_token }}"
+    "{% elif m.role == 'tool' %}"
+    "{% if messages[loop.index0 - 1].role != 'tool' %}{{ '\n\n<function_results>' }}{% endif %}"
+    "{{ '\n<result>' }}{{ m.content }}</result>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '\n</function_results>\n\n' }}"
+    "{{ '<think>' if loop.index0 >= ns.last_user else '</think>' }}{% endif %}"
+    "{% endif %}{% endfor %}"
+)
+
 def _build(directory: Path, specials: list[str], config: dict, eos_list: list[str] | None) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -421,6 +487,20 @@ def build_kimi_k2_style_tokenizer(directory: Path) -> Path:
     <|im_end|>, which ends every message."""
     return _build(directory, KIMI_K2_SPECIALS, {"bos_token": "[BOS]", "eos_token": "[EOS]",
                                                 "chat_template": KIMI_K2_STYLE_TEMPLATE}, ["<|im_end|>"])
+
+def build_minimax_m2_style_tokenizer(directory: Path) -> Path:
+    """MiniMax-M2's layout: eos [e~[, which closes every message."""
+    return _build(directory, MINIMAX_M2_SPECIALS, {"eos_token": "[e~[", "chat_template": MINIMAX_M2_STYLE_TEMPLATE},
+                  ["[e~["])
+
+
+def build_deepseek_v32_style_tokenizer(directory: Path) -> Path:
+    """DeepSeek-V3.2's layout: bos <｜begin▁of▁sentence｜>, eos <｜end▁of▁sentence｜>, which ends
+    every assistant turn."""
+    return _build(directory, DEEPSEEK_V32_SPECIALS, {"bos_token": "<｜begin▁of▁sentence｜>",
+                                                     "eos_token": "<｜end▁of▁sentence｜>",
+                                                     "chat_template": DEEPSEEK_V32_STYLE_TEMPLATE},
+                  ["<｜end▁of▁sentence｜>"])
 
 def build_glm45_style_tokenizer(directory: Path) -> Path:
     """GLM-4.5's layout: eos <|endoftext|>; generation_config.json lists it, <|user|> and

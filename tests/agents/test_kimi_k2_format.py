@@ -20,7 +20,8 @@ def test_kimi_calls_keep_their_ids_and_name_their_tools():
     parse = KimiK2Format().parse
     turn = parse("<think>use the tool</think>Let me compute." + _SECTION
                  + _call("functions.calculator:0", '{"expression": "2 + 3"}') + "\n"
-                 + _call(" functions.search:1 ", '{"q": "x", "n": [1, 2]}') + _call("lookup", "{}") + _SECTION_END + _END)
+                 + _call(" functions.search:1 ", '{"q": "x", "n": [1, 2]}') + _call("lookup", "{}")
+                 + _SECTION_END + _END)
     assert (turn.reasoning, turn.content) == ("use the tool", "Let me compute.")
     assert [(c.name, c.arguments, c.call_id) for c in turn.calls] == [
         ("calculator", {"expression": "2 + 3"}, "functions.calculator:0"),
