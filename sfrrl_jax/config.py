@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Sequence
 
-from sfrrl_jax.checks import (check_bool, check_bool_fields, check_int, check_int_fields, check_number,
-                              check_number_fields, check_str)
+# (all of them importable from here as before they moved to checks.py; check_seed unused here)
+from sfrrl_jax.checks import (check_bool, check_bool_fields, check_int, check_int_fields, check_number,  # noqa: F401
+                              check_number_fields, check_seed, check_str)
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
 Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text",

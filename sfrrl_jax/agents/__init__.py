@@ -6,7 +6,7 @@ from sfrrl_jax.agents.environments import (ToolEnvironment, calculator_environme
 from sfrrl_jax.agents.formats import (CompactFormat, DeepSeekDsmlFormat, DeepSeekFormat, GraniteFormat, HarmonyFormat,
                                       KimiK2Format, Llama3JsonFormat, Llama4JsonFormat, MiniMaxM2Format, MistralFormat,
                                       Olmo3Format, ParsedTurn, PythonicFormat, Qwen3Format, Qwen3XmlFormat,
-                                      ToolCallFormat, get_format, infer_format)
+                                      SeedOssFormat, ToolCallFormat, get_format, infer_format)
 from sfrrl_jax.agents.loop import AgentConfig, run_agent, run_many
 from sfrrl_jax.agents.protocols import (Completion, EngineProtocol, Environment, GenerationRequest, RewardFn, Task,
                                         Tool, ToolCall, ToolCallError, ToolResult)
@@ -26,7 +26,8 @@ __all__ = [
     "DeepSeekDsmlFormat", "DeepSeekFormat", "FunctionTool", "GenerationRequest", "GraniteFormat", "HarmonyFormat",
     "KimiK2Format", "Llama3JsonFormat", "MiniMaxM2Format",
     "Llama4JsonFormat", "MistralFormat", "Olmo3Format", "ParsedTurn", "PythonicFormat",
-    "PythonSandbox", "PythonTool", "Qwen3Format", "Qwen3XmlFormat", "RewardError", "RewardFn", "RewardSum",
+    "PythonSandbox", "PythonTool", "Qwen3Format", "Qwen3XmlFormat", "SeedOssFormat", "RewardError", "RewardFn",
+    "RewardSum",
     "SandboxConfig", "SandboxResult", "Task", "TaskKind",
     "Tool", "ToolCall", "ToolCallError", "ToolCallFormat", "ToolEnvironment", "ToolError", "ToolResult", "ToolRunner",
     "ToolRunnerConfig", "Trajectory", "Turn", "UnknownTaskKindError", "answer_correct", "answer_format",

@@ -280,12 +280,13 @@ class Qwen3XmlFormat(FormatBase):
     name = "qwen3_xml"
     turn_ends = ("<|im_end|>",)
     _SUFFIXES = ("<|im_end|>", "<|endoftext|>")
+    call_tags, think_tags = ("<tool_call>", "</tool_call>"), ("<think>", "</think>")
 
     def __init__(self, properties: Mapping[str, Mapping[str, Any]] | None = None):
         self._properties = dict(properties or {})
 
     def with_tools(self, tools) -> "Qwen3XmlFormat":
-        return Qwen3XmlFormat(schema_properties(tools))
+        return type(self)(schema_properties(tools))
 
     def _decode(self, body: str, index: int, raw: str) -> ToolCall | ToolCallError:
         body = body.strip()
@@ -321,9 +322,20 @@ class Qwen3XmlFormat(FormatBase):
         return xml_call(name, arguments, rest[pos:], index, raw)
 
     def parse(self, text: str) -> ParsedTurn:
-        reasoning, rest = split_reasoning(text)
-        turn = tagged_calls(rest, "<tool_call>", "</tool_call>", self._decode, self._SUFFIXES)
+        reasoning, rest = split_reasoning(text, *self.think_tags)
+        turn = tagged_calls(rest, *self.call_tags, self._decode, self._SUFFIXES)
         return dataclasses.replace(turn, reasoning=reasoning)
+
+
+class SeedOssFormat(Qwen3XmlFormat):
+    """ByteDance Seed-OSS tool calls: Qwen3-Coder's XML calls inside
+    `<seed:tool_call>...</seed:tool_call>`, after an optional `<seed:think>` block (its template
+    writes non-string values as Python's str of them, which `xml_value` reads by the schema).
+    Turns end with <seed:eos>."""
+
+    name = "seed_oss"
+    turn_ends = _SUFFIXES = ("<seed:eos>",)
+    call_tags, think_tags = ("<seed:tool_call>", "</seed:tool_call>"), ("<seed:think>", "</seed:think>")
 
 
 class Glm45Format(Qwen3XmlFormat):
@@ -368,17 +380,19 @@ FORMATS = {"compact": CompactFormat, "qwen3": Qwen3Format, "qwen3_xml": Qwen3Xml
            "llama3_json": Llama3JsonFormat, "llama4_json": Llama4JsonFormat, "mistral": MistralFormat,
            "pythonic": PythonicFormat, "granite": GraniteFormat, "olmo3": Olmo3Format,
            "deepseek_v3": DeepSeekFormat, "deepseek_v32": DeepSeekDsmlFormat, "kimi_k2": KimiK2Format,
-           "minimax_m2": MiniMaxM2Format, "glm45": Glm45Format}
+           "minimax_m2": MiniMaxM2Format, "seed_oss": SeedOssFormat, "glm45": Glm45Format}
 
 # What each built-in format's chat templates write, most specific first (harmony's templates
 # also write <|call|>, the compact format's call tag; Qwen3-Coder's write <tool_call> around XML;
 # the pythonic ones (Llama 3.2 / 4) keep Llama's ipython role, and show the list's shape; Llama
 # 4's headers are <|header_start|>, Llama 3's <|start_header_id|>; OLMo 3's wrap its calls in
 # <function_calls>; DeepSeek's write <｜tool▁calls▁begin｜> (V3.2's its DSML token ｜DSML｜, which its
-# template keeps in a variable), Kimi K2's <|tool_calls_section_begin|>, MiniMax-M2's <minimax:tool_call>;
+# template keeps in a variable), Kimi K2's <|tool_calls_section_begin|>, MiniMax-M2's <minimax:tool_call>,
+# Seed-OSS's <seed:tool_call> (around Qwen3-Coder's <function=...>, so before qwen3_xml);
 # GLM-4.5's <tool_call> holds <arg_key>s).
 _TEMPLATE_MARKERS = (("harmony", ("<|channel|>",)), ("deepseek_v32", ("｜DSML｜",)),
-                     ("minimax_m2", ("<minimax:tool_call>",)), ("olmo3", ("<function_calls>",)),
+                     ("minimax_m2", ("<minimax:tool_call>",)), ("seed_oss", ("<seed:tool_call>",)),
+                     ("olmo3", ("<function_calls>",)),
                      ("deepseek_v3", ("<｜tool▁calls▁begin｜>",)), ("kimi_k2", ("<|tool_calls_section_begin|>",)),
                      ("glm45", ("<arg_key>",)),
                      ("qwen3_xml", ("<function=",)),

@@ -406,6 +406,31 @@ DEEPSEEK_V32_STYLE_TEMPLATE = (   # no whitespace control, as above
     "{% endif %}{% endfor %}"
 )
 
+# ByteDance Seed-OSS, written after its published prompt format: <seed:bos>ROLE\n...<seed:eos>
+# messages, the tools in the system turn with the call syntax; an assistant turn's thinking in
+# <seed:think>...</seed:think>, its content, then each call as Qwen3-Coder XML in its own
+# <seed:tool_call> block, non-string values as Python's str of them; results as `tool` messages.
+SEED_OSS_SPECIALS = ["<seed:bos>", "<seed:eos>", "<seed:pad>", "<seed:think>", "</seed:think>", "<seed:tool_call>",
+                     "</seed:tool_call>"]
+SEED_OSS_STYLE_TEMPLATE = (   # no whitespace control, as above
+    "{% if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set rest = messages[1:] %}"
+    "{% else %}{% set system = 'You are a helpful assistant.' %}{% set rest = messages %}{% endif %}"
+    "<seed:bos>system{{ '\n' + system }}"
+    "{% if tools %}{{ '\n\nTools:' }}{% for t in tools %}{{ '\n' }}{{ t.function | tojson }}{% endfor %}"
+    "{{ '\nCall them as:\n<seed:tool_call>\n<function=NAME>\n<parameter=KEY>VALUE</parameter>\n</function>\n'"
+    " + '</seed:tool_call>' }}{% endif %}<seed:eos>"
+    "{% for m in rest %}"
+    "{% if m.role == 'assistant' %}<seed:bos>assistant"
+    "{% if m.get('reasoning_content') %}{{ '\n<seed:think>' + m.reasoning_content + '</seed:think>' }}{% endif %}"
+    "{% if m.content %}{{ '\n' + m.content }}{% endif %}"
+    "{% for tc in m.get('tool_calls') or [] %}{{ '\n<seed:tool_call>\n<function=' + tc.function.name + '>\n' }}"
+    "{% for k, v in tc.function.arguments.items() %}<parameter={{ k }}>{{ v if v is string else v | string }}"
+    "{{ '</parameter>\n' }}{% endfor %}{{ '</function>\n</seed:tool_call>' }}{% endfor %}<seed:eos>"
+    "{% else %}<seed:bos>{{ m.role + '\n' + m.content }}<seed:eos>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<seed:bos>assistant{{ '\n' }}{% endif %}"
+)
+
 def _build(directory: Path, specials: list[str], config: dict, eos_list: list[str] | None) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -501,6 +526,12 @@ def build_deepseek_v32_style_tokenizer(directory: Path) -> Path:
                                                      "eos_token": "<｜end▁of▁sentence｜>",
                                                      "chat_template": DEEPSEEK_V32_STYLE_TEMPLATE},
                   ["<｜end▁of▁sentence｜>"])
+
+def build_seed_oss_style_tokenizer(directory: Path) -> Path:
+    """Seed-OSS's layout: bos <seed:bos>, eos <seed:eos>, which closes every message."""
+    return _build(directory, SEED_OSS_SPECIALS, {"bos_token": "<seed:bos>", "eos_token": "<seed:eos>",
+                                                 "pad_token": "<seed:pad>", "chat_template": SEED_OSS_STYLE_TEMPLATE},
+                  ["<seed:eos>"])
 
 def build_glm45_style_tokenizer(directory: Path) -> Path:
     """GLM-4.5's layout: eos <|endoftext|>; generation_config.json lists it, <|user|> and
