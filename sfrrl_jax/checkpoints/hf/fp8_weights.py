@@ -149,9 +149,16 @@ def dequantize_fp8(weight: np.ndarray, scale: np.ndarray, tile: tuple[int, int])
         raise ValueError(f"FP8 weight {weight.shape} with tile {list(tile)} needs scales of shape {want}, "
                          f"got {scale.shape}")
     out_dim, in_dim = weight.shape[-2:]
+    rows, cols = want[-2:]
+    values = weight.astype(np.float32)
+    if out_dim == rows * tile[0] and in_dim == cols * tile[1]:   # whole tiles: scale a view in place
+        values.reshape(weight.shape[:-2] + (rows, tile[0], cols, tile[1]))[...] *= \
+            scale.astype(np.float32)[..., :, None, :, None]
+        return values
+    # edge tiles cut short: the scales spread over every element
     factor = np.repeat(scale.astype(np.float32), tile[0], axis=-2)[..., :out_dim, :]
-    factor = np.repeat(factor, tile[1], axis=-1)[..., :in_dim]
-    return weight.astype(np.float32) * factor
+    values *= np.repeat(factor, tile[1], axis=-1)[..., :in_dim]
+    return values
 
 
 class Fp8WeightFiles:
