@@ -17,9 +17,9 @@ factor that quantised). Embeddings, norms, routers and heads stay dense, without
 We train in bf16/fp32, so the weights are dequantised once, on the host, as they are read:
 `Fp8WeightFiles` presents a checkpoint's tensors with each (weight, scale) pair as the float32
 tensor it stands for; the tensor map and the validation downstream see a plain checkpoint. The
-product is exact in float32 (4 significant bits times at most 24 for a bf16 or UE8M0 scale, 8),
-and is rounded once, to the param dtype: transformers' dequantiser (block-scaled) and
-compressed-tensors' (which multiplies in the scale's dtype, bf16) give the same bf16 values.
+product is taken in float32, as transformers' dequantiser takes it (exact for a bf16 or UE8M0
+scale: 4 significant bits times 8), then cast to the param dtype; compressed-tensors multiplies
+in the scale's dtype (bf16), which rounds that exact product once: the same bf16 values.
 Activation quantisation is an inference matter, so only dynamic (per-token, computed on the fly)
 schemes load; a static one (stored input scales), an FP8 KV cache, sparsity, transforms and
 other formats are refused, named. Export writes the dense weights.
