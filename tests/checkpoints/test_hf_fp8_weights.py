@@ -221,6 +221,13 @@ def test_load_fp8_deepseek_v3_matches_transformers_and_a_dense_checkpoint(deepse
     # exactly the params of the same weights stored dense
     assert_loads_alike(deepseek_fp8["dir"], dense_twin(deepseek_fp8["dir"], deepseek_fp8["dense"], tmp_path / "dense"),
                        mesh)
+    # Kimi K2's checkpoints are these, under model_type kimi_k2: the same config and params
+    kimi = shutil.copytree(deepseek_fp8["dir"], tmp_path / "kimi")
+    config = json.loads((kimi / "config.json").read_text())
+    (kimi / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    kimi_cfg, _ = load_hf(kimi, mesh)
+    assert kimi_cfg == cfg.replace(name=kimi_cfg.name) and kimi_cfg.family == "deepseek_v3"
+    assert_loads_alike(kimi, deepseek_fp8["dir"], mesh)
     # Export writes the dense weights and no quantization_config; transformers reads them back.
     out = save_hf(cfg, params, tmp_path / "export")
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
