@@ -95,6 +95,11 @@ TINY_DEEPSEEK = S.ModelConfig.preset(
     mla_rope_dim=8, mla_nope_dim=12, mla_v_dim=10, mla_q_rank=20,
 )
 
+# MiniMax-M2-like: every layer's experts chosen by sigmoid + a selection bias, renormalised, no
+# groups or scale; q/k norms over the whole projection; RoPE on half of each head.
+TINY_MINIMAX = S.ModelConfig.preset("tiny-moe", family="minimax_m2", router="sigmoid_topk", qk_norm=True,
+                                    qk_norm_over_heads=True, rope_partial_factor=0.5)
+
 # Granite-like (dense): its four multipliers, none 1 or a power of two.
 TINY_GRANITE = S.ModelConfig.preset(
     "tiny-moe", family="granite", n_experts=0, d_ff=40, qk_norm=False, embed_scale=3.5, query_scale=0.11,

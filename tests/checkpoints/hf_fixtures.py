@@ -33,6 +33,7 @@ FAMILY_CLASSES = {
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     "glm4_moe_lite": (transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM),
+    "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -249,6 +250,13 @@ CONFIGS = {
         n_shared_experts=1, routed_scaling_factor=1.3, topk_method="group_limited_greedy", n_group=4, topk_group=2,
         first_k_dense_replace=1, pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # MiniMax-M2 in small: q/k norms over the whole projection, RoPE on half of each head (the
+    # released configs' rotary_dim), every layer's experts chosen by sigmoid + a selection bias.
+    "minimax_m2_small": ("minimax_m2", dict(
+        vocab_size=89, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, rotary_dim=8, intermediate_size=20, num_local_experts=8, num_experts_per_tok=3,
+        pad_token_id=0, bos_token_id=2, eos_token_id=1, max_position_embeddings=64, rms_norm_eps=0.05,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6})),
     # GLM-4.7-Flash in small: DeepSeek-V3's latent attention (a query latent, values wider than
     # the key's nope dims, interleaved RoPE) and GLM's MoE, its dense layers named per layer: the
     # second and the fourth, not a leading run. A large rms_norm_eps: the latents' norms keep 1e-6.

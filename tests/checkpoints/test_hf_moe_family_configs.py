@@ -256,3 +256,45 @@ def test_published_glm47_flash_config_reads_as_transformers_reads_it():
                              ({"topk_method": "greedy"}, "topk_method='greedy'")):
         with pytest.raises(HFConfigError, match=message):
             config_from_hf({**GLM47_FLASH, **changes})
+
+
+# MiniMax-M2's config.json (the architecture's fields, as released: FP8 blocks, `rotary_dim`, MTP
+# modules that are not read).
+MINIMAX_M2 = {
+    "architectures": ["MiniMaxM2ForCausalLM"], "attn_type_list": [1] * 62, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608, "model_type": "minimax_m2",
+    "mtp_transformer_layers": 1, "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62,
+    "num_key_value_heads": 8, "num_local_experts": 256, "num_mtp_modules": 3, "qk_norm_type": "per_layer",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+                            "weight_block_size": [128, 128],
+                            "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]},
+    "rms_norm_eps": 1e-06, "rope_theta": 5000000, "rotary_dim": 64, "router_aux_loss_coef": 0.001,
+    "scoring_func": "sigmoid", "shared_intermediate_size": 0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_mtp": True, "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064}
+
+
+def test_published_minimax_m2_config_reads_as_transformers_reads_it():
+    import transformers
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    from sfrrl_jax.checkpoints.hf.fp8_weights import fp8_scheme
+    cfg = config_from_hf(MINIMAX_M2)
+    theirs = transformers.MiniMaxM2Config(**copy.deepcopy(MINIMAX_M2))
+    assert (cfg.family, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_experts, cfg.top_k, cfg.d_ff_expert) == (
+        "minimax_m2", 48, 8, 128, 256, 8, 1536)
+    assert (cfg.router, cfg.norm_topk_prob, cfg.router_groups, cfg.router_scale, cfg.d_ff_shared) == (
+        "sigmoid_topk", True, 1, 1.0, 0)
+    assert (cfg.qk_norm, cfg.qk_norm_over_heads, cfg.rope_theta, cfg.dense_layers) == (True, True, 5e6, ())
+    assert cfg.rope_partial_factor == theirs.rope_parameters["partial_rotary_factor"] == 0.5
+    assert fp8_scheme(MINIMAX_M2, "config.json").tile == (128, 128)   # its fmt spelt 'float8_e4m3fn'
+    exported = config_to_hf(cfg)
+    assert config_from_hf(exported) == cfg
+    assert transformers.MiniMaxM2Config(**copy.deepcopy(exported)).rope_parameters["partial_rotary_factor"] == 0.5
+    for changes, message in (({"attn_type_list": [0] + [1] * 61}, "lightning attention"),
+                             ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+                             ({"shared_intermediate_size": 512}, "no shared expert"),
+                             ({"use_routing_bias": False}, "use_routing_bias=False"),
+                             ({"qk_norm_type": "per_head"}, "qk_norm_type='per_head'")):
+        with pytest.raises(HFConfigError, match=message):
+            config_from_hf({**MINIMAX_M2, **changes})
+    with pytest.raises(HFConfigError, match="MiniMaxM2ForCausalLM requires"):
+        config_to_hf(cfg.replace(norm_topk_prob=False))

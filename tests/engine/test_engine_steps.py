@@ -11,7 +11,7 @@ from sfrrl_jax.engine import EngineSteps, SlotRequest
 from sfrrl_jax.engine.sampling import SamplingParams, sample
 
 from model_fixtures import (TINY, TINY_DENSE, TINY_GEMMA, TINY_GPT_OSS, TINY_GRANITE, TINY_MIXED, TINY_OLMO, TINY_PHI,
-                            TINY_DEEPSEEK, TINY_GLM, TINY_OLMOE, TINY_SMOLLM3, host, randomize)
+                            TINY_DEEPSEEK, TINY_GLM, TINY_MINIMAX, TINY_OLMOE, TINY_SMOLLM3, host, randomize)
 
 MESH = None
 # jitted as in the engine's steps: one compile serves every call (eagerly, each call re-traces
@@ -29,7 +29,7 @@ def _mesh():
 def _setup(name):
     cfg = {"qwen3": TINY, "gpt_oss": TINY_GPT_OSS, "dense": TINY_DENSE, "mixed": TINY_MIXED, "gemma": TINY_GEMMA,
            "phi": TINY_PHI, "granite": TINY_GRANITE, "olmo": TINY_OLMO, "smollm3": TINY_SMOLLM3,
-           "olmoe": TINY_OLMOE, "glm": TINY_GLM, "deepseek": TINY_DEEPSEEK}[name]
+           "olmoe": TINY_OLMOE, "glm": TINY_GLM, "deepseek": TINY_DEEPSEEK, "minimax": TINY_MINIMAX}[name]
     cfg = cfg.replace(max_seq_len=64)
     params = randomize(S.init_params(cfg, _mesh(), seed=0), seed=11, scale=0.3)
     return cfg, params, EngineSteps(cfg, _mesh(), max_slots=8, max_len=48, buckets=(8, 16, 32))
@@ -50,7 +50,7 @@ def _teacher_forced_greedy(cfg, params, prompt, n):
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gpt_oss", "dense", "mixed", "gemma", "phi", "granite", "olmo", "smollm3",
-                                  "olmoe", "glm", "deepseek"])
+                                  "olmoe", "glm", "deepseek", "minimax"])
 def test_greedy_decode_with_cache_equals_full_forward_argmax(name):
     cfg, params, eng = _setup(name)
     rng = np.random.RandomState(0)

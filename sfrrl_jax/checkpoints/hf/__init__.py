@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: `load_hf` (streamed into sharded params) and `save_hf`.
 
-Families: qwen3_moe, qwen2_moe, gpt_oss (incl. MXFP4 experts on load), mixtral, olmoe, glm4_moe, the
+Families: qwen3_moe, qwen2_moe, gpt_oss (incl. MXFP4 experts on load), mixtral, olmoe, glm4_moe, minimax_m2, the
 latent-attention deepseek_v2, deepseek_v3 and glm4_moe_lite (DeepSeek's interleaved RoPE rows permuted on
 load, written back interleaved), and the dense
 llama, mistral, qwen2, qwen3, gemma3_text, phi3 (q/k/v and gate/up fused in its files), granite, olmo2, olmo3

@@ -228,6 +228,39 @@ def _grouped_sigmoid_moe(hf: Mapping[str, Any], n_layers: int, where: str) -> di
                 router_groups=int_of(hf, "n_group", where, 1), router_topk_groups=int_of(hf, "topk_group", where, 1))
 
 
+def minimax_m2_config(hf: Mapping[str, Any], common: dict, where: str) -> ModelConfig:
+    """MiniMax-M2 (MiniMaxM2ForCausalLM): Mixtral's block with OLMo's q/k norms over the whole
+    projection (`qk_norm_type='per_layer'`), RoPE on the leading `rotary_dim` dims of each head
+    (the released configs' name; `partial_rotary_factor` too), and every layer's experts routed by
+    sigmoid scores plus a selection bias (`e_score_correction_bias`), renormalised. The full
+    attention of every layer (`attn_type_list` all 1) only: MiniMax-01's lightning attention is
+    refused, as are a shared expert and a softmax router. Multi-token-prediction modules are not
+    read."""
+    require(hf, "hidden_act", ("silu",), where)
+    require(hf, "scoring_func", ("sigmoid",), where)
+    for key, want in (("use_qk_norm", True), ("use_routing_bias", True)):
+        if hf.get(key, want) != want:
+            raise HFConfigError(f"{where}: {key}={hf[key]!r} is not supported (MiniMaxM2ForCausalLM: {want})")
+    require(hf, "qk_norm_type", ("per_layer",), where)
+    if int_of(hf, "shared_intermediate_size", where, 0, lo=0):
+        raise HFConfigError(f"{where}: shared_intermediate_size={hf['shared_intermediate_size']} is not supported "
+                            "(no shared expert)")
+    kinds = hf.get("attn_type_list")
+    if kinds is not None and (not isinstance(kinds, list) or set(kinds) - {1}):
+        raise HFConfigError(f"{where}: attn_type_list={kinds!r}: only full attention (1) in every layer is "
+                            "supported (0, MiniMax-01's lightning attention, is not)")
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(field) or {})
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is None and hf.get("rotary_dim") is not None:
+        partial = int_of(hf, "rotary_dim", where) / common["head_dim"]
+    rope = rope_of({**hf, field: params or None}, where, 5e6)
+    return _checked(where, **common, **rope, n_experts=int_of(hf, "num_local_experts", where),
+                    d_ff_expert=int_of(hf, "intermediate_size", where), router="sigmoid_topk", norm_topk_prob=True,
+                    qk_norm=True, qk_norm_over_heads=True,
+                    rope_partial_factor=float_of({"partial_rotary_factor": partial}, "partial_rotary_factor", where,
+                                                 1.0))
+
 def _checked(where: str, **fields) -> ModelConfig:
     """ModelConfig(**fields), a ValueError of its checks (groups that do not divide the experts,
     rotated dims, ...) as an HFConfigError naming the file."""

@@ -66,7 +66,7 @@ def _refuse(where: str, key: str, value, supported) -> CheckpointError:
 
 
 def _block_scaled(quant: Mapping, where: str) -> Fp8Scheme:
-    for key, allowed in (("activation_scheme", ("dynamic",)), ("fmt", ("e4m3",))):
+    for key, allowed in (("activation_scheme", ("dynamic",)), ("fmt", ("e4m3", "float8_e4m3fn"))):   # MiniMax's
         if quant.get(key, allowed[0]) not in allowed:
             raise _refuse(where, key, quant[key], list(allowed))
     block = quant.get("weight_block_size")

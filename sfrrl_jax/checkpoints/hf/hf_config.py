@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from sfrrl_jax.checkpoints.hf.family_configs import (deepseek_v2_config, deepseek_v3_config, gemma3_config,
                                                      gemma3_text_config, glm4_moe_config, glm4_moe_lite_config,
-                                                     olmo_config, phi3_config, smollm3_config)
+                                                     minimax_m2_config, olmo_config, phi3_config, smollm3_config)
 from sfrrl_jax.checkpoints.hf.hf_fields import (DTYPES, TO_HF_LAYER_TYPES, HFConfigError, bool_of, float_of, int_of,
                                                 layer_types_of, read_hf_config, require, rope_of, rope_to_hf)
 from sfrrl_jax.config import ModelConfig
@@ -23,7 +23,7 @@ __all__ = ["ARCHITECTURES", "DENSE_FAMILIES", "DTYPES", "SUPPORTED_FAMILIES", "H
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3",
                       "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe",
-                      "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+                      "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minimax_m2")
 # Kimi K2 (Instruct, Thinking's bf16 / FP8 weights) is DeepSeek-V3's architecture under its own model_type
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 LATENT_ATTENTION_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
@@ -35,7 +35,8 @@ ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCa
                  "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmoe": "OlmoeForCausalLM",
                  "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+                 "minimax_m2": "MiniMaxM2ForCausalLM"}
 
 
 def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> ModelConfig:
@@ -89,6 +90,8 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         return deepseek_v2_config(hf, common, where)
     if family == "glm4_moe_lite":
         return glm4_moe_lite_config(hf, common, where)
+    if family == "minimax_m2":
+        return minimax_m2_config(hf, common, where)
     if family == "granite":   # Llama's block with four multipliers
         require(hf, "hidden_act", ("silu",), where)
         if hf.get("mlp_bias"):
@@ -268,6 +271,9 @@ def check_exportable(cfg: ModelConfig) -> None:
         "deepseek_v3": dict(latent, router="sigmoid_topk"),
         "deepseek_v2": dict(latent, router="softmax_topk", norm_topk_prob=False),
         "glm4_moe_lite": dict(latent, router="sigmoid_topk"),
+        "minimax_m2": dict(router="sigmoid_topk", qk_norm=True, qk_norm_over_heads=True, attn_sinks=False,
+                           router_bias=False, expert_bias=False, expert_act="swiglu", attention_bias=False,
+                           out_bias=False, d_ff_shared=0, norm_topk_prob=True, router_scale=1.0),
         "olmoe": dict(router="softmax_topk", qk_norm=True, qk_norm_over_heads=True, attn_sinks=False,
                       router_bias=False, expert_bias=False, expert_act="swiglu", d_ff_shared=0,
                       out_bias=cfg.attention_bias),
@@ -277,6 +283,7 @@ def check_exportable(cfg: ModelConfig) -> None:
             "gemma3_text": ("query_scale", "rope_local_theta", "norm_scale_fp32"),   # its offset: fp32 anyway
             "olmo3": ("rope_local_theta",), "phi3": ("rope_partial_factor",),
             "glm4_moe": ("rope_partial_factor", "router_groups", "router_topk_groups"),
+            "minimax_m2": ("rope_partial_factor",),
             **{f: ("query_scale", "mla_kv_rank", "router_groups", "router_topk_groups")
                for f in LATENT_ATTENTION_FAMILIES}}.get(cfg.family, ())
     want = {k: v for k, v in {**plain, **family}.items() if k not in free}
@@ -429,6 +436,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                   attention_bias=cfg.attention_bias, clip_qkv=None)
     elif cfg.family == "mixtral":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert, sliding_window=window)
+    elif cfg.family == "minimax_m2":
+        hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert, rope_parameters=partial_rope,
+                  scoring_func="sigmoid", use_qk_norm=True, qk_norm_type="per_layer", use_routing_bias=True)
     else:
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.d_ff_expert,
                   attention_bias=True, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,

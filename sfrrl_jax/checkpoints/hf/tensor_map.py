@@ -219,10 +219,10 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
             raise ValueError(f"MXFP4 weights are only defined for gpt_oss's experts, not a dense {cfg.family} MLP")
         return _dense_mlp(cfg, p)
     if cfg.family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3",
-                      "glm4_moe_lite"):
+                      "glm4_moe_lite", "minimax_m2"):
         if quantized:
             raise ValueError(f"MXFP4 expert weights are only defined for gpt_oss, not {cfg.family}")
-        if cfg.family == "mixtral":
+        if cfg.family in ("mixtral", "minimax_m2"):
             base, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
         else:
             base, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
@@ -233,8 +233,9 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
             _per_expert(fmt % names[1], ("moe", "w_up"), e, (f, d)),
             _per_expert(fmt % names[2], ("moe", "w_down"), e, (d, f)),
         ]
-        if cfg.router == "sigmoid_topk":   # GLM's and DeepSeek's selection bias, beside the router's weight
-            groups.append(_single(base + "gate.e_score_correction_bias", ("moe", "score_bias"), (e,)))
+        if cfg.router == "sigmoid_topk":   # the selection bias: GLM's and DeepSeek's beside the router's weight
+            bias = base + ("e_score_correction_bias" if cfg.family == "minimax_m2" else "gate.e_score_correction_bias")
+            groups.append(_single(bias, ("moe", "score_bias"), (e,)))
         if cfg.d_ff_shared:   # the shared expert ([out, in] linears): Qwen2-MoE's; GLM's, DeepSeek's `shared_experts`
             s = cfg.d_ff_shared
             m = base + ("shared_expert." if cfg.family == "qwen2_moe" else "shared_experts.")
