@@ -15,7 +15,7 @@ from sfrrl_jax.checks import (check_bool, check_bool_fields, check_int, check_in
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
 Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text",
                  "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe",
-                 "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minimax_m2"]
+                 "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minimax_m2", "seed_oss"]
 RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_topk"]
 ExpertAct = Literal["swiglu", "gptoss_swiglu"]
 MlpAct = Literal["silu", "gelu_tanh"]   # the gate's activation of a dense (GLU) MLP

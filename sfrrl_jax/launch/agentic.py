@@ -85,7 +85,8 @@ KIND_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
 #: `AgenticRollout.tool_format`.
 FAMILY_FORMATS = {"qwen2": "qwen3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "gpt_oss": "harmony",
                   "granite": "granite", "olmo3": "olmo3", "glm4_moe": "glm45", "deepseek_v3": "deepseek_v3",
-                  "glm4_moe_lite": "glm45", "smollm3": "qwen3", "minimax_m2": "minimax_m2"}
+                  "glm4_moe_lite": "glm45", "smollm3": "qwen3", "minimax_m2": "minimax_m2",
+                  "seed_oss": "seed_oss"}
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "sfrrl_probe_tool", "description": "probe",
                                                  "parameters": {"type": "object", "properties": {}}}}

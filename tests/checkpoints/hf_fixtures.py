@@ -34,6 +34,7 @@ FAMILY_CLASSES = {
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     "glm4_moe_lite": (transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM),
     "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
+    "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
 }
 
 # name -> (family, HF config kwargs). Expert counts divide the test mesh's expert axis (4).
@@ -257,6 +258,13 @@ CONFIGS = {
         head_dim=16, rotary_dim=8, intermediate_size=20, num_local_experts=8, num_experts_per_tok=3,
         pad_token_id=0, bos_token_id=2, eos_token_id=1, max_position_embeddings=64, rms_norm_eps=0.05,
         rope_parameters={"rope_type": "default", "rope_theta": 5e6})),
+    # Seed-OSS in small: Llama's block with q/k/v biases and none on the output, GQA 3:1, head_dim
+    # apart from hidden / heads (dropout off: it acts in HF's training mode only).
+    "seed_oss_bias": ("seed_oss", dict(
+        vocab_size=77, hidden_size=36, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=8, intermediate_size=28, attention_bias=True, attention_out_bias=False, attention_dropout=0.0,
+        residual_dropout=0.0, pad_token_id=0, bos_token_id=2, eos_token_id=1, max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7})),
     # GLM-4.7-Flash in small: DeepSeek-V3's latent attention (a query latent, values wider than
     # the key's nope dims, interleaved RoPE) and GLM's MoE, its dense layers named per layer: the
     # second and the fourth, not a leading run. A large rms_norm_eps: the latents' norms keep 1e-6.

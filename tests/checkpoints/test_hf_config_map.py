@@ -419,3 +419,30 @@ def test_published_olmoe_config_maps_onto_a_softmax_topk_moe_with_whole_projecti
         config_to_hf(cfg.replace(head_dim=64))
     with pytest.raises(HFConfigError, match="Qwen3MoeForCausalLM requires"):
         config_to_hf(cfg.replace(family="qwen3_moe"))   # Qwen3-MoE's q/k norms are per head
+
+
+# Seed-OSS-36B's config.json (as released: dropout in its training mode, q/k/v biases only).
+SEED_OSS_36B = {
+    "architectures": ["SeedOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.1,
+    "attention_out_bias": False, "bos_token_id": 0, "eos_token_id": 2, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 5120, "initializer_range": 0.02, "intermediate_size": 27648, "max_position_embeddings": 524288,
+    "mlp_bias": False, "model_type": "seed_oss", "num_attention_heads": 80, "num_hidden_layers": 64,
+    "num_key_value_heads": 8, "pad_token_id": 1, "residual_dropout": 0.1, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"rope_type": "default"}, "rope_theta": 10000000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 155136}
+
+
+def test_published_seed_oss_config_reads_as_transformers_reads_it():
+    import transformers
+    from sfrrl_jax.checkpoints.hf import HFConfigError
+    cfg = config_from_hf(SEED_OSS_36B)
+    theirs = transformers.SeedOssConfig(**copy.deepcopy(SEED_OSS_36B))
+    assert (cfg.family, cfg.n_experts, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (
+        "seed_oss", 0, 27648, 80, 8, 128)
+    assert (cfg.attention_bias, cfg.out_bias, cfg.rope_theta) == (True, False, theirs.rope_parameters["rope_theta"])
+    exported = config_to_hf(cfg)
+    assert config_from_hf(exported) == cfg
+    back = transformers.SeedOssConfig(**copy.deepcopy(exported))
+    assert (back.attention_bias, back.attention_out_bias, back.mlp_bias) == (True, False, False)
+    with pytest.raises(HFConfigError, match="mlp_bias=True is not supported"):
+        config_from_hf({**SEED_OSS_36B, "mlp_bias": True})

@@ -23,11 +23,12 @@ __all__ = ["ARCHITECTURES", "DENSE_FAMILIES", "DTYPES", "SUPPORTED_FAMILIES", "H
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3",
                       "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe",
-                      "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minimax_m2")
+                      "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minimax_m2", "seed_oss")
 # Kimi K2 (Instruct, Thinking's bf16 / FP8 weights) is DeepSeek-V3's architecture under its own model_type
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 LATENT_ATTENTION_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite", "olmo2", "olmo3", "smollm3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "granite", "olmo2", "olmo3",
+                  "smollm3", "seed_oss")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "mixtral": "MixtralForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM",
@@ -36,7 +37,7 @@ ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCa
                  "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmoe": "OlmoeForCausalLM",
                  "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
-                 "minimax_m2": "MiniMaxM2ForCausalLM"}
+                 "minimax_m2": "MiniMaxM2ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
 
 
 def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> ModelConfig:
@@ -92,6 +93,14 @@ def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str =
         return glm4_moe_lite_config(hf, common, where)
     if family == "minimax_m2":
         return minimax_m2_config(hf, common, where)
+    if family == "seed_oss":   # Llama's block, the output projection's bias apart from q/k/v's
+        require(hf, "hidden_act", ("silu",), where)
+        if hf.get("mlp_bias"):
+            raise HFConfigError(f"{where}: mlp_bias=True is not supported (the MLP has no biases)")
+        # attention_dropout / residual_dropout act in HF's training mode only: not part of the function
+        return ModelConfig(**common, **rope_of(hf, where, 1e7), n_experts=0,
+                           d_ff=int_of(hf, "intermediate_size", where),
+                           attention_out_bias=bool_of(hf, "attention_out_bias", where, False))
     if family == "granite":   # Llama's block with four multipliers
         require(hf, "hidden_act", ("silu",), where)
         if hf.get("mlp_bias"):
@@ -266,6 +275,7 @@ def check_exportable(cfg: ModelConfig) -> None:
         "olmo2": olmo,
         "olmo3": olmo,
         "smollm3": dict(dense, qk_norm=False, out_bias=cfg.attention_bias),
+        "seed_oss": dict(dense, qk_norm=False),
         "glm4_moe": dict(router="sigmoid_topk", attn_sinks=False, router_bias=False, expert_bias=False,
                          expert_act="swiglu", out_bias=False, shared_expert_gate=False),
         "deepseek_v3": dict(latent, router="sigmoid_topk"),
@@ -372,6 +382,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, mlp_bias=False,
                   embedding_multiplier=cfg.embed_scale, attention_multiplier=cfg.query_scale,
                   residual_multiplier=cfg.residual_scale, logits_scaling=cfg.logits_divisor)
+    elif cfg.family == "seed_oss":   # dropout 0: the function; HF applies it in training mode only
+        del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
+        hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, attention_out_bias=cfg.out_bias,
+                  mlp_bias=False, attention_dropout=0.0, residual_dropout=0.0)
     elif cfg.family == "smollm3":
         del hf["num_experts_per_tok"], hf["router_aux_loss_coef"]
         hf.update(intermediate_size=cfg.d_ff, attention_bias=cfg.attention_bias, mlp_bias=False,

@@ -213,7 +213,7 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
     Families: qwen3_moe, qwen2_moe, gpt_oss (dense or MXFP4 experts), mixtral,
     olmoe, glm4_moe, minimax_m2, the latent-attention deepseek_v2, deepseek_v3 and glm4_moe_lite, and the
     dense llama, mistral, qwen2, qwen3, gemma3_text (also the language model of a multimodal
-    gemma3), phi3, granite, olmo2, olmo3 and smollm3 (`hf_config.SUPPORTED_FAMILIES`).
+    gemma3), phi3, granite, seed_oss, olmo2, olmo3 and smollm3 (`hf_config.SUPPORTED_FAMILIES`).
     dtype: param (and compute) dtype; default the config's `dtype`/`torch_dtype`, else float32.
     Returns (cfg, params) with params laid out as `sfrrl_jax.models.transformer.param_shapes(cfg)`
     and sharded as `sfrrl_jax.models.api.param_shardings(cfg, mesh)`.
