@@ -217,11 +217,11 @@ def test_save_hf_rejects_params_that_do_not_fit_the_config(ckpt, mesh, tmp_path)
         save_hf(cfg.replace(attn_sinks=True), params, tmp_path / "out2")
 
 
-@pytest.mark.parametrize("fixture", ["glm4_moe_groups", "deepseek_v3_mla"])
+@pytest.mark.parametrize("fixture", ["glm4_moe_groups", "deepseek_v3_mla", "minimax_m2_small"])
 def test_multi_token_prediction_layers_are_not_read_but_other_extras_are_refused(tmp_path, mesh, fixture):
-    """GLM-4.5's and DeepSeek-V3's checkpoints carry their MTP module as layers past
-    num_hidden_layers (transformers skips them): they load as the model without them; a stray
-    tensor elsewhere is still named."""
+    """GLM-4.5's and DeepSeek-V3's checkpoints (MiniMax-M2's, by the same convention) carry their
+    MTP module as layers past num_hidden_layers (transformers skips them): they load as the model
+    without them; a stray tensor elsewhere is still named."""
     directory = F.save_model(F.build_model(fixture), tmp_path / "hf")
     cfg_before, params_before = load_hf(directory, mesh)
     shard = sorted(directory.glob("*.safetensors"))[0]

@@ -60,7 +60,7 @@ def validate_tensors(files: CheckpointFiles, groups: list[TensorGroup], cfg: Mod
         dtypes.update(g.hf_dtypes)
     found = files.tensors
     ignorable = {n for n in found if n.endswith(IGNORED_SUFFIXES)}
-    if cfg.family in ("glm4_moe", "deepseek_v3", "glm4_moe_lite"):   # MTP layers, numbered after the model's
+    if cfg.family in ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "minimax_m2"):   # MTP layers, after the model's
         ignorable |= {n for n in found if (m := _LAYER.match(n)) and int(m.group(1)) >= cfg.n_layers}
     if cfg.tie_embeddings and "lm_head.weight" in found:
         ignorable.add("lm_head.weight")  # tied: the head is the embedding, a stored copy is redundant
