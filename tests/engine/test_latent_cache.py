@@ -4,6 +4,8 @@ the paged engine equals the dense one on the long-tail agentic batch of test_pag
 import asyncio
 import functools
 
+import numpy as np
+
 import sfrrl_jax as S
 from sfrrl_jax.engine import Engine
 
@@ -35,6 +37,13 @@ def test_latent_cache_holds_one_array_and_paged_decoding_equals_dense():
 
     want, got = asyncio.run(main(dense)), asyncio.run(main(paged))
     assert paged.stats.appends > 0 and sum(len(turns) for _, turns in specs) > len(specs)
-    assert got == want   # tokens and raw logprobs, bit for bit
+    # Tokens equal; raw logprobs to 1e-5, not bit for bit: which requests share a prefill or a
+    # chunk depends on the timing of the holds, and latent attention's outputs move in the last
+    # bits with that batching (dense against dense differs as much: at most 4.8e-7 over 8 runs,
+    # no token changed)
+    assert [[t for t, _ in turns] for turns in got] == [[t for t, _ in turns] for turns in want]
+    for turns_got, turns_want in zip(got, want):
+        for (_, lp_got), (_, lp_want) in zip(turns_got, turns_want):
+            np.testing.assert_allclose(lp_got, lp_want, rtol=0, atol=1e-5)
     for e in (dense, paged):
         e.release_memory()
