@@ -130,13 +130,9 @@ def route(cfg: ModelConfig, x, router_w, router_b=None, token_mask=None, replay_
     if router_b is not None:
         logits = logits + router_b.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    if cfg.router == "sigmoid_topk":
-        scores = jax.nn.sigmoid(logits)
+    if cfg.router == "sigmoid_topk" or cfg.router_groups > 1:   # chosen by (biased, grouped) scores
+        scores = jax.nn.sigmoid(logits) if cfg.router == "sigmoid_topk" else probs   # else DeepSeek-V2's groups
         _, ids = top_k_by_argmax(_grouped_choice(cfg, scores, score_bias), cfg.top_k)
-        top_scores = jnp.take_along_axis(scores, ids, axis=-1)
-    elif cfg.router == "softmax_topk" and cfg.router_groups > 1:   # DeepSeek-V2's group_limited_greedy
-        scores = probs
-        _, ids = top_k_by_argmax(_grouped_choice(cfg, scores, None), cfg.top_k)
         top_scores = jnp.take_along_axis(scores, ids, axis=-1)
     else:
         scores = probs if cfg.router == "softmax_topk" else logits
