@@ -92,7 +92,8 @@ def quantize_directory(model, directory, block=None, strategy=None) -> dict:
             dense[name] = reference_dequantize(q, scale, tile)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
-    extra = {"group": {"group_size": 6}, "block": {"block_structure": [8, 16]}}.get(strategy, {})
+    rows, cols = _STRATEGY_TILE.get(strategy, (None, None))
+    extra = {"group": {"group_size": cols}, "block": {"block_structure": [rows, cols]}}.get(strategy, {})
     config["quantization_config"] = (
         {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
         if block else compressed_tensors_config({"strategy": strategy, **extra}))
