@@ -41,8 +41,8 @@ from sfrrl_jax.models import forward, init_params, param_logical_axes
 from sfrrl_jax.rl import (AdvantageConfig, Loss, LossConfig, LossInputs, ObjectiveParts, compute_advantages,
                           loss_from_config, policy_loss, sft_loss)
 from sfrrl_jax.tokenizer import Tokenizer, TokenizerProtocol, build_tiny_tokenizer, load_tokenizer
-from sfrrl_jax.trainer import (AgentRollout, RLTrainer, RolloutFn, RunLogger, TaskStream, TrainerConfig, evaluate,
-                               read_metrics, run_sft)
+from sfrrl_jax.trainer import (AgentRollout, RLTrainer, RolloutFn, RunLogger, TaskStream, TrainerConfig,
+                               TrainingDivergedError, evaluate, read_metrics, run_sft)
 
 __all__ = [
     # mesh and models
@@ -68,6 +68,6 @@ __all__ = [
     "AdvantageConfig", "Loss", "LossConfig", "LossInputs", "ObjectiveParts", "OptimizerConfig", "TrainStep",
     "compute_advantages", "loss_from_config", "make_train_step", "policy_loss", "sft_loss",
     # the loops
-    "AgentRollout", "RLTrainer", "RolloutFn", "RunLogger", "TaskStream", "TrainerConfig", "evaluate",
-    "read_metrics", "run_sft",
+    "AgentRollout", "RLTrainer", "RolloutFn", "RunLogger", "TaskStream", "TrainerConfig", "TrainingDivergedError",
+    "evaluate", "read_metrics", "run_sft",
 ]

@@ -6,6 +6,7 @@
 from sfrrl_jax.trainer.agent_rollout import AgentRollout
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.evaluate import evaluate
+from sfrrl_jax.trainer.health import TrainingDivergedError
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
 from sfrrl_jax.trainer.rollout_fn import RolloutFn
 from sfrrl_jax.trainer.run_logger import RunLogger, read_metrics
@@ -13,4 +14,4 @@ from sfrrl_jax.trainer.sft import run_sft, teacher_forced_accuracy
 from sfrrl_jax.trainer.timeline import Timeline
 
 __all__ = ["AgentRollout", "RLTrainer", "RolloutFn", "RunLogger", "TaskStream", "Timeline", "TrainerConfig",
-           "evaluate", "read_metrics", "run_sft", "teacher_forced_accuracy"]
+           "TrainingDivergedError", "evaluate", "read_metrics", "run_sft", "teacher_forced_accuracy"]

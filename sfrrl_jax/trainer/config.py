@@ -10,6 +10,8 @@ from sfrrl_jax.rl.config import AdvantageConfig
 
 Mode = Literal["sync", "pipelined", "one_step_off"]
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+# estimators whose baseline is the sample's own group: a group of one sample has advantage 0
+GROUP_RELATIVE_ESTIMATORS = GROUP_ESTIMATORS + ("reinforce_pp_baseline",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,12 @@ class TrainerConfig:
       for the built-in policy loss behavior='current'), so a straggler holds back
       only itself. Each such group holds two or three param-sized float32 buffers until it
       finishes. 0 = train whole groups only.
+    max_nonfinite_steps: this many updates in a row skipped as non-finite (nan/inf loss or
+      gradient norm) end the run with `trainer.health.TrainingDivergedError` (0 = never).
+    warn_no_signal_steps: warn after this many steps in a row in which every kept group's rewards
+      were all equal (no advantage, nothing learned), and every that many steps after (0 = never).
+    With a group-relative advantage (grpo, dr_grpo, rloo, reinforce_pp_baseline) `group_size`
+    must be >= 2: a group of one has advantage 0 and trains nothing.
     """
 
     mode: Mode = "pipelined"
@@ -78,6 +86,8 @@ class TrainerConfig:
     seq_bucket: int = 32
     advantage: AdvantageConfig = AdvantageConfig()
     seed: int = 0
+    max_nonfinite_steps: int = 3
+    warn_no_signal_steps: int = 5
 
     def __post_init__(self):
         own = "TrainerConfig"
@@ -86,7 +96,8 @@ class TrainerConfig:
         check_int_fields(self, ("groups_per_step", "group_size", "max_slots", "max_len", "decode_steps",
                                 "groups_per_microbatch", "seq_bucket"), 1)
         check_int_fields(self, ("underfull_slots", "overprovision_groups", "max_refill_groups",
-                                "microbatch_rows", "early_groups"), 0)
+                                "microbatch_rows", "early_groups", "max_nonfinite_steps",
+                                "warn_no_signal_steps"), 0)
         check_bool_fields(self, ("longest_first", "dynamic_sampling", "swap_cache"))
         if self.swap_cache and self.mode == "sync":
             raise ValueError(f"{own}.swap_cache=True moves the KV cache out while micro-steps run during the "
@@ -109,6 +120,12 @@ class TrainerConfig:
             object.__setattr__(self, name, tuple(value))  # hashable: a static jit argument
         if not isinstance(self.advantage, AdvantageConfig):
             raise ValueError(f"{own}.advantage must be an AdvantageConfig, got {type(self.advantage).__name__}")
+        if self.group_size == 1 and self.advantage.estimator in GROUP_RELATIVE_ESTIMATORS:
+            raise ValueError(
+                f"{own}.group_size=1 with advantage.estimator={self.advantage.estimator!r}: a group-relative "
+                f"advantage compares a sample with the other samples of its prompt, so a group of one has "
+                f"advantage 0 and nothing would ever train. Use group_size >= 2, or a batch baseline: "
+                f"advantage.estimator='reinforce_pp' with mode='sync'")
         if self.groups_per_step % self.groups_per_microbatch:
             raise ValueError(
                 f"{own}.groups_per_step={self.groups_per_step} is not divisible into micro-batches "

@@ -47,7 +47,7 @@ from sfrrl_jax.agents.reward_fns import REWARDS_KEY
 from sfrrl_jax.learner.process_rows import global_microbatch
 from sfrrl_jax.models.api import mesh_of
 from sfrrl_jax.trainer.batching import Group, group_advantage_slopes, group_advantages, zero_microbatch
-from sfrrl_jax.trainer.step_schedule import FailedGroup, MicroStepUnit, RLStep, early_micro_step
+from sfrrl_jax.trainer.step_schedule import FailedGroup, MicroStepUnit, RLStep, call_rollout_fn, early_micro_step
 
 _log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class ProcessRLStep(RLStep):
 
     # -- early samples: replicated through the engine's ticks -------------------------------------
     async def run_sample(self, task, index: int, sample: int):
-        traj = await self.trainer.rollout_fn(self.engine, task, sample)
+        traj = await call_rollout_fn(self.trainer.rollout_fn, self.engine, task, sample)
         if self.early is not None:
             self.own_trajs[(index, sample)] = traj
             reward = float(traj.reward) if traj.reward is not None else 0.0   # as Group.rewards
@@ -442,6 +442,8 @@ class ProcessRLStep(RLStep):
             "positions": self.trained["positions"], "padding": self.trained["padding_positions"],
             "counts": {k: self.counts[k] for k in ("tool_errors", "groups_dropped", "groups_failed",
                                                    "failed_samples", "groups_surplus")},
+            "kept_groups": len(self.kept),
+            "zero_variance_groups": sum(int(np.ptp(g.rewards) == 0) for g in self.kept),
         }
         views = self.agreement.allgather(mine)
         rewards = np.array([r for v in views for r in v["rewards"]])
@@ -468,5 +470,6 @@ class ProcessRLStep(RLStep):
             "time/tick_exchange_s": self.engine.exchange_seconds - self.exchange_s0,
             **{f"rollout/{k}": sum(v["counts"][k] for v in views)
                for k in ("tool_errors", "groups_dropped", "groups_failed", "failed_samples", "groups_surplus")},
+            **{f"rollout/{k}": sum(v[k] for v in views) for k in ("kept_groups", "zero_variance_groups")},
         })
         return out

@@ -35,6 +35,7 @@ from sfrrl_jax.learner.deferred import advantage_free_terms, check_deferrable
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.batching import Group, batch_fields, zero_microbatch
 from sfrrl_jax.trainer.config import TrainerConfig
+from sfrrl_jax.trainer.health import TrainingHealth
 from sfrrl_jax.trainer.memory_check import check_fits, memory_limit, rollout_resident_bytes
 from sfrrl_jax.trainer.rollout_fn import RolloutFn, check_length_budget
 from sfrrl_jax.trainer.scheduling import LongestFirst
@@ -197,16 +198,24 @@ class RLTrainer:
         self.timeline = Timeline()
         self.engine.set_trace(self.timeline)
         self._step: RLStep | None = None  # the step in progress (or the last one)
+        self.health = TrainingHealth(trainer_cfg)   # ends a run whose every update is skipped
 
     # -- public -------------------------------------------------------------------------------
     def step(self) -> dict:
-        """One RL step (rollout + one optimizer update); returns its metrics."""
+        """One RL step (rollout + one optimizer update); returns its metrics.
+
+        Raises:
+          trainer.health.TrainingDivergedError: `TrainerConfig.max_nonfinite_steps` updates in a
+            row were skipped as non-finite (the step itself completed; params are unchanged by it).
+        """
         return run_sync(self.step_async())
 
     async def step_async(self) -> dict:
         """One RL step: its schedule is an `RLStep` (`trainer.step_schedule`), built afresh."""
         self._step = (ProcessRLStep if self.multi_process else RLStep)(self)
-        return await self._step.run()
+        metrics = await self._step.run()
+        metrics.update(self.health.observe(metrics))
+        return metrics
 
     def compile_train_shapes(self) -> int:
         """Compiles the gradient micro-steps for every [rows, width] a step can form (and the

@@ -118,6 +118,30 @@ def early_micro_step(unit: EarlyUnit, cfg: TrainerConfig, fields: Sequence[str] 
     return MicroStepUnit([], batch, early=unit)
 
 
+class UserCodeExit(RuntimeError):
+    """User code (a rollout function, or what it calls) raised SystemExit, KeyboardInterrupt or
+    GeneratorExit for one sample; the original is its `__cause__`."""
+
+
+async def call_rollout_fn(rollout_fn, engine, task: Task, sample: int) -> Trajectory:
+    """`await rollout_fn(engine, task, sample)`, with a BaseException other than a cancellation
+    raised by user code turned into `UserCodeExit`, which fails this sample's group like any
+    exception of the rollout function, instead of the step.
+
+    Why this is safe: `sys.exit()` or an argparse error inside a tool or reward is the sample's
+    bug, not a request to stop the run. A real Ctrl-C / SIGTERM never arrives here as one: the
+    runner's handlers only record the signal (`trainer.stop_signal`), and under `asyncio.run` a
+    Ctrl-C reaches coroutines as a cancellation, which passes through untouched. An asyncio Task
+    must not see SystemExit / KeyboardInterrupt at all: it re-raises them out of the event loop.
+    """
+    try:
+        return await rollout_fn(engine, task, sample)
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as e:  # noqa: BLE001 -- see the docstring
+        raise UserCodeExit(f"the rollout raised {type(e).__name__}: {e}") from e
+
+
 class RLStep:
     """The schedule and state of one RL step of `trainer` (see the module doc)."""
 
@@ -298,7 +322,7 @@ class RLStep:
         return Group(task.task_id, list(trajs), self.trainer.params_version, index)
 
     async def run_sample(self, task: Task, index: int, sample: int) -> Trajectory:
-        traj = await self.trainer.rollout_fn(self.engine, task, sample)
+        traj = await call_rollout_fn(self.trainer.rollout_fn, self.engine, task, sample)
         if self.early is not None and self.early.sample_finished(index, sample, traj):
             self.note_waiting()
             self.engine.notify_idle_work()
@@ -452,6 +476,9 @@ class RLStep:
             "rollout/groups_surplus": counts["groups_surplus"],
             "rollout/groups_failed": counts["groups_failed"],
             "rollout/failed_samples": counts["failed_samples"],
+            # groups trained, and those of them whose rewards were all equal (advantage 0 throughout)
+            "rollout/kept_groups": len(groups),
+            "rollout/zero_variance_groups": sum(int(np.ptp(g.rewards) == 0) for g in groups),
             "engine/faults": s.faults - s0.faults,
             "engine/restored_slots": s.restored_slots - s0.restored_slots,
             # swap_cache: the KV cache's trips to host memory around micro-steps, and their time
