@@ -10,9 +10,10 @@ resumable orbax checkpoints (`Checkpointer` + `trainer_state`/`load_trainer_stat
 """
 from sfrrl_jax.checkpoints.hf import load_hf, save_hf
 from sfrrl_jax.checkpoints.orbax_store import (CheckpointCorruptError, CheckpointFallbackWarning, Checkpointer,
-                                               CheckpointMismatchError, NoRestorableCheckpointError)
+                                               CheckpointMismatchError, DamagedCheckpointError,
+                                               NoRestorableCheckpointError)
 from sfrrl_jax.checkpoints.trainer_state import abstract_trainer_state, load_trainer_state, trainer_state
 
 __all__ = ["CheckpointCorruptError", "CheckpointFallbackWarning", "CheckpointMismatchError", "Checkpointer",
-           "NoRestorableCheckpointError", "abstract_trainer_state", "load_hf", "load_trainer_state", "save_hf",
+           "DamagedCheckpointError", "NoRestorableCheckpointError", "abstract_trainer_state", "load_hf", "load_trainer_state", "save_hf",
            "trainer_state"]

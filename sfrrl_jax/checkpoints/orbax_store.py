@@ -19,20 +19,25 @@ A checkpoint step directory holds three orbax items:
            metrics so far. It must be JSON-exact (dict with str keys, list, str, int, float, bool,
            None), so what is restored equals what was saved; tuples are refused, not silently
            turned into lists. Multi-host: only the primary process's host state is written.
-  meta  -- format version, step, PRNG implementations of the key leaves.
+  meta  -- format version, step, PRNG implementations of the key leaves, each leaf's checksums.
 plus `sfrrl_files.json`: the size of every file of the three items, written once the save is
 final. Restore checks it first, so a truncated file is caught even where the array reader would
 not notice (an unread index node) -- a step saved by a process killed before the manifest was
 written is restored on orbax's own checks alone.
 
-Restore goes from the newest step down: a step whose files are missing, truncated or unreadable
-is skipped with a `CheckpointFallbackWarning` naming the step and the reason, and the previous one
-is tried; the skipped step is renamed "<step>.damaged" (kept for inspection) so that the resumed
-run can save that step number again. When steps exist but none restores (or only quarantined
-"<step>.damaged" ones are left), `NoRestorableCheckpointError` lists each step and its reason and
-nothing is renamed: returning None there would let a resume start over at step 0 unnoticed. A state *structure* that does not match the checkpoint (other keys, shapes, dtypes) is
-not corruption but a changed config: it raises `CheckpointMismatchError` instead of silently
-falling back to an older step or a fresh start.
+Restore goes from the newest step down. A step is damaged when its files are missing, truncated
+or unreadable, when an array's contents differ from the checksums recorded at save (`checksums`:
+a flipped bit decodes to a plausible number that orbax does not notice), or when a floating array
+holds nan/inf (training from it would skip every update). A damaged step is skipped with a
+`CheckpointFallbackWarning` naming the step and the reason, and the previous one is tried; the
+skipped step is renamed "<step>.damaged" (kept for inspection) so that the resumed run can save
+that step number again. `restore_latest(strict=True)` refuses instead (`DamagedCheckpointError`,
+nothing renamed). When steps exist but none restores (or only quarantined "<step>.damaged" ones
+are left), `NoRestorableCheckpointError` lists each step and its reason and nothing is renamed:
+returning None there would let a resume start over at step 0 unnoticed. A state *structure* that
+does not match the checkpoint (other keys, shapes, dtypes) is not corruption but a changed config:
+it raises `CheckpointMismatchError` instead of silently falling back to an older step or a fresh
+start.
 
 The target shardings come from the abstract state (`jax.ShapeDtypeStruct(..., sharding=...)`),
 so a checkpoint saved on one mesh restores onto another (e.g. data=2 x expert=4 -> expert=8).
@@ -53,6 +58,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from sfrrl_jax.checkpoints.checksums import changed_leaves, leaf_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +98,18 @@ class NoRestorableCheckpointError(RuntimeError):
             f"would start the run over at step 0; to do that on purpose, start it in a new run dir "
             f"(or move {directory} away)")
         self.directory, self.failures = directory, failures
+
+
+class DamagedCheckpointError(RuntimeError):
+    """Strict restore: the newest checkpoint step is damaged, and falling back was not allowed."""
+
+    def __init__(self, directory: Path, step: int, reason: str, older: list[int]):
+        super().__init__(
+            f"the newest checkpoint in {directory}, step {step}, is damaged: {reason}. A strict resume does "
+            f"not fall back" + (f" (older steps: {older})" if older else "") + "; nothing was moved. Resume "
+            f"without strict to fall back to the newest intact step (the damaged one is then renamed "
+            f"{step}{QUARANTINE_SUFFIX})")
+        self.directory, self.step, self.reason, self.older = directory, step, reason, older
 
 
 class NonFiniteStateError(ValueError):
@@ -199,8 +218,7 @@ def check_finite(tree, where: str, hint: str = "") -> None:
     """Raises NonFiniteStateError naming (up to 8 of) the leaves of `tree` holding nan/inf."""
     bad = nonfinite_leaves(tree)
     if bad:
-        shown = ", ".join(bad[:8]) + (f", ... ({len(bad)} in all)" if len(bad) > 8 else "")
-        raise NonFiniteStateError(f"{where} holds nan/inf in {shown}" + (f"; {hint}" if hint else ""), bad)
+        raise NonFiniteStateError(f"{where} holds nan/inf in {_some(bad)}" + (f"; {hint}" if hint else ""), bad)
 
 
 def check_json_exact(obj, where: str = "host_state") -> None:
@@ -302,7 +320,8 @@ class Checkpointer:
             raise TypeError(f"host_state must be a dict, got {type(host_state).__name__}")
         check_json_exact(host_state)
         arrays, impls = _split_prng_keys(state)
-        meta = {"format": FORMAT_VERSION, "step": step, "prng_impls": impls, "saved_at_unix": time.time()}
+        meta = {"format": FORMAT_VERSION, "step": step, "prng_impls": impls, "saved_at_unix": time.time(),
+                "checksums": leaf_checksums(arrays, leaf_name)}
         started = time.perf_counter()
         # A previous save still writing must publish first (orbax would wait for it anyway); the
         # wait is part of this save's stall, so it counts in blocking_s.
@@ -479,17 +498,30 @@ class Checkpointer:
         if meta.get("format") != FORMAT_VERSION:
             raise CheckpointMismatchError(f"checkpoint step {step} has format {meta.get('format')!r}, "
                                           f"this code reads format {FORMAT_VERSION}")
+        changed = changed_leaves(state, meta.get("checksums") or {}, leaf_name)
+        if changed:
+            raise CheckpointCorruptError(step, f"the contents of {_some(changed)} differ from what was saved "
+                                               f"(checksums): a flipped bit or a rewritten file")
         return _wrap_prng_keys(state, abstract_state, meta.get("prng_impls", {})), host
 
-    def restore_latest(self, abstract_state) -> tuple[int, Any, dict] | None:
+    def restore_latest(self, abstract_state, strict: bool = False,
+                       require_finite: bool = True) -> tuple[int, Any, dict] | None:
         """(step, state, host_state) of the newest restorable step, or None when there is none.
 
-        Damaged steps newer than the one restored are skipped with a CheckpointFallbackWarning
-        naming the step and reason, and renamed "<step>.damaged". When steps exist but none
-        restores, or only "<step>.damaged" ones from an earlier restore are left, raises
-        NoRestorableCheckpointError naming every step and why, and renames nothing. None means
-        no checkpoint was ever finished here (an empty directory, or only an interrupted first
-        save): a fresh run.
+        A step is damaged when its files are missing, truncated or unreadable, when an array's
+        contents differ from what was saved (checksums), or (`require_finite`) when a floating
+        array holds nan/inf: training from it would skip every update. Damaged steps newer than
+        the one restored are skipped with a CheckpointFallbackWarning naming the step and reason,
+        and renamed "<step>.damaged". When steps exist but none restores, or only
+        "<step>.damaged" ones from an earlier restore are left, raises NoRestorableCheckpointError
+        naming every step and why, and renames nothing. None means no checkpoint was ever
+        finished here (an empty directory, or only an interrupted first save): a fresh run.
+
+        Args:
+          abstract_state: the restore target (`abstract_of`): shapes, dtypes, shardings.
+          strict: a damaged newest step raises DamagedCheckpointError (nothing renamed) instead
+            of falling back.
+          require_finite: nan/inf in a floating leaf counts as damage.
         """
         self.wait()
         for step, name in self._unfinished_at_start:
@@ -499,11 +531,16 @@ class Checkpointer:
         steps = self.finished_steps()
         failures: list[tuple[str, str]] = []
         for step in reversed(steps):
+            older = [s for s in steps if s < step]
             try:
                 state, host = self.restore(step, abstract_state)
+                bad = nonfinite_leaves(state) if require_finite else []
+                if bad:
+                    raise CheckpointCorruptError(step, f"holds nan/inf in {_some(bad)}")
             except CheckpointCorruptError as e:
+                if strict:
+                    raise DamagedCheckpointError(self.directory, step, e.reason, older) from None
                 failures.append((str(step), e.reason))
-                older = [s for s in steps if s < step]
                 _warn(f"cannot restore checkpoint step {step} in {self.directory}: {e.reason}; "
                       + (f"falling back to step {older[-1]} (if that restores, this step is moved to "
                          f"{step}{QUARANTINE_SUFFIX})" if older else "no older step left"))
@@ -539,6 +576,11 @@ class Checkpointer:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("sfrrl_checkpoint_quarantine")
         self._manager.reload()
+
+
+def _some(names: list[str], shown: int = 8) -> str:
+    """Up to `shown` names, and how many there are in all."""
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
 
 
 def _warn(message: str) -> None:

@@ -9,18 +9,21 @@ the checkout this package was installed from in editable mode, else from `experi
 sys.path); without them a recipe Job is refused with how to run it from a checkout.
 
 --gin_file and --gin_param repeat; bindings apply after the files, in order. --resume continues
-from the newest checkpoint in the run dir (with no checkpoint there, it starts at step 0 and
-says so). Without --resume, a run dir that holds an earlier run's metrics or checkpoints is
-refused. --cpu_devices=N gives a CPU run N (fake) devices; it must be set before JAX starts its
+from the newest intact checkpoint in the run dir (a damaged newest one is renamed
+"<step>.damaged", with a warning; --resume=strict refuses it instead; with no checkpoint there,
+it starts at step 0 and says so). Without --resume, a run dir that holds an earlier run's
+metrics or checkpoints is refused. --cpu_devices=N gives a CPU run N (fake) devices; it must be set before JAX starts its
 backends, so it is applied here first.
 --num_processes/--process_id/--coordinator (or JAX_NUM_PROCESSES, JAX_PROCESS_ID,
 JAX_COORDINATOR_ADDRESS) join an N-process run under jax.distributed (`launch.distributed`;
 experiments/launch_local.py starts N on one machine): each process rolls out and trains its share
 of the groups, the engine's device steps in lockstep (docs/multihost.md).
 Exit status: 0 done; 2 bad config (a binding the job never uses included); 3 the run dir cannot
-be used as asked (an earlier run there and no --resume; --resume with no restorable checkpoint;
-nan/inf in the restored or loaded weights); 128+signal when SIGTERM/SIGINT stopped the run
-(after saving).
+be used as asked (an earlier run there and no --resume; --resume with no restorable checkpoint,
+or --resume=strict with a damaged newest one; nan/inf in the HF weights loaded); 4 training
+cannot learn (`TrainerConfig.max_nonfinite_steps` updates in a row skipped as non-finite: the
+checkpoints written before stand, none is written then); 128+signal when SIGTERM/SIGINT stopped
+the run (after saving).
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sfrrl-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--gin_file", action="append", default=[], help="a .gin file (repeatable)")
     p.add_argument("--gin_param", action="append", default=[], help="one gin binding (repeatable)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--resume", nargs="?", const="on", choices=("on", "strict"), default=None,
+                   help="continue from the newest intact checkpoint; --resume=strict refuses a damaged newest one")
     p.add_argument("--run_dir", default=None, help="overrides ExperimentConfig.run_dir / Job.run_dir")
     p.add_argument("--cpu_devices", type=int, default=None, help="fake CPU device count (set before JAX starts)")
     p.add_argument("--validate_only", action="store_true", help="parse and validate, allocate nothing")
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_dir is not None:
         own += [f"ExperimentConfig.run_dir = {args.run_dir!r}", f"Job.run_dir = {args.run_dir!r}"]
     if args.resume:
-        own.append("ExperimentConfig.resume = True")
+        own.append("ExperimentConfig.resume = " + ("'strict'" if args.resume == "strict" else "True"))
     try:
         job = gin_bindings.load_job(args.gin_file, args.gin_param, optional_params=own)
     except gin_bindings.GinConfigError as e:
@@ -122,13 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         where = f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""
         print(f"sfrrl-train: config valid ({job.kind}" + (f", model {model_cfg.name}" if model_cfg else "") + where + ")")
         return 0
-    from sfrrl_jax.checkpoints.orbax_store import NoRestorableCheckpointError, NonFiniteStateError
+    from sfrrl_jax.checkpoints.orbax_store import (DamagedCheckpointError, NoRestorableCheckpointError,
+                                                   NonFiniteStateError)
     from sfrrl_jax.launch.runner import RunDirError
+    from sfrrl_jax.trainer.health import EXIT_DIVERGED, TrainingDivergedError
     try:
         summary = gin_bindings.run_job(job, operative)
-    except (RunDirError, NoRestorableCheckpointError, NonFiniteStateError) as e:
+    except (RunDirError, NoRestorableCheckpointError, DamagedCheckpointError, NonFiniteStateError) as e:
         print(f"sfrrl-train: {type(e).__name__}: {e}", file=sys.stderr)
         return 3
+    except TrainingDivergedError as e:   # the checkpoints written before the streak stand
+        print(f"sfrrl-train: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
     print("SUMMARY " + json.dumps(summary, sort_keys=True, default=str), flush=True)
     signum = summary.get("stopped_by_signal") if isinstance(summary, dict) else None
     return 128 + int(signum) if signum else 0

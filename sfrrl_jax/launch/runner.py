@@ -14,11 +14,15 @@ is refused (`RunDirError`): the new run would append to the old run's metrics.js
 its first save. `resume=True` with no checkpoint at all (a new dir, or a run killed before its
 first save) starts at step 0, says so, and drops the rows an earlier attempt logged (they are
 redone); with checkpoints of which none restores it raises `NoRestorableCheckpointError` naming
-each step and why, and moves nothing. A restored (or HF-loaded) state with nan/inf in any param
-or optimizer moment raises `NonFiniteStateError` naming the tensors: every update would be skipped.
+each step and why, and moves nothing. An HF-loaded state with nan/inf in any param raises
+`NonFiniteStateError` naming the tensors: every update would be skipped.
 
-`resume=True` restores the newest restorable checkpoint (falling back past a damaged one with a
-warning) and continues: params, optimizer state, data position, step, longest-first history and
+`resume=True` restores the newest restorable checkpoint and continues. A damaged newest step
+(missing, truncated or unreadable files, contents that fail their checksums, nan/inf in a param
+or optimizer moment) is skipped with a warning and renamed "<step>.damaged", and the newest intact
+step restores (`Checkpointer.restore_latest`); `resume='strict'` (`--resume=strict`) refuses a
+damaged newest step instead (`DamagedCheckpointError`, nothing moved). On resume params,
+optimizer state, data position, step, longest-first history and
 the one_step_off carry-over all come back (see `trainer_state`), so the resumed run repeats the
 uninterrupted one from that step on. Rows of metrics.jsonl logged after that checkpoint (a run
 killed between a save and the next) are dropped so every step appears once.
@@ -103,6 +107,8 @@ class ExperimentConfig:
     rollout: 'workload' (the seeded long-tail workload, `workload` below) or a factory
       `fn(experiment_cfg, model_cfg) -> RolloutSource`.
     num_steps: total RL steps of the run (a resumed run continues up to it).
+    resume: continue from the run dir's newest intact checkpoint (True: a damaged newest step is
+      renamed "<step>.damaged" and an older one restores; 'strict': a damaged newest step is refused).
     checkpoint_every: save every N steps (0: only at the end / on a stop signal).
     log_every: write a metrics row every N steps (and the last one).
     """
@@ -126,7 +132,7 @@ class ExperimentConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
-    resume: bool = False
+    resume: bool | str = False
     seed: int = 0
     log_every: int = 1
     progress_bar: bool = True
@@ -158,7 +164,10 @@ class ExperimentConfig:
         check_int(f"{own}.checkpoint_every", self.checkpoint_every, 0)
         check_int(f"{own}.num_devices", self.num_devices, 1, optional=True)
         check_seed(f"{own}.seed", self.seed)   # numpy's default_rng (the task order) rejects negatives
-        check_bool_fields(self, ("async_checkpoint", "resume", "progress_bar", "tensorboard"))
+        check_bool_fields(self, ("async_checkpoint", "progress_bar", "tensorboard"))
+        if not (isinstance(self.resume, bool) or self.resume == "strict"):
+            raise ValueError(f"{own}.resume={self.resume!r}; valid: False, True (fall back past a damaged newest "
+                             f"checkpoint) or 'strict' (refuse one)")
         if self.num_devices is not None and self.num_devices != self.mesh_size:
             raise ValueError(f"{own}: mesh_data={self.mesh_data} x mesh_expert={self.mesh_expert} x "
                              f"mesh_context={self.mesh_context} x mesh_tensor={self.mesh_tensor} = "
@@ -376,14 +385,12 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
     if cfg.resume:
         abstract = dict(zip(("params", "opt_state"),
                             abstract_params_and_opt_state(model_cfg, mesh, cfg.optimizer, train_step)))
-        restored = ckpt.restore_latest(abstract)   # raises when checkpoints exist but none restores
+        # raises when checkpoints exist but none restores; nan/inf weights count as damage (training
+        # from them would skip every update)
+        restored = ckpt.restore_latest(abstract, strict=cfg.resume == "strict")
     if restored is not None:
         step0, state, host = restored
-        where = f"checkpoint step {step0} in {ckpt.directory}"
-        check_resumable(host, fingerprint, len(source.tasks), where)
-        # Training from nan weights skips every update (non-finite gradients) and still exits 0.
-        check_finite(state, where, hint=f"training from it would skip every update. Nothing was changed; "
-                     f"an older step may be clean: move {ckpt.directory / str(step0)} aside and resume again")
+        check_resumable(host, fingerprint, len(source.tasks), f"checkpoint step {step0} in {ckpt.directory}")
         params, opt_state = state["params"], state["opt_state"]
     else:
         params, opt_state = _fresh_params(cfg, model_cfg, mesh), None
