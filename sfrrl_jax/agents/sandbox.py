@@ -7,8 +7,14 @@ What the jail enforces (every layer is probed once per host uid by `probe_capabi
   timeout (which starts when the call gets one of the `max_concurrency` slots, not while it
   queues); rlimits on CPU seconds, address space, file size, open files and processes; stdout and
   stderr capped (the process is killed once it writes more); stdin is /dev/null.
-* a clean environment: the launcher is started with an explicit environment (LANG only), so the
+* a clean environment: the launcher is started with an explicit environment (LANG only), and the
+  code's process is a fresh interpreter with four variables (HOME, TMPDIR, PATH, LANG), so the
   trainer's variables are neither in `os.environ` nor anywhere in the process's memory.
+* a fresh interpreter: the jail is built by `sandbox_launcher.py`, then the code's process execs
+  a new `python -I -S` (the base interpreter, never a venv's) that receives only the seccomp
+  program and the code, so no frame, object or module of the launcher (its config names host
+  paths: the project, the cwd, the hidden directories) exists where the code runs; its argv,
+  `sys.executable` and /proc/self/exe name only that interpreter's real path.
 * a fresh unprivileged uid per concurrent slot (drawn from a random range per sandbox): root
   ignores RLIMIT_NPROC, and a per-call uid makes the process cap per call.
 * network namespace: no interface but a down loopback; every connect fails (`isolate_network`).
@@ -25,19 +31,28 @@ What the jail enforces (every layer is probed once per host uid by `probe_capabi
 * no_new_privs (setuid binaries do not raise privileges) and a seccomp filter
   (`sandbox_seccomp.py`): no ptrace, namespaces, mount API, keyrings, bpf, perf, userfaultfd,
   io_uring, module/kexec calls; sockets only AF_INET/AF_INET6 (no AF_UNIX connection to a
-  host daemon, even to a socket in a visible path).
+  host daemon, even to a socket in a visible path); no execve / execveat unless
+  `SandboxConfig.allow_exec`: the code cannot start another interpreter or any program
+  (`subprocess`, `os.exec*` raise PermissionError); fork, threads and multiprocessing's fork
+  start method work.
 
 Not enforced: CPU time is per process (the wall timeout bounds a fork bomb's total); /sys and
 /etc are readable (read-only); the paths the denylist above does not name (e.g. a /data tree)
-are readable if their permissions allow the jail's uid; `sys.executable` is not runnable inside
-(its directory is hidden), so the code cannot start another interpreter.
+are readable if their permissions allow the jail's uid; the interpreter binary and the shared
+libraries it maps are visible (read-only, where a hidden directory holds them: the fresh
+interpreter needs them), so with `allow_exec` the code can start `sys.executable`; denying exec
+does not stop native code: ctypes still runs any machine code inside the code's own process,
+under the same jail. A base interpreter installed inside the project (not a venv, which is
+never used) would name the project in the code's argv: the stdlib lives there too.
 
 Unisolated mode: without root, or where the kernel refuses a namespace (no CAP_SYS_ADMIN, a
 container's seccomp), `PythonSandbox` raises a RuntimeError naming what is missing, unless
 `SandboxConfig(allow_unisolated=True)`: then it warns loudly (warnings + logging) and runs with
 what there is. Without root the code then runs as the trainer's own uid and can write its files,
-signal its processes and leave daemons behind; only the rlimits, the clean environment,
-no_new_privs and seccomp (which then also denies SysV IPC) still hold.
+signal its processes and leave daemons behind; only the rlimits, the clean environment, the
+fresh interpreter, no_new_privs and seccomp (which then also denies SysV IPC) still hold.
+Without a mount namespace the jail's uid must be able to reach the interpreter itself (it runs
+it by path).
 """
 from __future__ import annotations
 
@@ -81,8 +96,11 @@ class SandboxConfig:
 
     `visible_paths`: absolute directories the code may read (bound read-only at the same path,
     even under a hidden directory, e.g. the project). `allow_site_packages`: make the
-    interpreter's site-packages readable and importable. `allow_unisolated`: run even where the
-    jail cannot be built (see the module docstring); never the default.
+    interpreter's site-packages readable and importable. `allow_exec`: let the code start other
+    programs (execve / execveat; `subprocess`, `os.exec*`, multiprocessing's spawn), only those
+    the jail shows it, under the same limits; denied by default (EPERM, a PermissionError).
+    `allow_unisolated`: run even where the jail cannot be built (see the module docstring);
+    never the default.
     """
 
     wall_timeout_s: float = 5.0
@@ -97,6 +115,7 @@ class SandboxConfig:
     isolate_network: bool = True
     visible_paths: tuple[str, ...] = ()
     allow_site_packages: bool = False
+    allow_exec: bool = False
     allow_unisolated: bool = False
 
     def __post_init__(self):
@@ -133,8 +152,9 @@ class SandboxCapabilities:
 
 @dataclasses.dataclass(frozen=True)
 class SandboxResult:
-    """Outcome of one call. `exec_s` is the code's own run time (fork to exit, measured inside);
-    `wall_s` runs from getting a concurrency slot to the end; `queued_s` is the wait for the slot."""
+    """Outcome of one call. `exec_s` is the code's own run time (fork to exit, measured inside, with
+    the fresh interpreter's ~10 ms start); `wall_s` runs from getting a concurrency slot to the end;
+    `queued_s` is the wait for the slot."""
 
     stdout: str
     stderr: str
@@ -174,9 +194,13 @@ def _inside(path: str, root: str) -> bool:
 
 
 def _stdlib_dirs() -> list[str]:
+    # The base interpreter's (the one the jail runs): in a venv, "platstdlib" would otherwise name
+    # the venv's own lib/pythonX.Y, which holds its site-packages.
+    bases = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix, "installed_base": sys.base_prefix,
+             "installed_platbase": sys.base_exec_prefix}
     dirs = []
     for key in ("stdlib", "platstdlib"):
-        base = sysconfig.get_path(key)
+        base = sysconfig.get_path(key, vars=bases)
         dirs += [base, os.path.join(base, "lib-dynload")]
     dirs = [d for d in dirs if os.path.isdir(d)]
     return sorted(set(dirs + [os.path.realpath(d) for d in dirs]))
@@ -236,9 +260,11 @@ def _launcher_config(cfg: SandboxConfig, plan: dict, uid: int | None, workdir: s
     }
 
 
-# The launcher's source goes in as `-c`, so the code's argv (its stack, /proc/self/cmdline) names
-# no host path: not even where the project lives.
-_LAUNCHER_ARGV = [sys.executable, "-I", "-S", "-c", Path(_LAUNCHER).read_text()]
+# The base interpreter's real path, never a virtualenv's `bin/python` (a venv may live in or beside
+# the project, so its path names the project); the launcher imports the stdlib only, which both
+# share. The source goes in as `-c`: no argv of the jail names where the project lives.
+_PYTHON = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+_LAUNCHER_ARGV = [_PYTHON, "-I", "-S", "-c", Path(_LAUNCHER).read_text()]
 
 
 def _launcher_input(launcher_cfg: dict, status_fd: int, code: str) -> bytes:
@@ -260,9 +286,9 @@ def _launch_sync(cfg: dict, code: str, timeout: float) -> int:
         os.close(read_fd)
 
 
-def _seccomp_filter(sysv_ipc: bool) -> bytes | None:
+def _seccomp_filter(sysv_ipc: bool, allow_exec: bool = False) -> bytes | None:
     try:
-        return sandbox_seccomp.build_filter(sysv_ipc)
+        return sandbox_seccomp.build_filter(sysv_ipc, allow_exec=allow_exec)
     except RuntimeError:  # unsupported architecture: reported as a missing layer
         return None
 
@@ -358,7 +384,7 @@ class PythonSandbox:
             warnings.warn(loud, RuntimeWarning, stacklevel=2)
             logger.warning(loud)
         ipc_ns = caps.ipc_namespace
-        self._seccomp = _seccomp_filter(sysv_ipc=ipc_ns) if caps.seccomp else None
+        self._seccomp = _seccomp_filter(sysv_ipc=ipc_ns, allow_exec=cfg.allow_exec) if caps.seccomp else None
         self._layers = {"net_ns": caps.network_namespace and cfg.isolate_network, "mount_ns": caps.mount_namespace,
                         "pid_ns": caps.pid_namespace, "ipc_ns": ipc_ns, "uts_ns": caps.uts_namespace}
         for path in cfg.visible_paths:

@@ -21,7 +21,10 @@ What the filter does (x86_64 and aarch64; on any other architecture `build_filte
 * clone3 fails with ENOSYS (its flags sit in memory BPF cannot read), so libc falls back to
   clone(), whose flags are checked;
 * SysV IPC (shm*, msg*, sem*) is denied when the call has no IPC namespace of its own (an
-  unisolated run), because host IPC objects outlive the call.
+  unisolated run), because host IPC objects outlive the call;
+* execve / execveat fail with EPERM unless `allow_exec` (`SandboxConfig.allow_exec`): the code
+  starts no other program or interpreter. The launcher installs the filter in a fresh interpreter
+  it has already exec'd (`sandbox_launcher._RUNNER`), so the denial costs the code nothing else.
 """
 from __future__ import annotations
 
@@ -209,10 +212,11 @@ def _assemble(prog: list[tuple]) -> bytes:
     return b"".join(out)
 
 
-def build_filter(sysv_ipc: bool, arch: str | None = None) -> bytes:
+def build_filter(sysv_ipc: bool, arch: str | None = None, allow_exec: bool = False) -> bytes:
     """The filter as packed `struct sock_filter` instructions (8 bytes each, native order).
 
-    `sysv_ipc`: allow SysV IPC (only when the call has its own IPC namespace).
+    `sysv_ipc`: allow SysV IPC (only when the call has its own IPC namespace). `allow_exec`:
+    allow execve / execveat (denied with EPERM otherwise).
     """
     arch, nr, prog, ins = _start(arch)
 
@@ -223,7 +227,7 @@ def build_filter(sysv_ipc: bool, arch: str | None = None) -> bytes:
     ins(_JEQ, nr["socketpair"], "socketpair", 0)
     ins(_JEQ, nr["clone"], "clone", 0)
     ins(_JEQ, nr["clone3"], "enosys", 0)
-    for name in denied_syscalls(arch, sysv_ipc):
+    for name in denied_syscalls(arch, sysv_ipc) + ([] if allow_exec else ["execve", "execveat"]):
         ins(_JEQ, nr[name], "eperm", 0)
     ins(_RET, RET_ALLOW)
     # Sections below are entered by jumps; classic BPF only jumps forward, so the shared returns

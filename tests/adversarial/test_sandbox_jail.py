@@ -142,9 +142,13 @@ print(json.dumps(out))
 
 _SETUID = """
 import json, os, subprocess
-r = subprocess.run([{binary!r}, "-u"], capture_output=True, text=True)
+try:
+    r = subprocess.run([{binary!r}, "-u"], capture_output=True, text=True)
+    id_u, stderr = r.stdout.strip(), r.stderr
+except OSError as e:  # exec denied (SandboxConfig.allow_exec=False)
+    id_u, stderr = "%s %s" % (type(e).__name__, e.errno), ""
 status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
-print(json.dumps({{"id_u": r.stdout.strip(), "stderr": r.stderr, "me": os.geteuid(),
+print(json.dumps({{"id_u": id_u, "stderr": stderr, "me": os.geteuid(),
                   "no_new_privs": status["NoNewPrivs"].strip(), "seccomp": status["Seccomp"].strip()}}))
 """
 
@@ -203,6 +207,9 @@ def attacks(tmp_path_factory):
     os.environ["SFRRL_TEST_SECRET"] = secret
     sandbox = PythonSandbox(SandboxConfig(wall_timeout_s=10.0, cpu_seconds=5, max_concurrency=8,
                                           visible_paths=(str(shared),)))
+    # Only where exec is allowed can the setuid binary run at all: no_new_privs must defuse it.
+    exec_sandbox = PythonSandbox(SandboxConfig(wall_timeout_s=10.0, max_concurrency=1, allow_exec=True,
+                                               visible_paths=(str(shared),)))
     site_dirs = sandbox_module._site_dirs()
     numbers = sandbox_seccomp.SYSCALLS[ARCH]
     first = {
@@ -211,14 +218,15 @@ def attacks(tmp_path_factory):
         "proc": _PROC.format(host_pid=os.getpid()),
         "imports": _IMPORTS.format(dirs=[PROJECT] + site_dirs, listed=[PROJECT] + site_dirs + ["/root", "/run"]),
         "unix_sockets": _UNIX_SOCKETS.format(run=paths["run"], visible=paths["visible"], abstract="sfrrl_jail_" + tag),
-        "setuid": _SETUID.format(binary=str(setuid_id)),
+        "setuid_no_exec": _SETUID.format(binary=str(setuid_id)),
+        "setuid": (exec_sandbox, _SETUID.format(binary=str(setuid_id))),
         "syscalls": _SYSCALLS.format(numbers=numbers),
     }
     later = {"ipc_later": _IPC_LATER.format(key=IPC_KEY)}
 
     async def batch(programs):
-        results = await asyncio.gather(*(sandbox.run(code) for code in programs.values()))
-        return dict(zip(programs, results))
+        runs = [box.run(code) for box, code in (p if isinstance(p, tuple) else (sandbox, p) for p in programs.values())]
+        return dict(zip(programs, await asyncio.gather(*runs)))
 
     try:
         results = asyncio.run(batch(first))
@@ -293,9 +301,11 @@ def test_no_unix_socket_to_host(attacks):
 
 
 def test_setuid_binary_gains_nothing(attacks):
-    out = _json(attacks, "setuid")
+    out = _json(attacks, "setuid")  # exec allowed: it runs, with no more than the code's uid
     assert out["id_u"] == str(out["me"]) and out["me"] != 0, out
     assert out["no_new_privs"] == "1" and out["seccomp"] == "2"
+    denied = _json(attacks, "setuid_no_exec")  # the default: it does not even start
+    assert denied["id_u"] == "PermissionError 1" and denied["no_new_privs"] == "1" and denied["seccomp"] == "2"
 
 
 def test_dangerous_syscalls_denied(attacks):
@@ -349,6 +359,10 @@ def test_seccomp_filter_decisions(arch):
         assert _run_bpf(prog, audit, nr["clone"], (0x10000011, 0, 0, 0, 0, 0)) == eperm
         assert _run_bpf(prog, audit, nr["clone3"]) == enosys
         assert _run_bpf(prog, audit, nr["shmget"]) == (allow if sysv else eperm)
+        assert _run_bpf(prog, audit, nr["execve"]) == _run_bpf(prog, audit, nr["execveat"]) == eperm
+        with_exec = sandbox_seccomp.build_filter(sysv_ipc=sysv, arch=arch, allow_exec=True)
+        assert _run_bpf(with_exec, audit, nr["execve"]) == _run_bpf(with_exec, audit, nr["execveat"]) == allow
+        assert _run_bpf(with_exec, audit, nr["ptrace"]) == eperm
         if arch == "x86_64":
             assert _run_bpf(prog, audit, 0x40000000 + 101) == eperm  # x32 ABI
             assert _run_bpf(prog, audit, 1) == allow  # write
