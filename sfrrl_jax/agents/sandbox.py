@@ -7,6 +7,18 @@ What the jail enforces (every layer is probed once per host uid by `probe_capabi
   timeout (which starts when the call gets one of the `max_concurrency` slots, not while it
   queues); rlimits on CPU seconds, address space, file size, open files and processes; stdout and
   stderr capped (the process is killed once it writes more); stdin is /dev/null.
+* memory: `memory_bytes` caps the whole call, all its processes together, and each process's
+  address space (RLIMIT_AS) on its own too. The whole-call cap is a memory cgroup per call
+  (`sandbox_cgroup.py`: cgroup v2 `memory.max` where our cgroup delegates the memory controller,
+  else cgroup v1 `memory.limit_in_bytes`, swap included where the kernel accounts it), which
+  also charges the call's tmpfs files and shared memory, and its launcher and init (a few MiB).
+  An OOM kill in it shows as `SandboxResult.memory_limit_hit` ("killed by the memory limit").
+  Where no memory cgroup can be made, the cap is split instead: max_processes is lowered to
+  n = memory_bytes // 128 MiB (at least 1, at most max_processes) and RLIMIT_AS to
+  memory_bytes // n, so n processes x their address space <= memory_bytes (RLIMIT_NPROC counts
+  threads too; the private tmpfs mounts and SysV shared memory, `tmpfs_bytes` each, come on top).
+  `SandboxCapabilities.memory_cap` says which one this machine allows ("cgroup2", "cgroup1" or
+  "rlimit-split"), `PythonSandbox.memory_cap` which one a sandbox uses, with its numbers.
 * a clean environment: the launcher is started with an explicit environment (LANG only), and the
   code's process is a fresh interpreter with four variables (HOME, TMPDIR, PATH, LANG), so the
   trainer's variables are neither in `os.environ` nor anywhere in the process's memory.
@@ -50,9 +62,9 @@ container's seccomp), `PythonSandbox` raises a RuntimeError naming what is missi
 `SandboxConfig(allow_unisolated=True)`: then it warns loudly (warnings + logging) and runs with
 what there is. Without root the code then runs as the trainer's own uid and can write its files,
 signal its processes and leave daemons behind; only the rlimits, the clean environment, the
-fresh interpreter, no_new_privs and seccomp (which then also denies SysV IPC) still hold.
-Without a mount namespace the jail's uid must be able to reach the interpreter itself (it runs
-it by path).
+fresh interpreter, no_new_privs and seccomp (which then also denies SysV IPC) still hold, and
+the memory cap where the trainer's uid may make memory cgroups. Without a mount namespace the
+jail's uid must be able to reach the interpreter itself (it runs it by path).
 """
 from __future__ import annotations
 
@@ -73,7 +85,7 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from sfrrl_jax.agents import sandbox_seccomp
+from sfrrl_jax.agents import sandbox_cgroup, sandbox_seccomp
 
 _LAUNCHER = str(Path(__file__).with_name("sandbox_launcher.py"))
 SETUP_FAILED = 121
@@ -86,6 +98,10 @@ _SYSTEM_DIRS = ("/", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/u
 # Always covered: host sockets (/run), other users' files, mounted data.
 _ALWAYS_HIDDEN = ("/root", "/home", "/run", "/mnt", "/media", "/srv")
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+# Without a memory cgroup the call's cap is split over its processes (see the module docstring);
+# no process gets less address space than this (an interpreter with a few threads fits).
+_SPLIT_MIN_PROCESS_BYTES = 128 * 2**20
+_MiB = 2**20
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +155,9 @@ class SandboxCapabilities:
     ipc_namespace: bool = False
     uts_namespace: bool = False
     seccomp: bool = False
+    # How the memory cap holds for a whole call: "cgroup2" / "cgroup1" (a memory cgroup per call),
+    # or "rlimit-split" (no cgroup here: per-process RLIMIT_AS x a lowered process cap).
+    memory_cap: str = "rlimit-split"
 
     def missing(self, isolate_network: bool = True) -> list[str]:
         """Names of the layers a full jail needs but this machine refused."""
@@ -167,10 +186,15 @@ class SandboxResult:
     exec_s: float | None
     peak_rss_kb: int | None = None  # largest resident set of the code's processes
     queued_s: float = 0.0
+    # The call's memory cgroup: its cap was hit and the kernel OOM-killed one of its processes
+    # (cgroup v2: all of them), and the most memory the call held at once (None without one).
+    memory_limit_hit: bool = False
+    peak_memory_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and not (self.timed_out or self.output_truncated or self.setup_error)
+        failed = self.timed_out or self.output_truncated or self.setup_error or self.memory_limit_hit
+        return self.exit_code == 0 and not failed
 
     def error_summary(self) -> str | None:
         """One line saying why the call failed, or None if it succeeded."""
@@ -180,6 +204,8 @@ class SandboxResult:
             return "timed out (wall-clock limit), process group killed"
         if self.output_truncated:
             return "output limit exceeded, process killed"
+        if self.memory_limit_hit:
+            return "killed by the memory limit (all of the call's processes together): out of memory"
         if self.signal is not None:
             name = signal.Signals(self.signal).name if self.signal in signal.valid_signals() else str(self.signal)
             hint = {"SIGXCPU": " (CPU time limit)", "SIGKILL": " (killed: CPU or memory limit)"}.get(name, "")
@@ -250,12 +276,20 @@ def _jail_plan(cfg: SandboxConfig) -> dict:
     return {"hide": sorted(hide), "expose": sorted(set(expose)), "sys_path": sys_path}
 
 
+def _rlimit_split(cfg: SandboxConfig) -> tuple[int, int]:
+    """(processes, address space each) whose product stays within `cfg.memory_bytes`."""
+    processes = max(1, min(cfg.max_processes, cfg.memory_bytes // _SPLIT_MIN_PROCESS_BYTES))
+    return processes, cfg.memory_bytes // processes
+
+
 def _launcher_config(cfg: SandboxConfig, plan: dict, uid: int | None, workdir: str, seccomp: bytes | None,
-                     net_ns: bool, mount_ns: bool, pid_ns: bool, ipc_ns: bool, uts_ns: bool) -> dict:
+                     net_ns: bool, mount_ns: bool, pid_ns: bool, ipc_ns: bool, uts_ns: bool,
+                     split: bool = False) -> dict:
+    nproc, as_bytes = _rlimit_split(cfg) if split else (cfg.max_processes, cfg.memory_bytes)
     return {
         "uid": uid, "gid": uid, "net_ns": net_ns, "mount_ns": mount_ns, "pid_ns": pid_ns, "ipc_ns": ipc_ns,
         "uts_ns": uts_ns, "tmpfs_bytes": cfg.tmpfs_bytes, "workdir": workdir, "cpu_s": cfg.cpu_seconds,
-        "as_bytes": cfg.memory_bytes, "nproc": cfg.max_processes, "fsize_bytes": cfg.max_file_bytes,
+        "as_bytes": as_bytes, "nproc": nproc, "fsize_bytes": cfg.max_file_bytes,
         "nofile": cfg.max_open_files, "seccomp": seccomp.hex() if seccomp else None, **plan,
     }
 
@@ -274,16 +308,31 @@ def _launcher_input(launcher_cfg: dict, status_fd: int, code: str) -> bytes:
     return header + b"\n" + code.encode("utf-8", "surrogatepass")
 
 
-def _launch_sync(cfg: dict, code: str, timeout: float) -> int:
+def _launch_sync(cfg: dict, code: str, timeout: float, memory_bytes: int | None = None) -> int:
+    """The launcher's exit code (the probe's launches); in a memory cgroup if `memory_bytes`."""
     read_fd, write_fd = os.pipe()
+    cgroups = _memory_cgroups() if memory_bytes else None
+    cgroup = None
     try:
-        proc = subprocess.run(
-            _LAUNCHER_ARGV, input=_launcher_input(cfg, write_fd, code), capture_output=True, pass_fds=[write_fd],
-            timeout=timeout, start_new_session=True, check=False, env=_LAUNCHER_ENV)
-        return proc.returncode
+        cgroup = cgroups.create(memory_bytes) if cgroups else None
+        with subprocess.Popen(_LAUNCHER_ARGV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              pass_fds=[write_fd], start_new_session=True, env=_LAUNCHER_ENV) as proc:
+            try:
+                if cgroup is not None:
+                    cgroup.add(proc.pid)  # before the config: nothing has forked yet
+                proc.communicate(_launcher_input(cfg, write_fd, code), timeout=timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return -1
+            return proc.returncode
+    except OSError:
+        return -1
     finally:
         os.close(write_fd)
         os.close(read_fd)
+        if cgroup is not None:
+            cgroup.remove()
 
 
 def _seccomp_filter(sysv_ipc: bool, allow_exec: bool = False) -> bytes | None:
@@ -294,31 +343,44 @@ def _seccomp_filter(sysv_ipc: bool, allow_exec: bool = False) -> bytes | None:
 
 
 _CAPABILITIES: dict[int, SandboxCapabilities] = {}  # per effective uid: the answer depends on it
+_CGROUPS: dict[int, sandbox_cgroup.MemoryCgroups | None] = {}
+
+
+def _memory_cgroups(refresh: bool = False) -> sandbox_cgroup.MemoryCgroups | None:
+    """Where per-call memory cgroups can be made (`sandbox_cgroup.find`), once per effective uid."""
+    euid = os.geteuid()
+    if refresh or euid not in _CGROUPS:
+        _CGROUPS[euid] = sandbox_cgroup.find()
+    return _CGROUPS[euid]
 
 
 def probe_capabilities(refresh: bool = False) -> SandboxCapabilities:
     """Try the isolation layers with a trivial program; cached per effective uid.
 
-    The full jail is tried first (one launch); only if it fails is each layer tried alone.
+    The full jail is tried first (one launch, in a per-call memory cgroup where one can be made);
+    only if it fails is each layer tried alone.
     """
     euid = os.geteuid()
     if refresh or euid not in _CAPABILITIES:
+        cgroups = _memory_cgroups(refresh)
+        memory_cap = f"cgroup{cgroups.version}" if cgroups else "rlimit-split"
         base = SandboxConfig()
         plan = _jail_plan(base)
         uid = random.randint(10**6, 2 * 10**9) if euid == 0 else None
         with tempfile.TemporaryDirectory(prefix="sfrrl_probe_") as workdir:
             os.chmod(workdir, 0o777)
 
-            def works(code="pass", seccomp=None, **layers) -> bool:
+            def works(code="pass", seccomp=None, cgroup=False, **layers) -> bool:
                 flags = {"net_ns": False, "mount_ns": False, "pid_ns": False, "ipc_ns": False, "uts_ns": False,
                          **layers}
-                return _launch_sync(_launcher_config(base, plan, uid, workdir, seccomp, **flags), code, 10) == 0
+                launcher_cfg = _launcher_config(base, plan, uid, workdir, seccomp, **flags)
+                return _launch_sync(launcher_cfg, code, 10, base.memory_bytes if cgroup else None) == 0
 
             full = _seccomp_filter(sysv_ipc=True)
             if uid is not None and full is not None and works(
-                    "import fractions", seccomp=full, net_ns=True, mount_ns=True, pid_ns=True, ipc_ns=True,
-                    uts_ns=True):
-                caps = SandboxCapabilities(True, True, True, True, True, True, True)
+                    "import fractions", seccomp=full, cgroup=cgroups is not None, net_ns=True, mount_ns=True,
+                    pid_ns=True, ipc_ns=True, uts_ns=True):
+                caps = SandboxCapabilities(True, True, True, True, True, True, True, memory_cap)
             else:
                 if uid is not None and not works():
                     uid = None  # cannot drop to an arbitrary uid (e.g. a user namespace without a mapping)
@@ -327,7 +389,8 @@ def probe_capabilities(refresh: bool = False) -> SandboxCapabilities:
                     separate_uid=uid is not None, network_namespace=works(net_ns=True),
                     mount_namespace=works("import fractions", mount_ns=True), pid_namespace=works(pid_ns=True),
                     ipc_namespace=works(ipc_ns=True), uts_namespace=works(uts_ns=True),
-                    seccomp=filt is not None and works(seccomp=filt))
+                    seccomp=filt is not None and works(seccomp=filt),
+                    memory_cap=memory_cap if cgroups and works(cgroup=True) else "rlimit-split")
         _CAPABILITIES[euid] = caps
     return _CAPABILITIES[euid]
 
@@ -391,6 +454,12 @@ class PythonSandbox:
             if not os.path.isdir(path):
                 raise ValueError(f"SandboxConfig.visible_paths: {path!r} is not an existing directory")
         self._plan = _jail_plan(cfg)
+        self._cgroups = _memory_cgroups() if caps.memory_cap.startswith("cgroup") else None
+        if self._cgroups is not None:
+            self.memory_cap = f"cgroup{self._cgroups.version}: {cfg.memory_bytes // _MiB} MiB per call, all processes"
+        else:
+            processes, each = _rlimit_split(cfg)
+            self.memory_cap = f"rlimit-split: {processes} processes x {each // _MiB} MiB"
         self._slots: asyncio.Queue[int | None] | None = None
         base = random.randint(10**6, 2 * 10**9)
         self._uids = [base + i if caps.separate_uid else None for i in range(cfg.max_concurrency)]
@@ -425,14 +494,22 @@ class PythonSandbox:
 
     async def _run_in_slot(self, code: str, uid: int | None, timeout: float) -> SandboxResult:
         cfg = self.cfg
+        start = time.perf_counter()
+        cgroup = None
+        if self._cgroups is not None:
+            try:
+                cgroup = self._cgroups.create(cfg.memory_bytes)
+            except OSError as e:  # never run without the cap this sandbox promised
+                return SandboxResult("", "", None, None, False, False, f"sandbox setup failed: memory cgroup: {e}",
+                                     time.perf_counter() - start, None)
         workdir = None
         if not self._layers["mount_ns"]:
             workdir = tempfile.mkdtemp(prefix="sfrrl_sbx_")
             if uid is not None:
                 os.chown(workdir, uid, uid)
-        launcher_cfg = _launcher_config(cfg, self._plan, uid, workdir or "/tmp", self._seccomp, **self._layers)
+        launcher_cfg = _launcher_config(cfg, self._plan, uid, workdir or "/tmp", self._seccomp, **self._layers,
+                                        split=self._cgroups is None)
         read_fd, write_fd = os.pipe()
-        start = time.perf_counter()
         try:
             proc = await asyncio.create_subprocess_exec(
                 *_LAUNCHER_ARGV, stdin=asyncio.subprocess.PIPE,
@@ -441,9 +518,11 @@ class PythonSandbox:
         except BaseException:
             os.close(read_fd)
             os.close(write_fd)
+            if cgroup is not None:
+                await cgroup.remove_async()
             raise
         os.close(write_fd)
-        outcome = {"timed_out": False, "truncated": False}
+        outcome = {"timed_out": False, "truncated": False, "setup_error": None}
 
         def kill_group():
             if proc.returncode is None:
@@ -464,9 +543,16 @@ class PythonSandbox:
         stdout, stderr = bytearray(), bytearray()
 
         async def feed_and_wait():
+            if cgroup is not None:
+                try:
+                    cgroup.add(proc.pid)  # before the config: the launcher has forked nothing yet
+                except OSError as e:
+                    outcome["setup_error"] = f"sandbox setup failed: memory cgroup: {e}"
+                    kill_group()
             try:
-                proc.stdin.write(_launcher_input(launcher_cfg, write_fd, code))
-                await proc.stdin.drain()
+                if outcome["setup_error"] is None:
+                    proc.stdin.write(_launcher_input(launcher_cfg, write_fd, code))
+                    await proc.stdin.drain()
                 proc.stdin.close()
             except (BrokenPipeError, ConnectionResetError):
                 pass
@@ -489,8 +575,12 @@ class PythonSandbox:
                 _kill_processes_of_uid(uid)
             if workdir is not None:
                 subprocess.run(["rm", "-rf", workdir], check=False)
+            memory_limit_hit, peak_memory = False, None
+            if cgroup is not None:
+                memory_limit_hit, peak_memory = cgroup.oom_kills() > 0, cgroup.peak_bytes()
+                await cgroup.remove_async()
         wall = time.perf_counter() - start
-        setup_error = None
+        setup_error = outcome["setup_error"]
         if proc.returncode == SETUP_FAILED and stderr.startswith(b"sandbox setup failed:"):
             setup_error = stderr.decode(errors="replace").strip()
         exit_code, sig = status.get("exit_code"), status.get("signal")
@@ -500,7 +590,8 @@ class PythonSandbox:
             stdout=stdout.decode(errors="replace"), stderr=stderr.decode(errors="replace"),
             exit_code=exit_code, signal=sig, timed_out=outcome["timed_out"],
             output_truncated=outcome["truncated"], setup_error=setup_error, wall_s=wall,
-            exec_s=status.get("exec_s"), peak_rss_kb=status.get("peak_rss_kb"))
+            exec_s=status.get("exec_s"), peak_rss_kb=status.get("peak_rss_kb"),
+            memory_limit_hit=memory_limit_hit, peak_memory_bytes=peak_memory)
 
 
 def _read_status(read_fd: int) -> dict:

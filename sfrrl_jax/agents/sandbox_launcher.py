@@ -22,7 +22,9 @@ may deny execve (`SandboxConfig.allow_exec`).
 When `user` exits, `init` exits, and the kernel SIGKILLs every process left in the pid namespace:
 nothing the code spawned (even after `setsid`) outlives the call; the IPC namespace, and every
 SysV segment, queue or semaphore in it, dies with it. The host kills the launcher's process group
-on its wall-clock timeout, which takes `init` and therefore the whole namespace down.
+on its wall-clock timeout, which takes `init` and therefore the whole namespace down. The host
+also puts the launcher in the call's memory cgroup (`sandbox_cgroup.py`) before it sends the
+config, i.e. before anything forks, so every process of the call is charged to that cgroup.
 
 Filesystem view (mount_ns): every mount is remounted read-only and nosuid; each `hide` directory is
 covered by an empty read-only tmpfs, then each `expose` directory under it (the stdlib, allowed

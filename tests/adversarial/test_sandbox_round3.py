@@ -1,13 +1,15 @@
 """Issue #48 point 3: the sandbox's rows of a hostile round, each tried the way an attacker would
 (hostile code through `PythonSandbox.run`), now contained:
 
-1. the launcher's state (host paths) reached through frames, `gc` or `sys.modules`;
-2. another program (an interpreter) started with `subprocess` / `os.execv`;
-3. a virtualenv inside (or beside) the checkout: the host interpreter's path in the code's argv.
+1. memory: six processes of 400 MiB touched memory under a 512 MiB cap (one call's total);
+2. the launcher's state (host paths) reached through frames, `gc` or `sys.modules`;
+3. another program (an interpreter) started with `subprocess` / `os.execv`;
+4. a virtualenv inside (or beside) the checkout: the host interpreter's path in the code's argv.
 """
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,13 +20,108 @@ from sfrrl_jax.agents import sandbox as sandbox_module
 from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig
 
 PROJECT = sandbox_module._PROJECT_ROOT
+MiB = 2**20
 
 
 def _run(sandbox, code, timeout=None):
     return asyncio.run(sandbox.run(code, timeout))
 
 
-# ----------------------------------------------------------------------------- 1. launcher state
+# ----------------------------------------------------------------------------- 1. memory, whole call
+
+# Each child writes every page of 400 MiB, says so (its index on a pipe) and holds it until the
+# parent has seen all of them ready or dead; `max_holding` is how many held theirs at once.
+_SIX_CHILDREN = """
+import json, os, select, time
+ready_r, ready_w = os.pipe()
+go_r, go_w = os.pipe()
+pids, fork_errors = {}, []
+for i in range(6):
+    try:
+        pid = os.fork()
+    except OSError as e:
+        fork_errors.append(type(e).__name__)
+        continue
+    if pid == 0:
+        try:
+            block = bytearray(b"\\x01") * (400 * 2**20)
+        except MemoryError:
+            os._exit(3)
+        os.write(ready_w, bytes([i]))
+        os.read(go_r, 1)
+        os._exit(0)
+    pids[pid] = i
+holding, max_holding, outcome = set(), 0, {}
+deadline = time.monotonic() + 8
+while len(outcome) + len(holding) < len(pids) and time.monotonic() < deadline:
+    if select.select([ready_r], [], [], 0.02)[0]:
+        holding.update(os.read(ready_r, 16))
+        max_holding = max(max_holding, len(holding))
+    for pid, i in pids.items():
+        if i in outcome:
+            continue
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            holding.discard(i)
+            outcome[i] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+os.write(go_w, b"x" * len(pids))
+for pid, i in pids.items():
+    if i not in outcome:
+        _, status = os.waitpid(pid, 0)
+        outcome[i] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+print(json.dumps({"max_holding": max_holding, "outcome": sorted(outcome.values()), "fork_errors": fork_errors}))
+"""
+
+_ONE_100MB = "block = bytearray(b'\\x01') * (100 * 2**20)\nprint(len(block) // 2**20)"
+
+
+def _refused(r):
+    assert r.stdout, (r.stderr, r.error_summary())
+    out = json.loads(r.stdout)
+    assert out["max_holding"] <= 1, out  # 2 x 400 MiB never held at once under 512 MiB
+    refused = [o for o in out["outcome"] if o in (-signal.SIGKILL, 3)] + out["fork_errors"]
+    assert refused, out  # OOM-killed, MemoryError, or never forked
+    return out
+
+
+def test_memory_cap_holds_for_the_whole_call():
+    sandbox = PythonSandbox(SandboxConfig(memory_bytes=512 * MiB, wall_timeout_s=15.0, max_concurrency=1))
+    r = _run(sandbox, _SIX_CHILDREN)
+    _refused(r)
+    if sandbox.capabilities.memory_cap.startswith("cgroup"):
+        assert r.memory_limit_hit and not r.ok
+        assert "memory limit" in r.error_summary()
+        assert r.peak_memory_bytes is not None and r.peak_memory_bytes <= 512 * MiB
+    ok = _run(sandbox, _ONE_100MB)
+    assert ok.ok and ok.stdout == "100\n" and not ok.memory_limit_hit, (ok.stderr, ok.error_summary())
+
+
+def test_oom_kill_of_the_main_process_is_reported_as_memory_limit():
+    sandbox = PythonSandbox(SandboxConfig(memory_bytes=512 * MiB, max_concurrency=1))
+    if not sandbox.capabilities.memory_cap.startswith("cgroup"):
+        pytest.skip("no memory cgroup here: the rlimit split answers with MemoryError instead")
+    # Under RLIMIT_AS (512 MiB each) but not under the call's cap: a forked child holds 200 MiB,
+    # then the main process writes 400 MiB, and is the largest when the cap is hit.
+    code = ("import os, time\nif os.fork() == 0:\n    b = bytearray(b'1') * (200 * 2**20)\n    time.sleep(30)\n"
+            "time.sleep(0.5)\nb = bytearray(b'1') * (400 * 2**20)\nprint('survived')")
+    r = _run(sandbox, code, 10.0)
+    assert r.memory_limit_hit and not r.ok and r.stdout == "" and r.signal == signal.SIGKILL, r
+    assert r.error_summary().startswith("killed by the memory limit")
+
+
+def test_without_a_cgroup_the_rlimit_split_holds(monkeypatch):
+    sandbox_module.probe_capabilities()  # cached as it is: the patch below is for this sandbox only
+    monkeypatch.setattr(sandbox_module, "_memory_cgroups", lambda refresh=False: None)
+    sandbox = PythonSandbox(SandboxConfig(memory_bytes=512 * MiB, max_processes=16, wall_timeout_s=15.0,
+                                          max_concurrency=1))
+    assert sandbox.memory_cap == "rlimit-split: 4 processes x 128 MiB"
+    out = _refused(_run(sandbox, _SIX_CHILDREN))
+    assert out["max_holding"] == 0  # no single process gets 400 MiB of address space
+    ok = _run(sandbox, "block = bytearray(b'\\x01') * (64 * 2**20)\nprint(len(block) // 2**20)")
+    assert ok.ok and ok.stdout == "64\n", ok.stderr
+
+
+# ----------------------------------------------------------------------------- 2. launcher state
 
 # Host paths, each given in two pieces so the source never holds one whole; found only if some
 # object (reached through frames, gc or sys.modules) or the process's anonymous memory holds it.
@@ -141,7 +238,7 @@ def test_code_frames_start_at_the_code():
     assert not {"_run_user", "_run_init", "main"} & set(names), names
 
 
-# ----------------------------------------------------------------------------- 2. other programs
+# ----------------------------------------------------------------------------- 3. other programs
 
 _EXEC = """
 import json, multiprocessing, os, subprocess, sys, threading
@@ -188,7 +285,7 @@ def test_exec_allowed_when_asked():
     assert out == {"own_python": "2\n", "true": "", "execv": 0, "thread": [1], "pool": [1, 2, 3]}, out
 
 
-# ----------------------------------------------------------------------------- 3. venv in the checkout
+# ----------------------------------------------------------------------------- 4. venv in the checkout
 
 _FROM_VENV = textwrap.dedent("""
     import asyncio, json, os, sys, types
@@ -228,3 +325,39 @@ def test_venv_path_in_or_beside_the_checkout_is_not_shown(tmp_path, layout):
     assert str(project) not in json.dumps(seen) and project_there == "False", (seen, project_there)
     assert seen["exe"] == seen["executable"] and os.path.isabs(seen["exe"]), seen
 
+
+# ----------------------------------------------------------------------------- cgroup discovery
+
+_MOUNTS = {
+    "hybrid": ("31 23 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"
+               "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+               "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"),
+    # a container's cgroup namespace: the mount's root is our own cgroup
+    "namespaced_v2": "50 40 0:30 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+    "escaped": "35 31 0:32 / /sys/fs/cgroup/my\\040memory rw - cgroup cgroup rw,memory\n",
+}
+
+
+@pytest.mark.parametrize("layout, cgroup_file, expected", [
+    ("hybrid", "4:memory:/process_api/ab12\n0::/\n",
+     [(2, "/sys/fs/cgroup/unified"), (1, "/sys/fs/cgroup/memory/process_api/ab12")]),
+    ("namespaced_v2", "0::/kubepods/pod1/app\n", [(2, "/sys/fs/cgroup/app")]),
+    ("escaped", "7:cpu,memory:/a\n", [(1, "/sys/fs/cgroup/my memory/a")]),
+])
+def test_own_cgroup_found_in_each_layout(monkeypatch, layout, cgroup_file, expected):
+    from sfrrl_jax.agents import sandbox_cgroup
+
+    files = {"/proc/self/cgroup": cgroup_file, "/proc/self/mountinfo": _MOUNTS[layout]}
+    monkeypatch.setattr(sandbox_cgroup, "_read", files.get)
+    assert sandbox_cgroup._own_cgroup_dirs() == expected
+
+
+def test_cgroup_counters_read_for_both_versions(tmp_path):
+    from sfrrl_jax.agents.sandbox_cgroup import CallCgroup
+
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 2\noom_kill 2\noom_group_kill 1\n")
+    (tmp_path / "memory.peak").write_text("536870912\n")
+    v2 = CallCgroup(str(tmp_path), 2)
+    assert (v2.oom_kills(), v2.peak_bytes()) == (2, 512 * MiB)
+    (tmp_path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+    assert (CallCgroup(str(tmp_path), 1).oom_kills(), CallCgroup(str(tmp_path), 1).peak_bytes()) == (0, None)
