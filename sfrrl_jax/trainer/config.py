@@ -49,6 +49,15 @@ class TrainerConfig:
     groups_per_microbatch: finished groups per gradient micro-step.
     microbatch_rows: split each micro-batch into micro-steps of at most this many rows (0 = off):
       finer work units leave a returning tool less to wait for (micro-steps are not preempted).
+      With `pack_rows` a row may hold several trajectories, so a row is a token budget of the
+      row's width rather than one sample.
+    seq_bucket: micro-batch widths are multiples of this (capped at max_len): the micro-step
+      compiles once per [rows, width] shape, and the widths bound how many there are.
+    pack_rows: several trajectories share a micro-batch row (packed: segment ids 1, 2, ... along
+      the row, positions restarting per trajectory; `trainer.batching.pack_rows`), which leaves
+      far less of the computed positions to padding (`train/padding_share`) for the same loss and
+      gradient. False: one trajectory per row, right-padded to the longest (the former layout,
+      kept for comparisons). Early samples (`early_groups`) train one-row micro-steps either way.
     early_groups: pipelined: once at most this many groups of the step are unfinished (the
       rollout's tail), their finished samples train before the group finishes (advantage-deferred
       gradients, `learner.deferred`; needs a loss linear in the advantages: `Loss.linear_in_advantages`,
@@ -84,6 +93,7 @@ class TrainerConfig:
     microbatch_rows: int = 0
     early_groups: int = 0
     seq_bucket: int = 32
+    pack_rows: bool = True
     advantage: AdvantageConfig = AdvantageConfig()
     seed: int = 0
     max_nonfinite_steps: int = 3
@@ -98,7 +108,7 @@ class TrainerConfig:
         check_int_fields(self, ("underfull_slots", "overprovision_groups", "max_refill_groups",
                                 "microbatch_rows", "early_groups", "max_nonfinite_steps",
                                 "warn_no_signal_steps"), 0)
-        check_bool_fields(self, ("longest_first", "dynamic_sampling", "swap_cache"))
+        check_bool_fields(self, ("longest_first", "dynamic_sampling", "swap_cache", "pack_rows"))
         if self.swap_cache and self.mode == "sync":
             raise ValueError(f"{own}.swap_cache=True moves the KV cache out while micro-steps run during the "
                              "rollout; mode='sync' trains after it, with the cache freed: nothing to swap")
