@@ -16,6 +16,7 @@ With `early_groups`, pipelined also trains finished samples of unfinished groups
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -33,7 +34,9 @@ from sfrrl_jax.rl.loss_fn import Loss
 from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.deferred import advantage_free_terms, check_deferrable
 from sfrrl_jax.learner.optimizer import OptimizerConfig
-from sfrrl_jax.trainer.batching import Group, batch_fields, zero_microbatch
+from sfrrl_jax.mesh import DATA_AXIS
+from sfrrl_jax.models.api import mesh_of
+from sfrrl_jax.trainer.batching import Group, batch_fields, row_shapes, zero_microbatch
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.health import TrainingHealth
 from sfrrl_jax.trainer.memory_check import check_fits, memory_limit, rollout_resident_bytes
@@ -177,6 +180,12 @@ class RLTrainer:
                              f"{type(self.engine).__name__}): every process must launch the same device steps")
         if self.multi_process:
             self.agreement = Agreement(self.engine.exchange.with_prefix("sfrrl/trainer"))
+        # Packed micro-batches take row counts that split over the mesh's `data` axis (rows that
+        # do not would run on every data shard alike); N processes each contribute a share of
+        # the rows (`learner.process_rows`), so each process's count need only make up the rest.
+        data = mesh_of(params).shape.get(DATA_AXIS, 1)
+        processes = self.engine.exchange.process_count if self.multi_process else 1
+        self.row_shapes = row_shapes(trainer_cfg, row_multiple=data // math.gcd(data, processes))
         early_buffers = 0
         if trainer_cfg.early_groups:
             check_deferrable(self.loss)
@@ -220,30 +229,47 @@ class RLTrainer:
     def compile_train_shapes(self) -> int:
         """Compiles the gradient micro-steps for every [rows, width] a step can form (and the
         early-sample functions), on zero batches, so that no compile stalls a rollout later.
-        Returns the number of shapes. Widths: multiples of `seq_bucket` capped at `max_len`;
-        rows: up to `microbatch_rows` (else a whole micro-batch of groups; fewer with early samples).
-        The zero batches carry the fields real micro-batches carry for the train step's loss
-        (`self.batch_fields`: its required fields and the optional ones trajectories supply).
+        Returns the number of shapes (`train_shapes`). The zero batches carry the fields real
+        micro-batches carry for the train step's loss (`self.batch_fields`: its required fields
+        and the optional ones trajectories supply).
         """
         cfg = self.cfg
-        widths = sorted({min(k * cfg.seq_bucket, cfg.max_len) for k in range(1, -(-cfg.max_len // cfg.seq_bucket) + 1)})
-        full = cfg.groups_per_microbatch * cfg.group_size
-        most = min(cfg.microbatch_rows, full) if cfg.microbatch_rows else full
-        rows = range(1, most + 1) if (cfg.early_groups or cfg.microbatch_rows) else [full]
         ts, acc = self.train_step, self.train_step.init_accumulator(self.params)
-        shapes = 0
-        for width in widths:
+        shapes = self.train_shapes()
+        for width in sorted({w for _, w in shapes}):
             zero = functools.partial(zero_microbatch, self.batch_fields, width=width, route_dims=self.route_dims)
-            for n in rows:
+            for n in sorted(r for r, w in shapes if w == width):
                 acc = jax.block_until_ready(ts.grad_microstep(self.params, acc, zero(n)))  # one in flight
-                shapes += 1
             if cfg.early_groups:
                 buf = ts.deferred_microstep(self.params, ts.init_deferred(self.params), zero(1), 0.0)
                 acc = jax.block_until_ready(ts.merge_deferred(self.params, acc, buf, 1.0, 0.0))
-        return shapes
+        return len(shapes)
+
+    def train_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, width) of a gradient micro-step a step can form, by width, then rows.
+        Widths: multiples of `seq_bucket` capped at `max_len` (`batching.bucket_widths`). Rows:
+        with `microbatch_rows`, 1 up to it (or the micro-batch's rows, if fewer); packed
+        (`pack_rows`), the packing menu's counts at each width (`self.row_shapes`); one per row,
+        the micro-batch's rows (every count up to them with early samples, whose groups train
+        fewer); early samples add one-row micro-steps."""
+        cfg, menu = self.cfg, self.row_shapes
+        full = cfg.groups_per_microbatch * cfg.group_size
+        out = set()
+        for w in menu.widths:
+            if cfg.microbatch_rows:
+                rows = set(range(1, min(cfg.microbatch_rows, full) + 1))
+            elif cfg.pack_rows:
+                rows = set(menu.rows_at(w))
+            else:
+                rows = set(range(1, full + 1)) if cfg.early_groups else {full}
+            if cfg.early_groups:
+                rows.add(1)
+            out.update((r, w) for r in rows)
+        return sorted(out, key=lambda shape: (shape[1], shape[0]))
 
     # -- internals ----------------------------------------------------------------------------
     def _make_units(self, groups: list[Group]) -> list[MicroStepUnit]:
         """Micro-steps of finished groups of the step in progress (the step forms every micro-step
         of its groups here: a seam to observe which groups trained)."""
-        return make_units(groups, self.cfg, self._step.claimed, self.batch_fields, self.route_dims)
+        return make_units(groups, self.cfg, self._step.claimed, self.batch_fields, self.route_dims,
+                          self.row_shapes)

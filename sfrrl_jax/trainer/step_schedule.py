@@ -18,6 +18,14 @@ counters) as attributes, and its methods are the phases, in the order `run` call
 
 The engine pops work through `idle_work` (micro-steps of finished groups first, then early
 samples) and runs it on its driver thread with `microstep`. Everything else runs on the event loop.
+
+Micro-steps (`make_units`, pure host work): a micro-batch of finished groups is laid out in rows
+(`TrainerConfig.pack_rows`: several trajectories per row, `trainer.batching.pack_rows`; else one
+per row), then split into micro-steps of at most `microbatch_rows` rows. A `MicroStepUnit` names
+whose tokens it holds: whole `Group`s when it holds all of theirs, else one `TokenShare` per
+trajectory in its rows (a packed row may hold samples of several groups), so the trained and
+on-policy token counts are exact whatever the layout. Early samples train as one-row micro-steps.
+`train/padding_share` is the share of the micro-steps' [rows, width] positions that held no token.
 """
 from __future__ import annotations
 
@@ -35,7 +43,8 @@ from sfrrl_jax.agents.protocols import EngineError, Task
 from sfrrl_jax.agents.reward_fns import reward_component_means
 from sfrrl_jax.agents.trajectory import Trajectory
 from sfrrl_jax.trainer.batching import (
-    Group, TokenShare, group_advantage_slopes, group_advantages, microbatch_from_trajectories,
+    Group, RowLayout, RowShapes, TokenShare, group_advantage_slopes, group_advantages, microbatch_from_layout,
+    microbatch_from_trajectories, pack_rows, row_shapes,
 )
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.early_samples import EarlySamples, EarlyUnit, GroupProgress
@@ -69,12 +78,14 @@ class MicroStepUnit:
 
 # -- forming micro-steps (pure: host arrays only) ------------------------------------------------
 def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, GroupProgress],
-               fields: Sequence[str] | None = None, route_dims: tuple[int, int] | None = None) -> list[MicroStepUnit]:
-    """Micro-steps of these finished groups. Samples already in a group buffer (trained early)
-    are left out; the last micro-step merges those buffers at the final advantages.
+               fields: Sequence[str] | None = None, route_dims: tuple[int, int] | None = None,
+               shapes: RowShapes | None = None) -> list[MicroStepUnit]:
+    """Micro-steps of these finished groups (module doc). Samples already in a group buffer
+    (trained early) are left out; the last micro-step merges those buffers at the final advantages.
     claimed: launch index -> progress of groups with early samples (their entries are popped).
     fields: the batch fields (`batching.batch_fields(loss)`; None: all a trajectory supplies);
-    route_dims: (moe layers, top_k) under routing replay."""
+    route_dims: (moe layers, top_k) under routing replay; shapes: the packing menu (None:
+    `batching.row_shapes(cfg)`; the trainer passes its mesh's row multiple)."""
     adv = group_advantages(groups, cfg.advantage)
     progress = [claimed.pop(g.launch_index, None) for g in groups]
     slopes = group_advantage_slopes(groups, cfg.advantage) if any(progress) else [None] * len(groups)
@@ -89,21 +100,29 @@ def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, Group
                 row_adv.append(a[i])
         if prog:
             merges.append((prog, float(slope), float(a[prog.reference])))
-    batch = microbatch_from_trajectories([g.trajectories[i] for g, i in owners], row_adv,
-                                         cfg.seq_bucket, cfg.max_len, fields, route_dims)
-    units = split_rows(batch, owners, cfg.microbatch_rows, whole=None if merged else list(groups))
+    trajs = [g.trajectories[i] for g, i in owners]
+    lengths = [len(t.tokens) for t in trajs]
+    layout = (pack_rows(lengths, shapes if shapes is not None else row_shapes(cfg)) if cfg.pack_rows
+              else RowLayout.one_per_row(lengths, cfg.seq_bucket, cfg.max_len))
+    batch = microbatch_from_layout(trajs, row_adv, layout, fields, route_dims)
+    row_owners = [[owners[i] for i in row] for row in layout.rows]
+    units = split_rows(batch, row_owners, cfg.microbatch_rows, whole=None if merged else list(groups))
     units[-1].merges = merges
     units[-1].groups += [token_share(g, i) for g, i in merged]
     return units
 
 
-def split_rows(batch: dict, owners: list, microbatch_rows: int, whole: list | None = None) -> list[MicroStepUnit]:
-    """Micro-steps of at most `microbatch_rows` rows (0: no limit); owners: (group, sample) per row."""
-    rows, step = len(owners), microbatch_rows
+def split_rows(batch: dict, row_owners: list[list], microbatch_rows: int,
+               whole: list | None = None) -> list[MicroStepUnit]:
+    """Micro-steps of at most `microbatch_rows` rows of `batch` (0: no limit). row_owners: per row,
+    the (group, sample) of each trajectory in it (none for an all-padding row). whole: the Groups
+    a single micro-step holds entirely (else its trajectories count as `TokenShare`s)."""
+    rows, step = len(row_owners), microbatch_rows
+    shares = lambda part: [token_share(g, i) for row in part for g, i in row]  # noqa: E731
     if not step or rows <= step:
-        return [MicroStepUnit(whole if whole is not None else [token_share(g, i) for g, i in owners], batch)]
-    return [MicroStepUnit([token_share(g, i) for g, i in owners[a:a + step]],
-                          {k: v[a:a + step] for k, v in batch.items()}) for a in range(0, rows, step)]
+        return [MicroStepUnit(whole if whole is not None else shares(row_owners), batch)]
+    return [MicroStepUnit(shares(row_owners[a:a + step]), {k: v[a:a + step] for k, v in batch.items()})
+            for a in range(0, rows, step)]
 
 
 def token_share(group: Group, sample: int) -> TokenShare:

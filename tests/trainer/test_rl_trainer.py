@@ -105,12 +105,17 @@ def test_swapped_cache_and_offloaded_sums_train_as_without(mode):
         np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
 
 
-def test_row_split_micro_steps_give_the_same_update():
+@pytest.mark.parametrize("pack_rows", [False, True])
+def test_row_split_micro_steps_give_the_same_update(pack_rows):
     # one width (seq_bucket 64): a compile per row count, not per row count and width
-    whole = _trainer("pipelined", seq_bucket=64)
-    split = _trainer("pipelined", seq_bucket=64, microbatch_rows=2)  # 4-row groups
+    whole = _trainer("pipelined", seq_bucket=64, pack_rows=pack_rows)
+    split = _trainer("pipelined", seq_bucket=64, microbatch_rows=2, pack_rows=pack_rows)
     m_whole, m_split = whole.step(), split.step()
-    assert m_split["train/microsteps"] == 4 and m_whole["train/microsteps"] == 2
+    assert m_whole["train/microsteps"] == 2
+    if pack_rows:   # a packed row holds one or more samples: 1 or 2 micro-steps per 4-sample group
+        assert 2 < m_split["train/microsteps"] <= 4
+    else:           # 4-row groups
+        assert m_split["train/microsteps"] == 4
     assert m_split["train/trained_tokens"] == m_whole["train/trained_tokens"]
     for a, b in zip(jax.tree.leaves(jax.device_get(whole.params)), jax.tree.leaves(jax.device_get(split.params))):
         np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)

@@ -233,7 +233,7 @@ def test_a_custom_loss_and_an_optax_transformation_train_a_step():
     assert tr.loss is REINFORCE and tr.loss_cfg is None
     # the loss's required fields, the optional one trajectories supply, the padding layout
     assert tr.batch_fields == ("tokens", "loss_mask", "advantages", "rollout_logprobs", "segment_ids")
-    assert tr.compile_train_shapes() == 2  # widths 32, 64; one micro-batch of 2 rows
+    assert tr.compile_train_shapes() == 4  # widths 32, 64; a group's 2 samples packed in 1 or 2 rows
     compiled = ts.jitted_microstep(tr.params)._cache_size()
     m = tr.step()
     assert ts.jitted_microstep(tr.params)._cache_size() == compiled  # the warm-up had the step's batches

@@ -128,7 +128,9 @@ def test_trainer_with_routing_replay_records_trains_and_reports_agreement():
     m = trainer.step()
     assert trainer.train_step.compile_count() == compiled + 1  # `apply` only: every micro-step shape was ready
     assert m["policy/on_policy_fraction"] == 1.0 and m["train/trained_tokens"] > 0
-    assert m["train/early_microsteps"] > 0 and m["train/microsteps"] == 6
+    assert m["train/early_microsteps"] > 0
+    # every sample trained once: one row each (microbatch_rows=1), packed rows holding several
+    assert m["train/trained_tokens"] == m["rollout/generated_tokens"] and m["train/microsteps"] <= 6
     # fp32, the same layer code: the train router picks the engine's experts (up to rare near-ties)
     assert m["train/routing_agreement"] > 0.95
     for i in moe_layer_ids(cfg):
