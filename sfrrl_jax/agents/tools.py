@@ -1,13 +1,24 @@
 """Tools and the bounded runner that executes parsed calls.
 
 `ToolRunner.run(calls)` returns one `ToolResult` per item, in order, and never raises for anything
-a call does: unparseable call, unknown tool, arguments violating the schema, a tool that raises,
-hangs past the timeout or returns garbage all become error observations. Async tools run on the
-event loop under a concurrency bound; blocking functions run on the runner's bounded thread pool.
-A hung *thread* cannot be killed (its slot stays busy until it returns): once half the pool is
-stuck in timed-out calls, or the pool was shut down or broke, later calls get a fresh pool
-(`pools_replaced` counts these). Anything that may hang for real, such as user code, belongs in
-a process: see `PythonTool`.
+a call does: unparseable call, unknown tool, arguments violating the schema, a tool that raises
+(SystemExit, KeyboardInterrupt and GeneratorExit included: see `sfrrl_jax.aio`), hangs past the
+timeout, ignores cancellation, or returns garbage or a huge value all become observations. Only
+the cancellation of the caller itself propagates (after the call in flight is given up).
+
+Async tools run on the event loop, each call as its own task under a concurrency bound; at the
+timeout the call is cancelled and, if it does not end within `aio.ABANDON_GRACE_S`, abandoned:
+the observation says it timed out, and the task runs on unawaited (`orphaned_calls` counts these,
+and a trajectory's count is its `metadata["orphaned_tool_calls"]`). Blocking functions run on the
+runner's pool of daemon threads (`aio.DaemonThreadPool`). A hung *thread* cannot be killed: at the
+timeout it is written off and another thread takes its place, so queued calls, which nobody but
+their own caller ever cancels, never wait behind it, and it never holds the process at exit. A
+pool that was shut down under the runner is replaced (`pools_replaced` counts these). Anything
+that may hang for real, such as model-written code, belongs in a process: see `PythonTool`.
+
+A non-str result is sent as its JSON, capped at `max_output_chars` like a str. A large one (a
+bounded walk of it says so) is encoded in a worker thread by the incremental encoder, only as far
+as the cap: a 50 MB list costs the event loop nothing and the thread microseconds.
 """
 from __future__ import annotations
 
@@ -18,7 +29,6 @@ import dataclasses
 import json
 import logging
 import operator
-import threading
 import time
 from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
@@ -26,9 +36,14 @@ from typing import Any, Callable, Mapping, Sequence
 from sfrrl_jax.agents.protocols import Tool, ToolCall, ToolCallError, ToolResult
 from sfrrl_jax.agents.sandbox import PythonSandbox
 from sfrrl_jax.agents.schema import validate
+from sfrrl_jax.aio import (DaemonThreadPool, Deadline, Raised, describe, loop_waiter, note_orphan, own_cancellation,
+                           user_task, wait_or_abandon)
 
 
 _log = logging.getLogger(__name__)
+
+# A non-str result walked past this many JSON items (or string bytes / 256) is encoded off the loop.
+LARGE_RESULT_ITEMS = 20_000
 
 
 class ToolError(Exception):
@@ -66,7 +81,8 @@ def tool_schema(tool: Tool) -> dict:
 
 
 class FunctionTool:
-    """Wrap a blocking function `fn(**arguments) -> str`; the runner runs it on its thread pool."""
+    """Wrap a blocking function `fn(**arguments) -> str`; the runner runs it on its daemon thread
+    pool (awaited directly, outside a runner, it runs in asyncio's default executor)."""
 
     def __init__(self, name: str, description: str, parameters: Mapping[str, Any], fn: Callable[..., Any]):
         self.name, self.description, self.parameters, self.blocking_fn = name, description, parameters, fn
@@ -75,7 +91,27 @@ class FunctionTool:
         return await asyncio.to_thread(self.blocking_fn, **arguments)
 
 
+class _TimedOut:
+    """run_one's outcome of a call given up at its timeout."""
+
+
+_TIMED_OUT = _TimedOut()
+
+
+class _Cancelled:
+    """run_one's outcome of a blocking call cancelled before it ran (its pool was shut down)."""
+
+
+_CANCELLED = _Cancelled()
+
+
 class ToolRunner:
+    """Runs parsed calls against `tools` under `cfg` (see the module doc for what it guarantees).
+
+    Counters: `orphaned_calls` (calls abandoned at their timeout, or when their caller was
+    cancelled, while still running: an async tool that ignored cancellation, a blocking call in
+    a thread written off) and `pools_replaced` (thread pools found shut down and replaced)."""
+
     def __init__(self, tools: Sequence[Tool], cfg: ToolRunnerConfig = ToolRunnerConfig()):
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
@@ -83,52 +119,32 @@ class ToolRunner:
         self.tools = {t.name: t for t in tools}
         self.cfg = cfg
         self._executor = self._new_pool()
-        self._stuck = 0  # pool threads still inside a call that timed out (a thread cannot be killed)
-        self._stuck_lock = threading.Lock()
         self.pools_replaced = 0
+        self.orphaned_calls = 0
         self._semaphore: asyncio.Semaphore | None = None
 
-    def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        return concurrent.futures.ThreadPoolExecutor(self.cfg.thread_workers, thread_name_prefix="tool")
+    def _new_pool(self) -> DaemonThreadPool:
+        return DaemonThreadPool(self.cfg.thread_workers, name="tool")
 
-    def _replace_pool(self, why: str) -> None:
-        """A fresh pool for later calls: the old one is shut down without waiting (its stuck
-        threads end when their calls return, and hold nobody's slot meanwhile)."""
-        with self._stuck_lock:
-            old, self._executor, self._stuck = self._executor, self._new_pool(), 0
-        old.shutdown(wait=False, cancel_futures=True)
-        self.pools_replaced += 1
-        _log.warning("tool thread pool replaced: %s", why)
-
-    def _submit(self, fn, arguments) -> concurrent.futures.Future:
+    def _submit(self, fn, arguments) -> tuple[concurrent.futures.Future, DaemonThreadPool]:
+        pool = self._executor
         try:
-            return self._executor.submit(fn, **arguments)
-        except (RuntimeError, concurrent.futures.BrokenExecutor) as e:  # shut down or broken: recover
-            self._replace_pool(f"{type(e).__name__}: {e}")
-            return self._executor.submit(fn, **arguments)
+            return pool.submit(fn, **arguments), pool
+        except RuntimeError as e:  # shut down under the runner: later calls get a fresh pool
+            self._executor = pool = self._new_pool()
+            self.pools_replaced += 1
+            _log.warning("tool thread pool replaced: %s", e)
+            return pool.submit(fn, **arguments), pool
 
-    def _thread_stuck(self, work: concurrent.futures.Future, executor) -> None:
-        """A blocking call timed out; its thread is lost until the call returns. Once half the
-        pool is lost that way, later calls get a fresh pool instead of queueing behind them."""
-        if work.done() or executor is not self._executor:
-            return  # it never started (cancelled while queued), or its pool was replaced already
-        with self._stuck_lock:
-            self._stuck += 1
-        # Called on the pool's thread, perhaps after this event loop closed (each trainer step may
-        # run its own): a lock, not the loop, guards the count.
-        work.add_done_callback(lambda _: self._unstick(executor))
-        if self._stuck * 2 >= self.cfg.thread_workers:
-            self._replace_pool(f"{self._stuck} of {self.cfg.thread_workers} threads stuck in timed-out calls")
-
-    def _unstick(self, executor) -> None:
-        with self._stuck_lock:
-            if executor is self._executor and self._stuck > 0:
-                self._stuck -= 1
+    def _orphaned(self) -> None:
+        self.orphaned_calls += 1
 
     def schemas(self) -> list[dict]:
         return [tool_schema(t) for t in self.tools.values()]
 
     def close(self) -> None:
+        """Queued blocking calls are cancelled (their callers read an error); running ones end
+        when they return, on daemon threads."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def run(self, calls: Sequence[ToolCall | ToolCallError]) -> list[ToolResult]:
@@ -161,43 +177,124 @@ class ToolRunner:
         async with self._semaphore:
             start = time.perf_counter()
             blocking = getattr(tool, "blocking_fn", None)
-            work, executor = None, self._executor
-            try:
-                if blocking is not None:
-                    work = self._submit(blocking, call.arguments)
-                    executor = self._executor
-                    pending = asyncio.wrap_future(work)
-                queues = blocking is None and getattr(tool, "queues_for_capacity", False)
-                # no extra Task, unlike wait_for
-                async with asyncio.timeout(None if queues else self.cfg.timeout_s) as deadline:
-                    if blocking is None:
-                        if queues:
-                            # Its wait for capacity (sandbox slots) is load, not the call's fault:
-                            # the timeout starts once the tool says its work began (the agent's
-                            # wall budget still bounds the wait).
-                            loop = asyncio.get_running_loop()
-                            pending = tool(**call.arguments, on_start=lambda: deadline.reschedule(
-                                loop.time() + self.cfg.timeout_s))
-                        else:
-                            pending = tool(**call.arguments)
-                    output = await pending
-            except asyncio.TimeoutError:
-                if work is not None:
-                    self._thread_stuck(work, executor)
-                return self._error(call.name, f"tool {call.name!r} timed out after {self.cfg.timeout_s} s",
-                                   call.call_id, time.perf_counter() - start)
-            except ToolError as e:
-                return self._error(call.name, str(e), call.call_id, time.perf_counter() - start)
-            except Exception as e:  # a crashing tool is an observation, not a crash of the loop
-                return self._error(call.name, f"tool {call.name!r} failed: {type(e).__name__}: {e}",
-                                   call.call_id, time.perf_counter() - start)
+            if blocking is not None:
+                output = await self._run_blocking(blocking, call.arguments)
+            else:
+                output = await self._run_async(tool, call.arguments)
             elapsed = time.perf_counter() - start
-        if not isinstance(output, str):
-            try:
-                output = json.dumps(output)
-            except (TypeError, ValueError):
-                return self._error(call.name, f"tool {call.name!r} returned a non-JSON value", call.call_id, elapsed)
-        return ToolResult(name=call.name, content=self._cap(output), call_id=call.call_id, elapsed_s=elapsed)
+        if output is _TIMED_OUT:
+            return self._error(call.name, f"tool {call.name!r} timed out after {self.cfg.timeout_s} s",
+                               call.call_id, elapsed)
+        if output is _CANCELLED:
+            return self._error(call.name, f"tool {call.name!r} was not run: its thread pool was shut down",
+                               call.call_id, elapsed)
+        if isinstance(output, Raised):
+            if isinstance(output.error, ToolError):
+                return self._error(call.name, str(output.error), call.call_id, elapsed)
+            # a crashing tool is an observation, not a crash of the loop
+            return self._error(call.name, f"tool {call.name!r} failed: {describe(output.error)}", call.call_id,
+                               elapsed)
+        content = await self._content(output)
+        if content is None:
+            return self._error(call.name, f"tool {call.name!r} returned a non-JSON value", call.call_id, elapsed)
+        return ToolResult(name=call.name, content=content, call_id=call.call_id, elapsed_s=elapsed)
+
+    async def _run_async(self, tool: Tool, arguments: Mapping[str, Any]) -> Any:
+        """The tool's value, a `Raised`, or _TIMED_OUT. The call is a task of its own, so that one
+        ignoring cancellation can be abandoned (`aio.wait_or_abandon`)."""
+        loop = asyncio.get_running_loop()
+        timeout = self.cfg.timeout_s
+        kwargs = dict(arguments)
+        if getattr(tool, "queues_for_capacity", False):
+            # Its wait for capacity (sandbox slots) is load, not the call's fault: the timeout
+            # starts once the tool says its work began (the agent's wall budget still bounds the wait).
+            deadline = Deadline(None)
+            kwargs["on_start"] = lambda: deadline.move(loop.time() + timeout)
+        else:
+            deadline = Deadline(loop.time() + timeout)
+        task = user_task(tool, **kwargs)
+        if not await wait_or_abandon(task, deadline, on_abandon=self._orphaned):
+            return _TIMED_OUT
+        if task.cancelled():  # it cancelled itself: its own error, not a stop of the caller
+            return Raised(asyncio.CancelledError())
+        return task.result()
+
+    async def _run_blocking(self, fn: Callable[..., Any], arguments: Mapping[str, Any]) -> Any:
+        """The function's value, a `Raised`, _TIMED_OUT or _CANCELLED. At the timeout (or when
+        the caller is cancelled) a call still queued is dropped, one running is abandoned: its
+        thread is written off (the pool starts another)."""
+        work, pool = self._submit(fn, arguments)
+        try:
+            await asyncio.wait((loop_waiter(work),), timeout=self.cfg.timeout_s)
+        except asyncio.CancelledError:
+            self._give_up_thread(work, pool)
+            raise
+        if not work.done():
+            self._give_up_thread(work, pool)
+            return _TIMED_OUT
+        if work.cancelled():
+            return _CANCELLED
+        error = work.exception()
+        return Raised(error) if error is not None else work.result()
+
+    def _give_up_thread(self, work: concurrent.futures.Future, pool: DaemonThreadPool) -> None:
+        if work.cancel() or work.done():
+            return  # dropped from the queue before it ran, or it just finished
+        pool.abandon(work)  # running: its thread is written off, another takes its place
+        note_orphan()
+        self._orphaned()
+
+    async def _content(self, output: Any) -> str | None:
+        """The observation text of a tool's value (capped), or None for a value JSON cannot hold."""
+        if isinstance(output, str):
+            return self._cap(output)  # len and a slice: cheap however long
+        limit = self.cfg.max_output_chars
+        try:
+            if not _large(output):
+                return self._cap(json.dumps(output))
+            return await asyncio.to_thread(_capped_json, output, limit)
+        except asyncio.CancelledError:
+            if own_cancellation():
+                raise
+            return None
+        except BaseException:  # the value's own methods (a float subclass's repr...) are user code too
+            return None
+
+
+def _large(value: Any, budget: int = LARGE_RESULT_ITEMS) -> bool:
+    """Whether encoding `value` may take long: a walk of at most `budget` steps (containers'
+    lengths are read, not iterated, before they are walked)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            budget -= 1 + len(item) // 256
+        elif isinstance(item, (list, tuple, dict)):
+            if len(item) > budget:
+                return True
+            budget -= 1 + len(item)
+            stack.extend(item.values() if isinstance(item, dict) else item)
+            if isinstance(item, dict):
+                stack.extend(k for k in item if isinstance(k, str))
+        else:
+            budget -= 1
+        if budget < 0:
+            return True
+    return False
+
+
+def _capped_json(value: Any, limit: int) -> str:
+    """`json.dumps(value)` up to `limit` characters, the rest never encoded: the pure-Python
+    incremental encoder (not json.dumps's one-shot C encoder, which would hold the GIL, and so
+    the event loop, for the whole value) stops at the cap. Raises as json.dumps does for what it
+    reached."""
+    pieces, size = [], 0
+    for piece in json.JSONEncoder().iterencode(value):
+        pieces.append(piece)
+        size += len(piece)
+        if size > limit:
+            return "".join(pieces)[:limit] + f"\n[truncated: its JSON is longer than {limit} chars]"
+    return "".join(pieces)
 
 
 # ----------------------------------------------------------------------------- calculator
