@@ -15,6 +15,16 @@ Finish reasons: 'answer' (a turn without tool calls and no further user turn), '
 waiting for tools), 'error' (something in this sample raised: the environment, a tokenizer step,
 the reward; the trajectory keeps its tokens and the error, has reward 0 and trains nothing; it is
 logged, and the other samples go on). An `EngineError` (the engine itself is gone) propagates.
+
+User code is contained (see `sfrrl_jax.aio`): whatever the environment's episode (step,
+next_user_turn, close) or the reward raises, SystemExit, KeyboardInterrupt and GeneratorExit
+included, is that sample's error (`Trajectory.error` names its type), never the batch's; only a
+cancellation of the trajectory itself propagates. What raises before the trajectory has a prompt
+(opening or resetting the episode) leaves `run_agent` as an Exception (a `UserCodeExit` for those
+three), and `run_many` turns it into a failed, empty trajectory. The environment's step runs as a
+task of its own: at the wall budget it is cancelled and, if it ignores that, abandoned (the trajectory
+ends 'wall_budget' on time). Calls and steps abandoned while still running are counted in
+`metadata["orphaned_tool_calls"]` (absent when none).
 """
 from __future__ import annotations
 
@@ -33,6 +43,8 @@ from sfrrl_jax.agents.formats import get_format, renders_tool_calls, trajectory_
 from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment, Episode, GenerationRequest,
                                        Message, Task, ToolCall, ToolCallError, ToolResult)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
+from sfrrl_jax.aio import (ABANDON_GRACE_S, Raised, UserCodeExit, count_orphans, describe, own_cancellation,
+                           stop_counting_orphans, user_task, wait_or_abandon)
 from sfrrl_jax.checks import check_int, check_int_fields, check_number, check_seed
 from sfrrl_jax.tokenizer.protocol import TokenizerProtocol
 
@@ -222,24 +234,29 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
     record its components in `traj.metadata["rewards"]`, see `reward_fns.py`)."""
     start = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + cfg.wall_budget_s
-    # an environment whose tools differ per task (BFCL items) says so with `task_tool_schemas`
-    per_task = getattr(env, "task_tool_schemas", None)
-    tools = (per_task(task) if per_task is not None else env.tool_schemas()) or None
-    if cfg.chat_template_kwargs:
-        bind_kwargs = getattr(tokenizer, "with_template_kwargs", None)
-        if bind_kwargs is None:
-            raise TypeError(f"AgentConfig.chat_template_kwargs={dict(cfg.chat_template_kwargs)} needs a tokenizer "
-                            f"with with_template_kwargs(**kwargs); {type(tokenizer).__name__} has none")
-        tokenizer = bind_kwargs(**dict(cfg.chat_template_kwargs))
-    fmt = trajectory_format(cfg.tool_format, tokenizer, tools)
-    stops = cfg.stop_token_ids if cfg.stop_token_ids is not None else turn_stop_ids(fmt, tokenizer)
-    episode = open_episode(env, task)
     try:
-        messages = episode.reset()
-        prompt = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
-    except BaseException:
-        episode.close()
+        # an environment whose tools differ per task (BFCL items) says so with `task_tool_schemas`
+        per_task = getattr(env, "task_tool_schemas", None)
+        tools = (per_task(task) if per_task is not None else env.tool_schemas()) or None
+        if cfg.chat_template_kwargs:
+            bind_kwargs = getattr(tokenizer, "with_template_kwargs", None)
+            if bind_kwargs is None:
+                raise TypeError(f"AgentConfig.chat_template_kwargs={dict(cfg.chat_template_kwargs)} needs a "
+                                f"tokenizer with with_template_kwargs(**kwargs); {type(tokenizer).__name__} has none")
+            tokenizer = bind_kwargs(**dict(cfg.chat_template_kwargs))
+        fmt = trajectory_format(cfg.tool_format, tokenizer, tools)
+        stops = cfg.stop_token_ids if cfg.stop_token_ids is not None else turn_stop_ids(fmt, tokenizer)
+        episode = open_episode(env, task)
+        try:
+            messages = episode.reset()
+            prompt = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
+        except BaseException:
+            _close_episode(episode, task, sample_index)
+            raise
+    except Exception:
         raise
+    except BaseException as e:  # synchronous user code: never a cancellation (see the module doc)
+        raise UserCodeExit(e) from e
     builder = TrajectoryBuilder(task.task_id, group_id or task.task_id, sample_index, prompt)
     traj = builder.trajectory
     # what the template renders: `messages`, but with stand-in calls where a template needs them
@@ -248,7 +265,8 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
     traj.finish_reason = "max_turns"
     handle: Any = None
     pending = prompt
-    failure: Exception | None = None
+    failure: BaseException | None = None
+    orphans, counting = count_orphans()  # the steps' tasks see it (they copy this context)
     try:
         try:
             for turn_index in range(cfg.max_turns):
@@ -320,12 +338,16 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                     break
                 calls = capped_calls(parsed.calls, cfg.max_tool_calls_per_turn)
                 tools_start = time.perf_counter()
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        results = await episode.step(calls)
-                except TimeoutError:
+                # A task of its own, abandoned at the wall budget if it ignores cancellation. Twice
+                # the grace: a ToolRunner in the step abandons its own calls within one.
+                step = user_task(episode.step, calls)
+                if not await wait_or_abandon(step, deadline, grace=2 * ABANDON_GRACE_S):
                     record(gen_hi, time.perf_counter() - tools_start, calls=len(calls))
                     traj.finish_reason = "wall_budget"
+                    break
+                results = step.result()
+                if isinstance(results, Raised):
+                    failure = results.error
                     break
                 tools_s = time.perf_counter() - tools_start
                 if len(results) != len(calls):
@@ -345,17 +367,21 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                 pending = delta
         except EngineError:
             raise  # the engine is gone, not this sample: the batch cannot go on
-        except Exception as e:  # this sample's failure only: it becomes its error, never the batch's
+        except asyncio.CancelledError as e:
+            if own_cancellation():
+                raise  # this trajectory is being stopped
+            failure = e  # raised by something in this sample, nobody cancelled it
+        except BaseException as e:  # this sample's failure only (SystemExit & co.: see the module doc)
             failure = e
     finally:
-        try:
-            episode.close()
-        except Exception:  # its state is being dropped anyway; the trajectory stands
-            _log.warning("closing the episode of %s/%d failed", task.task_id, sample_index, exc_info=True)
+        stop_counting_orphans(counting)
+        _close_episode(episode, task, sample_index)
         if handle is not None:
             await engine.release(handle)
     traj.messages = messages
     traj.wall_s = time.perf_counter() - start
+    if orphans[0]:
+        traj.metadata["orphaned_tool_calls"] = orphans[0]
     if failure is None:
         try:
             reward = env.reward(task, traj)
@@ -365,12 +391,33 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
             if not math.isfinite(reward):  # one NaN would poison its whole group's advantages
                 raise ValueError(f"the environment's reward is {reward}, not a finite number")
             traj.reward = reward
-        except Exception as e:
+        except asyncio.CancelledError as e:
+            if own_cancellation():
+                raise
+            failure = e
+        except BaseException as e:  # a reward's sys.exit() fails its sample only
             failure = e
     if failure is not None:
-        traj.mark_failed(f"{type(failure).__name__}: {failure}")
+        traj.mark_failed(describe(failure))
         _log.warning("trajectory %s/%d failed (reward 0, trains nothing): %s", task.task_id, sample_index,
                      traj.error, exc_info=failure)
+    return traj
+
+
+def _close_episode(episode: Episode, task: Task, sample_index: int) -> None:
+    try:
+        episode.close()
+    except BaseException:  # synchronous user code; its state is being dropped anyway: the trajectory stands
+        _log.warning("closing the episode of %s/%d failed", task.task_id, sample_index, exc_info=True)
+
+
+def failed_trajectory(task: Task, sample_index: int, error: BaseException | str) -> Trajectory:
+    """An empty failed trajectory of (task, sample_index) for a sample that never had one (its
+    environment's setup raised); `error` (or its `aio.describe`) is its `error`."""
+    traj = Trajectory(task.task_id, task.task_id, sample_index, 0, [], [], [])
+    traj.mark_failed(error if isinstance(error, str) else describe(error))
+    _log.warning("trajectory %s/%d failed before it began: %s", task.task_id, sample_index, traj.error,
+                 exc_info=error if isinstance(error, BaseException) else None)
     return traj
 
 
@@ -387,8 +434,9 @@ async def run_many(engine: EngineProtocol, env: Environment, tasks: Sequence[Tas
     caller can put the longest-expected groups first); at most `max_concurrency` are in flight.
     `on_group_done(group_id, trajectories)` (sync or async) fires as soon as a group's G samples
     are all finished and rewarded, which is when its advantages can be computed. A sample that
-    fails is returned as a failed trajectory (`Trajectory.error`); an `EngineError`, or an error
-    in `on_group_done`, cancels the rest and propagates.
+    fails is returned as a failed trajectory (`Trajectory.error`), also one whose environment
+    raised before it began (`failed_trajectory`); no slot is ever None. An `EngineError`, or an
+    error in `on_group_done`, cancels the rest and propagates.
     """
     if samples_per_task <= 0:
         raise ValueError(f"samples_per_task must be > 0, got {samples_per_task}")
@@ -400,11 +448,21 @@ async def run_many(engine: EngineProtocol, env: Environment, tasks: Sequence[Tas
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(i: int, task: Task, s: int) -> None:
-        if limit is None:
-            traj = await run_agent(engine, env, task, tokenizer, cfg, sample_index=s, group_id=task.task_id)
-        else:
-            async with limit:
+        try:
+            if limit is None:
                 traj = await run_agent(engine, env, task, tokenizer, cfg, sample_index=s, group_id=task.task_id)
+            else:
+                async with limit:
+                    traj = await run_agent(engine, env, task, tokenizer, cfg, sample_index=s,
+                                           group_id=task.task_id)
+        except EngineError:
+            raise
+        except asyncio.CancelledError as e:
+            if own_cancellation():
+                raise
+            traj = failed_trajectory(task, s, e)  # a stray cancellation, not ours: this sample's error
+        except Exception as e:  # raised before the trajectory began (the environment's setup)
+            traj = failed_trajectory(task, s, e)
         results[i * samples_per_task + s] = traj
         remaining[task.task_id] -= 1
         if remaining[task.task_id] == 0 and on_group_done is not None:
@@ -417,4 +475,8 @@ async def run_many(engine: EngineProtocol, env: Environment, tasks: Sequence[Tas
         for i, task in enumerate(tasks):
             for s in range(samples_per_task):
                 group.create_task(one(i, task, s))
+    for k, traj in enumerate(results):  # a sample task cancelled from outside this function
+        if traj is None:
+            results[k] = failed_trajectory(tasks[k // samples_per_task], k % samples_per_task,
+                                           "cancelled before it finished")
     return results  # type: ignore[return-value]

@@ -11,8 +11,10 @@ unweighted, is recorded as `traj.metadata["rewards"][name]`, and `reward_compone
 gives the `reward/<name>` means `RLTrainer` logs each step over the step's trained trajectories
 (TRL's `reward_funcs` / `reward_weights`, logged as `rewards/<name>`); 'mean' and 'success_rate'
 are taken by the summed reward's metrics. A function's name is its `__name__`; `named(fn, name)` gives one to a lambda, a
-partial or a callable object. A function that raises, or returns something that is not a finite
-number, makes that sample an error (`Trajectory.error` names the function); the batch goes on.
+partial or a callable object. A function that raises (anything: a `sys.exit()` or a
+KeyboardInterrupt too, see `sfrrl_jax.aio`), or returns something that is not a finite number,
+makes that sample an error (`Trajectory.error` names the function and what it raised); the batch
+goes on.
 
 A reward function may also be `async def` (its result awaited): the sum is then awaitable, and the
 agent loop awaits it, so the loop's other trajectories decode and run tools meanwhile. A plain
@@ -36,6 +38,7 @@ from typing import Awaitable, Iterable, Sequence
 from sfrrl_jax.agents.protocols import RewardFn, Task
 from sfrrl_jax.agents.rewards import extract_answer, task_reward
 from sfrrl_jax.agents.trajectory import Trajectory
+from sfrrl_jax.aio import describe, own_cancellation
 
 __all__ = ["RESERVED_NAMES", "REWARDS_KEY", "RewardError", "RewardFn", "RewardSum", "answer_correct", "answer_format", "in_thread",
            "named", "reward_component_means", "reward_name", "tool_error_penalty"]
@@ -157,11 +160,11 @@ class RewardSum:
         for name, fn in zip(self.names, self.fns):
             try:
                 raws.append(fn(task, trajectory))
-            except Exception as e:
+            except BaseException as e:  # a synchronous call: whatever it raises is its own, never a stop
                 for pending in raws:  # never awaited: closed, so they warn of nothing
                     if inspect.iscoroutine(pending):
                         pending.close()
-                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+                raise RewardError(f"reward function {name!r} raised {describe(e)}") from e
         if any(inspect.isawaitable(raw) for raw in raws):
             return self._settle(task, trajectory, raws)
         return self._total(task, trajectory, raws)
@@ -172,8 +175,13 @@ class RewardSum:
                 return raw
             try:
                 return await raw
-            except Exception as e:
-                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+            except asyncio.CancelledError as e:
+                if own_cancellation():
+                    raise  # the trajectory is being stopped
+                raise RewardError(f"reward function {name!r} raised {describe(e)}") from e
+            except BaseException as e:  # held here, in its own task: asyncio would re-raise a
+                # SystemExit or KeyboardInterrupt leaving a task out of the event loop
+                raise RewardError(f"reward function {name!r} raised {describe(e)}") from e
         # every one settles before the first error (in list order) is raised: none is left running
         values = await asyncio.gather(*map(value, self.names, raws), return_exceptions=True)
         for v in values:
@@ -187,7 +195,7 @@ class RewardSum:
         for name, raw, weight in zip(self.names, raws, self.weights):
             try:
                 value = float(raw) if not isinstance(raw, (str, bytes)) else None
-            except (TypeError, ValueError):
+            except BaseException:  # a returned object's __float__ is user code too
                 value = None
             if value is None:
                 raise RewardError(f"reward function {name!r} returned {raw!r}, not a number")
