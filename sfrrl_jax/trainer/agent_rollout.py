@@ -11,6 +11,14 @@ component in `traj.metadata["rewards"]`; `agents.reward_component_means(trajs)` 
 distinct draws) *and* per visit: the k-th rollout of the same (task, sample index) uses the
 agent seed folded with k, so a prompt seen again in a later epoch is sampled afresh, while a rerun
 of the whole training (same order of calls) reproduces every draw.
+
+Whatever the environment, its tools or its reward functions raise in one sample (SystemExit and
+KeyboardInterrupt included: see `sfrrl_jax.aio`) is that sample's: a tool's is an error observation,
+the rest a failed trajectory (`Trajectory.error`), counted in `rollout/failed_samples` (what the
+environment raises before the trajectory has a prompt is raised as an Exception, which fails the
+group as any rollout function's error does). Each
+trajectory's metadata holds `tool_errors` and `orphaned_tool_calls` (tool calls and environment
+steps abandoned still running at their timeout or the wall budget: see `agents.tools`).
 """
 from __future__ import annotations
 
@@ -72,5 +80,6 @@ class AgentRollout:
         traj = await run_agent(engine, self.env, task, self.tokenizer, cfg, sample_index=sample_index,
                                group_id=task.task_id)
         traj.metadata["tool_errors"] = traj.num_tool_errors
+        traj.metadata.setdefault("orphaned_tool_calls", 0)
         traj.metadata["agent_seed"] = cfg.seed
         return traj

@@ -20,13 +20,20 @@ Across processes (multi-host) each process runs only its share of the groups. A 
 that keeps per-visit state (the k-th rollout of a (task, sample) draws fresh seeds) may define
 `visited_elsewhere(task, sample_index)`: the trainer calls it for each rollout another process
 ran, so every process counts every visit (`AgentRollout` and the test workload do).
+
+A rollout function is user code: `call_rollout` calls one so that a SystemExit, KeyboardInterrupt
+or GeneratorExit it raises comes out as a `UserCodeExit` (an Exception, which the trainer counts as
+its group's failure) instead of ending the step; a cancellation of the caller still propagates.
+`AgentRollout` itself never raises those (its loop contains them per sample).
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable, Protocol
 
 from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.agents.trajectory import Trajectory
+from sfrrl_jax.aio import UserCodeExit, own_cancellation
 
 
 class RolloutFn(Protocol):
@@ -35,6 +42,22 @@ class RolloutFn(Protocol):
     cannot mark an attribute optional, so the budget is read with `declared_token_budget`."""
 
     def __call__(self, engine: Any, task: Task, sample_index: int) -> Awaitable[Trajectory]: ...
+
+
+async def call_rollout(rollout_fn: Any, engine: Any, task: Task, sample_index: int) -> Trajectory:
+    """`await rollout_fn(engine, task, sample_index)`, with what it raises that is not an Exception
+    (SystemExit, KeyboardInterrupt, GeneratorExit, a CancelledError nobody asked for) raised as a
+    `UserCodeExit` naming it: see `sfrrl_jax.aio` for why that is safe."""
+    try:
+        return await rollout_fn(engine, task, sample_index)
+    except Exception:
+        raise
+    except asyncio.CancelledError as e:
+        if own_cancellation():
+            raise
+        raise UserCodeExit(e, "the rollout function") from e
+    except BaseException as e:  # the rollout function's own (a real stop arrives as a cancellation)
+        raise UserCodeExit(e, "the rollout function") from e
 
 
 def declared_token_budget(rollout_fn: Any) -> int | None:
