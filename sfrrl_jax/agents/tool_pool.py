@@ -203,12 +203,9 @@ def serve_tools(address: tuple[str, int], authkey: bytes, tools: Sequence[Tool],
                 return
             try:
                 tool = by_name[name]   # KeyError: the trainer's tool list and this worker's differ
-                value = asyncio.run_coroutine_threadsafe(tool(**arguments), loop).result()
-                message = (call_id, True, value)
-            except ToolError as e:
-                message = (call_id, False, ("ToolError", str(e)))
-            except Exception as e:  # noqa: BLE001 -- every failure goes back as that call's error
-                message = (call_id, False, (type(e).__name__, f"{type(e).__name__} on worker {os.getpid()}: {e}"))
+                message = asyncio.run_coroutine_threadsafe(_answer(call_id, tool(**arguments)), loop).result()
+            except BaseException as e:  # noqa: BLE001 -- every failure goes back as that call's error
+                message = _failure(call_id, e)
             try:
                 results.put(message)
             except (EOFError, OSError, ConnectionError):
@@ -219,6 +216,22 @@ def serve_tools(address: tuple[str, int], authkey: bytes, tools: Sequence[Tool],
         for _ in range(concurrency):
             pool.submit(take_calls)
     loop.call_soon_threadsafe(loop.stop)
+
+
+async def _answer(call_id: int, call) -> tuple:
+    """The result message of one call. What the tool raises is caught inside its own coroutine:
+    a SystemExit or KeyboardInterrupt (an argparse in the tool) leaving an asyncio Task is
+    re-raised out of the worker's event loop, which would stop serving every later call."""
+    try:
+        return (call_id, True, await call)
+    except BaseException as e:  # noqa: BLE001 -- that call's error; the worker's stop is a signal to its main thread
+        return _failure(call_id, e)
+
+
+def _failure(call_id: int, e: BaseException) -> tuple:
+    if isinstance(e, ToolError):
+        return (call_id, False, ("ToolError", str(e)))
+    return (call_id, False, (type(e).__name__, f"{type(e).__name__} on worker {os.getpid()}: {e}"))
 
 
 def _load_factory(spec: str) -> Callable[[], Sequence[Tool]]:

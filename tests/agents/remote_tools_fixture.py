@@ -29,9 +29,22 @@ def _fail(kind):
         raise ZeroDivisionError("division by zero inside the tool")
     if kind == "die":
         os._exit(3)   # the worker process dies mid-call
+    if kind == "exit":
+        raise SystemExit(2)   # what argparse does on bad input
+    if kind == "interrupt":
+        raise KeyboardInterrupt
     return "fine"
+
+
+class AsyncExit:
+    name, description = "async_exit", "an async tool that calls sys.exit"
+    parameters = {"type": "object", "properties": {}}
+
+    async def __call__(self):
+        raise SystemExit("async exit")
 
 
 def tools():
     return [SlowAdd(), FunctionTool("fail", "fails as asked", {"type": "object", "properties": {"kind": {"type": "string"}},
-                                                               "required": ["kind"]}, _fail)]
+                                                               "required": ["kind"]}, _fail),
+            AsyncExit()]

@@ -29,9 +29,9 @@ def test_remote_workers_run_the_calls_and_failures_stay_observations():
         workers = [_worker(pool.address, key) for _ in range(2)]
         try:
             for w in workers:   # both connected before any call is queued
-                assert "serving ['slow_add', 'fail']" in w.stdout.readline()
+                assert "serving ['slow_add', 'fail', 'async_exit']" in w.stdout.readline()
             runner = ToolRunner(pool.remote_tools(remote_tools_fixture.tools()), ToolRunnerConfig(timeout_s=20.0))
-            assert [s["function"]["name"] for s in runner.schemas()] == ["slow_add", "fail"]  # same schemas
+            assert [s["function"]["name"] for s in runner.schemas()] == ["slow_add", "fail", "async_exit"]
 
             async def main():
                 calls = [ToolCall("slow_add", {"a": i, "b": 1000, "sleep_s": 0.2}, call_id=str(i)) for i in range(24)]
@@ -67,6 +67,31 @@ def test_remote_workers_run_the_calls_and_failures_stay_observations():
             for w in workers:
                 w.kill()
                 w.wait()
+
+
+def test_a_tool_that_exits_is_that_calls_error_and_the_worker_goes_on():
+    """Issue #48: SystemExit / KeyboardInterrupt raised by a tool on a worker (an argparse, a stray
+    sys.exit) come back as that call's error. Before, they ended the worker's call thread or its
+    event loop, and every later call on it timed out."""
+    key = os.urandom(16).hex().encode()
+    with ToolPoolServer(("127.0.0.1", 0), authkey=key) as pool:
+        worker = _worker(pool.address, key, concurrency=1)
+        try:
+            assert "serving" in worker.stdout.readline()
+            runner = ToolRunner(pool.remote_tools(remote_tools_fixture.tools()), ToolRunnerConfig(timeout_s=10.0))
+
+            async def main():
+                exits = await runner.run([ToolCall("fail", {"kind": "exit"}), ToolCall("fail", {"kind": "interrupt"}),
+                                          ToolCall("async_exit", {})])
+                return exits, await runner.run([ToolCall("slow_add", {"a": 1, "b": 2}) for _ in range(3)])
+            (exit_, interrupt, async_exit), after = asyncio.run(main())
+            assert exit_.is_error and "SystemExit on worker" in exit_.content and ": 2" in exit_.content
+            assert interrupt.is_error and "KeyboardInterrupt on worker" in interrupt.content
+            assert async_exit.is_error and "SystemExit on worker" in async_exit.content and "async exit" in async_exit.content
+            assert [r.content.split(" by ")[0] for r in after] == ["3"] * 3 and worker.poll() is None
+        finally:
+            worker.kill()
+            worker.wait()
 
 
 def test_a_worker_without_the_authkey_is_refused_by_name():
@@ -111,7 +136,7 @@ def test_the_config_chooses_remote_workers_for_an_environments_tools(monkeypatch
     pool = shared_pool(address)
     worker = _worker(pool.address, key)
     try:
-        assert "serving ['slow_add', 'fail']" in worker.stdout.readline()
+        assert "serving ['slow_add', 'fail', 'async_exit']" in worker.stdout.readline()
 
         async def main():
             return (await env.step([ToolCall("slow_add", {"a": 2, "b": 3})])
