@@ -8,7 +8,6 @@ so evaluating with the trainer's engine settings costs no extra compile.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import time
 from typing import Sequence
@@ -18,6 +17,7 @@ import numpy as np
 from sfrrl_jax.agents.loop import AgentConfig, run_many
 from sfrrl_jax.agents.protocols import Environment, Task
 from sfrrl_jax.agents.reward_fns import reward_component_means
+from sfrrl_jax.aio import run_sync
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine
 
@@ -39,8 +39,10 @@ def evaluate(model_cfg: ModelConfig, params, env: Environment, tokenizer, tasks:
                     decode_steps=decode_steps)
     t0 = time.perf_counter()
     try:
-        trajs = asyncio.run(run_many(engine, env, list(tasks), tokenizer, agent_cfg,
-                                     samples_per_task=samples_per_task, max_concurrency=max_slots))
+        # run_sync, not asyncio.run: it does not wait at exit for a tool call abandoned at its
+        # timeout (one that ignores cancellation), and it works inside a notebook's running loop
+        trajs = run_sync(run_many(engine, env, list(tasks), tokenizer, agent_cfg,
+                                  samples_per_task=samples_per_task, max_concurrency=max_slots))
     finally:
         engine.release_memory()
     wall = time.perf_counter() - t0
