@@ -87,7 +87,8 @@ class AdmissionMixin:
             job.restore = SlotLog(list(log.context), log.draws)  # the slot before this append
             self._logs[slot] = log
         else:
-            job.future.set_exception(ValueError(f"slot handle {h} was released"))
+            job.future.set_exception(ValueError(f"GenerationRequest.slot_handle {h} was released before its "
+                                                "append was admitted"))
             return True
         # The slot's last sampled token is not cached yet: it leads the append.
         job.feed = [log.context[-1]] + list(job.request.tokens)

@@ -162,5 +162,5 @@ class DecodeChainMixin:
         if not job.future.done():
             job.future.set_result(Completion(
                 tokens=job.tokens, logprobs=job.logprobs, finish_reason="stop" if stop else "length",
-                slot_handle=SlotHandle(job.slot, serial), raw_logprobs=job.raw_logprobs,
+                slot_handle=SlotHandle(job.slot, serial, self._engine_id), raw_logprobs=job.raw_logprobs,
                 routes=job.routes_array() if self.record_routes else None))

@@ -32,7 +32,8 @@ from sfrrl_jax.engine.page_policy import PagingMixin
 from sfrrl_jax.engine.pages import PageTable, check_paging
 from sfrrl_jax.engine.recovery import EngineFailure, SlotLog, restorer_for  # noqa: F401 (re-export)
 from sfrrl_jax.engine.paged import engine_steps
-from sfrrl_jax.engine.jobs import EngineStats, Job, SlotHandle, slot_request_of  # noqa: F401 (re-export)
+from sfrrl_jax.engine.jobs import (EngineStats, Job, SlotHandle, check_slot_handle,  # noqa: F401 (re-export)
+                                   new_engine_id, slot_request_of)
 from sfrrl_jax.engine.steps import SlotRequest
 from sfrrl_jax.models.api import mesh_of
 
@@ -101,6 +102,7 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
         paging = check_paging(page_size, num_pages, max_len, max_slots, cfg.layer_windows, decode_steps)
         self.cfg = cfg
         self.params = params
+        self._engine_id = new_engine_id()   # in the handles it returns (`jobs.check_slot_handle`)
         self.steps = engine_steps(cfg, mesh_of(params), max_slots, max_len,
                                   None if buckets is None else tuple(buckets), cache_dtype, paging,
                                   self.record_routes, decode_buckets, paged_attention)
@@ -218,15 +220,22 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
         self.steps.pad(request.tokens)
         h = request.slot_handle
         if h is not None:
+            check_slot_handle(h, self._engine_id, "GenerationRequest.slot_handle")
             log = self._handle_log(h)
             if log is None:
-                raise ValueError(f"slot handle {h} is not parked on this engine (released or stale)")
+                raise ValueError(f"GenerationRequest.slot_handle {h} is not parked on this engine: it was released "
+                                 "(or is stale: its trajectory ended and the slot went on)")
             if len(log.context) + len(request.tokens) > self.steps.max_len:
                 raise ValueError(f"appending {len(request.tokens)} tokens to a slot holding {len(log.context)} "
                                  f"exceeds the engine's max_len={self.steps.max_len}")
         return slot_req
 
     async def release(self, slot_handle: Any) -> None:
+        """Frees the parked slot `slot_handle` names. None, or a handle released already, is a no-op
+        (a cancelled call's slot may have been freed by the engine); a handle that is no handle of
+        this engine raises ValueError (`jobs.check_slot_handle`)."""
+        if slot_handle is not None:
+            check_slot_handle(slot_handle, self._engine_id, "Engine.release(slot_handle)")
         self._release_parked(slot_handle)
 
     async def wait_idle(self) -> None:

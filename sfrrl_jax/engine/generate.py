@@ -6,6 +6,7 @@ import asyncio
 from sfrrl_jax.aio import run_sync
 from typing import Sequence
 
+from sfrrl_jax.checks import check_int, check_seed
 from sfrrl_jax.engine.types import Completion, GenerationRequest
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.driver import Engine
@@ -21,6 +22,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
         raise ValueError("prompts must be a list of token-id sequences, got text: tokenize it first")
     if not prompts:
         return []
+    # used in arithmetic below before any request checks them: named here, not a TypeError
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_seed("seed", seed)
     for i, p in enumerate(prompts):
         if isinstance(p, (str, bytes)):
             raise ValueError(f"prompts[{i}] is text ({p[:40]!r}), not token ids: tokenize it first")

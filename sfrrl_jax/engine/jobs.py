@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import numbers
+from typing import Any
 
 import numpy as np
 
@@ -19,10 +22,48 @@ def slot_request_of(request: GenerationRequest) -> SlotRequest:
                             max_new=request.max_new_tokens, stop_ids=tuple(request.stop_token_ids))
 
 
+# Each Engine's own number: a handle carries its engine's, so another engine refuses it (two
+# engines count slots and serials alike, and would take each other's handles for their own).
+_ENGINE_IDS = itertools.count(1)
+
+
+def new_engine_id() -> int:
+    """A number no other engine of this process has (`SlotHandle.engine`)."""
+    return next(_ENGINE_IDS)
+
+
 @dataclasses.dataclass(frozen=True)
 class SlotHandle:
+    """A parked slot (`Completion.slot_handle`): the slot, the serial of the trajectory in it (tells
+    a stale handle from the slot's next occupant), and the engine that returned it (None: rebuilt
+    from a lockstep peer's message, or made by hand; not compared)."""
+
     slot: int
-    serial: int  # tells a stale handle from the slot's next occupant
+    serial: int
+    engine: int | None = dataclasses.field(default=None, compare=False)
+
+
+def check_slot_handle(handle: Any, engine_id: int, where: str) -> None:
+    """Raises ValueError naming `where` unless `handle` is a SlotHandle this engine may have returned.
+
+    Args:
+      handle: what the caller passed; engine_id: the engine's `new_engine_id()`;
+      where: the argument's name in messages ('GenerationRequest.slot_handle').
+    Raises:
+      ValueError: not a SlotHandle (a str, a tuple, another engine type's handle), fields that are
+      not ints, or a handle another engine returned. Whether it is still parked is the caller's to
+      check (a released handle is an error for `complete`, a no-op for `release`).
+    """
+    if not isinstance(handle, SlotHandle):
+        raise ValueError(f"{where} must be the Completion.slot_handle of an earlier call on this engine (or None), "
+                         f"got {type(handle).__name__} {repr(handle)[:80]}")
+    for name in ("slot", "serial"):
+        value = getattr(handle, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{where} {handle!r}: its {name} must be an int, got {type(value).__name__}")
+    if handle.engine is not None and handle.engine != engine_id:
+        raise ValueError(f"{where} {handle!r} was returned by another engine (engine {handle.engine}; this is "
+                         f"engine {engine_id}): a slot handle continues a trajectory on the engine that holds it")
 
 
 @dataclasses.dataclass

@@ -50,7 +50,7 @@ import time
 from typing import Protocol, Sequence
 
 from sfrrl_jax.engine.driver import Engine, _DeviceFault
-from sfrrl_jax.engine.jobs import Job, SlotHandle, slot_request_of
+from sfrrl_jax.engine.jobs import Job, SlotHandle, check_slot_handle, slot_request_of
 from sfrrl_jax.engine.recovery import EngineFailure
 from sfrrl_jax.engine.types import Completion, GenerationRequest
 
@@ -271,6 +271,7 @@ class LockstepEngine(Engine):
 
     async def release(self, slot_handle) -> None:
         if slot_handle is not None:
+            check_slot_handle(slot_handle, self._engine_id, "LockstepEngine.release(slot_handle)")   # before it is sent
             self._outbox.append({"kind": "release", "handle": [slot_handle.slot, slot_handle.serial]})
             self._kick()
 

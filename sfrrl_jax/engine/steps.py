@@ -40,6 +40,8 @@ from sfrrl_jax.mesh import sharding_for
 from sfrrl_jax.models.transformer import moe_layer_ids
 
 MAX_STOP_IDS = 8
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @jax.tree_util.register_dataclass
@@ -53,13 +55,24 @@ class SlotRequest:
 
     @staticmethod
     def make(temperature=0.0, top_k=0, top_p=1.0, seed=0, max_new=16, stop_ids=()) -> "SlotRequest":
+        """One request's settings as the device holds them; raises ValueError naming a bad one.
+
+        top_k at or past the vocabulary keeps every token (the sampler's `min(top_k, vocab)`), and
+        max_new past the cache ends where the cache does, so values past int32 mean the same as
+        INT32_MAX and are clamped to it (np.int32 would raise OverflowError).
+        """
         # Checked on the host: inside the jitted sampler a nan temperature or top_p silently
-        # turns every logprob into nan, and a negative seed does not fit the uint32 it becomes.
+        # turns every logprob into nan, a temperature past float32 becomes inf, and a negative
+        # seed does not fit the uint32 it becomes.
         check_number("temperature", temperature, 0)
+        if temperature > FLOAT32_MAX:
+            raise ValueError(f"temperature must be at most float32's largest value, {FLOAT32_MAX:g}, got "
+                             f"{temperature!r} (it would sample as inf)")
         check_number("top_p", top_p, 0, 1, lo_open=True)
         check_int("top_k", top_k, 0)
         check_seed("seed", seed)
         check_int("max_new_tokens", max_new, 1)
+        top_k, max_new = min(int(top_k), INT32_MAX), min(int(max_new), INT32_MAX)
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
         for i, t in enumerate(stop_ids):

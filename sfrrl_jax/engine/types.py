@@ -26,10 +26,17 @@ import numpy as np
 
 from sfrrl_jax.checks import check_int, check_number, check_seed
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
-    """One turn of generation. `tokens`: prompt ids, or only the appended ids when continuing."""
+    """One turn of generation. `tokens`: prompt ids, or only the appended ids when continuing.
+
+    `slot_handle`: None, or the `Completion.slot_handle` of this trajectory's previous call on the
+    same engine; what a handle is belongs to the engine, which checks it (`Engine` raises
+    ValueError naming `GenerationRequest.slot_handle` for anything else, or a released handle).
+    """
 
     tokens: list[int]
     max_new_tokens: int
@@ -43,8 +50,13 @@ class GenerationRequest:
     def __post_init__(self):
         own = "GenerationRequest"
         check_int(f"{own}.max_new_tokens", self.max_new_tokens, 1)
-        # nan/inf sampling settings reach the jitted sampler as nan logprobs, not as an error
+        # nan/inf sampling settings reach the jitted sampler as nan logprobs, not as an error (a
+        # temperature past float32's range is inf there). top_k past the vocabulary keeps every
+        # token, as None does; max_new_tokens past the cache stops where the cache ends.
         check_number(f"{own}.temperature", self.temperature, 0)
+        if self.temperature > _FLOAT32_MAX:
+            raise ValueError(f"{own}.temperature must be at most float32's largest value, {_FLOAT32_MAX:g}, "
+                             f"got {self.temperature!r} (it would sample as inf)")
         check_int(f"{own}.top_k", self.top_k, 0, optional=True)
         check_number(f"{own}.top_p", self.top_p, 0, 1, lo_open=True, optional=True)
         check_seed(f"{own}.seed", self.seed)
