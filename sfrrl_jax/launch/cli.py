@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sfrrl-train: --resume applies to rl jobs only; the {job.kind} recipe starts fresh", file=sys.stderr)
     if args.validate_only:
         try:
-            model_cfg = gin_bindings.validate_job(job)
+            # the files it reads too (HF directory, tokenizer, tasks): "valid" must mean the run can start
+            model_cfg = gin_bindings.validate_job(job, check_files=True)
         except (ValueError, KeyError, FileNotFoundError) as e:   # the configs do not fit together
             print(f"sfrrl-train: config invalid: {e}", file=sys.stderr)
             return 2

@@ -13,15 +13,23 @@ A misspelt name fails at parse time with gin's message, which names the binding,
 the line; `load_job` adds which files and bindings were being read. A binding that is parsed but
 never used -- its configurable is never built (`LossConfig.policy_loss = 'gspo'` without
 `ExperimentConfig.loss = @LossConfig()`), a scope nothing calls, a macro nothing refers to -- is an
-error too: gin would drop it silently, and the run would not be the one the file describes.
+error too: gin would drop it silently, and the run would not be the one the file describes. So is
+one parameter bound twice with different values in the files (the same file, two files, or a file
+and one it includes; `conflicting_bindings` names each place): gin would keep the last silently.
+A --gin_param binding overrides the files' on purpose (`--gin_param=ExperimentConfig.num_steps=50`);
+two --gin_params that disagree are an error too.
 Job kinds other than 'rl' are recipes, registered by experiment code (`sfrrl_jax.launch.recipes`).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, Sequence
+import os
+import sys
+from typing import Any, NamedTuple, Sequence
 
 import gin
+from gin import config_parser
 
 from sfrrl_jax.rl.config import AdvantageConfig, LossConfig
 from sfrrl_jax.learner.optimizer import OptimizerConfig
@@ -39,6 +47,7 @@ from sfrrl_jax.agents.tasksets.bfcl_multi_turn import BfclMultiTurnEnvironment, 
 from sfrrl_jax.agents.tools import ToolRunnerConfig
 from sfrrl_jax.launch.agentic import (AgenticRollout, code_environment, countdown_tool_environment,
                                       math_tool_environment)
+from sfrrl_jax.launch.preflight import PreflightError, check_job_files, tool_endpoint_problems  # noqa: F401 (re-export)
 
 
 class GinConfigError(ValueError):
@@ -161,6 +170,18 @@ def load_job(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
         raise GinConfigError(f"gin config ({where}) is invalid: {type(e).__name__}: {e}{hint}") from e
     except OSError as e:
         raise GinConfigError(f"cannot read gin file: {e}") from e
+    conflicts = conflicting_bindings(gin_files, gin_params)
+    if conflicts:
+        raise GinConfigError(f"gin config ({where}) binds a parameter twice with different values (gin would keep "
+                             f"the last silently; a --gin_param overrides the files' value):\n  "
+                             + "\n  ".join(conflicts))
+    # before building: an environment gin builds starts serving its tool pool on the address
+    served = getattr(sys.modules.get("sfrrl_jax.agents.tool_pool"), "_SHARED", {})
+    endpoints = [p for name, address in _bound_values("sfrrl.ToolRunnerConfig", "remote_address")
+                 for p in tool_endpoint_problems(address, name, served=list(served))]
+    if endpoints:
+        raise GinConfigError(f"gin config ({where}) binds tool endpoints this host cannot serve:\n  "
+                             + "\n  ".join(endpoints))
     exempt = _bound_keys() - before   # keys only the optional bindings introduced
     try:
         job = gin.get_configurable("sfrrl.Job")()
@@ -192,6 +213,122 @@ def _bound_keys() -> set[tuple[str, str, str]]:
 
 def _short(selector: str) -> str:
     return selector[len("sfrrl."):] if selector.startswith("sfrrl.") else selector
+
+
+def _bound_values(selector: str, param: str) -> list[tuple[str, Any]]:
+    """(scoped name, value) of every parsed binding of `selector.param`, in any scope."""
+    parsed, _ = _gin_tables()
+    return [((f"{scope}/" if scope else "") + f"{_short(sel)}.{param}", params[param])
+            for (scope, sel), params in sorted(parsed.items()) if sel == selector and param in params]
+
+
+# -- bindings that disagree ------------------------------------------------------------------------
+
+class _Ref(NamedTuple):       # `@name` / `@name()` as a comparable value
+    name: str
+    evaluate: bool
+
+
+class _Macro(NamedTuple):     # `%name`
+    name: str
+
+
+class _Delegate(config_parser.ParserDelegate):
+    """Parses references and macros into plain values (gin's own delegate would look them up)."""
+
+    def configurable_reference(self, scoped_configurable_name, evaluate):
+        scope, _, name = scoped_configurable_name.rpartition("/")
+        return _Ref((f"{scope}/" if scope else "") + _canonical(name), evaluate)
+
+    def macro(self, macro_name):
+        return _Macro(macro_name)
+
+
+def _canonical(selector: str) -> str:
+    """The registered configurable's full selector ('ExperimentConfig' -> 'sfrrl.ExperimentConfig'),
+    so that two spellings of one configurable are one parameter."""
+    match = gin.config._REGISTRY.get_match(selector)
+    return match.selector if match is not None else selector
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of the same types throughout (1 and True or 1.0 are different bindings)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and not isinstance(a, (_Ref, _Macro)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _read_bindings(text: str, label, out: dict, seen_files: tuple = ()) -> None:
+    """Appends (where, value, line) to out[(scope, selector, param)] for each binding of `text`,
+    following includes as gin does. label(line_num) -> 'file:line' or the --gin_param."""
+    for statement in config_parser.ConfigParser(text, _Delegate()):
+        if isinstance(statement, config_parser.IncludeStatement):
+            path = _include_path(statement.filename)
+            if path is not None and path not in seen_files:   # gin reports a missing one itself
+                with open(path) as f:
+                    text = f.read()
+                _read_bindings(text, lambda n, p=path: f"{p}:{n}", out, seen_files + (path,))
+            continue
+        if not isinstance(statement, config_parser.BindingStatement):
+            continue
+        scope, selector, param, value, location = statement
+        key = (scope, selector, "") if not param else (scope, _canonical(selector), param)
+        out[key].append((label(location.line_num), value, location.line_content.strip()))
+
+
+def _include_path(filename: str) -> str | None:
+    # where gin.parse_config_file looks: the search paths (`gin.add_config_file_search_path`),
+    # for a relative name, in order
+    prefixes = [""] if os.path.isabs(filename) else getattr(gin.config, "_LOCATION_PREFIXES", [""])
+    for prefix in prefixes:
+        candidate = os.path.join(prefix, filename)
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def conflicting_bindings(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -> list[str]:
+    """Parameters bound more than once with different values: among the files (and the files
+    they include), or among the bindings; a binding overriding a file's value is not one.
+
+    Args:
+      gin_files: the .gin files, in order; gin_params: the --gin_param bindings.
+    Returns:
+      One line per parameter, naming each place it is bound ('file:line', or --gin_param) with
+      what is written there; [] when every repeat binds the same value.
+    """
+    out = []
+    for group in _file_bindings(gin_files), _param_bindings(gin_params):
+        for (scope, selector, param), places in group.items():
+            if all(_same(places[0][1], value) for _, value, _ in places[1:]):
+                continue
+            scoped = (f"{scope}/" if scope else "") + (f"{_short(selector)}.{param}" if param else selector)
+            name = scoped if param else f"macro {scoped}"
+            out.append(f"{name}: " + "; ".join(f"{where}: {line}" for where, _, line in places))
+    return out
+
+
+def _file_bindings(gin_files: Sequence[str]) -> dict:
+    out = collections.defaultdict(list)
+    for path in gin_files:
+        try:
+            with open(_include_path(path) or path) as f:   # found where gin finds it
+                text = f.read()
+        except OSError:   # gin read it through a file reader of its own (gin.config.register_file_reader)
+            continue
+        _read_bindings(text, lambda n, p=path: f"{p}:{n}", out, (path,))
+    return out
+
+
+def _param_bindings(gin_params: Sequence[str]) -> dict:
+    out = collections.defaultdict(list)
+    for text in gin_params:
+        _read_bindings(text, lambda n: "--gin_param", out)
+    return out
 
 
 def unused_bindings(exempt: set = frozenset()) -> list[str]:
@@ -229,9 +366,22 @@ def operative_config() -> str:
     return gin.operative_config_str()
 
 
-def validate_job(job: Job, num_devices: int | None = None):
+def validate_job(job: Job, num_devices: int | None = None, check_files: bool = False):
     """Checks the job's configs fit together without allocating; returns the ModelConfig (rl) or None
-    (a recipe: its registered `validate`, if any, is called)."""
+    (a recipe: its registered `validate`, if any, is called).
+
+    Args:
+      num_devices: the devices the run will have (default `ExperimentConfig.num_devices`, else this
+        process's); check_files: first check the files the job reads (`preflight.check_job_files`:
+        the HF directory's config, shards and tokenizer, the task file), as `--validate_only` does.
+        Without it a config is validated on a machine without its files (an absent HF directory's
+        shapes are taken from the `ExperimentConfig.model` preset).
+    Raises:
+      PreflightError (a ValueError) listing every missing or unreadable file; ValueError (and
+      KeyError, FileNotFoundError) naming the first config field that does not fit.
+    """
+    if check_files:
+        check_job_files(job)   # all file problems at once, before checks that would trip over one
     if job.kind == "rl":
         return validate_experiment(job.experiment, num_devices)
     entry = get_recipe(job.kind)
@@ -242,8 +392,13 @@ def validate_job(job: Job, num_devices: int | None = None):
 
 def run_job(job: Job, operative: str | None = None, log=print) -> dict:
     """Runs the job: 'rl' through `run_experiment`; a recipe kind through its registered `run`,
-    into `Job.run_dir` (created, with `operative_config.gin` written there first)."""
+    into `Job.run_dir` (created, with `operative_config.gin` written there first).
+
+    An 'rl' job's files are checked first (`preflight.check_job_files`): a missing shard or
+    tokenizer raises `PreflightError` naming it before anything is allocated or written.
+    """
     if job.kind == "rl":
+        check_job_files(job)
         from sfrrl_jax.launch.runner import run_experiment
         return run_experiment(job.experiment, operative_config=operative, log=log)
     entry = get_recipe(job.kind)
