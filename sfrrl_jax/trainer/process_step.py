@@ -47,7 +47,8 @@ from sfrrl_jax.agents.reward_fns import REWARDS_KEY
 from sfrrl_jax.learner.process_rows import global_microbatch
 from sfrrl_jax.models.api import mesh_of
 from sfrrl_jax.trainer.batching import Group, group_advantage_slopes, group_advantages, zero_microbatch
-from sfrrl_jax.trainer.step_schedule import FailedGroup, MicroStepUnit, RLStep, call_rollout_fn, early_micro_step
+from sfrrl_jax.trainer.rollout_fn import call_rollout
+from sfrrl_jax.trainer.step_schedule import FailedGroup, MicroStepUnit, RLStep, early_micro_step
 
 _log = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ class ProcessRLStep(RLStep):
         counts["failed_samples"] += sum(t.error is not None for t in group.trajectories)
         self.trainer.longest_first.observe(group.group_id, group.trajectories)
         counts["tool_errors"] += sum(t.metadata.get("tool_errors", t.num_tool_errors) for t in group.trajectories)
+        counts["orphaned_tool_calls"] += sum(t.metadata.get("orphaned_tool_calls", 0) for t in group.trajectories)
         if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
             counts["groups_dropped"] += 1
             self._publish_end(group.launch_index, keep=False)
@@ -259,7 +261,7 @@ class ProcessRLStep(RLStep):
 
     # -- early samples: replicated through the engine's ticks -------------------------------------
     async def run_sample(self, task, index: int, sample: int):
-        traj = await call_rollout_fn(self.trainer.rollout_fn, self.engine, task, sample)
+        traj = await call_rollout(self.trainer.rollout_fn, self.engine, task, sample)
         if self.early is not None:
             self.own_trajs[(index, sample)] = traj
             reward = float(traj.reward) if traj.reward is not None else 0.0   # as Group.rewards
@@ -441,7 +443,7 @@ class ProcessRLStep(RLStep):
             "trained": self.trained["tokens"], "on_policy": self.trained["on_policy_tokens"],
             "positions": self.trained["positions"], "padding": self.trained["padding_positions"],
             "counts": {k: self.counts[k] for k in ("tool_errors", "groups_dropped", "groups_failed",
-                                                   "failed_samples", "groups_surplus")},
+                                                   "failed_samples", "groups_surplus", "orphaned_tool_calls")},
             "kept_groups": len(self.kept),
             "zero_variance_groups": sum(int(np.ptp(g.rewards) == 0) for g in self.kept),
         }
@@ -469,7 +471,8 @@ class ProcessRLStep(RLStep):
             "perf/engine_ticks": self.engine.ticks - self.ticks0,   # timing-dependent: a perf/ key
             "time/tick_exchange_s": self.engine.exchange_seconds - self.exchange_s0,
             **{f"rollout/{k}": sum(v["counts"][k] for v in views)
-               for k in ("tool_errors", "groups_dropped", "groups_failed", "failed_samples", "groups_surplus")},
+               for k in ("tool_errors", "groups_dropped", "groups_failed", "failed_samples", "groups_surplus",
+                         "orphaned_tool_calls")},
             **{f"rollout/{k}": sum(v[k] for v in views) for k in ("kept_groups", "zero_variance_groups")},
         })
         return out

@@ -47,6 +47,7 @@ from sfrrl_jax.trainer.batching import (
     microbatch_from_trajectories, pack_rows, row_shapes,
 )
 from sfrrl_jax.trainer.config import TrainerConfig
+from sfrrl_jax.trainer.rollout_fn import call_rollout
 from sfrrl_jax.trainer.early_samples import EarlySamples, EarlyUnit, GroupProgress
 from sfrrl_jax.trainer.timeline import WaitingWork
 
@@ -135,30 +136,6 @@ def early_micro_step(unit: EarlyUnit, cfg: TrainerConfig, fields: Sequence[str] 
     traj = unit.progress.finished[unit.sample]
     batch = microbatch_from_trajectories([traj], [0.0], cfg.seq_bucket, cfg.max_len, fields, route_dims)
     return MicroStepUnit([], batch, early=unit)
-
-
-class UserCodeExit(RuntimeError):
-    """User code (a rollout function, or what it calls) raised SystemExit, KeyboardInterrupt or
-    GeneratorExit for one sample; the original is its `__cause__`."""
-
-
-async def call_rollout_fn(rollout_fn, engine, task: Task, sample: int) -> Trajectory:
-    """`await rollout_fn(engine, task, sample)`, with a BaseException other than a cancellation
-    raised by user code turned into `UserCodeExit`, which fails this sample's group like any
-    exception of the rollout function, instead of the step.
-
-    Why this is safe: `sys.exit()` or an argparse error inside a tool or reward is the sample's
-    bug, not a request to stop the run. A real Ctrl-C / SIGTERM never arrives here as one: the
-    runner's handlers only record the signal (`trainer.stop_signal`), and under `asyncio.run` a
-    Ctrl-C reaches coroutines as a cancellation, which passes through untouched. An asyncio Task
-    must not see SystemExit / KeyboardInterrupt at all: it re-raises them out of the event loop.
-    """
-    try:
-        return await rollout_fn(engine, task, sample)
-    except (Exception, asyncio.CancelledError):
-        raise
-    except BaseException as e:  # noqa: BLE001 -- see the docstring
-        raise UserCodeExit(f"the rollout raised {type(e).__name__}: {e}") from e
 
 
 class RLStep:
@@ -341,7 +318,7 @@ class RLStep:
         return Group(task.task_id, list(trajs), self.trainer.params_version, index)
 
     async def run_sample(self, task: Task, index: int, sample: int) -> Trajectory:
-        traj = await call_rollout_fn(self.trainer.rollout_fn, self.engine, task, sample)
+        traj = await call_rollout(self.trainer.rollout_fn, self.engine, task, sample)
         if self.early is not None and self.early.sample_finished(index, sample, traj):
             self.note_waiting()
             self.engine.notify_idle_work()
@@ -369,6 +346,8 @@ class RLStep:
         counts["failed_samples"] += sum(t.error is not None for t in group.trajectories)
         self.trainer.longest_first.observe(group.group_id, group.trajectories)
         counts["tool_errors"] += sum(t.metadata.get("tool_errors", t.num_tool_errors) for t in group.trajectories)
+        # tool calls that ignored cancellation and were left running at their timeout
+        counts["orphaned_tool_calls"] += sum(t.metadata.get("orphaned_tool_calls", 0) for t in group.trajectories)
         if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
             counts["groups_dropped"] += 1
             if early is not None:
@@ -491,6 +470,7 @@ class RLStep:
             "reward/success_rate": float(np.mean(rewards >= 1.0)) if rewards.size else 0.0,
             "rollout/generated_tokens": generated,
             "rollout/tool_errors": counts["tool_errors"],
+            "rollout/orphaned_tool_calls": counts["orphaned_tool_calls"],
             "rollout/groups_dropped": counts["groups_dropped"],
             "rollout/groups_surplus": counts["groups_surplus"],
             "rollout/groups_failed": counts["groups_failed"],

@@ -418,3 +418,36 @@ def test_call_rollout_turns_a_rollout_functions_system_exit_into_an_exception():
 
     with pytest.raises(UserCodeExit, match=r"SystemExit: 4 \(raised by the rollout function\)"):
         no_escape(asyncio.run, call_rollout(exits, None, tasks(1)[0], 0))
+
+
+def test_a_rollout_function_exiting_fails_its_group_and_orphans_reach_the_metrics(tok_dir):
+    """A user's own rollout function raising SystemExit / KeyboardInterrupt for one sample loses
+    that group (refilled by another prompt), not the step; a tool call abandoned at its timeout is
+    counted in the step's metrics (`rollout/orphaned_tool_calls`)."""
+    import jax
+
+    import sfrrl_jax as S
+
+    env = S.ToolEnvironment([stubborn_tool(3.0)], None, S.ToolRunnerConfig(timeout_s=0.3), reward_fns=[zero])
+    tokenizer = S.load_tokenizer(tok_dir)
+    agent = S.AgentRollout(env, tokenizer, S.AgentConfig(max_turns=3, max_new_tokens_per_turn=32,
+                                                         max_total_tokens=192))
+    exits = [SystemExit(3), KeyboardInterrupt()]
+
+    async def rollout(engine, task, sample_index):
+        if sample_index == 0 and exits:
+            raise exits.pop(0)   # the first two groups launched lose sample 0, so the group
+        scripted = ScriptedEngine([CALL.format(name="stubborn"), ANSWER], tokenizer=tokenizer)
+        return await agent(scripted, task, sample_index)
+
+    model_cfg = S.ModelConfig.preset("tiny-moe", max_seq_len=256)
+    params = S.init_params(model_cfg, S.make_mesh(devices=jax.devices()[:1]), seed=0)
+    trainer = S.RLTrainer(model_cfg, params, S.TrainerConfig(mode="sync", groups_per_step=2, group_size=2,
+                                                             max_slots=4, max_len=192, longest_first=False),
+                          S.LossConfig(), S.OptimizerConfig(learning_rate=1e-4), rollout, S.TaskStream(tasks(3)))
+    metrics = [no_escape(trainer.step) for _ in range(2)]
+    env.close()
+    assert [m["rollout/groups_failed"] for m in metrics] == [2, 0]   # refilled: each step trained 2 groups
+    assert [m["rollout/kept_groups"] for m in metrics] == [2, 2]
+    # every kept sample called the stubborn tool once and left it running at the 0.3 s timeout
+    assert [m["rollout/orphaned_tool_calls"] for m in metrics] == [4, 4]
