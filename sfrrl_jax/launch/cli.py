@@ -12,13 +12,17 @@ sys.path); without them a recipe Job is refused with how to run it from a checko
 from the newest intact checkpoint in the run dir (a damaged newest one is renamed
 "<step>.damaged", with a warning; --resume=strict refuses it instead; with no checkpoint there,
 it starts at step 0 and says so). Without --resume, a run dir that holds an earlier run's
-metrics or checkpoints is refused. --cpu_devices=N gives a CPU run N (fake) devices; it must be set before JAX starts its
-backends, so it is applied here first.
+metrics or checkpoints is refused. --validate_only parses and validates the job and checks the
+files it reads (the HF directory's config.json, every shard its index names and their headers,
+the tokenizer and its chat template, the task file, tool endpoints; `launch.preflight`),
+allocating nothing; a real run runs the same file checks first. --cpu_devices=N gives a CPU run
+N (fake) devices; it must be set before JAX starts its backends, so it is applied here first.
 --num_processes/--process_id/--coordinator (or JAX_NUM_PROCESSES, JAX_PROCESS_ID,
 JAX_COORDINATOR_ADDRESS) join an N-process run under jax.distributed (`launch.distributed`;
 experiments/launch_local.py starts N on one machine): each process rolls out and trains its share
 of the groups, the engine's device steps in lockstep (docs/multihost.md).
-Exit status: 0 done; 2 bad config (a binding the job never uses included); 3 the run dir cannot
+Exit status: 0 done; 2 bad config (a binding the job never uses included, a parameter bound twice
+with different values in the gin files, a file the job reads missing or unreadable); 3 the run dir cannot
 be used as asked (an earlier run there and no --resume; --resume with no restorable checkpoint,
 or --resume=strict with a damaged newest one; nan/inf in the HF weights loaded); 4 training
 cannot learn (`TrainerConfig.max_nonfinite_steps` updates in a row skipped as non-finite: the
@@ -133,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     from sfrrl_jax.trainer.health import EXIT_DIVERGED, TrainingDivergedError
     try:
         summary = gin_bindings.run_job(job, operative)
+    except gin_bindings.PreflightError as e:   # a file the job reads is missing or unreadable
+        print(f"sfrrl-train: config invalid: {e}", file=sys.stderr)
+        return 2
     except (RunDirError, NoRestorableCheckpointError, DamagedCheckpointError, NonFiniteStateError) as e:
         print(f"sfrrl-train: {type(e).__name__}: {e}", file=sys.stderr)
         return 3

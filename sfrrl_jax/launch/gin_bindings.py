@@ -16,8 +16,8 @@ never used -- its configurable is never built (`LossConfig.policy_loss = 'gspo'`
 error too: gin would drop it silently, and the run would not be the one the file describes. So is
 one parameter bound twice with different values in the files (the same file, two files, or a file
 and one it includes; `conflicting_bindings` names each place): gin would keep the last silently.
-A --gin_param binding overrides the files' on purpose (`--gin_param=ExperimentConfig.num_steps=50`);
-two --gin_params that disagree are an error too.
+--gin_param bindings apply after the files, in order: each overrides on purpose
+(`--gin_param=ExperimentConfig.num_steps=50`), a later one an earlier one.
 Job kinds other than 'rl' are recipes, registered by experiment code (`sfrrl_jax.launch.recipes`).
 """
 from __future__ import annotations
@@ -170,10 +170,10 @@ def load_job(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
         raise GinConfigError(f"gin config ({where}) is invalid: {type(e).__name__}: {e}{hint}") from e
     except OSError as e:
         raise GinConfigError(f"cannot read gin file: {e}") from e
-    conflicts = conflicting_bindings(gin_files, gin_params)
+    conflicts = conflicting_bindings(gin_files)
     if conflicts:
-        raise GinConfigError(f"gin config ({where}) binds a parameter twice with different values (gin would keep "
-                             f"the last silently; a --gin_param overrides the files' value):\n  "
+        raise GinConfigError(f"gin config ({where}) binds a parameter twice with different values in its files (gin "
+                             f"would keep the last silently; to override a file's value, use --gin_param):\n  "
                              + "\n  ".join(conflicts))
     # before building: an environment gin builds starts serving its tool pool on the address
     served = getattr(sys.modules.get("sfrrl_jax.agents.tool_pool"), "_SHARED", {})
@@ -264,7 +264,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def _read_bindings(text: str, label, out: dict, seen_files: tuple = ()) -> None:
     """Appends (where, value, line) to out[(scope, selector, param)] for each binding of `text`,
-    following includes as gin does. label(line_num) -> 'file:line' or the --gin_param."""
+    following includes as gin does. label(line_num) -> 'file:line'."""
     for statement in config_parser.ConfigParser(text, _Delegate()):
         if isinstance(statement, config_parser.IncludeStatement):
             path = _include_path(statement.filename)
@@ -291,24 +291,24 @@ def _include_path(filename: str) -> str | None:
     return None
 
 
-def conflicting_bindings(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -> list[str]:
-    """Parameters bound more than once with different values: among the files (and the files
-    they include), or among the bindings; a binding overriding a file's value is not one.
+def conflicting_bindings(gin_files: Sequence[str] = ()) -> list[str]:
+    """Parameters bound more than once with different values among the gin files (and the files
+    they include). --gin_param bindings are not counted: they apply after the files, in order, so
+    a later one overrides on purpose (a sweep script appending its overrides).
 
     Args:
-      gin_files: the .gin files, in order; gin_params: the --gin_param bindings.
+      gin_files: the .gin files, in order.
     Returns:
-      One line per parameter, naming each place it is bound ('file:line', or --gin_param) with
-      what is written there; [] when every repeat binds the same value.
+      One line per parameter, naming each place it is bound ('file:line') with what is written
+      there; [] when every repeat binds the same value.
     """
     out = []
-    for group in _file_bindings(gin_files), _param_bindings(gin_params):
-        for (scope, selector, param), places in group.items():
-            if all(_same(places[0][1], value) for _, value, _ in places[1:]):
-                continue
-            scoped = (f"{scope}/" if scope else "") + (f"{_short(selector)}.{param}" if param else selector)
-            name = scoped if param else f"macro {scoped}"
-            out.append(f"{name}: " + "; ".join(f"{where}: {line}" for where, _, line in places))
+    for (scope, selector, param), places in _file_bindings(gin_files).items():
+        if all(_same(places[0][1], value) for _, value, _ in places[1:]):
+            continue
+        scoped = (f"{scope}/" if scope else "") + (f"{_short(selector)}.{param}" if param else selector)
+        name = scoped if param else f"macro {scoped}"
+        out.append(f"{name}: " + "; ".join(f"{where}: {line}" for where, _, line in places))
     return out
 
 
@@ -321,13 +321,6 @@ def _file_bindings(gin_files: Sequence[str]) -> dict:
         except OSError:   # gin read it through a file reader of its own (gin.config.register_file_reader)
             continue
         _read_bindings(text, lambda n, p=path: f"{p}:{n}", out, (path,))
-    return out
-
-
-def _param_bindings(gin_params: Sequence[str]) -> dict:
-    out = collections.defaultdict(list)
-    for text in gin_params:
-        _read_bindings(text, lambda n: "--gin_param", out)
     return out
 
 
