@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from sfrrl_jax.mesh import in_device_memory
+
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
@@ -64,8 +66,46 @@ def _checksummable(x) -> bool:
             and (dtype == jnp.bool_ or np.dtype(dtype).itemsize in (1, 2, 4, 8)))
 
 
+def _host_words(data: np.ndarray) -> np.ndarray:
+    """numpy's `_words`: the bits as uint64 holding uint32 words (64-bit elements: two, low first)."""
+    if data.dtype == np.bool_:
+        return data.astype(np.uint64)
+    size = data.dtype.itemsize
+    if size == 8:
+        return data.view(np.uint32).reshape(data.shape + (2,)).astype(np.uint64)
+    return data.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).astype(np.uint64)
+
+
+def _host_sums(x: jax.Array) -> np.ndarray:
+    """[s1, s2] of a leaf in host memory (an offloaded optimizer state), summed on the host over
+    this process's shards (each element once: replica 0 only), as uint64 partial sums mod 2**64
+    (= mod 2**32 once reduced). Device programs cannot read host-memory arrays next to iotas in
+    device memory, and copying the leaf to the device would undo its offload."""
+    wide = x.shape + ((2,) if np.dtype(x.dtype).itemsize == 8 else ())
+    strides = [int(np.prod(wide[d + 1:], dtype=np.int64)) for d in range(len(wide))]
+    out = np.zeros(2, np.uint64)
+    for shard in x.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        words = _host_words(np.asarray(shard.data))
+        pos = np.zeros((), np.uint64)
+        for d, dim in enumerate(wide):
+            sl = shard.index[d] if d < len(shard.index) else slice(None)
+            lo, hi, _ = sl.indices(dim)
+            axis = np.arange(lo, hi, dtype=np.uint64) * np.uint64(strides[d])
+            pos = pos[..., None] + axis if d else axis
+        with np.errstate(over="ignore"):   # wrap-around is the point
+            out += np.array([words.sum(dtype=np.uint64), (words * (pos * np.uint64(2) + np.uint64(1))).sum(
+                dtype=np.uint64)], np.uint64)
+    return out
+
+
 def leaf_checksums(tree, names) -> dict[str, list[int]]:
     """{leaf name: [s1, s2]} for the array leaves of `tree` (see the module doc).
+
+    Leaves in device memory are summed by one jitted program; leaves in host memory (an
+    offloaded optimizer state) on the host, each process over its shards, then across processes.
+    Every process must call it (a collective, like the save it belongs to).
 
     Args:
       tree: a pytree of jax.Arrays (any sharding; a multi-process global array too).
@@ -74,10 +114,20 @@ def leaf_checksums(tree, names) -> dict[str, list[int]]:
       JSON-ready ints, one pair per leaf that has a fixed-width dtype (others are left out).
     """
     named = [(names(p), x) for p, x in jax.tree.leaves_with_path(tree) if _checksummable(x)]
-    if not named:
-        return {}
-    sums = jax.device_get(_sums([x for _, x in named]))
-    return {name: [int(v) for v in np.asarray(s)] for (name, _), s in zip(named, sums)}
+    on_device = [(n, x) for n, x in named if in_device_memory(x)]
+    on_host = [(n, x) for n, x in named if not in_device_memory(x)]
+    out = {}
+    if on_device:
+        sums = jax.device_get(_sums([x for _, x in on_device]))
+        out.update({name: [int(v) for v in np.asarray(s)] for (name, _), s in zip(on_device, sums)})
+    if on_host:
+        partial = np.stack([_host_sums(x) for _, x in on_host]) % np.uint64(2**32)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            partial = np.asarray(multihost_utils.process_allgather(partial.astype(np.uint32))).astype(
+                np.uint64).sum(axis=0)
+        out.update({name: [int(v) % 2**32 for v in row] for (name, _), row in zip(on_host, partial)})
+    return dict(sorted(out.items()))
 
 
 def changed_leaves(tree, recorded: dict[str, list[int]], names) -> list[str]:
