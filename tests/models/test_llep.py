@@ -62,7 +62,13 @@ def test_llep_matches_padded_forward_and_grads(routing):
     np.testing.assert_allclose(v1, v0, rtol=1e-5)
     flat0 = dict(jax.tree_util.tree_flatten_with_path(g0)[0])
     for path, a in jax.tree_util.tree_flatten_with_path(g1)[0]:
-        np.testing.assert_allclose(a, flat0[path], atol=1e-5, rtol=1e-5, err_msg=str(path))
+        # an entry that nearly cancels (-0.04 among entries of +-35) keeps the rounding of its large
+        # terms, which the order of the sums decides (measured 1.5e-5 on one CPU model): the bound
+        # scales with the leaf's largest entry, as in test_forward_parallel (a wrong dispatch errs
+        # by the order of the entries)
+        want = flat0[path]
+        np.testing.assert_allclose(a, want, atol=max(1e-5, 5e-6 * float(np.abs(want).max())), rtol=1e-5,
+                                   err_msg=str(path))
     assert np.abs(g1["layers"]["moe"]["w_down"]).max() > 1e-3
     assert np.abs(g1["layers"]["moe"]["router"]).max() > 1e-3
 
