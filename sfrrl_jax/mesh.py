@@ -241,3 +241,18 @@ def moved(tree: Any, shardings: Any, delete: bool = True) -> Any:
         if old is not new:
             old.delete()
     return out
+
+
+def memory_limit(device=None) -> tuple[float, bool]:
+    """(bytes, per_device): the device's memory limit, or on CPU the host's available memory
+    (shared by every fake device: per_device False).
+
+    Args:
+      device: a jax device (default: this process's first; multi-host: stats exist for own devices only).
+    """
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return float(stats["bytes_limit"]), True
+    import psutil
+    return float(psutil.virtual_memory().available), False

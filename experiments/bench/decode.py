@@ -31,7 +31,7 @@ from sfrrl_jax.checkpoints.hf import save_hf  # noqa: E402
 
 
 def time_ours(cfg, params, prompts, new, decode_steps):
-    kw = dict(max_new_tokens=new, max_slots=len(prompts), max_len=256, decode_steps=decode_steps)
+    kw = dict(max_new_tokens=new, max_len=256, decode_steps=decode_steps)   # slots: one per prompt, the default
     t0 = time.perf_counter()
     outs = S.generate(cfg, params, prompts, **kw)
     dt = time.perf_counter() - t0

@@ -2,22 +2,62 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
+from typing import Sequence
 
 from sfrrl_jax.aio import run_sync
-from typing import Sequence
 
 from sfrrl_jax.checks import check_int, check_seed
 from sfrrl_jax.engine.types import Completion, GenerationRequest
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.driver import Engine
+from sfrrl_jax.mesh import memory_limit
+
+# Share of the device's (CPU: the host's available) memory a `generate` call's KV cache may take
+# by default: the params and the activations need the rest.
+DEFAULT_KV_SHARE = 0.5
+
+
+def _budget(kv_budget_bytes: float | None) -> float:
+    if kv_budget_bytes is not None:
+        return float(kv_budget_bytes)
+    limit, _ = memory_limit()
+    return DEFAULT_KV_SHARE * limit
+
+
+def slots_within_budget(bytes_per_slot: float, wanted: int, kv_budget_bytes: float | None = None) -> int:
+    """How many of `wanted` slots of `bytes_per_slot` KV cache each fit the budget (at least 1).
+
+    Args:
+      bytes_per_slot: one slot's KV cache (keys and values, every layer), bytes.
+      wanted: the slots asked for.
+      kv_budget_bytes: the budget (None: `DEFAULT_KV_SHARE` of `mesh.memory_limit()`).
+    """
+    return max(1, min(wanted, int(_budget(kv_budget_bytes) // max(bytes_per_slot, 1.0))))
 
 
 def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int = 0, stop_token_ids: Sequence[int] = (), max_slots: int = 8,
-             max_len: int | None = None, decode_steps: int = 4) -> list[Completion]:
+             seed: int = 0, stop_token_ids: Sequence[int] = (), max_slots: int | None = None,
+             max_len: int | None = None, decode_steps: int = 4,
+             kv_budget_bytes: float | None = None) -> list[Completion]:
     """Completions for token-id prompts, in prompt order (`.tokens`, `.logprobs`,
-    `.raw_logprobs`, `.finish_reason`). Request i uses seed `seed + i`."""
+    `.raw_logprobs`, `.finish_reason`). Request i uses seed `seed + i`.
+
+    Every prompt decodes at once: the engine gets one slot per prompt (`max_slots=None`), unless
+    their KV cache would not fit `kv_budget_bytes` (None: half the device's memory, on CPU half
+    the host's available memory, `mesh.memory_limit`); then as many slots as fit decode together
+    and the rest wait for a free slot, and a warning names the budget and the split. An explicit
+    `max_slots` caps the slots too.
+
+    Args:
+      cfg, params: the model and its (sharded) params.
+      prompts: token-id sequences (not text).
+      max_new_tokens: per prompt; max_len: the engine's cache length per slot (None: the longest
+        prompt + max_new_tokens rounded up to a power of two, at most cfg.max_seq_len).
+    Returns:
+      One `Completion` per prompt, in prompt order.
+    """
     if isinstance(prompts, (str, bytes)):
         raise ValueError("prompts must be a list of token-id sequences, got text: tokenize it first")
     if not prompts:
@@ -31,7 +71,17 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
     longest = max(len(p) for p in prompts)
     # Rounded up to a power of two so calls of similar sizes share compilations.
     max_len = max_len or min(cfg.max_seq_len, 1 << (longest + max_new_tokens).bit_length())
-    engine = Engine(cfg, params, max_slots=max_slots, max_len=max_len, decode_steps=decode_steps)
+    check_int("max_slots", max_slots, 1, optional=True)
+    slots = min(len(prompts), max_slots) if max_slots is not None else len(prompts)
+    engine = Engine(cfg, params, max_slots=slots, max_len=max_len, decode_steps=decode_steps)
+    fitting = slots_within_budget(engine.steps.cache_bytes() / slots, slots, kv_budget_bytes)
+    if fitting < slots:   # the cache is allocated on first use: nothing was allocated yet
+        warnings.warn(f"generate: {len(prompts)} prompts at max_len={max_len} need a KV cache of "
+                      f"{engine.steps.cache_bytes() / 2**30:.2f} GiB, more than the budget "
+                      f"{_budget(kv_budget_bytes) / 2**30:.2f} GiB (kv_budget_bytes): decoding {fitting} at a time",
+                      stacklevel=2)
+        slots = fitting
+        engine = Engine(cfg, params, max_slots=slots, max_len=max_len, decode_steps=decode_steps)
 
     async def run_all():
         reqs = [GenerationRequest(tokens=list(p), max_new_tokens=max_new_tokens, temperature=temperature,

@@ -19,7 +19,7 @@ import math
 import jax
 import numpy as np
 
-from sfrrl_jax.mesh import device_bytes, in_device_memory
+from sfrrl_jax.mesh import device_bytes, in_device_memory, memory_limit  # noqa: F401 (re-export)
 
 
 def tree_bytes(tree, per_device: bool) -> int:
@@ -53,17 +53,6 @@ def rollout_resident_bytes(engine_steps, train_step, params, early_group_buffers
     if early_group_buffers:
         parts["early-sample buffers"] = early_group_buffers * sums
     return parts
-
-
-def memory_limit(device=None) -> tuple[float, bool]:
-    """(bytes, per_device): the device's memory limit, or on CPU the host's available memory
-    (shared by every fake device: per_device False)."""
-    device = device or jax.local_devices()[0]  # multi-host: stats exist only for own devices
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        return float(stats["bytes_limit"]), True
-    import psutil
-    return float(psutil.virtual_memory().available), False
 
 
 def _size(b: float) -> str:
