@@ -152,3 +152,11 @@ class TrainerConfig:
     @property
     def batch_size(self) -> int:
         return self.groups_per_step * self.group_size
+
+    @property
+    def failed_groups_limit(self) -> int:
+        """More groups than this whose rollout function raised, in one step, stop the step: one
+        that keeps raising is a bug to see, not to refill forever. It is as many groups as the step
+        launches at first (groups_per_step + overprovision_groups), so that failures at a steady
+        rate (a flaky sandbox) do not end a run that over-provisions to absorb them."""
+        return self.groups_per_step + self.overprovision_groups

@@ -202,10 +202,10 @@ class ProcessRLStep(RLStep):
             if len(kept) >= cfg.groups_per_step:
                 self.global_kept = kept
                 return
-            if failed > cfg.groups_per_step:
+            if failed > cfg.failed_groups_limit:
                 errors = [e for v in views for e in v["errors"]][:3]
-                raise RuntimeError(f"the rollout function raised in {failed} groups this step (more than "
-                                   f"groups_per_step={cfg.groups_per_step}, all processes); first errors: {errors}")
+                raise RuntimeError(f"the rollout function raised in {failed} groups this step (more than the "
+                                   f"{cfg.failed_groups_limit} it launches, all processes); first errors: {errors}")
             if dropped > cfg.max_refill_groups:
                 raise RuntimeError(f"only {len(kept)} of {cfg.groups_per_step} groups survived dynamic sampling "
                                    f"after {self.refills} refills; raise TrainerConfig.max_refill_groups")

@@ -337,10 +337,11 @@ class RLStep:
             _log.warning("group %s dropped: its rollout raised %s", group.group_id, group.errors)
             if early is not None:
                 early.discard(group.launch_index)
-            if counts["groups_failed"] > cfg.groups_per_step:
+            if counts["groups_failed"] > cfg.failed_groups_limit:
                 raise RuntimeError(
-                    f"the rollout function raised in {counts['groups_failed']} groups this step "
-                    f"(more than groups_per_step={cfg.groups_per_step}); first errors: {self.failures[:3]}")
+                    f"the rollout function raised in {counts['groups_failed']} groups this step (more than the "
+                    f"{cfg.failed_groups_limit} it launches: groups_per_step + overprovision_groups); first "
+                    f"errors: {self.failures[:3]}")
             self.refill()
             return
         counts["failed_samples"] += sum(t.error is not None for t in group.trajectories)

@@ -224,3 +224,22 @@ def test_cli_resume_falls_back_past_a_bit_flip_and_strict_refuses(two_step_run, 
     summary = json.loads(out.split("SUMMARY ", 1)[1])
     assert summary["resumed_from"] == 1 and summary["steps_done"] == 3
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1", "2", f"2{QUARANTINE_SUFFIX}", "3"]
+
+
+def test_a_rollout_function_that_always_raises_stops_the_step_past_the_groups_it_launches():
+    calls = []
+
+    async def broken(engine, task, sample_index):
+        calls.append(task.task_id)
+        raise ValueError("always")
+
+    model_cfg = S.ModelConfig.preset("tiny-moe", max_seq_len=64, n_layers=1)
+    params = S.init_params(model_cfg, S.make_mesh(devices=jax.devices()[:1]), seed=0)
+    tasks = [S.Task(f"t{i}", "arithmetic", "q", answer="1") for i in range(8)]
+    cfg = S.TrainerConfig(mode="sync", groups_per_step=2, group_size=2, max_slots=4, max_len=64,
+                          overprovision_groups=1)
+    assert cfg.failed_groups_limit == 3
+    trainer = S.RLTrainer(model_cfg, params, cfg, S.LossConfig(), S.OptimizerConfig(), broken, S.TaskStream(tasks))
+    with pytest.raises(RuntimeError, match=r"raised in 4 groups this step \(more than the 3 it launches"):
+        trainer.step()
+    assert len(calls) >= 4 * 2   # the launched groups and their refills ran, then the step stopped
