@@ -1,6 +1,6 @@
 """A short fault-injection soak in the default suite (the 200-step one: experiments/soak/, or
-`pytest -m soak tests/adversarial`, about 15 min): every step completes while everything fails, nothing leaks, every rollout
-is accounted for."""
+`pytest -m soak tests/adversarial`, 90 s on 2 cores): every step completes while everything
+fails, nothing leaks, every rollout is accounted for."""
 import pytest
 
 from sfrrl_jax.testing.fault_soak import SoakConfig, run_fault_soak
