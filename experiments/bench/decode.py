@@ -1,12 +1,15 @@
 """Benchmark: decode tokens/s of our engine vs HF transformers `generate` on the same weights.
 
     python experiments/bench/decode.py [--batches 1 8 32] [--new 64] [--out bench_out/decode.json]
+    python experiments/bench/decode.py --hf_dir /tmp/smollm2_hf    # real weights (experiments/smollm2.py converts)
 
 Both run greedy decoding of `--new` tokens from `--prompt`-token prompts on CPU, in this process.
-Our side: the tiny-moe preset on a 1-device mesh (fake CPU devices add no compute), continuous
-batching engine with `decode_steps` tokens per device call. HF side: the same params exported
-with `save_hf`, loaded with `from_pretrained`, `generate(do_sample=False)` with its KV cache,
-fp32. Each side: one warm-up call of the same shape (compiles excluded), then the fastest of
+Our side: the tiny-moe preset (or `--hf_dir`'s model, `load_hf`, fp32) on a 1-device mesh (fake
+CPU devices add no compute), `S.generate` with its default slots (one per prompt) and
+`decode_steps` tokens per device call. HF side: the same params exported with `save_hf` (or the
+same `--hf_dir`), loaded with `from_pretrained`, `generate(do_sample=False)` with its KV cache,
+fp32. Beside the table: this machine's measured memory bandwidth (`machine_limits.py`) and
+batch-1 decode's share of it (param bytes x tokens/s: every param is read once per token). Each side: one warm-up call of the same shape (compiles excluded), then the fastest of
 `--repeats` calls (single runs of either side varied by up to 2x on a shared machine).
 The ratio column is ours / transformers; compare rows of one run only. `overlap/sequential`: our
 engine with its decode chain overlapping host and device (chunk i+1 dispatched before chunk i is
@@ -28,6 +31,8 @@ import numpy as np  # noqa: E402
 
 import sfrrl_jax as S  # noqa: E402
 from sfrrl_jax.checkpoints.hf import save_hf  # noqa: E402
+
+import machine_limits  # noqa: E402  (experiments/bench/, beside this script)
 
 
 def time_ours(cfg, params, prompts, new, decode_steps):
@@ -87,18 +92,26 @@ def main():
     ap.add_argument("--decode_steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--torch_threads", type=int, default=os.cpu_count())
+    ap.add_argument("--hf_dir", default=None, help="an HF directory (default: the tiny-moe preset)")
     ap.add_argument("--out", default="bench_out/decode.json")
     args = ap.parse_args()
     import torch
     import transformers
     torch.set_num_threads(args.torch_threads)
-    cfg = S.ModelConfig.preset("tiny-moe", max_seq_len=256)
     mesh = S.make_mesh(devices=jax.devices()[:1])
-    params = S.init_params(cfg, mesh, seed=0)
-    with tempfile.TemporaryDirectory() as d:
-        save_hf(cfg, params, d)
-        model = transformers.AutoModelForCausalLM.from_pretrained(d, local_files_only=True,
+    if args.hf_dir:
+        cfg, params = S.load_hf(args.hf_dir, mesh, dtype="float32")
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.hf_dir, local_files_only=True,
                                                                   dtype=torch.float32).eval()
+    else:
+        cfg = S.ModelConfig.preset("tiny-moe", max_seq_len=256)
+        params = S.init_params(cfg, mesh, seed=0)
+        with tempfile.TemporaryDirectory() as d:
+            save_hf(cfg, params, d)
+            model = transformers.AutoModelForCausalLM.from_pretrained(d, local_files_only=True,
+                                                                      dtype=torch.float32).eval()
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    limits = machine_limits.measure()
     rows = []
     rng = np.random.RandomState(0)
     for b in args.batches:
@@ -118,9 +131,18 @@ def main():
     for r in rows:
         print(f"{r['batch']:5d} {r['ours_tok_s']:11.0f} {r['hf_tok_s']:10.0f} {r['ratio']:8.2f} "
               f"{r['greedy_sequences_identical']:11.0%} {r['overlap_speedup']:18.2f}")
+    bandwidth = limits["memory_bytes_per_s"]
+    for r in rows:
+        # a decode step reads every param once, whatever the batch: at batch 1 that is the bound
+        r["param_bytes_per_s"] = param_bytes * r["ours_tok_s"] / r["batch"]
+        r["bandwidth_share"] = r["param_bytes_per_s"] / bandwidth
+    print(f"model {cfg.name}: {param_bytes / 2**20:.0f} MiB of params; this machine: memory "
+          f"{bandwidth / 1e9:.1f} GB/s, matmul {limits['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; params read per "
+          f"second / bandwidth: " + ", ".join(f"batch {r['batch']} {r['bandwidth_share']:.0%}" for r in rows))
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows, "cpu_count": os.cpu_count(),
+    out.write_text(json.dumps({"args": vars(args), "rows": rows, "cpu_count": os.cpu_count(), "limits": limits,
+                               "model": cfg.name, "param_bytes": param_bytes,
                                "transformers": transformers.__version__, "torch": torch.__version__},
                               indent=2))
     print(f"wrote {out}")
