@@ -75,10 +75,8 @@ import logging
 import os
 import random
 import signal
-import site
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import warnings
@@ -86,18 +84,13 @@ from pathlib import Path
 from typing import Callable
 
 from sfrrl_jax.agents import sandbox_cgroup, sandbox_seccomp
+from sfrrl_jax.agents.sandbox_paths import (_ALWAYS_HIDDEN, _PROJECT_ROOT, _jail_plan, _site_dirs,  # noqa: F401
+                                           _stdlib_dirs)
 
 _LAUNCHER = str(Path(__file__).with_name("sandbox_launcher.py"))
 SETUP_FAILED = 121
 # The launcher's whole environment: the process stack (inherited by the code) holds nothing else.
 _LAUNCHER_ENV = {"LANG": "C.UTF-8"}
-# Never covered, even if they are the trainer's cwd or on its sys.path: the jail needs them.
-_SYSTEM_DIRS = ("/", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/usr/bin", "/usr/sbin",
-                "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libexec", "/usr/local", "/usr/local/bin",
-                "/usr/local/lib", "/usr/share", "/etc", "/dev", "/proc", "/sys", "/tmp", "/var", "/var/tmp")
-# Always covered: host sockets (/run), other users' files, mounted data.
-_ALWAYS_HIDDEN = ("/root", "/home", "/run", "/mnt", "/media", "/srv")
-_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 # Without a memory cgroup the call's cap is split over its processes (see the module docstring);
 # no process gets less address space than this (an interpreter with a few threads fits).
 _SPLIT_MIN_PROCESS_BYTES = 128 * 2**20
@@ -213,67 +206,6 @@ class SandboxResult:
         if self.exit_code != 0:
             return f"exit code {self.exit_code}"
         return None
-
-
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def _stdlib_dirs() -> list[str]:
-    # The base interpreter's (the one the jail runs): in a venv, "platstdlib" would otherwise name
-    # the venv's own lib/pythonX.Y, which holds its site-packages.
-    bases = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix, "installed_base": sys.base_prefix,
-             "installed_platbase": sys.base_exec_prefix}
-    dirs = []
-    for key in ("stdlib", "platstdlib"):
-        base = sysconfig.get_path(key, vars=bases)
-        dirs += [base, os.path.join(base, "lib-dynload")]
-    dirs = [d for d in dirs if os.path.isdir(d)]
-    return sorted(set(dirs + [os.path.realpath(d) for d in dirs]))
-
-
-def _site_dirs() -> list[str]:
-    dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
-    dirs += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
-    dirs += [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
-    return sorted({os.path.realpath(d) for d in dirs if d and os.path.isdir(d)})
-
-
-def _jail_plan(cfg: SandboxConfig) -> dict:
-    """The launcher's `hide` / `expose` / `sys_path` lists for this config (see sandbox_launcher.py)."""
-    stdlib = _stdlib_dirs()
-    sites = _site_dirs()
-    visible = sorted({os.path.realpath(p) for p in cfg.visible_paths})
-    expose = stdlib + visible + (sites if cfg.allow_site_packages else [])
-    candidates = list(_ALWAYS_HIDDEN) + [_PROJECT_ROOT, os.getcwd(), os.path.expanduser("~")]
-    candidates += [p for p in sys.path if p and os.path.isdir(p)] + ([] if cfg.allow_site_packages else sites)
-    # An exposed directory under one the jail's uid cannot traverse (pyenv under a 0700 /root) is
-    # reachable only if that ancestor is covered too (the cover's mount points are mode 0755).
-    for path in expose:
-        if not os.path.isdir(path):
-            continue
-        parts = Path(path).parts
-        for i in range(2, len(parts)):
-            ancestor = os.path.join(*parts[:i])
-            try:
-                traversable = os.stat(ancestor).st_mode & 0o001
-            except OSError:
-                traversable = 0
-            if not traversable:
-                candidates.append(ancestor)
-                break
-    hide = set()
-    for path in candidates:
-        path = os.path.realpath(path)
-        if not os.path.isdir(path) or path in stdlib:
-            continue
-        if any(_inside(system, path) for system in _SYSTEM_DIRS):
-            continue  # a system dir or an ancestor of one
-        if any(_inside(path, v) for v in visible) or (cfg.allow_site_packages and path in sites):
-            continue  # explicitly allowed
-        hide.add(path)
-    sys_path = sites if cfg.allow_site_packages else []
-    return {"hide": sorted(hide), "expose": sorted(set(expose)), "sys_path": sys_path}
 
 
 def _rlimit_split(cfg: SandboxConfig) -> tuple[int, int]:
