@@ -19,7 +19,7 @@ import math
 import jax
 import numpy as np
 
-from sfrrl_jax.mesh import device_bytes, in_device_memory, memory_limit  # noqa: F401 (re-export)
+from sfrrl_jax.mesh import device_bytes, in_device_memory
 
 
 def tree_bytes(tree, per_device: bool) -> int:

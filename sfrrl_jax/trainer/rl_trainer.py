@@ -34,12 +34,12 @@ from sfrrl_jax.rl.loss_fn import Loss
 from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.deferred import advantage_free_terms, check_deferrable
 from sfrrl_jax.learner.optimizer import OptimizerConfig
-from sfrrl_jax.mesh import DATA_AXIS
+from sfrrl_jax.mesh import DATA_AXIS, memory_limit
 from sfrrl_jax.models.api import mesh_of
 from sfrrl_jax.trainer.batching import Group, batch_fields, row_shapes, zero_microbatch
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.health import TrainingHealth
-from sfrrl_jax.trainer.memory_check import check_fits, memory_limit, rollout_resident_bytes
+from sfrrl_jax.trainer.memory_check import check_fits, rollout_resident_bytes
 from sfrrl_jax.trainer.rollout_fn import RolloutFn, check_length_budget
 from sfrrl_jax.trainer.scheduling import LongestFirst
 from sfrrl_jax.trainer.process_step import Agreement, ProcessRLStep

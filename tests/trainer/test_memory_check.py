@@ -12,7 +12,8 @@ from sfrrl_jax.engine.paged import engine_steps
 from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.rl.config import LossConfig
-from sfrrl_jax.trainer.memory_check import check_fits, memory_limit, rollout_resident_bytes, tree_bytes
+from sfrrl_jax.mesh import memory_limit
+from sfrrl_jax.trainer.memory_check import check_fits, rollout_resident_bytes, tree_bytes
 
 from model_fixtures import TINY
 
