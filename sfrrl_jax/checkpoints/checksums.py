@@ -27,6 +27,8 @@ from jax import lax
 from sfrrl_jax.mesh import in_device_memory
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+# Elements of a host-memory leaf summed at a time (`_host_sums`).
+_HOST_BLOCK_ELEMENTS = 1 << 22
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -87,16 +89,25 @@ def _host_sums(x: jax.Array) -> np.ndarray:
     for shard in x.addressable_shards:
         if shard.replica_id != 0:
             continue
-        words = _host_words(np.asarray(shard.data))
-        pos = np.zeros((), np.uint64)
-        for d, dim in enumerate(wide):
-            sl = shard.index[d] if d < len(shard.index) else slice(None)
-            lo, hi, _ = sl.indices(dim)
-            axis = np.arange(lo, hi, dtype=np.uint64) * np.uint64(strides[d])
-            pos = pos[..., None] + axis if d else axis
-        with np.errstate(over="ignore"):   # wrap-around is the point
-            out += np.array([words.sum(dtype=np.uint64), (words * (pos * np.uint64(2) + np.uint64(1))).sum(
-                dtype=np.uint64)], np.uint64)
+        data = np.asarray(shard.data)
+        ranges = [(shard.index[d] if d < len(shard.index) else slice(None)).indices(dim)[:2]
+                  for d, dim in enumerate(wide)]
+        # In blocks of leading rows: the uint64 words and positions of a whole offloaded leaf
+        # would be four times its size in host memory at once.
+        rows = data.shape[0] if data.ndim else 1
+        step = max(1, _HOST_BLOCK_ELEMENTS // max(1, data.size // max(rows, 1)))
+        for r0 in range(0, rows, step):
+            block = data[r0:r0 + step] if data.ndim else data
+            words = _host_words(block)
+            pos = np.zeros((), np.uint64)
+            for d, (lo, hi) in enumerate(ranges):
+                if d == 0:
+                    lo, hi = lo + r0, min(hi, lo + r0 + step)
+                axis = np.arange(lo, hi, dtype=np.uint64) * np.uint64(strides[d])
+                pos = pos[..., None] + axis if d else axis
+            with np.errstate(over="ignore"):   # wrap-around is the point
+                out += np.array([words.sum(dtype=np.uint64),
+                                 (words * (pos * np.uint64(2) + np.uint64(1))).sum(dtype=np.uint64)], np.uint64)
     return out
 
 

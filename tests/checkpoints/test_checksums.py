@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from sfrrl_jax.checkpoints import checksums
 from sfrrl_jax.checkpoints.checksums import changed_leaves, leaf_checksums
 from sfrrl_jax.checkpoints.orbax_store import leaf_name
 from sfrrl_jax.mesh import HOST_MEMORY
@@ -26,7 +27,7 @@ def _tree():
             "step": np.int32(7), "mask": rng.random((8, 3)) > 0.5, "q": rng.integers(0, 255, (8, 8)).astype(np.uint8)}
 
 
-def test_checksums_are_the_defined_sums_on_any_mesh_and_in_host_memory():
+def test_checksums_are_the_defined_sums_on_any_mesh_and_in_host_memory(monkeypatch):
     tree = _tree()
     want = {k: _reference(v) for k, v in tree.items()}
     one = jax.tree.map(jnp.asarray, tree)
@@ -38,6 +39,8 @@ def test_checksums_are_the_defined_sums_on_any_mesh_and_in_host_memory():
     on_host = {k: jax.device_put(v, NamedSharding(mesh, spec[k], memory_kind=HOST_MEMORY)) for k, v in tree.items()}
     assert {x.sharding.memory_kind for x in jax.tree.leaves(on_host)} == {HOST_MEMORY}
     assert leaf_checksums(on_host, leaf_name) == want   # summed on the host, shard by shard
+    monkeypatch.setattr(checksums, "_HOST_BLOCK_ELEMENTS", 7)   # and in blocks of a few rows
+    assert leaf_checksums(on_host, leaf_name) == want
 
 
 def test_any_flipped_bit_and_a_swap_change_the_checksums():
