@@ -109,7 +109,9 @@ class EngineStats:
     slot_steps_active: int = 0       # sum over decode steps of running slots
     slot_steps_total: int = 0        # sum over decode steps of max_slots
     generated_tokens: int = 0
-    prefills: int = 0
+    prefills: int = 0                # prompts admitted by prefill
+    prefill_calls: int = 0           # prefill device calls (one per prompt bucket of an admission)
+    prefill_rows: int = 0            # distinct prompts those calls computed (shared prompts once)
     appends: int = 0
     device_seconds: float = 0.0      # wall time inside device steps (block-until-ready)
     faults: int = 0                  # device steps that raised; each rebuilt the state

@@ -3,9 +3,10 @@
   init_decode_state()                           -> DecodeState (KV cache for max_slots x max_len)
   prefill(params, tokens, true_length, request) -> (Prefix, first ResultTokens)
   insert(prefix, state, slot, request)          -> state   (slot starts decoding)
-  prefill_many(params, state, slots, tokens, true_lengths, requests)
+  prefill_many(params, state, slots, tokens, true_lengths, requests, sources=None)
                                                 -> (state, first ResultTokens [n])
-                                                   (prefill + insert of n prompts in one call)
+                                                   (prefill + insert of n prompts in one call;
+                                                   a prompt several slots share computed once)
   generate(params, state)                       -> (state, ResultTokens)   one token per slot
   append_prefill(params, state, slot, tokens, true_length, request)
                                                 -> (state, first ResultTokens)
@@ -220,21 +221,43 @@ class EngineSteps:
             raise ValueError(f"prefill_many of {n} prompts: between 1 and max_slots={self.max_slots}")
         return min(1 << (n - 1).bit_length(), self.max_slots)
 
-    def prefill_many(self, params, state: DecodeState, slots, tokens, true_lengths, requests: list[SlotRequest]):
+    def prefill_many(self, params, state: DecodeState, slots, tokens, true_lengths, requests: list[SlotRequest],
+                     sources=None):
         """Prefill and insert of n prompts in one device call: slots [n] distinct free slots,
         tokens [n, bucket] (each row padded to one bucket, `pad`), true_lengths [n], one
-        SlotRequest per prompt. Rows are padded to `many_rows(n)` with copies of the first (the
-        same values written twice to the same slot). Returns (state, first ResultTokens with
-        fields [many_rows(n)]; rows past n repeat row 0). Each row's results and cache are those
-        of `prefill` + `insert` of that prompt alone, up to float rounding of the batched matmuls."""
+        SlotRequest per slot. Returns (state, first ResultTokens with fields [many_rows(n)];
+        rows past n repeat row 0). Each row's results and cache are those of `prefill` +
+        `insert` of that prompt alone, up to float rounding of the batched matmuls.
+
+        sources [n] (optional): slot i's prompt is row sources[i] of tokens, which then holds the
+        u distinct prompts [u, bucket] (true_lengths [u]): a prompt several slots share (the
+        samples of a GRPO group) is run through the model once, and its cache rows and last
+        logits go to each of those slots, which samples its first token with its own request.
+        Slots sharing a prompt get bit-identical cache rows, each the cache of that prompt's row.
+
+        Slots (and their requests and sources) are padded to `many_rows(n)`, prompts to
+        `many_rows(u)`, with copies of the first (the same values written twice to the same slot):
+        each (many_rows(u), many_rows(n), bucket) compiles once."""
         n = len(slots)
         rows = self.many_rows(n)
-        pad = lambda a: np.concatenate([a, np.repeat(a[:1], rows - n, axis=0)], axis=0)
-        tokens = pad(np.asarray(tokens, np.int32).reshape(n, -1))
-        req = jax.tree.map(lambda *xs: pad(np.stack([np.asarray(x) for x in xs])), *requests)
+        tokens = np.asarray(tokens, np.int32)
+        sources = np.arange(n, dtype=np.int32) if sources is None else np.asarray(sources, np.int32).reshape(-1)
+        u = len(true_lengths)
+        if len(sources) != n or len(requests) != n:
+            raise ValueError(f"prefill_many: {n} slots need {n} sources and requests, got {len(sources)} and "
+                             f"{len(requests)}")
+        if u < 1 or tokens.size % u or sources.min() < 0 or sources.max() >= u or len(set(sources.tolist())) != u:
+            raise ValueError(f"prefill_many: sources must name each of the {u} prompt rows, got {sources.tolist()}")
+
+        def pad(a, rows):
+            return np.concatenate([a, np.repeat(a[:1], rows - len(a), axis=0)], axis=0)
+        prompt_rows = self.many_rows(u)
+        req = jax.tree.map(lambda *xs: pad(np.stack([np.asarray(x) for x in xs]), rows), *requests)
         with jax.set_mesh(self.mesh):
-            return self._prefill_many(params, state, pad(np.asarray(slots, np.int32)), tokens,
-                                      pad(np.asarray(true_lengths, np.int32)), req)
+            return self._prefill_many(params, state, pad(np.asarray(slots, np.int32), rows),
+                                      pad(tokens.reshape(u, -1), prompt_rows),
+                                      pad(np.asarray(true_lengths, np.int32), prompt_rows), req,
+                                      pad(sources, rows))
 
     def decode_k_len(self, longest: int) -> int:
         """The decode bucket for a chunk whose running slots hold at most `longest` cached tokens
@@ -289,27 +312,42 @@ class EngineSteps:
         tok, lp, raw = sample(logits[:, 0], _expand(request.sampling, 1), jnp.reshape(draws, (1,)))
         return tok[0], lp[0], raw[0]
 
+    def _prefill_forward(self, params, tokens, true_lengths):
+        """Prefill of tokens [u, t] (true_lengths [u]) from an empty cache: (cache_k [layers, u,
+        t, kv_heads, head_dim], cache_v (cfg.value_cache_dim wide), the last token's logits [u,
+        vocab], routes [u, t, moe layers, top_k] or None)."""
+        u, t = tokens.shape
+        cfg = self.cfg
+        ck = jnp.zeros((cfg.n_layers, u, t, cfg.n_kv_heads, cfg.head_dim), self.cache_dtype)
+        cv = jnp.zeros(ck.shape[:-1] + (cfg.value_cache_dim,), self.cache_dtype)
+        logits, ck, cv, *routes = extend(cfg, params, tokens, jnp.zeros((u,), jnp.int32), ck,
+                                         cv, true_lengths, self.record_routes,
+                                         logits_at=true_lengths - 1)
+        return ck, cv, logits[:, 0], routes[0] if routes else None
+
+    def _first_tokens(self, logits, true_lengths, request, routes) -> ResultTokens:
+        """Each row's first token from its prompt's last logits [n, vocab] (true_lengths [n],
+        request fields [n, ...], routes [n, ...] or None)."""
+        n = logits.shape[0]
+        tok, lp, raw = sample(logits, request.sampling, jnp.zeros((n,), jnp.int32))
+        done = _finish(request, tok, 1, true_lengths, self.max_len)
+        return ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.ones((n,), bool), done=done,
+                            routes=routes)
+
     def _prefill_rows(self, params, tokens, true_lengths, request):
         """Prefill of tokens [n, t] (true_lengths [n], request fields [n, ...]) from an empty
         cache: (cache_k [layers, n, t, kv_heads, head_dim], cache_v (cfg.value_cache_dim wide), first
         ResultTokens [n])."""
-        n, t = tokens.shape
-        cfg = self.cfg
-        ck = jnp.zeros((cfg.n_layers, n, t, cfg.n_kv_heads, cfg.head_dim), self.cache_dtype)
-        cv = jnp.zeros(ck.shape[:-1] + (cfg.value_cache_dim,), self.cache_dtype)
-        logits, ck, cv, *routes = extend(cfg, params, tokens, jnp.zeros((n,), jnp.int32), ck,
-                                         cv, true_lengths, self.record_routes,
-                                         logits_at=true_lengths - 1)
-        tok, lp, raw = sample(logits[:, 0], request.sampling, jnp.zeros((n,), jnp.int32))
-        done = _finish(request, tok, 1, true_lengths, self.max_len)
-        first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.ones((n,), bool), done=done,
-                             routes=routes[0] if routes else None)
-        return ck, cv, first
+        ck, cv, logits, routes = self._prefill_forward(params, tokens, true_lengths)
+        return ck, cv, self._first_tokens(logits, true_lengths, request, routes)
 
-    def _prefill_many_impl(self, params, state: DecodeState, slots, tokens, true_lengths, request):
-        ck, cv, first = self._prefill_rows(params, tokens, true_lengths, request)
-        state = self._write_prefixes(state, slots, ck, cv)
-        state = self._set_slot(state, slots, true_lengths, first, request, jnp.ones_like(slots))
+    def _prefill_many_impl(self, params, state: DecodeState, slots, tokens, true_lengths, request, sources):
+        # the distinct prompts once; each slot takes its prompt's cache rows and logits (a gather)
+        ck, cv, logits, routes = self._prefill_forward(params, tokens, true_lengths)
+        lengths = true_lengths[sources]
+        first = self._first_tokens(logits[sources], lengths, request, None if routes is None else routes[sources])
+        state = self._write_prefixes(state, slots, ck[:, sources], cv[:, sources])
+        state = self._set_slot(state, slots, lengths, first, request, jnp.ones_like(slots))
         return state, self._on_every_host(first)
 
     def _prefill_impl(self, params, tokens, true_length, request):
