@@ -42,6 +42,27 @@ def cdtype(cfg: ModelConfig):
     return jnp.dtype(cfg.compute_dtype)
 
 
+def project(x: jax.Array, w: jax.Array, n_in: int = 1, preferred_element_type=None) -> jax.Array:
+    """A projection: x [..., *in] times w [*in, *out] -> [..., *out], contracting x's trailing
+    `n_in` dims with w's leading ones (e.g. x [b, s, embed] and w [embed, heads, hd] give
+    [b, s, heads, hd]; x [b, s, heads, hd] and w [heads, hd, embed] with n_in=2 give [b, s, embed]).
+
+    It is one 2-D matmul, [tokens, in] x [in, out], on reshaped views, not an einsum over the
+    token dims. Why: the weight gradient of an einsum like 'bsd,df->bsf' contracts two token
+    dims, and XLA:CPU lowers it with the cotangent transposed inside the elementwise fusion
+    that produces it, a strided loop that cost as much as the matmuls of the backward on
+    SmolLM2's shapes (issue #44); the 2-D form's gradient is a plain transposed-operand gemm.
+    The math is the same contraction in the same dtype."""
+    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
+    if tuple(x.shape[x.ndim - n_in:]) != tuple(in_shape):
+        raise ValueError(f"project: x's trailing dims {tuple(x.shape[x.ndim - n_in:])} do not match "
+                         f"the weight's input dims {tuple(in_shape)}")
+    lead = x.shape[:x.ndim - n_in]
+    k = math.prod(in_shape)
+    y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
+    return y.reshape(tuple(lead) + tuple(out_shape))
+
+
 class RMSNorm(nnx.Module):
     """y = x / rms(x) * scale (fp32 statistics, HF-compatible rounding) over the last dim, of size
     `dim` (logical axis `logical_axis`), or, with `dim` a shape, over its trailing dims at once
@@ -256,9 +277,9 @@ class Attention(nnx.Module):
         cfg.query_scale, q carries query_scale * sqrt(hd), so that the cores' 1/sqrt(hd) makes
         the scores' scale query_scale."""
         cfg, dt = self.cfg, cdtype(self.cfg)
-        q = jnp.einsum("bsd,dhk->bshk", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("bsd,dhk->bshk", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("bsd,dhk->bshk", x, self.v_proj[...].astype(dt))
+        q = project(x, self.q_proj[...].astype(dt))
+        k = project(x, self.k_proj[...].astype(dt))
+        v = project(x, self.v_proj[...].astype(dt))
         if cfg.attention_bias:
             q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
                        v + self.v_bias[...].astype(dt))
@@ -276,7 +297,7 @@ class Attention(nnx.Module):
     def output(self, attn_out):
         """[b, s, heads, hd] -> [b, s, embed]."""
         dt = cdtype(self.cfg)
-        y = jnp.einsum("bshk,hkd->bsd", attn_out, self.o_proj[...].astype(dt))
+        y = project(attn_out, self.o_proj[...].astype(dt), n_in=2)
         if self.cfg.out_bias:
             y = y + self.o_bias[...].astype(dt)
         return y
@@ -390,8 +411,8 @@ class DenseMLP(nnx.Module):
     def __call__(self, x, token_mask=None):
         """x [batch, seq, embed] -> (y [batch, seq, embed], {}): no router, so no router metrics."""
         dt = cdtype(self.cfg)
-        gate = jnp.einsum("bsd,df->bsf", x, self.w_gate[...].astype(dt))
-        up = jnp.einsum("bsd,df->bsf", x, self.w_up[...].astype(dt))
+        gate = project(x, self.w_gate[...].astype(dt))
+        up = project(x, self.w_up[...].astype(dt))
         act = jax.nn.silu(gate) if self.cfg.mlp_act == "silu" else jax.nn.gelu(gate, approximate=True)
         hidden = constrain(act * up, ("batch", "seq", "mlp"))
-        return jnp.einsum("bsf,fd->bsd", hidden, self.w_down[...].astype(dt)), {}
+        return project(hidden, self.w_down[...].astype(dt)), {}

@@ -28,7 +28,7 @@ from flax import nnx
 
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import constrain
-from sfrrl_jax.models.layers import Attention, RMSNorm, cdtype, param, rope_unless_nope, self_attention
+from sfrrl_jax.models.layers import Attention, RMSNorm, cdtype, param, project, rope_unless_nope, self_attention
 
 
 # The latents' RMSNorm epsilon: DeepSeek's reference code and transformers build q_a_layernorm and
@@ -68,10 +68,10 @@ class LatentAttention(nnx.Module):
         """x [b, s, embed] -> q_nope [b, s, heads, nope], q_rope [b, s, heads, rope] (rotated)."""
         cfg, dt = self.cfg, cdtype(self.cfg)
         if cfg.mla_q_rank:
-            latent = self.q_a_norm(jnp.einsum("bsd,dr->bsr", x, self.q_a_proj[...].astype(dt)))
-            q = jnp.einsum("bsr,rhk->bshk", latent, self.q_b_proj[...].astype(dt))
+            latent = self.q_a_norm(project(x, self.q_a_proj[...].astype(dt)))
+            q = project(latent, self.q_b_proj[...].astype(dt))
         else:
-            q = jnp.einsum("bsd,dhk->bshk", x, self.q_proj[...].astype(dt))
+            q = project(x, self.q_proj[...].astype(dt))
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         q_nope, q_rope = q[..., :cfg.mla_nope_dim], q[..., cfg.mla_nope_dim:]
         return q_nope, rope_unless_nope(q_rope, positions, cfg, window, rope)
@@ -79,14 +79,14 @@ class LatentAttention(nnx.Module):
     def _latent(self, x, positions, window, rope):
         """x [b, s, embed] -> c [b, s, kv_rank] (normed), k_rope [b, s, 1, rope] (rotated)."""
         cfg, dt = self.cfg, cdtype(self.cfg)
-        both = jnp.einsum("bsd,dr->bsr", x, self.kv_a_proj[...].astype(dt))
+        both = project(x, self.kv_a_proj[...].astype(dt))
         c = self.kv_a_norm(both[..., :cfg.mla_kv_rank])
         k_rope = rope_unless_nope(both[..., None, cfg.mla_kv_rank:], positions, cfg, window, rope)
         return c, k_rope
 
     def _out(self, heads):
         """The heads' values [b, s, heads, v] -> [b, s, embed]."""
-        return jnp.einsum("bshk,hkd->bsd", heads, self.o_proj[...].astype(cdtype(self.cfg)))
+        return project(heads, self.o_proj[...].astype(cdtype(self.cfg)), n_in=2)
 
     def __call__(self, x, positions, segment_ids, window, rope=True):
         """Self-attention over a packed batch, heads expanded: x [b, s, embed]; positions,
@@ -94,8 +94,8 @@ class LatentAttention(nnx.Module):
         cfg, dt = self.cfg, cdtype(self.cfg)
         q_nope, q_rope = self._queries(x, positions, window, rope)
         c, k_rope = self._latent(x, positions, window, rope)
-        k_nope = jnp.einsum("bsr,rhk->bshk", c, self.k_b_proj[...].astype(dt))
-        v = jnp.einsum("bsr,rhk->bshk", c, self.v_b_proj[...].astype(dt))
+        k_nope = project(c, self.k_b_proj[...].astype(dt))
+        v = project(c, self.v_b_proj[...].astype(dt))
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1] + k_rope.shape[-1:])], axis=-1)
         # The cores share one head dim and scale by its 1/sqrt: zero columns pad the shorter of

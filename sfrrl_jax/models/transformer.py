@@ -23,7 +23,7 @@ from flax import nnx
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import constrain
 from sfrrl_jax.models.context_parallel import from_zigzag, pad_for_context, to_zigzag
-from sfrrl_jax.models.layers import DenseMLP, Embed, RMSNorm, cdtype, param
+from sfrrl_jax.models.layers import DenseMLP, Embed, RMSNorm, cdtype, param, project
 from sfrrl_jax.models.mla import attention_for
 from sfrrl_jax.models.moe import MoE
 
@@ -63,7 +63,7 @@ class Block(nnx.Module):
         if hasattr(self, "shared_expert"):
             shared, _ = self.shared_expert(h, token_mask)
             if hasattr(self, "shared_gate"):
-                gate = jnp.einsum("bsd,dg->bsg", h, self.shared_gate[...].astype(h.dtype))
+                gate = project(h, self.shared_gate[...].astype(h.dtype))
                 shared = shared * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(shared.dtype)
             y = y + shared.astype(y.dtype)
         return y, metrics
@@ -372,7 +372,7 @@ def unembedding(cfg: ModelConfig, params: Params) -> jax.Array:
 def logits_from_hidden(cfg: ModelConfig, params: Params, hidden) -> jax.Array:
     """hidden [..., embed] -> logits [..., vocab] in fp32."""
     w = unembedding(cfg, params).astype(cdtype(cfg))
-    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+    return project(hidden, w, preferred_element_type=jnp.float32)
 
 
 def forward_with_aux(cfg: ModelConfig, params: Params, tokens, segment_ids=None, positions=None):

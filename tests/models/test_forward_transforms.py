@@ -51,6 +51,13 @@ def _max_diff(a, b):
                zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def _max_rel_diff(a, b):
+    """Per leaf, the largest |a - b| over the leaf's largest |b|; the worst leaf. Two differently
+    compiled programs (grad of a jitted forward, and a jitted grad) may sum in another order."""
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / max(np.max(np.abs(np.asarray(y))), 1e-30))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 # One family keeps the suite in its time budget: the transformations are the same code path for
 # both; gpt_oss (sinks, windows, biases: the superset but qk-norm) carries every test here, so the
 # tests share its params and its forward's compile (qwen3's jit and grad run in every trainer test).
@@ -59,8 +66,8 @@ def test_grad_and_jit_of_forward(family):
     cfg, params, tokens, probe = _case(family)
     loss = lambda p: jnp.sum(S.forward(cfg, p, tokens) * probe)
     reference = _reference_grad(cfg, params, tokens, probe)
-    assert _max_diff(jax.grad(loss)(params), reference) == 0.0
-    assert _max_diff(jax.jit(jax.grad(loss))(params), reference) == 0.0
+    assert _max_rel_diff(jax.grad(loss)(params), reference) < 1e-4
+    assert _max_rel_diff(jax.jit(jax.grad(loss))(params), reference) < 1e-4
     logits = S.forward(cfg, params, tokens)
     jitted = jax.jit(lambda p, t: S.forward(cfg, p, t))(params, tokens)
     assert np.array_equal(np.asarray(jitted), np.asarray(logits))
