@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 from sfrrl_jax.aio import run_sync
 
@@ -34,6 +35,28 @@ def slots_within_budget(bytes_per_slot: float, wanted: int, kv_budget_bytes: flo
       kv_budget_bytes: the budget (None: `DEFAULT_KV_SHARE` of `mesh.memory_limit()`).
     """
     return max(1, min(wanted, int(_budget(kv_budget_bytes) // max(bytes_per_slot, 1.0))))
+
+
+def fit_slots_to_budget(engine: Engine, build: Callable[..., Engine], who: str,
+                        kv_budget_bytes: float | None = None, stacklevel: int = 3) -> Engine:
+    """`engine`, or where its KV cache (`engine.steps.cache_bytes()`, all slots) exceeds the budget
+    `build(max_slots=n)` with the most slots that fit, after a warning naming the figures. The
+    cache is allocated on first use, so an engine given back unused allocated nothing.
+
+    Args:
+      engine: the engine as asked for (its `max_slots` the slots wanted).
+      build: `build(max_slots=n) -> Engine` with the same other settings.
+      who: the caller, for the warning (e.g. "generate: 32 prompts").
+      kv_budget_bytes: the budget (None: `DEFAULT_KV_SHARE` of `mesh.memory_limit()`).
+    """
+    slots, cache = engine.steps.max_slots, engine.steps.cache_bytes()
+    fitting = slots_within_budget(cache / slots, slots, kv_budget_bytes)
+    if fitting >= slots:
+        return engine
+    warnings.warn(f"{who} at max_len={engine.steps.max_len} need a KV cache of {cache / 2**30:.2f} GiB for "
+                  f"{slots} slots, more than the budget {_budget(kv_budget_bytes) / 2**30:.2f} GiB "
+                  f"(kv_budget_bytes): decoding {fitting} at a time", stacklevel=stacklevel)
+    return build(max_slots=fitting)
 
 
 def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -73,15 +96,10 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
     max_len = max_len or min(cfg.max_seq_len, 1 << (longest + max_new_tokens).bit_length())
     check_int("max_slots", max_slots, 1, optional=True)
     slots = min(len(prompts), max_slots) if max_slots is not None else len(prompts)
-    engine = Engine(cfg, params, max_slots=slots, max_len=max_len, decode_steps=decode_steps)
-    fitting = slots_within_budget(engine.steps.cache_bytes() / slots, slots, kv_budget_bytes)
-    if fitting < slots:   # the cache is allocated on first use: nothing was allocated yet
-        warnings.warn(f"generate: {len(prompts)} prompts at max_len={max_len} need a KV cache of "
-                      f"{engine.steps.cache_bytes() / 2**30:.2f} GiB, more than the budget "
-                      f"{_budget(kv_budget_bytes) / 2**30:.2f} GiB (kv_budget_bytes): decoding {fitting} at a time",
-                      stacklevel=2)
-        slots = fitting
-        engine = Engine(cfg, params, max_slots=slots, max_len=max_len, decode_steps=decode_steps)
+    engine = fit_slots_to_budget(
+        Engine(cfg, params, max_slots=slots, max_len=max_len, decode_steps=decode_steps),
+        functools.partial(Engine, cfg, params, max_len=max_len, decode_steps=decode_steps),
+        f"generate: {len(prompts)} prompts", kv_budget_bytes, stacklevel=3)
 
     async def run_all():
         reqs = [GenerationRequest(tokens=list(p), max_new_tokens=max_new_tokens, temperature=temperature,

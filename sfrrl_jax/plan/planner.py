@@ -263,7 +263,7 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
     engine_phases = want & {"prefill", "append", "decode"}
     steps = state = None
     if engine_phases:
-        steps, state = engine_abstract(model_cfg, mesh, tc.max_slots, tc.max_len, tc.buckets,
+        steps, state = engine_abstract(model_cfg, mesh, tc.engine_slots, tc.max_len, tc.buckets,
                                        *_paging(tc, cfg), tc.decode_steps)
     # The engine always adds max_len as a last bucket, but only a prompt that long would use it:
     # plan the largest bucket the config names (a longer prompt is the caller's choice to plan).
@@ -286,7 +286,7 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
     acc_between = 0 if inputs.optimizer.offload_accumulator else acc_b
     overlap = tc.mode in ("pipelined", "one_step_off")
     page_size, num_pages = _paging(tc, cfg)
-    shapes = {"microbatch": [rows, length], "mode": tc.mode, "max_slots": tc.max_slots, "max_len": tc.max_len,
+    shapes = {"microbatch": [rows, length], "mode": tc.mode, "max_slots": tc.engine_slots, "max_len": tc.max_len,
               "prefill_len": prefill_len, "decode_steps": tc.decode_steps,
               "paging": None if page_size is None else [page_size, num_pages],
               "mesh": dict(mesh.shape), "early_groups": tc.early_groups, "swap_cache": tc.swap_cache}
@@ -332,10 +332,10 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
             phases.append(_phase("append", f"append-prefill of {prefill_len} tokens into a slot", c, s,
                                  {"params": setup.params, "KV cache": state}, rollout))
         if "decode" in want:
-            say(f"compiling decode [{tc.max_slots} slots x {tc.decode_steps} steps] ...")
+            say(f"compiling decode [{tc.engine_slots} slots x {tc.decode_steps} steps] ...")
             # the largest decode bucket: the chunk that reads the whole cache
             c, s = _compile(steps._generate, mesh, setup.params, state, tc.decode_steps, steps.max_len)
-            phases.append(_phase("decode", f"decode chunk: {tc.max_slots} slots x {tc.decode_steps} tokens, "
+            phases.append(_phase("decode", f"decode chunk: {tc.engine_slots} slots x {tc.decode_steps} tokens, "
                                  f"cache {tc.max_len} tokens/slot", c, s,
                                  {"params": setup.params, "KV cache": state}, rollout))
     return Plan(inputs, cfg, phases, static, shapes, setup_s)

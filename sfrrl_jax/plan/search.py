@@ -125,7 +125,7 @@ def search(model_cfg: ModelConfig, n: int, trainer, loss, optimizer, plan_cfg: P
         if state and isinstance(optimizer, OptimizerConfig):   # not offloaded: on the devices
             relief["OptimizerConfig.offload_state"] = state
         if overlap:
-            cache = device_bytes(engine_abstract(model_cfg, mesh, trainer.max_slots, trainer.max_len,
+            cache = device_bytes(engine_abstract(model_cfg, mesh, trainer.engine_slots, trainer.max_len,
                                                  trainer.buckets, plan_cfg.page_size, plan_cfg.num_pages)[1])
             static += cache
             relief["TrainerConfig.swap_cache"] = cache

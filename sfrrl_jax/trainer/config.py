@@ -22,7 +22,9 @@ class TrainerConfig:
       engine would idle; one update per step; on-policy), 'one_step_off' (train step k-1's batch
       during step k's rollout: off-policy by one update; use TIS in the loss).
     max_slots / max_len / decode_steps / buckets / decode_buckets: the engine (slots decode
-      together; max_len bounds prompt + all turns; decode_steps tokens per device call; buckets:
+      together; max_slots None (the default): one per sample the step launches at first,
+      `engine_slots`, so a step decodes all its samples together rather than in waves; the
+      trainer lowers it to what the KV-cache budget holds and warns, naming the figures; max_len bounds prompt + all turns; decode_steps tokens per device call; buckets:
       prompt lengths prefill pads to; decode_buckets: cache lengths a decode chunk may read,
       None = max_len / 8, / 4, / 2, max_len, none below 128).
     page_size / num_pages: page the engine's KV cache (`Engine(page_size=, num_pages=)`): None
@@ -75,7 +77,7 @@ class TrainerConfig:
     mode: Mode = "pipelined"
     groups_per_step: int = 4
     group_size: int = 4
-    max_slots: int = 8
+    max_slots: int | None = None
     max_len: int = 256
     decode_steps: int = 1
     buckets: tuple[int, ...] | None = None
@@ -103,7 +105,8 @@ class TrainerConfig:
         own = "TrainerConfig"
         if self.mode not in Mode.__args__:
             raise ValueError(f"{own}.mode={self.mode!r}; valid: {list(Mode.__args__)}")
-        check_int_fields(self, ("groups_per_step", "group_size", "max_slots", "max_len", "decode_steps",
+        check_int(f"{own}.max_slots", self.max_slots, 1, optional=True)
+        check_int_fields(self, ("groups_per_step", "group_size", "max_len", "decode_steps",
                                 "groups_per_microbatch", "seq_bucket"), 1)
         check_int_fields(self, ("underfull_slots", "overprovision_groups", "max_refill_groups",
                                 "microbatch_rows", "early_groups", "max_nonfinite_steps",
@@ -152,6 +155,15 @@ class TrainerConfig:
     @property
     def batch_size(self) -> int:
         return self.groups_per_step * self.group_size
+
+    @property
+    def engine_slots(self) -> int:
+        """The engine's slots: `max_slots`, or where it is None every sample the step launches at
+        first, (groups_per_step + overprovision_groups) x group_size (before the trainer fits it
+        to the KV-cache budget)."""
+        if self.max_slots is not None:
+            return self.max_slots
+        return (self.groups_per_step + self.overprovision_groups) * self.group_size
 
     @property
     def failed_groups_limit(self) -> int:

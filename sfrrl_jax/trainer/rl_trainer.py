@@ -27,6 +27,7 @@ from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.aio import run_sync
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine
+from sfrrl_jax.engine.generate import fit_slots_to_budget
 from sfrrl_jax.engine.lockstep import LockstepEngine
 from sfrrl_jax.models.transformer import route_dims
 from sfrrl_jax.rl.config import LossConfig
@@ -166,13 +167,18 @@ class RLTrainer:
                              "does not record routes: build it with Engine(..., record_routes=True, "
                              "max_consecutive_faults=0)")
         engine_cls = LockstepEngine if jax.process_count() > 1 else Engine
-        self.engine = engine if engine is not None else engine_cls(
-            model_cfg, params, max_slots=trainer_cfg.max_slots, max_len=trainer_cfg.max_len,
+        build = functools.partial(
+            engine_cls, model_cfg, params, max_len=trainer_cfg.max_len,
             buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps,
             decode_buckets=trainer_cfg.decode_buckets,
             page_size=trainer_cfg.page_size, num_pages=trainer_cfg.num_pages,
             paged_attention=trainer_cfg.paged_attention, swap_cache=trainer_cfg.swap_cache,
             **(dict(record_routes=True, max_consecutive_faults=0) if replay else {}))
+        self.engine = engine if engine is not None else build(max_slots=trainer_cfg.engine_slots)
+        if engine is None and trainer_cfg.max_slots is None:
+            # one slot per sample unless the KV cache would outgrow its budget (the cache is
+            # allocated on first use, so the first engine allocated nothing)
+            self.engine = fit_slots_to_budget(self.engine, build, "RLTrainer (TrainerConfig.max_slots=None)")
         # one process, or N in lockstep (each rolling out its share): `trainer.process_step`
         self.multi_process = isinstance(self.engine, LockstepEngine)
         if jax.process_count() > 1 and not self.multi_process:

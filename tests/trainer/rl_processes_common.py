@@ -47,7 +47,7 @@ def make_trainer(mode: str, engine_cls=None, early_groups: int = 0, overprovisio
     params = S.init_params(CFG, mesh, seed=0)
     engine = None
     if engine_cls is not None:
-        engine = engine_cls(CFG, params, max_slots=tc.max_slots, max_len=tc.max_len, buckets=tc.buckets,
+        engine = engine_cls(CFG, params, max_slots=tc.engine_slots, max_len=tc.max_len, buckets=tc.buckets,
                             decode_steps=tc.decode_steps, swap_cache=swap)
     optimizer = (optax.sgd(SYNC_SGD_LR) if mode == "sync"
                  else OptimizerConfig(learning_rate=1e-3, offload_accumulator=swap))

@@ -18,12 +18,13 @@ WORKER = Path(__file__).with_name("rl_processes_worker.py")
 # 7.5e-9). The other modes use Adam (lr 1e-3, each param moved up to ~2e-3), whose params
 # differ by up to 6e-6: the decode's collectives add in another order across processes (gloo)
 # than within one, so logprobs differ in their last bits, and Adam's normalised step turns that
-# into a few 1e-6 where a gradient is near zero. They are held to 1 % of how far the update moved
-# them (measured: 0.17-0.31 %); a micro-step that lost one process's rows moves them in another
-# direction, by the order of the update.
+# into a few 1e-6 where a gradient is near zero. They are held to 5 % of how far the update moved
+# them (measured: 0.17-0.31 % with einsum projections, 1.2 % with the 2-D ones of
+# `layers.project`, which sum in another order: rounding, so the margin is wide); a micro-step
+# that lost one process's rows moves them in another direction, by the order of the update.
 LOSS_TOLERANCE = {"sync": 1e-6, "pipelined": 1e-5, "early": 1e-5}
 SYNC_PARAM_TOLERANCE = 1e-6
-PARAM_SHARE = 0.01
+PARAM_SHARE = 0.05
 
 
 @pytest.fixture(scope="module")
