@@ -467,6 +467,7 @@ class ProcessRLStep(RLStep):
             "policy/on_policy_fraction": summed["on_policy"] / trained if trained else 1.0,
             "train/trained_tokens": trained,
             "train/padding_share": summed["padding"] / summed["positions"] if summed["positions"] else 0.0,
+            "train/positions": summed["positions"],
             # the lockstep's cost: engine ticks this step and the wall time inside their exchanges
             "perf/engine_ticks": self.engine.ticks - self.ticks0,   # timing-dependent: a perf/ key
             "time/tick_exchange_s": self.engine.exchange_seconds - self.exchange_s0,

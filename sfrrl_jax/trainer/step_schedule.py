@@ -489,6 +489,9 @@ class RLStep:
             # share of the micro-steps' [rows, width] positions that were padding (0 = perfect packing)
             "train/padding_share": (self.trained["padding_positions"] / self.trained["positions"]
                                     if self.trained["positions"] else 0.0),
+            # the positions the micro-steps computed (rows x width, prompts and padding included):
+            # what the train step's FLOPs scale with, where train/trained_tokens counts loss tokens
+            "train/positions": self.trained["positions"],
             "train/early_microsteps": self.trained["early_microsteps"],
         }
 

@@ -157,6 +157,8 @@ def test_prebuilt_engine_and_train_step_are_used_and_checked():
     m = tr.step()
     assert m["train/microsteps"] >= 1 and m["rollout/generated_tokens"] > 0
     assert 0.0 < m["train/padding_share"] < 1.0   # rows of unequal length pad to one width
+    # the computed positions hold every trained token, and the padding is their padding share
+    assert m["train/positions"] > m["train/trained_tokens"] > 0
     assert engine.idle_work is None and engine.underfull_slots == tc.underfull_slots
     assert engine.occupancy == {"running": 0, "parked": 0, "free": 4, "queued": 0}
 
