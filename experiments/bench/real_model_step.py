@@ -269,7 +269,10 @@ def ours_steps(rows: Sequence[dict], warmup: int, prompt_len: float, multi_turn:
         wall, rollout, exposed = r["time/wall_s"], r["time/rollout_s"], r["time/train_exposed_s"]
         generated = r["rollout/generated_tokens"]
         seqs = r.get("train/num_seqs", 0)
-        trained = seqs * prompt_len + generated if not multi_turn else None
+        if "train/positions" in r:   # the train step's computed positions less their padding
+            trained = round(r["train/positions"] * (1.0 - r["train/padding_share"]))
+        else:
+            trained = seqs * prompt_len + generated if not multi_turn else None
         compiles = r.get("perf/compile_count")
         out.append({"step": r.get("step"), "step_s": wall, "rollout_s": rollout, "train_s": r["time/train_s"],
                     "train_exposed_s": exposed, "host_s": wall - rollout - exposed,
