@@ -160,6 +160,9 @@ class EngineSteps:
         self.cache_dtype = jnp.dtype(cache_dtype or cfg.compute_dtype)
         self._set_cache_shapes((cfg.n_layers, max_slots, max_len, cfg.n_kv_heads, cfg.head_dim), CACHE_AXES)
         self.slot_sharding = sharding_for(mesh, ("slots",), (max_slots,))
+        # a slot's cache rows are read by a gather where the slot axis is whole on every device
+        # (`model_step.extend`'s gather_slots), else by a select and sum over the slots
+        self.gather_slots = not _splits(mesh, self.cache_sharding.spec, CACHE_AXES.index("slots"))
         self._init = jax.jit(self._init_impl, out_shardings=self._state_shardings())
         self._prefill = jax.jit(self._prefill_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
@@ -387,7 +390,8 @@ class EngineSteps:
         no-op for values `extend` already wrote in that dtype)."""
         logits, ck, cv, *routes = extend(self.cfg, params, tokens, jnp.reshape(start, (1,)), state.cache_k,
                                          state.cache_v, jnp.reshape(valid_len, (1,)), with_routes,
-                                         logits_at=logits_at, slots=jnp.reshape(slot, (1,)))
+                                         logits_at=logits_at, slots=jnp.reshape(slot, (1,)),
+                                         gather_slots=self.gather_slots)
         if cast:
             ck, cv = ck.astype(state.cache_k.dtype), cv.astype(state.cache_v.dtype)
         state.cache_k, state.cache_v = ck, cv
@@ -450,6 +454,13 @@ class EngineSteps:
         state.lengths = state.lengths.at[slot].set(0)
         state.generated = state.generated.at[slot].set(0)
         return state
+
+
+def _splits(mesh: Mesh, spec, dim: int) -> bool:
+    """Whether a sharding's PartitionSpec `spec` splits dimension `dim` over more than one device."""
+    entry = spec[dim] if dim < len(spec) else None
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return int(np.prod([mesh.shape[n] for n in names], dtype=np.int64)) > 1
 
 
 def _check_decode_buckets(decode_buckets, max_len: int) -> tuple[int, ...]:
