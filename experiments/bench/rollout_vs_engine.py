@@ -12,8 +12,8 @@ mesh) and one batch shape (P prompts x G samples), warm (one untimed round of ev
           one `call_rollout` per sample, the G samples of a prompt gathered as the step
           schedule's `run_group` does, every group at once; the engine built as `RLTrainer`
           builds it from `TrainerConfig()`'s defaults (decode_steps, buckets, decode_buckets,
-          max_len), except max_slots = P x G (the trainer's default is 8: at 64 samples that
-          is 8 waves, not the same batch; `--trainer_slots` keeps the default).
+          max_len), except max_slots = P x G (a trainer default of 8 would make 64 samples 8
+          waves, not the same batch; `--trainer_slots` keeps a default that is a number).
   engine  the same prompts (the agent's prompt tokens) straight into `Engine.complete` with the
           same per-sample token counts (max_new_tokens = what the agent generated for that
           sample in the same round, no stop ids, T 1.0): the same decode work without the loop,
@@ -24,6 +24,10 @@ mesh) and one batch shape (P prompts x G samples), warm (one untimed round of ev
           The headline ratio, agent / decode (issue #44.2: goal >= 0.8).
   generate the same work on an engine built as `S.generate` builds one (a slot per prompt, its
           default decode_steps 4).
+
+`--follow_ups K` makes each trajectory K + 1 turns: after each answer the user asks to check it
+(`FollowUps`), a delta appended to the trajectory's parked slot as a tool result would be
+(SmolLM2's template renders no tools); the engine side replays the same feeds and counts.
 
 Each round runs agent, engine, generate in turn (alternating reduces the bias of a shared
 machine); per side the table shows the fastest of `--repeats` rounds. tok/s is generated tokens
@@ -80,7 +84,7 @@ class Spans:
         out = {"wall_s": wall, "device_s": sum(t1 - t0 for _, t0, t1 in self.spans)}
         for name in sorted({n for n, _, _ in self.spans}):
             ts = [t1 - t0 for n, t0, t1 in self.spans if n == name]
-            out[f"{name}_calls"] = len(ts)
+            out[f"{name}_spans"] = len(ts)   # prefill: admissions (prefills and appends), decode: chunks
             out[f"{name}_s"] = sum(ts)
         out["device_share"] = out["device_s"] / wall
         return out
@@ -107,14 +111,76 @@ async def agent_round(engine: Engine, rollout: AgentRollout, tasks, group_size: 
     return [t for g in groups for t in g]
 
 
-async def engine_round(engine: Engine, prompts, counts, seed: int):
-    async def one(i, p, n):
-        c = await engine.complete(GenerationRequest(tokens=list(p), max_new_tokens=n, temperature=1.0,
-                                                    seed=seed + i))
-        await engine.release(c.slot_handle)
-        assert len(c.tokens) == n, (len(c.tokens), n)
-        return n
-    return sum(await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(zip(prompts, counts)))))
+FOLLOW_UP = "Check your answer once more, then give the final answer as <answer>...</answer>."
+
+
+class FollowUps:
+    """`qa_environment` with `k` user follow-ups: each answer is followed by FOLLOW_UP as the
+    next user turn (appended to the trajectory's parked slot, as a tool result would be), so a
+    trajectory has k + 1 turns (SmolLM2's template renders no tools: this is its multi-turn)."""
+
+    def __init__(self, env, k: int):
+        self.env, self.k = env, k
+
+    def tool_schemas(self):
+        return self.env.tool_schemas()
+
+    def reset(self, task):
+        return self.env.reset(task)
+
+    async def step(self, calls):
+        return await self.env.step(calls)
+
+    def reward(self, task, traj):
+        return self.env.reward(task, traj)
+
+    def open_episode(self, task):
+        env, left = self, [self.k]
+
+        class Episode:
+            def reset(self):
+                return env.reset(task)
+
+            async def step(self, calls):
+                return await env.step(calls)
+
+            def next_user_turn(self):
+                if not left[0]:
+                    return None
+                left[0] -= 1
+                return [{"role": "user", "content": FOLLOW_UP}]
+
+            def close(self):
+                pass
+        return Episode()
+
+
+def scripts_of(trajs) -> list[list[tuple[list[int], int]]]:
+    """Per trajectory, what it fed the engine and how many tokens it got back, turn by turn: the
+    prompt then each observation (a follow-up's delta), with the turn's generated count."""
+    out = []
+    for t in trajs:
+        fed, script = t.tokens[:t.prompt_len], []
+        for turn in t.turns:
+            script.append((fed, turn.gen_end - turn.gen_start))
+            fed = t.tokens[turn.gen_end:turn.obs_end]
+        out.append(script)
+    return out
+
+
+async def engine_round(engine: Engine, scripts, seed: int):
+    """Each script's turns through `Engine.complete` (the first a prompt, the rest appended to its
+    parked slot), exactly its token counts, every script at once; its slot released at the end."""
+    async def one(i, script):
+        handle, total = None, 0
+        for turn, (fed, n) in enumerate(script):
+            c = await engine.complete(GenerationRequest(tokens=list(fed), max_new_tokens=n, temperature=1.0,
+                                                        seed=seed + 100 * i + turn, slot_handle=handle))
+            assert len(c.tokens) == n, (len(c.tokens), n)
+            handle, total = c.slot_handle, total + n
+        await engine.release(handle)
+        return total
+    return sum(await asyncio.gather(*(one(i, s) for i, s in enumerate(scripts))))
 
 
 def timed(fn):
@@ -129,12 +195,16 @@ def compile_total(engine: Engine) -> int:
 
 def run_shape(cfg, params, tokenizer, tasks, n_prompts, group, args, tc):
     batch = n_prompts * group
-    agent_cfg = AgentConfig(max_turns=1, max_new_tokens_per_turn=args.new, max_total_tokens=tc.max_len,
-                            temperature=1.0, tool_format="compact")
+    agent_cfg = AgentConfig(max_turns=1 + args.follow_ups, max_new_tokens_per_turn=args.new,
+                            max_total_tokens=tc.max_len, temperature=1.0, tool_format="compact")
     env = qa_environment(reward_fns=[answer_correct, answer_format], reward_weights=[1.0, 0.2])
+    if args.follow_ups:
+        env = FollowUps(env, args.follow_ups)
     rollout = AgentRollout(env, tokenizer, agent_cfg)
     chosen = tasks[:n_prompts]
-    slots = tc.max_slots if args.trainer_slots else batch
+    # TrainerConfig.max_slots None (where the trainer takes one slot per sample it launches) is
+    # this bench's default: one per sample
+    slots = tc.max_slots if args.trainer_slots and tc.max_slots is not None else batch
     eng_agent = trainer_engine(cfg, params, tc, slots)
     eng_same = trainer_engine(cfg, params, tc, slots)
     rounds = []
@@ -144,26 +214,25 @@ def run_shape(cfg, params, tokenizer, tasks, n_prompts, group, args, tc):
         failed = [t.error for t in trajs if t.error]
         if failed:
             raise RuntimeError(f"failed samples: {failed[:3]}")
-        prompts = [t.tokens[:t.prompt_len] for t in trajs]
-        counts = [t.num_generated for t in trajs]
-        longest = max(len(p) for p in prompts)
+        scripts = scripts_of(trajs)
+        longest = max(len(t.tokens) for t in trajs)
         key = min(cfg.max_seq_len, 1 << (longest + args.new).bit_length())
         if key not in gen_engines:
             gen_engines[key] = generate_engine(cfg, params, batch, longest, args.new)
         eng_gen = gen_engines[key]
         c0 = (compile_total(eng_agent), compile_total(eng_same), compile_total(eng_gen))
         if r == 0:   # the engines' own compiles for these lengths, untimed
-            run_sync(engine_round(eng_same, prompts, counts, seed=1000))
-            run_sync(engine_round(eng_gen, prompts, counts, seed=1000))
+            run_sync(engine_round(eng_same, scripts, seed=1000))
+            run_sync(engine_round(eng_gen, scripts, seed=1000))
             c0 = (compile_total(eng_agent), compile_total(eng_same), compile_total(eng_gen))
         spans = Spans()
         eng_same.set_trace(spans)
-        same_s, tokens = timed(lambda: run_sync(engine_round(eng_same, prompts, counts, seed=1000 * r)))
+        same_s, tokens = timed(lambda: run_sync(engine_round(eng_same, scripts, seed=1000 * r)))
         eng_same.set_trace(None)
         decode_s = sum(t1 - t0 for name, t0, t1 in spans.spans if name == "decode")
-        gen_s, _ = timed(lambda: run_sync(engine_round(eng_gen, prompts, counts, seed=1000 * r)))
+        gen_s, _ = timed(lambda: run_sync(engine_round(eng_gen, scripts, seed=1000 * r)))
         c1 = (compile_total(eng_agent), compile_total(eng_same), compile_total(eng_gen))
-        assert tokens == sum(counts)
+        assert tokens == sum(t.num_generated for t in trajs)
         rounds.append({"round": r, "tokens": tokens, "agent_s": agent_s, "engine_same_s": same_s,
                        "engine_generate_s": gen_s, "engine_decode_s": decode_s, "agent_tok_s": tokens / agent_s,
                        "engine_same_tok_s": tokens / same_s, "engine_generate_tok_s": tokens / gen_s,
@@ -188,7 +257,7 @@ def run_shape(cfg, params, tokenizer, tasks, n_prompts, group, args, tc):
            "rounds": rounds}
     if args.profile:
         row["profile"] = profile_agent(eng_agent, rollout, chosen, group)
-        row["profile_engine_same"] = profile_engine(eng_same, prompts, counts)
+        row["profile_engine_same"] = profile_engine(eng_same, scripts)
     return row
 
 
@@ -197,7 +266,7 @@ def stats_delta(engine, before) -> dict:
     s = engine.stats
     out = {k: getattr(s, k) - getattr(before, k) for k in
            ("prefills", "appends", "decode_steps", "slot_steps_active", "slot_steps_total")}
-    for k in ("prefill_calls", "prefill_rows"):   # counters this bench's issue added
+    for k in ("prefill_calls", "prefill_rows", "append_calls"):   # counters this bench's issue added
         if hasattr(s, k):
             out[k] = getattr(s, k) - getattr(before, k)
     out["slot_occupancy"] = out["slot_steps_active"] / max(out["slot_steps_total"], 1)
@@ -223,11 +292,11 @@ def profile_agent(engine, rollout, tasks, group) -> dict:
     return out
 
 
-def profile_engine(engine, prompts, counts) -> dict:
+def profile_engine(engine, scripts) -> dict:
     spans = Spans()
     engine.set_trace(spans)
     before = dataclasses.replace(engine.stats)
-    wall, _ = timed(lambda: run_sync(engine_round(engine, prompts, counts, seed=7)))
+    wall, _ = timed(lambda: run_sync(engine_round(engine, scripts, seed=7)))
     engine.set_trace(None)
     return {**spans.summary(wall), **stats_delta(engine, before)}
 
@@ -241,6 +310,8 @@ def main():
     ap.add_argument("--trainer_slots", action="store_true",
                     help="keep TrainerConfig's default max_slots (else: one slot per sample)")
     ap.add_argument("--decode_steps", type=int, default=None, help="override TrainerConfig().decode_steps")
+    ap.add_argument("--follow_ups", type=int, default=0,
+                    help="user follow-up turns per trajectory (multi-turn: each one an append to the parked slot)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default="bench_out/rollout_vs_engine.json")
     args = ap.parse_args()
@@ -273,13 +344,14 @@ def main():
         if "profile" in r:
             pr, pe = r["profile"], r["profile_engine_same"]
             print(f"\nprofile {r['prompts']}x{r['group']}: agent wall {pr['wall_s']:.2f} s, device busy "
-                  f"{pr['device_share']:.0%} (prefill {pr.get('prefill_calls', 0)} calls "
-                  f"{pr.get('prefill_s', 0):.2f} s, decode {pr.get('decode_calls', 0)} chunks {pr.get('decode_s', 0):.2f} s)"
-                  f"; engine alone wall {pe['wall_s']:.2f} s, busy {pe['device_share']:.0%} (prefill "
-                  f"{pe.get('prefill_calls', 0)} calls {pe.get('prefill_s', 0):.2f} s, decode {pe.get('decode_calls', 0)} "
+                  f"{pr['device_share']:.0%} (admissions {pr.get('prefill_spans', 0)}, "
+                  f"{pr.get('prefill_s', 0):.2f} s, decode {pr.get('decode_spans', 0)} chunks {pr.get('decode_s', 0):.2f} s)"
+                  f"; engine alone wall {pe['wall_s']:.2f} s, busy {pe['device_share']:.0%} (admissions "
+                  f"{pe.get('prefill_spans', 0)}, {pe.get('prefill_s', 0):.2f} s, decode {pe.get('decode_spans', 0)} "
                   f"chunks {pe.get('decode_s', 0):.2f} s)")
             print(f"  agent: {pr['prefills']} prompts admitted, prefill rows computed "
-                  f"{pr.get('prefill_rows', 'n/a')}; {pr['decode_steps']} decode steps, slot occupancy "
+                  f"{pr.get('prefill_rows', 'n/a')}, {pr['appends']} appends ({pr.get('append_calls', 'n/a')} "
+                  f"calls), {pr.get('prefill_calls', 'n/a')} prefill calls; {pr['decode_steps']} decode steps, slot occupancy "
                   f"{pr['slot_occupancy']:.0%}; prefill {pr.get('prefill_s', 0) / pr['wall_s']:.0%} of the wall, "
                   f"decode {pr.get('decode_s', 0) / pr['wall_s']:.0%}, host gaps {1 - pr['device_share']:.0%}")
             print(pr["loop_thread_top_tottime"])
