@@ -5,8 +5,8 @@
 served for new requests, appends looked at independently (`engine.page_policy` says how pages are
 found). `_admit_on_device` (on the worker thread) runs what was decided: new prompts of one
 prompt bucket share one `prefill_many` call (rows padded to a power of two; a lone prompt is a
-call of one row; a prompt several requests share is computed once), while appends and restores
-go one call each, since each reads its own slot's cache.
+call of one row; a prompt several requests share is computed once), appends of one bucket share
+one `append_many` call (each row reads its own slot's cache), and restores go one call each.
 """
 from __future__ import annotations
 
@@ -101,14 +101,15 @@ class AdmissionMixin:
         t0 = time.perf_counter()
         firsts = {}
         # New prompts of one bucket share one prefill call (a call per prompt cost ~0.7 ms each
-        # on CPU at batch 32, a fifth of a short generation's wall); appends and restores go one
-        # by one (each reads its own slot's cache).
+        # on CPU at batch 32, a fifth of a short generation's wall), appends of one bucket one
+        # append call; restores go one by one.
         groups: dict[int, list[Job]] = {}
         for job in jobs:
             if job.feed is None and job.resume is None and job.restore is None:
                 groups.setdefault(self.steps.bucket_for(len(job.request.tokens)), []).append(job)
         for group in groups.values():
             firsts.update(self._prefill_group(group))
+        appends: dict[int, list[Job]] = {}
         for job in jobs:
             if job.slot in firsts:
                 continue
@@ -120,21 +121,18 @@ class AdmissionMixin:
                     self.params, self.state, job.slot, job.resume or job.restore,
                     len(job.tokens) if running else 0, running, job.slot_req if running else SlotRequest.make())
                 self.stats.restored_slots += 1
+                # One multi-device program in flight at a time: XLA:CPU aborted (an all-gather
+                # rendezvous that one device never joined) with a burst of 64 admissions
+                # dispatched back to back. On GPU the programs run in stream order anyway, so
+                # this costs only the host's wait for an admission.
+                jax.block_until_ready(self.state)
                 if running:
-                    jax.block_until_ready(self.state)
                     firsts[job.slot] = None
                     continue
             # an append (after its restore, for an evicted trajectory)
-            padded = self.steps.pad(job.feed)
-            self.state, first = self.steps.append_prefill(
-                self.params, self.state, job.slot, padded, len(job.feed), job.slot_req)
-            self.stats.appends += 1
-            # One multi-device program in flight at a time: XLA:CPU aborted (an all-gather
-            # rendezvous that one device never joined) with a burst of 64 admissions dispatched
-            # back to back. On GPU the programs run in stream order anyway, so this costs only the
-            # host's wait for an admission.
-            jax.block_until_ready(self.state)
-            firsts[job.slot] = jax.device_get(host_fields(first))
+            appends.setdefault(self.steps.bucket_for(len(job.feed)), []).append(job)
+        for group in appends.values():
+            firsts.update(self._append_group(group))
         firsts = [firsts[job.slot] for job in jobs]
         self._account("prefill", t0)
         # The loop would decode next (unless an underfull batch gives idle work a turn first):
@@ -144,6 +142,28 @@ class AdmissionMixin:
             return firsts, []
         # the first tokens reach their jobs after this chain: it counts them itself
         return firsts, self._decode_chain({job.slot: 1 for job, f in zip(jobs, firsts) if f is not None})
+
+    def _append_group(self, group: list[Job]) -> dict[int, dict]:
+        """Appends of one bucket into their parked slots: one `append_many` call for several (each
+        call reads the weights once: a burst of tool results no longer costs a call each), the
+        `append_prefill` of one slot for a lone one. {slot: its first results}."""
+        if len(group) == 1:
+            job = group[0]
+            self.state, first = self.steps.append_prefill(
+                self.params, self.state, job.slot, self.steps.pad(job.feed), len(job.feed), job.slot_req)
+        else:
+            self.state, first = self.steps.append_many(
+                self.params, self.state, [job.slot for job in group],
+                np.concatenate([self.steps.pad(job.feed) for job in group]), [len(job.feed) for job in group],
+                [job.slot_req for job in group])
+        jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
+        self.stats.appends += len(group)
+        self.stats.append_calls += 1
+        first = jax.device_get(host_fields(first))
+        if len(group) == 1:   # the fields of one slot, as a row of one
+            first = {k: None if v is None else np.asarray(v)[None] for k, v in first.items()}
+        return {job.slot: {k: None if v is None else v[i] for k, v in first.items()}
+                for i, job in enumerate(group)}
 
     def _prefill_group(self, group: list[Job]) -> dict[int, dict]:
         """One `prefill_many` call for new prompts of one bucket (one prompt too: the driver

@@ -112,7 +112,8 @@ class EngineStats:
     prefills: int = 0                # prompts admitted by prefill
     prefill_calls: int = 0           # prefill device calls (one per prompt bucket of an admission)
     prefill_rows: int = 0            # distinct prompts those calls computed (shared prompts once)
-    appends: int = 0
+    appends: int = 0                 # observations appended to parked slots
+    append_calls: int = 0            # append device calls (one per bucket of an admission's appends)
     device_seconds: float = 0.0      # wall time inside device steps (block-until-ready)
     faults: int = 0                  # device steps that raised; each rebuilt the state
     restored_slots: int = 0          # slots refilled from their token logs after a fault

@@ -128,6 +128,13 @@ class PagedEngineSteps(EngineSteps):
             jnp.reshape(valid_len, (1,)), with_routes, logits_at=logits_at)
         return (logits, state, *routes)
 
+    def _extend_slots(self, params, state: DecodeState, slots, tokens, starts, valid_len, with_routes=False,
+                      logits_at=None):
+        logits, state.cache_k, state.cache_v, *routes = self._extend(
+            params, tokens, starts, state.cache_k, state.cache_v, state.page_table[slots], valid_len, with_routes,
+            logits_at=logits_at)
+        return (logits, state, *routes)
+
     def _write_prefixes(self, state: DecodeState, slots, cache_k, cache_v) -> DecodeState:
         bucket = cache_k.shape[2]
         pos = jnp.arange(bucket, dtype=jnp.int32)

@@ -10,6 +10,9 @@
   generate(params, state)                       -> (state, ResultTokens)   one token per slot
   append_prefill(params, state, slot, tokens, true_length, request)
                                                 -> (state, first ResultTokens)
+  append_many(params, state, slots, tokens, true_lengths, requests)
+                                                -> (state, first ResultTokens [n])
+                                                   (append_prefill into n slots in one call)
   free_resource(state, slot)                    -> state
 
 With `record_routes=True` (a MoE model) every ResultTokens also carries `routes`: the experts
@@ -169,6 +172,7 @@ class EngineSteps:
         self._prefill_many = jax.jit(self._prefill_many_impl, donate_argnums=(1,))
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2, 3))
         self._append = jax.jit(self._append_impl, donate_argnums=(1,))
+        self._append_many = jax.jit(self._append_many_impl, donate_argnums=(1,))
         self._free = jax.jit(self._free_impl, donate_argnums=(0,))
 
     def _set_cache_shapes(self, shape, axes) -> None:
@@ -202,7 +206,7 @@ class EngineSteps:
 
     def compile_counts(self) -> dict:
         return {n: getattr(self, "_" + n)._cache_size() for n in
-                ("init", "prefill", "insert", "prefill_many", "generate", "append", "free")}
+                ("init", "prefill", "insert", "prefill_many", "generate", "append", "append_many", "free")}
 
     # -- public steps (entered under the mesh) ----------------------------------------------
     def init_decode_state(self) -> DecodeState:
@@ -284,6 +288,27 @@ class EngineSteps:
     def append_prefill(self, params, state, slot, tokens, true_length, request: SlotRequest):
         with jax.set_mesh(self.mesh):
             return self._append(params, state, np.int32(slot), tokens, np.int32(true_length), request)
+
+    def append_many(self, params, state, slots, tokens, true_lengths, requests: list[SlotRequest]):
+        """`append_prefill` into n parked slots in one device call: slots [n] distinct, tokens
+        [n, bucket] (each row padded to one bucket, `pad`), true_lengths [n], one SlotRequest per
+        slot. Each row's results and cache are those of `append_prefill` into that slot alone, up
+        to float rounding of the batched matmuls. Rows are padded to `many_rows(n)`; a padding row
+        writes nothing (its cache writes fall past the cache, its state updates past the slots).
+        Returns (state, first ResultTokens with fields [many_rows(n)]; rows past n are padding)."""
+        n = len(slots)
+        rows = self.many_rows(n)
+        if len(set(int(s) for s in slots)) != n or len(true_lengths) != n or len(requests) != n:
+            raise ValueError(f"append_many: {n} distinct slots need {n} token rows and requests")
+
+        def pad(a):
+            return np.concatenate([a, np.repeat(a[:1], rows - n, axis=0)], axis=0)
+        req = jax.tree.map(lambda *xs: pad(np.stack([np.asarray(x) for x in xs])), *requests)
+        real = np.arange(rows) < n
+        with jax.set_mesh(self.mesh):
+            return self._append_many(params, state, pad(np.asarray(slots, np.int32)),
+                                     pad(np.asarray(tokens, np.int32).reshape(n, -1)),
+                                     pad(np.asarray(true_lengths, np.int32)), req, real)
 
     def free_resource(self, state: DecodeState, slot: int) -> DecodeState:
         with jax.set_mesh(self.mesh):
@@ -397,6 +422,16 @@ class EngineSteps:
         state.cache_k, state.cache_v = ck, cv
         return (logits, state, *routes)
 
+    def _extend_slots(self, params, state: DecodeState, slots, tokens, starts, valid_len, with_routes=False,
+                      logits_at=None):
+        """`extend` of n slots' sequences, tokens [n, t] at starts [n]..: (logits, state), then
+        with_routes the routes [n, t, moe layers, top_k]; logits_at [n] as `extend`'s."""
+        logits, ck, cv, *routes = extend(self.cfg, params, tokens, starts, state.cache_k, state.cache_v, valid_len,
+                                         with_routes, logits_at=logits_at, slots=slots,
+                                         gather_slots=self.gather_slots)
+        state.cache_k, state.cache_v = ck, cv
+        return (logits, state, *routes)
+
     def _write_prefix(self, state: DecodeState, slot, prefix: Prefix) -> DecodeState:
         """The prefill's cache (positions 0..bucket-1) into `slot`."""
         return self._write_prefixes(state, jnp.reshape(slot, (1,)), prefix.cache_k, prefix.cache_v)
@@ -448,6 +483,21 @@ class EngineSteps:
         first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=jnp.bool_(True), done=done,
                              routes=routes[0][0] if routes else None)
         return self._set_slot(state, slot, length, first, request, draws + 1), self._on_every_host(first)
+
+    def _append_many_impl(self, params, state, slots, tokens, true_lengths, request, real):
+        # a padding row (real False) repeats row 0's slot for its reads, starts past the cache
+        # (its writes are dropped, or land on a scratch page) and sets no slot state
+        start = jnp.where(real, state.lengths[slots], self.max_len)
+        logits, state, *routes = self._extend_slots(params, state, slots, tokens, start, start + true_lengths,
+                                                    with_routes=self.record_routes, logits_at=true_lengths - 1)
+        draws = state.draws[slots]
+        tok, lp, raw = sample(logits[:, 0], request.sampling, draws)
+        length = start + true_lengths
+        done = _finish(request, tok, 1, length, self.max_len)
+        first = ResultTokens(tokens=tok, logprobs=lp, raw_logprobs=raw, valid=real, done=done,
+                             routes=routes[0] if routes else None)
+        owned = jnp.where(real, slots, self.max_slots)   # past the slots: the update is dropped
+        return self._set_slot(state, owned, length, first, request, draws + 1), self._on_every_host(first)
 
     def _free_impl(self, state: DecodeState, slot):
         state.active = state.active.at[slot].set(False)
