@@ -243,8 +243,10 @@ class EngineSteps:
         Slots sharing a prompt get bit-identical cache rows, each the cache of that prompt's row.
 
         Slots (and their requests and sources) are padded to `many_rows(n)`, prompts to
-        `many_rows(u)`, with copies of the first (the same values written twice to the same slot):
-        each (many_rows(u), many_rows(n), bucket) compiles once."""
+        `many_rows(u)`, with copies of the first: a padding slot row writes its prompt's cache
+        rows (the same values, gathered from the same row) and no slot state, so the first token
+        a slot keeps is always the one returned for it. Each (many_rows(u), many_rows(n), bucket)
+        compiles once."""
         n = len(slots)
         rows = self.many_rows(n)
         tokens = np.asarray(tokens, np.int32)
@@ -264,7 +266,7 @@ class EngineSteps:
             return self._prefill_many(params, state, pad(np.asarray(slots, np.int32), rows),
                                       pad(tokens.reshape(u, -1), prompt_rows),
                                       pad(np.asarray(true_lengths, np.int32), prompt_rows), req,
-                                      pad(sources, rows))
+                                      pad(sources, rows), np.arange(rows) < n)
 
     def decode_k_len(self, longest: int) -> int:
         """The decode bucket for a chunk whose running slots hold at most `longest` cached tokens
@@ -369,13 +371,14 @@ class EngineSteps:
         ck, cv, logits, routes = self._prefill_forward(params, tokens, true_lengths)
         return ck, cv, self._first_tokens(logits, true_lengths, request, routes)
 
-    def _prefill_many_impl(self, params, state: DecodeState, slots, tokens, true_lengths, request, sources):
+    def _prefill_many_impl(self, params, state: DecodeState, slots, tokens, true_lengths, request, sources, real):
         # the distinct prompts once; each slot takes its prompt's cache rows and logits (a gather)
         ck, cv, logits, routes = self._prefill_forward(params, tokens, true_lengths)
         lengths = true_lengths[sources]
         first = self._first_tokens(logits[sources], lengths, request, None if routes is None else routes[sources])
         state = self._write_prefixes(state, slots, ck[:, sources], cv[:, sources])
-        state = self._set_slot(state, slots, lengths, first, request, jnp.ones_like(slots))
+        owned = jnp.where(real, slots, self.max_slots)   # a padding row's state update is dropped
+        state = self._set_slot(state, owned, lengths, first, request, jnp.ones_like(slots))
         return state, self._on_every_host(first)
 
     def _prefill_impl(self, params, tokens, true_length, request):
