@@ -33,6 +33,15 @@ What a Loss declares, and who reads it:
                     not 0 (KL, entropy): the deferred path then back-propagates them separately.
                     Default True (always correct, one more param-sized buffer per early group).
   advantage_metrics metric sums equal to `advantage_term` (deferred: recombined at the merge).
+  zero_advantage_zero_gradient  a row whose advantages are all 0 adds exactly nothing to the
+                    numerator's gradient (every term of it is a product with the advantage), so
+                    such rows may train forward only: their loss, counts and metrics are still
+                    accumulated, their backward pass is skipped (`TrainStep.stats_microstep`;
+                    the trainer's zero-advantage trajectories, `TrainerConfig
+                    .skip_zero_advantage_backward`). Needs 'advantages' in required_fields.
+                    Default False (always correct: every row back-propagates). The built-in
+                    policy loss declares it when it has no advantage-free terms (kl_coef and
+                    entropy_coef 0), whatever its clip, behavior and IS correction; SFT does not.
   vocab_chunk / seq_chunk  chunk sizes of the log-prob computation; router_aux_coef /
                     router_z_coef: router loss coefficients (None: the model config's).
   routing_replay    'off' or 'r3': the forward replays the engine's experts (MoE models), so
@@ -89,6 +98,7 @@ class Loss:
     linear_in_advantages: bool = False
     has_advantage_free_terms: bool = True
     advantage_metrics: tuple[str, ...] = ()
+    zero_advantage_zero_gradient: bool = False
     name: str = "custom"
     vocab_chunk: int = 8192
     seq_chunk: int = 1024
@@ -112,6 +122,12 @@ class Loss:
         if self.linear_in_advantages and "advantages" not in self.required_fields:
             raise ValueError(f"Loss {self.name!r}: linear_in_advantages=True needs 'advantages' in "
                              f"required_fields, got {self.required_fields}")
+        if not isinstance(self.zero_advantage_zero_gradient, bool):
+            raise TypeError(f"Loss.zero_advantage_zero_gradient must be a bool, got {self.zero_advantage_zero_gradient!r}")
+        if self.zero_advantage_zero_gradient and "advantages" not in self.required_fields:
+            raise ValueError(f"Loss {self.name!r}: zero_advantage_zero_gradient=True needs 'advantages' in "
+                             f"required_fields (the rows it skips are those whose advantages are 0), got "
+                             f"{self.required_fields}")
         for name in ("vocab_chunk", "seq_chunk"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -177,6 +193,10 @@ def policy_loss(cfg: LossConfig = LossConfig()) -> Loss:
     Requires tokens, loss_mask, advantages, rollout_logprobs (+ old_logprobs for behavior='old',
     ref_logprobs for kl_coef > 0). Linear in the advantages exactly when behavior='current' (the
     ratio is 1 in value, so the clip never binds); KL and entropy are its advantage-free terms.
+    Without them (kl_coef == entropy_coef == 0) it declares `zero_advantage_zero_gradient`: its
+    numerator is then the aggregated clipped term alone, each token's loss -A * r (or its clip, its
+    dual clip -c * A, times a stop-gradient IS weight), whose gradient at A = 0 is exactly 0 for
+    every policy_loss, behavior and is_correction.
     """
     if cfg.objective != "policy":
         raise ValueError(f"policy_loss: LossConfig.objective={cfg.objective!r}, expected 'policy' "
@@ -192,6 +212,7 @@ def policy_loss(cfg: LossConfig = LossConfig()) -> Loss:
     return Loss(fn=_PolicyObjective(cfg), required_fields=required, optional_fields=optional,
                 linear_in_advantages=cfg.behavior == "current",
                 has_advantage_free_terms=cfg.kl_coef > 0 or cfg.entropy_coef > 0,
+                zero_advantage_zero_gradient=cfg.kl_coef == 0 and cfg.entropy_coef == 0,
                 advantage_metrics=("agg/pg_loss",), name=name, **_common(cfg))
 
 
