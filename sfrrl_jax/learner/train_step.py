@@ -7,6 +7,9 @@
     for mb in microbatches:                      # any split of the batch
         acc = ts.grad_microstep(params, acc, mb)  # acc donated
     params, opt_state, metrics = ts.apply(params, opt_state, acc)  # params/opt_state donated
+    # rows whose advantages are all 0, under a loss declaring `zero_advantage_zero_gradient` (and
+    # router loss coefficients 0): their gradient is exactly 0, so forward only
+    #   acc = ts.stats_microstep(params, acc, mb)  # loss, counts, metrics; grads untouched
     # or, for a batch that fits at once:  params, opt_state, metrics = ts.step(params, opt_state, batch)
     # samples trained before their group's advantages exist (a loss linear in the advantages,
     # e.g. behavior='current'; `learner.deferred`):
@@ -50,7 +53,7 @@ from sfrrl_jax.rl.aggregation import SequenceLayout
 from sfrrl_jax.rl.loss_fn import BUILTIN_FIELDS, REPLAY_FIELDS, Loss, LossInputs, as_loss
 from sfrrl_jax.rl.losses import ObjectiveParts, finalize_metrics
 from sfrrl_jax.learner.accumulator import (
-    Accumulator, accumulate, accumulator_shardings, zero_accumulator,
+    AccStats, Accumulator, accumulate, accumulate_stats, accumulator_shardings, zero_accumulator,
 )
 from sfrrl_jax.learner.deferred import DeferredBuffer, build_deferred_fns
 from sfrrl_jax.learner.objective import ROUTER_METRICS, ForwardFn, microbatch_objective
@@ -211,6 +214,45 @@ class TrainStep:
         with jax.set_mesh(mesh_of(params)):
             return self._acc_out(params, fns["micro"](params, self._acc_in(params, acc), mb))
 
+    def stats_microstep(self, params, acc: Accumulator, microbatch: dict) -> Accumulator:
+        """`grad_microstep` without the backward pass: adds the micro-batch's loss numerator,
+        denominator, counts (num_microbatches included) and metric sums / maxima / minima to `acc`
+        exactly as `grad_microstep` would, and leaves the gradient sums as they are (not copied, not
+        moved: with offload_accumulator they stay in host memory). `acc`'s stats are donated.
+
+        For micro-batches whose gradient is exactly 0: rows whose advantages are all 0, under a loss
+        declaring `Loss.zero_advantage_zero_gradient` and router loss coefficients 0
+        (`forward_only_refusal` says why not, else None). The caller vouches for the advantages;
+        this checks the loss and the coefficients, and raises ValueError naming what refuses.
+        """
+        refusal = self.forward_only_refusal()
+        if refusal is not None:
+            raise ValueError(f"stats_microstep (a forward-only micro-step) refused: {refusal}")
+        fns = self._fns(params)
+        mb = self._prepare(params, microbatch)
+        with jax.set_mesh(mesh_of(params)):
+            return acc.with_stats(fns["stats"](params, acc.stats, mb))
+
+    def forward_only_refusal(self) -> str | None:
+        """Why rows whose advantages are all 0 still need their backward pass with this step (a
+        sentence), or None when `stats_microstep` may stand in for `grad_microstep` on them: the
+        loss declares `zero_advantage_zero_gradient` and both router loss coefficients are 0."""
+        if not self.loss.zero_advantage_zero_gradient:
+            return (f"the loss {self.loss.name!r} does not declare Loss.zero_advantage_zero_gradient (a row "
+                    "whose advantages are all 0 may still have a gradient: KL or entropy terms "
+                    "(LossConfig.kl_coef / entropy_coef > 0), an SFT or custom objective)")
+        coefs = dict(zip(("router_aux_coef", "router_z_coef"), self.router_coefs))
+        nonzero = {k: v for k, v in coefs.items() if v != 0.0}
+        if nonzero:
+            return (f"router loss coefficients {nonzero} are not 0: the router losses have a gradient "
+                    "whatever the advantages")
+        return None
+
+    @property
+    def zero_advantage_forward_only(self) -> bool:
+        """Whether `stats_microstep` may train rows whose advantages are all 0 (no refusal)."""
+        return self.forward_only_refusal() is None
+
     def apply(self, params, opt_state: OptState, acc: Accumulator):
         """One optimizer update from the accumulated sums -> (params, opt_state, metrics)."""
         fns = self._fns(params)
@@ -263,6 +305,10 @@ class TrainStep:
     def jitted_microstep(self, params):
         return self._fns(params)["micro"]
 
+    def jitted_stats_microstep(self, params):
+        """The jitted forward-only function: (params, AccStats (donated), micro-batch) -> AccStats."""
+        return self._fns(params)["stats"]
+
     def jitted_apply(self, params):
         return self._fns(params)["apply"]
 
@@ -309,10 +355,9 @@ class TrainStep:
         def init_opt(p):
             return OptState(step=jnp.zeros((), jnp.int32), inner=self.tx.init(p))
 
-        grad_fn = jax.value_and_grad(
-            functools.partial(microbatch_objective, self.forward_fn, self.loss, self.router_coefs,
-                              aux_metrics=self.aux_metrics),
-            has_aux=True)
+        objective = functools.partial(microbatch_objective, self.forward_fn, self.loss, self.router_coefs,
+                                      aux_metrics=self.aux_metrics)
+        grad_fn = jax.value_and_grad(objective, has_aux=True)
 
         def micro(p, acc, mb):
             (numerator, (parts, router_sums)), grads = grad_fn(p, mb)
@@ -320,6 +365,11 @@ class TrainStep:
             # `data` split propagates back into the backward pass (and reshuffles activations).
             grads = jax.lax.with_sharding_constraint(grads, param_sh)
             return accumulate(acc, grads, numerator, parts, router_sums)
+
+        def stats(p, acc_stats: AccStats, mb):
+            # the same objective as `micro`, forward only: the stats a grad micro-step adds
+            numerator, (parts, router_sums) = objective(p, mb)
+            return accumulate_stats(acc_stats, numerator, parts, router_sums)
 
         # Offloaded optimizer state (OptimizerConfig.offload_state) lives in host memory between
         # updates: moved to the device for the update and back, inside the same jitted function.
@@ -348,6 +398,7 @@ class TrainStep:
             "init_acc": jax.jit(init_acc, out_shardings=acc_sh),
             "init_opt": jax.jit(init_opt, out_shardings=opt_sh),
             "micro": jax.jit(micro, donate_argnums=(1,), out_shardings=acc_sh),
+            "stats": jax.jit(stats, donate_argnums=(1,), out_shardings=acc_sh.stats),
             "apply": jax.jit(apply, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, rep)),
             "step": jax.jit(step, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, rep)),
         }
