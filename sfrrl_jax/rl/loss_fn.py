@@ -123,7 +123,8 @@ class Loss:
             raise ValueError(f"Loss {self.name!r}: linear_in_advantages=True needs 'advantages' in "
                              f"required_fields, got {self.required_fields}")
         if not isinstance(self.zero_advantage_zero_gradient, bool):
-            raise TypeError(f"Loss.zero_advantage_zero_gradient must be a bool, got {self.zero_advantage_zero_gradient!r}")
+            raise TypeError("Loss.zero_advantage_zero_gradient must be a bool, got "
+                            f"{self.zero_advantage_zero_gradient!r}")
         if self.zero_advantage_zero_gradient and "advantages" not in self.required_fields:
             raise ValueError(f"Loss {self.name!r}: zero_advantage_zero_gradient=True needs 'advantages' in "
                              f"required_fields (the rows it skips are those whose advantages are 0), got "
