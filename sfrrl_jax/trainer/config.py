@@ -66,6 +66,17 @@ class TrainerConfig:
       for the built-in policy loss behavior='current'), so a straggler holds back
       only itself. Each such group holds two or three param-sized float32 buffers until it
       finishes. 0 = train whole groups only.
+    skip_zero_advantage_backward: a trajectory whose advantage is exactly 0 (every sample of a
+      group whose rewards were all equal, under GRPO) adds exactly nothing to the gradient when
+      the train step's loss declares `Loss.zero_advantage_zero_gradient` (the built-in policy loss
+      with kl_coef and entropy_coef 0) and the router loss coefficients are 0: such trajectories
+      are packed apart into micro-steps of their own that run forward only
+      (`TrainStep.stats_microstep`: their loss, token counts and metrics still accumulate;
+      `train/forward_only_microsteps` counts them). The update is the same up to float summation
+      order (a micro-step holds other rows); `train/num_microbatches` counts the micro-steps run.
+      Used only where the loss allows it, on one process (a multi-process step keeps every
+      micro-step a gradient one), never for early samples or the micro-step that merges their
+      buffers. False: today's micro-steps, exactly.
     max_nonfinite_steps: this many updates in a row skipped as non-finite (nan/inf loss or
       gradient norm) end the run with `trainer.health.TrainingDivergedError` (0 = never).
     warn_no_signal_steps: warn after this many steps in a row in which every kept group's rewards
@@ -96,6 +107,7 @@ class TrainerConfig:
     early_groups: int = 0
     seq_bucket: int = 32
     pack_rows: bool = True
+    skip_zero_advantage_backward: bool = True
     advantage: AdvantageConfig = AdvantageConfig()
     seed: int = 0
     max_nonfinite_steps: int = 3
@@ -111,7 +123,8 @@ class TrainerConfig:
         check_int_fields(self, ("underfull_slots", "overprovision_groups", "max_refill_groups",
                                 "microbatch_rows", "early_groups", "max_nonfinite_steps",
                                 "warn_no_signal_steps"), 0)
-        check_bool_fields(self, ("longest_first", "dynamic_sampling", "swap_cache", "pack_rows"))
+        check_bool_fields(self, ("longest_first", "dynamic_sampling", "swap_cache", "pack_rows",
+                                 "skip_zero_advantage_backward"))
         if self.swap_cache and self.mode == "sync":
             raise ValueError(f"{own}.swap_cache=True moves the KV cache out while micro-steps run during the "
                              "rollout; mode='sync' trains after it, with the cache freed: nothing to swap")

@@ -26,12 +26,22 @@ whose tokens it holds: whole `Group`s when it holds all of theirs, else one `Tok
 trajectory in its rows (a packed row may hold samples of several groups), so the trained and
 on-policy token counts are exact whatever the layout. Early samples train as one-row micro-steps.
 `train/padding_share` is the share of the micro-steps' [rows, width] positions that held no token.
+
+Forward-only micro-steps (`TrainerConfig.skip_zero_advantage_backward`, where the train step's
+loss allows it: `TrainStep.forward_only_refusal`): trajectories whose advantage is exactly 0 add
+exactly nothing to the gradient, so `make_units` packs them apart (the same packing, the same
+`microbatch_rows` split) into micro-steps marked `forward_only`, which run
+`TrainStep.stats_microstep` (their loss, counts and metrics accumulate; no backward). They count
+in the trained tokens, positions and padding like any micro-step, and in
+`train/forward_only_microsteps`. Early samples and the micro-step that merges their buffers stay
+gradient micro-steps; a multi-process step (`trainer.process_step`) runs none.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable, Sequence
@@ -69,24 +79,43 @@ class MicroStepUnit:
 
     early: set for a sample trained into its unfinished group's buffer; merges: (group progress,
     advantage slope, reference advantage) of group buffers to add at their final advantages.
+    forward_only: every row's advantage is exactly 0, so the step may run it forward only
+    (`TrainStep.stats_microstep`; module doc). Never set with `early` or `merges`.
     """
 
     groups: list
     batch: dict
     early: EarlyUnit | None = None
     merges: list = dataclasses.field(default_factory=list)
+    forward_only: bool = False
+
+
+class ClaimedGroups(dict):
+    """The step's `claimed` mapping, launch index -> `GroupProgress` of a finished group with early
+    samples (`make_units` pops its entries), which also carries the step's `forward_only`: whether
+    `make_units` packs zero-advantage trajectories apart into forward-only micro-steps. It rides
+    here because `RLTrainer._make_units` (the seam every micro-step is formed through) hands
+    `make_units` the step in progress's `claimed` and nothing else of the step."""
+
+    def __init__(self, forward_only: bool = False):
+        super().__init__()
+        self.forward_only = bool(forward_only)
 
 
 # -- forming micro-steps (pure: host arrays only) ------------------------------------------------
 def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, GroupProgress],
                fields: Sequence[str] | None = None, route_dims: tuple[int, int] | None = None,
-               shapes: RowShapes | None = None) -> list[MicroStepUnit]:
+               shapes: RowShapes | None = None, forward_only: bool | None = None) -> list[MicroStepUnit]:
     """Micro-steps of these finished groups (module doc). Samples already in a group buffer
     (trained early) are left out; the last micro-step merges those buffers at the final advantages.
     claimed: launch index -> progress of groups with early samples (their entries are popped).
     fields: the batch fields (`batching.batch_fields(loss)`; None: all a trajectory supplies);
     route_dims: (moe layers, top_k) under routing replay; shapes: the packing menu (None:
-    `batching.row_shapes(cfg)`; the trainer passes its mesh's row multiple)."""
+    `batching.row_shapes(cfg)`; the trainer passes its mesh's row multiple).
+    forward_only: pack the trajectories whose advantage is exactly 0 apart, into micro-steps marked
+    `forward_only` that come first (the caller has checked that its train step allows it:
+    `RLStep.forward_only`); the rest, and the merges, follow in gradient micro-steps. None: as
+    `claimed` says (a `ClaimedGroups`' forward_only; a plain dict: no)."""
     adv = group_advantages(groups, cfg.advantage)
     progress = [claimed.pop(g.launch_index, None) for g in groups]
     slopes = group_advantage_slopes(groups, cfg.advantage) if any(progress) else [None] * len(groups)
@@ -101,16 +130,38 @@ def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, Group
                 row_adv.append(a[i])
         if prog:
             merges.append((prog, float(slope), float(a[prog.reference])))
+    if forward_only is None:
+        forward_only = bool(getattr(claimed, "forward_only", False))
+    pack = functools.partial(_packed_units, cfg=cfg, fields=fields, route_dims=route_dims, shapes=shapes)
+    zero = [k for k, a in enumerate(row_adv) if a == 0.0] if forward_only else []
+    if not zero:
+        units = pack(owners, row_adv, whole=None if merged else list(groups))
+    else:
+        rest = [k for k, a in enumerate(row_adv) if a != 0.0]
+        units = pack([owners[k] for k in zero], [row_adv[k] for k in zero],
+                     whole=None if merged or rest else list(groups))
+        for u in units:
+            u.forward_only = True
+        if rest:
+            units += pack([owners[k] for k in rest], [row_adv[k] for k in rest], whole=None)
+    if merges:
+        units[-1].forward_only = False  # the merges' micro-step stays a gradient one
+    units[-1].merges = merges
+    units[-1].groups += [token_share(g, i) for g, i in merged]
+    return units
+
+
+def _packed_units(owners: list, row_adv: list, whole: list | None, cfg: TrainerConfig, fields, route_dims,
+                  shapes: RowShapes | None) -> list[MicroStepUnit]:
+    """The micro-steps of these trajectories ((group, sample) each, with its advantage): laid out in
+    rows (packed or one per row, per `cfg`), split by `microbatch_rows` (`split_rows`)."""
     trajs = [g.trajectories[i] for g, i in owners]
     lengths = [len(t.tokens) for t in trajs]
     layout = (pack_rows(lengths, shapes if shapes is not None else row_shapes(cfg)) if cfg.pack_rows
               else RowLayout.one_per_row(lengths, cfg.seq_bucket, cfg.max_len))
     batch = microbatch_from_layout(trajs, row_adv, layout, fields, route_dims)
     row_owners = [[owners[i] for i in row] for row in layout.rows]
-    units = split_rows(batch, row_owners, cfg.microbatch_rows, whole=None if merged else list(groups))
-    units[-1].merges = merges
-    units[-1].groups += [token_share(g, i) for g, i in merged]
-    return units
+    return split_rows(batch, row_owners, cfg.microbatch_rows, whole=whole)
 
 
 def split_rows(batch: dict, row_owners: list[list], microbatch_rows: int,
@@ -150,7 +201,12 @@ class RLStep:
         self.n_launch = cfg.groups_per_step + cfg.overprovision_groups
         self.early = (EarlySamples(cfg.early_groups, cfg.group_size, active=self.n_launch <= cfg.early_groups)
                       if cfg.early_groups else None)
-        self.claimed: dict[int, GroupProgress] = {}  # launch index -> progress of a finished group with early samples
+        # zero-advantage trajectories train forward only (module doc): where the switch is on, the
+        # train step allows it, and on one process (every process must run the same micro-step)
+        self.forward_only = bool(cfg.skip_zero_advantage_backward and not trainer.multi_process
+                                 and trainer.train_step.zero_advantage_forward_only)
+        # launch index -> progress of a finished group with early samples (and `forward_only`)
+        self.claimed: dict[int, GroupProgress] = ClaimedGroups(self.forward_only)
         self.ready: collections.deque[MicroStepUnit] = collections.deque()  # micro-steps the engine may run
         self.kept: list[Group] = []       # groups this step trains
         self.pending: list[Group] = []    # kept, not yet a micro-batch (fewer than groups_per_microbatch)
@@ -166,7 +222,7 @@ class RLStep:
         self.train_device_s = 0.0
         self.trained_during_rollout = 0.0
         self.trained = {"tokens": 0, "on_policy_tokens": 0, "microsteps": 0, "early_microsteps": 0,
-                        "positions": 0, "padding_positions": 0}
+                        "forward_only_microsteps": 0, "positions": 0, "padding_positions": 0}
         self.t_start = self.t_rollout = 0.0
         self.stats0 = None
 
@@ -408,7 +464,8 @@ class RLStep:
         return lambda: self.microstep(unit)
 
     def microstep(self, unit: MicroStepUnit) -> None:
-        """Blocking: one gradient micro-step on the current params (runs on the driver thread)."""
+        """Blocking: one micro-step on the current params (runs on the driver thread): a gradient
+        one, or forward only for a `forward_only` unit where this step allows it (module doc)."""
         tr = self.trainer
         t0 = time.perf_counter()
         ts = tr.train_step
@@ -421,12 +478,17 @@ class RLStep:
             name = "grad_microstep_early"
             self.trained["early_microsteps"] += 1
         else:
-            self.acc = ts.grad_microstep(tr.params, self.acc, unit.batch)
+            if unit.forward_only and self.forward_only:  # advantage 0 throughout: no gradient to add
+                self.acc = ts.stats_microstep(tr.params, self.acc, unit.batch)
+                name = "stats_microstep"
+                self.trained["forward_only_microsteps"] += 1
+            else:
+                self.acc = ts.grad_microstep(tr.params, self.acc, unit.batch)
+                name = "grad_microstep"
             for prog, slope, reference_advantage in unit.merges:
                 self.acc = ts.merge_deferred(tr.params, self.acc, prog.buffer, slope, reference_advantage)
                 prog.buffer = None
             jax.block_until_ready(self.acc.scalars.numerator)
-            name = "grad_microstep"
             for g in unit.groups:
                 n = g.num_generated
                 self.trained["tokens"] += n
@@ -493,6 +555,8 @@ class RLStep:
             # what the train step's FLOPs scale with, where train/trained_tokens counts loss tokens
             "train/positions": self.trained["positions"],
             "train/early_microsteps": self.trained["early_microsteps"],
+            # micro-steps of zero-advantage trajectories run forward only (skip_zero_advantage_backward)
+            "train/forward_only_microsteps": self.trained["forward_only_microsteps"],
         }
 
     # -- internals --------------------------------------------------------------------------------
