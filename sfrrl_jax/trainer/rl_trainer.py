@@ -233,8 +233,8 @@ class RLTrainer:
         return metrics
 
     def compile_train_shapes(self) -> int:
-        """Compiles the gradient micro-steps for every [rows, width] a step can form (and the
-        early-sample functions), on zero batches, so that no compile stalls a rollout later.
+        """Compiles the gradient micro-steps for every [rows, width] a step can form (the
+        forward-only ones too where the step runs them, and the early-sample functions), on zero batches, so that no compile stalls a rollout later.
         Returns the number of shapes (`train_shapes`). The zero batches carry the fields real
         micro-batches carry for the train step's loss (`self.batch_fields`: its required fields
         and the optional ones trajectories supply).
@@ -242,10 +242,13 @@ class RLTrainer:
         cfg = self.cfg
         ts, acc = self.train_step, self.train_step.init_accumulator(self.params)
         shapes = self.train_shapes()
+        forward_only = self.zero_advantage_forward_only
         for width in sorted({w for _, w in shapes}):
             zero = functools.partial(zero_microbatch, self.batch_fields, width=width, route_dims=self.route_dims)
             for n in sorted(r for r, w in shapes if w == width):
                 acc = jax.block_until_ready(ts.grad_microstep(self.params, acc, zero(n)))  # one in flight
+                if forward_only:   # zero-advantage micro-steps of the same shapes (step_schedule)
+                    acc = jax.block_until_ready(ts.stats_microstep(self.params, acc, zero(n)))
             if cfg.early_groups:
                 buf = ts.deferred_microstep(self.params, ts.init_deferred(self.params), zero(1), 0.0)
                 acc = jax.block_until_ready(ts.merge_deferred(self.params, acc, buf, 1.0, 0.0))
@@ -266,16 +269,24 @@ class RLTrainer:
                 rows = set(range(1, min(cfg.microbatch_rows, full) + 1))
             elif cfg.pack_rows:
                 rows = set(menu.rows_at(w))
-            else:
-                rows = set(range(1, full + 1)) if cfg.early_groups else {full}
+            else:   # early samples and zero-advantage splits train a micro-batch's rows in parts
+                split = cfg.early_groups or self.zero_advantage_forward_only
+                rows = set(range(1, full + 1)) if split else {full}
             if cfg.early_groups:
                 rows.add(1)
             out.update((r, w) for r in rows)
         return sorted(out, key=lambda shape: (shape[1], shape[0]))
 
     # -- internals ----------------------------------------------------------------------------
+    @property
+    def zero_advantage_forward_only(self) -> bool:
+        """Whether steps run zero-advantage micro-steps forward only (`RLStep.forward_only`): the
+        switch is on, the train step's loss allows it, and the run is one process."""
+        return bool(self.cfg.skip_zero_advantage_backward and not self.multi_process
+                    and self.train_step.zero_advantage_forward_only)
+
     def _make_units(self, groups: list[Group]) -> list[MicroStepUnit]:
         """Micro-steps of finished groups of the step in progress (the step forms every micro-step
         of its groups here: a seam to observe which groups trained)."""
         return make_units(groups, self.cfg, self._step.claimed, self.batch_fields, self.route_dims,
-                          self.row_shapes)
+                          self.row_shapes, forward_only=self._step.forward_only)

@@ -90,22 +90,10 @@ class MicroStepUnit:
     forward_only: bool = False
 
 
-class ClaimedGroups(dict):
-    """The step's `claimed` mapping, launch index -> `GroupProgress` of a finished group with early
-    samples (`make_units` pops its entries), which also carries the step's `forward_only`: whether
-    `make_units` packs zero-advantage trajectories apart into forward-only micro-steps. It rides
-    here because `RLTrainer._make_units` (the seam every micro-step is formed through) hands
-    `make_units` the step in progress's `claimed` and nothing else of the step."""
-
-    def __init__(self, forward_only: bool = False):
-        super().__init__()
-        self.forward_only = bool(forward_only)
-
-
 # -- forming micro-steps (pure: host arrays only) ------------------------------------------------
 def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, GroupProgress],
                fields: Sequence[str] | None = None, route_dims: tuple[int, int] | None = None,
-               shapes: RowShapes | None = None, forward_only: bool | None = None) -> list[MicroStepUnit]:
+               shapes: RowShapes | None = None, forward_only: bool = False) -> list[MicroStepUnit]:
     """Micro-steps of these finished groups (module doc). Samples already in a group buffer
     (trained early) are left out; the last micro-step merges those buffers at the final advantages.
     claimed: launch index -> progress of groups with early samples (their entries are popped).
@@ -114,8 +102,7 @@ def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, Group
     `batching.row_shapes(cfg)`; the trainer passes its mesh's row multiple).
     forward_only: pack the trajectories whose advantage is exactly 0 apart, into micro-steps marked
     `forward_only` that come first (the caller has checked that its train step allows it:
-    `RLStep.forward_only`); the rest, and the merges, follow in gradient micro-steps. None: as
-    `claimed` says (a `ClaimedGroups`' forward_only; a plain dict: no)."""
+    `RLStep.forward_only`); the rest, and the merges, follow in gradient micro-steps."""
     adv = group_advantages(groups, cfg.advantage)
     progress = [claimed.pop(g.launch_index, None) for g in groups]
     slopes = group_advantage_slopes(groups, cfg.advantage) if any(progress) else [None] * len(groups)
@@ -130,8 +117,6 @@ def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, Group
                 row_adv.append(a[i])
         if prog:
             merges.append((prog, float(slope), float(a[prog.reference])))
-    if forward_only is None:
-        forward_only = bool(getattr(claimed, "forward_only", False))
     pack = functools.partial(_packed_units, cfg=cfg, fields=fields, route_dims=route_dims, shapes=shapes)
     zero = [k for k, a in enumerate(row_adv) if a == 0.0] if forward_only else []
     if not zero:
@@ -203,10 +188,9 @@ class RLStep:
                       if cfg.early_groups else None)
         # zero-advantage trajectories train forward only (module doc): where the switch is on, the
         # train step allows it, and on one process (every process must run the same micro-step)
-        self.forward_only = bool(cfg.skip_zero_advantage_backward and not trainer.multi_process
-                                 and trainer.train_step.zero_advantage_forward_only)
-        # launch index -> progress of a finished group with early samples (and `forward_only`)
-        self.claimed: dict[int, GroupProgress] = ClaimedGroups(self.forward_only)
+        self.forward_only = trainer.zero_advantage_forward_only
+        # launch index -> progress of a finished group with early samples
+        self.claimed: dict[int, GroupProgress] = {}
         self.ready: collections.deque[MicroStepUnit] = collections.deque()  # micro-steps the engine may run
         self.kept: list[Group] = []       # groups this step trains
         self.pending: list[Group] = []    # kept, not yet a micro-batch (fewer than groups_per_microbatch)

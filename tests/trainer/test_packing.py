@@ -2,6 +2,7 @@
 per row give the loss and gradient of the same trajectories one per row, for every loss
 aggregation and under routing replay, with far less padding; the layout is deterministic, the
 token accounting of split micro-steps exact, and every shape a step forms is compiled up front."""
+import dataclasses
 import functools
 
 import jax
@@ -292,6 +293,9 @@ def _trainer(pack: bool) -> RLTrainer:
 def test_a_packed_step_compiles_nothing_new_and_trains_the_same_tokens_with_less_padding():
     one, packed = _trainer(False), _trainer(True)
     assert packed.train_shapes() == [(1, 32), (2, 32), (4, 32), (1, 64), (2, 64), (3, 64), (4, 64)]
+    # one per row: a micro-batch's zero-advantage rows train apart (forward only), so any count of rows
+    assert one.train_shapes() == [(r, w) for w in (32, 64) for r in (1, 2, 3, 4)]
+    one.cfg = dataclasses.replace(one.cfg, skip_zero_advantage_backward=False)
     assert one.train_shapes() == [(4, 32), (4, 64)]
     assert packed.compile_train_shapes() == 7
     compiled = packed.train_step.compile_count()

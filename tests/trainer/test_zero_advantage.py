@@ -174,14 +174,20 @@ def _trainer(loss=LossConfig(), **kw) -> RLTrainer:
 
 def test_trainer_runs_zero_advantage_groups_forward_only_where_the_loss_allows():
     runs = {"on": _trainer(), "off": _trainer(skip_zero_advantage_backward=False)}
+    # the warm-up compiles the forward-only micro-steps too: the step then compiles no train function
+    on = runs["on"]
+    on.compile_train_shapes()
+    micro_fns = lambda: (on.train_step.jitted_microstep(on.params), on.train_step.jitted_stats_microstep(on.params))  # noqa: E731
+    compiled = [f._cache_size() for f in micro_fns()]
     m = {k: tr.step() for k, tr in runs.items()}
+    assert [f._cache_size() for f in micro_fns()] == compiled
     assert m["on"]["rollout/zero_variance_groups"] >= 2
     assert m["on"]["train/forward_only_microsteps"] > 0 and m["off"]["train/forward_only_microsteps"] == 0
     assert runs["on"]._step.forward_only is True and runs["off"]._step.forward_only is False
     # an entropy bonus has a gradient at advantage 0: its steps form no forward-only micro-step
     # (`RLStep.forward_only` False: make_units packs as before, microstep back-propagates every row)
     entropy = _trainer(LossConfig(entropy_coef=0.01))
-    assert RLStep(entropy).forward_only is False and not RLStep(entropy).claimed.forward_only
+    assert RLStep(entropy).forward_only is False and entropy.zero_advantage_forward_only is False
     for k in ("reward/mean", "rollout/generated_tokens", "train/trained_tokens", "train/num_tokens",
               "train/num_seqs", "policy/on_policy_fraction"):
         assert m["on"][k] == m["off"][k], k
