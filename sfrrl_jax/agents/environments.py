@@ -75,5 +75,8 @@ def countdown_environment(sandbox: PythonSandbox, runner_cfg: ToolRunnerConfig =
 
 
 def qa_environment(runner_cfg: ToolRunnerConfig = ToolRunnerConfig(), reward_fns: Sequence[RewardFn] | None = None,
-                   reward_weights: Sequence[float] | None = None) -> ToolEnvironment:
-    return ToolEnvironment([], QA_SYSTEM_PROMPT, runner_cfg, reward_fns, reward_weights)
+                   reward_weights: Sequence[float] | None = None,
+                   system_prompt: str | None = QA_SYSTEM_PROMPT) -> ToolEnvironment:
+    """No tools: the model answers from what it knows. system_prompt: None sends no system message
+    (a chat template may then put in its own default one, as SmolLM2's does)."""
+    return ToolEnvironment([], system_prompt, runner_cfg, reward_fns, reward_weights)

@@ -9,7 +9,12 @@
                                ('function_call'; categories in `function_calling.BFCL_CATEGORIES`),
                                or multi-turn ('bfcl_multi_turn'; `bfcl_multi_turn.MULTI_TURN_CATEGORIES`);
   'reasoning-gym:<dataset>'    `size` (default `limit`, else 100) generated items of a reasoning-gym
-                               generator, with `seed` and the generator's config as keywords ('reasoning_gym').
+                               generator, with `seed` and the generator's config as keywords ('reasoning_gym':
+                               scored by the generator's own scorer on the last <answer> block). With
+                               kind='math' the same items are 'math' tasks (`math_tasks.math_task`: the
+                               question and its answer, verified by math-verify on the <answer> block or
+                               else the whole final text): for generators whose answers are numbers or
+                               expressions, and models that do not write <answer> tags unprompted.
 `limit` keeps the first n tasks. A package source ignores `kind` unless it disagrees (an error).
 """
 from __future__ import annotations
@@ -22,6 +27,7 @@ from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.agents.tasksets.bfcl_multi_turn import MULTI_TURN_CATEGORIES, bfcl_multi_turn_tasks
 from sfrrl_jax.agents.tasksets.code_tasks import humaneval_tasks
 from sfrrl_jax.agents.tasksets.function_calling import bfcl_tasks
+from sfrrl_jax.agents.tasksets.math_tasks import math_task
 from sfrrl_jax.agents.tasksets.reasoning_gym_tasks import reasoning_gym_tasks
 from sfrrl_jax.agents.tasksets.records import load_tasks_file
 
@@ -50,7 +56,8 @@ def load_tasks(source: str | os.PathLike, kind: str | None = None, *, limit: int
         return load_tasks_file(path, kind, limit)
     name, rest = package
     gives = "bfcl_multi_turn" if name == "bfcl" and rest in MULTI_TURN_CATEGORIES else PACKAGE_SOURCES[name]
-    if kind is not None and kind != gives:
+    as_math = name == "reasoning-gym" and kind == "math"
+    if kind is not None and kind != gives and not as_math:
         raise ValueError(f"source {source!r} gives {gives!r} tasks, not kind {kind!r}")
     if name != "reasoning-gym" and (config or size is not None):
         raise TypeError(f"source {source!r} takes no options {sorted(config)}; size/config are for reasoning-gym")
@@ -63,4 +70,8 @@ def load_tasks(source: str | os.PathLike, kind: str | None = None, *, limit: int
     if name == "bfcl":
         return bfcl_multi_turn_tasks(rest, limit=limit) if rest in MULTI_TURN_CATEGORIES else bfcl_tasks(rest, limit=limit)
     n = size if size is not None else (limit if limit is not None else 100)
-    return reasoning_gym_tasks(rest, size=n, seed=seed, **config)[:limit]
+    tasks = reasoning_gym_tasks(rest, size=n, seed=seed, **config)[:limit]
+    if as_math:
+        return [math_task(t.metadata["question"], t.answer, t.task_id, dataset=t.metadata["dataset"])
+                for t in tasks]
+    return tasks
