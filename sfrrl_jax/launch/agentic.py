@@ -42,6 +42,7 @@ from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.launch.runner import ExperimentConfig, RolloutSource
 from sfrrl_jax.tokenizer import load_tokenizer
 from sfrrl_jax.trainer.agent_rollout import AgentRollout
+from sfrrl_jax.trainer.evaluate import HeldOut
 
 CODE_SYSTEM_PROMPT = ("You are a careful Python programmer. You may run Python to test your code. When you are "
                       "done, give the complete function in one ```python code block as your final answer.")
@@ -107,6 +108,13 @@ class AgenticRollout:
       if set, else the one the chat template writes, else the family's; both set and different
       is an error).
     agent: limits and sampling of each trajectory (its `tool_format` is replaced by the above).
+    eval_tasks: a held-out set's `load_tasks` source (None: no held-out evaluation), read with
+      `task_kind` and `eval_task_options` (as `task_options`); a held-out task whose prompt is also a
+      training prompt (or an earlier held-out one) is dropped, a set left empty is an error, and
+      the first `eval_task_limit` of the rest are kept. It is
+      scored with the same environment and agent, at `eval_temperature` (0: greedy) with
+      `eval_samples` samples per task, before, during (`ExperimentConfig.eval_every`) and after the
+      run (`launch.held_out_runs`; success = reward >= 1).
     """
 
     tasks: str | None = None
@@ -117,23 +125,58 @@ class AgenticRollout:
     tokenizer_path: str | None = None
     tool_format: Any = None
     agent: AgentConfig = AgentConfig()
+    eval_tasks: str | None = None
+    eval_task_options: dict = dataclasses.field(default_factory=dict)
+    eval_task_limit: int | None = None
+    eval_temperature: float = 0.0
+    eval_samples: int = 1
 
     def __repr__(self) -> str:
         """Stable across processes and runs (the run's fingerprint holds it: a resume compares it):
-        functions and objects by their qualified names, not their addresses."""
-        fields = ", ".join(f"{f.name}={_stable(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        functions and objects by their qualified names, not their addresses; the eval_* fields left out."""
+        # The held-out set (eval_*) decides what is measured, not what is trained: left out, so a
+        # run resumes whatever it evaluates (and runs from before those fields resume).
+        fields = ", ".join(f"{f.name}={_stable(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                           if not f.name.startswith("eval_"))
         return f"AgenticRollout({fields})"
 
     def __call__(self, cfg: ExperimentConfig, model_cfg: ModelConfig) -> RolloutSource:
         tasks, tokenizer, agent, env = self._parts(cfg, model_cfg)
         rollout = AgentRollout(env, tokenizer, agent)
-        return RolloutSource(rollout, tasks, stateful=rollout)
+        held_out = None
+        if self.eval_tasks is not None:
+            held_out = HeldOut(env, tokenizer, self._held_out_tasks(tasks),
+                               dataclasses.replace(agent, temperature=self.eval_temperature),
+                               samples_per_task=self.eval_samples)
+        return RolloutSource(rollout, tasks, stateful=rollout, held_out=held_out)
+
+    def _held_out_tasks(self, train: Sequence[Task]) -> list[Task]:
+        """The held-out tasks, without any whose prompt is a training prompt (named when none is left)."""
+        if isinstance(self.eval_samples, bool) or not isinstance(self.eval_samples, int) or self.eval_samples < 1:
+            raise ValueError(f"AgenticRollout.eval_samples must be an int >= 1, got {self.eval_samples!r}")
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            raise ValueError(f"AgenticRollout.eval_samples={self.eval_samples} with eval_temperature=0: greedy "
+                             "samples of a task are all the same; set eval_temperature > 0 or eval_samples = 1")
+        AgentConfig(temperature=self.eval_temperature)   # checks the value, naming the field
+        held = load_tasks(self.eval_tasks, self.task_kind, **dict(self.eval_task_options))
+        seen = {t.prompt for t in train}
+        kept = []
+        for t in held:   # a prompt once: a repeat would weigh twice in the success rate
+            if t.prompt not in seen:
+                seen.add(t.prompt)
+                kept.append(t)
+        if not kept:
+            raise ValueError(f"AgenticRollout.eval_tasks={self.eval_tasks!r}: all {len(held)} held-out tasks are "
+                             "also training prompts (use another source, or another seed in eval_task_options)")
+        return kept[:self.eval_task_limit]
 
     def validate(self, cfg: ExperimentConfig, model_cfg: ModelConfig) -> None:
         """Every check of the module doc, building the parts and dropping them. As for the weights
         (`runner.resolve_model_config`), a tokenizer directory not on this machine is skipped (the
         tokenizer checks run where it is); the tasks, format, budget and environment are checked."""
-        env = self._parts(cfg, model_cfg, tokenizer_optional=True)[3]
+        tasks, _, _, env = self._parts(cfg, model_cfg, tokenizer_optional=True)
+        if self.eval_tasks is not None:
+            self._held_out_tasks(tasks)
         close = getattr(env, "close", None)
         if close is not None:
             close()

@@ -59,12 +59,14 @@ from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.learner.optimizer import OptState, OptimizerConfig, opt_state_shardings
 from sfrrl_jax.checkpoints.orbax_store import Checkpointer, check_finite
 from sfrrl_jax.trainer.config import TrainerConfig
+from sfrrl_jax.trainer.evaluate import HeldOut
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, RolloutFn, TaskStream, shared_train_step
 from sfrrl_jax.trainer.run_logger import RunLogger
 from sfrrl_jax.trainer.stop_signal import install_sigterm_handler
 from sfrrl_jax.checkpoints.trainer_state import (check_resumable, config_fingerprint, load_trainer_state,
                                              trainer_state)
 from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, make_tasks
+from sfrrl_jax.launch.held_out_runs import HeldOutRuns
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +82,15 @@ class RolloutSource:
     tasks: the prompts the TaskStream cycles through (seeded permutation per epoch).
     expected_length: optional `fn(task) -> tokens` for longest-first scheduling of unseen prompts.
     stateful: optional object with `state_dict()` / `load_state_dict(d)` (JSON-exact) saved in checkpoints.
+    held_out: optional `trainer.evaluate.HeldOut`, evaluated before, during (`eval_every`) and after
+      the run (`launch.held_out_runs`).
     """
 
     rollout_fn: RolloutFn
     tasks: Sequence[Task]
     expected_length: Callable[[Task], float] | None = None
     stateful: Any = None
+    held_out: HeldOut | None = None
 
 
 RolloutFactory = Callable[["ExperimentConfig", ModelConfig], RolloutSource]
@@ -111,6 +116,9 @@ class ExperimentConfig:
       renamed "<step>.damaged" and an older one restores; 'strict': a damaged newest step is refused).
     checkpoint_every: save every N steps (0: only at the end / on a stop signal).
     log_every: write a metrics row every N steps (and the last one).
+    eval_every: with a held-out set (`RolloutSource.held_out`, e.g. `AgenticRollout.eval_tasks`),
+      also evaluate every N steps; it is always evaluated before the first step of a fresh run and
+      after the last (0: only then). See `launch.held_out_runs`.
     """
 
     run_dir: str = ""
@@ -135,6 +143,7 @@ class ExperimentConfig:
     resume: bool | str = False
     seed: int = 0
     log_every: int = 1
+    eval_every: int = 0
     progress_bar: bool = True
     tensorboard: bool = True
 
@@ -162,6 +171,7 @@ class ExperimentConfig:
         check_int_fields(self, ("mesh_data", "mesh_expert", "mesh_context", "mesh_tensor", "num_steps", "keep_checkpoints",
                                 "log_every"), 1)
         check_int(f"{own}.checkpoint_every", self.checkpoint_every, 0)
+        check_int(f"{own}.eval_every", self.eval_every, 0)
         check_int(f"{own}.num_devices", self.num_devices, 1, optional=True)
         check_seed(f"{own}.seed", self.seed)   # numpy's default_rng (the task order) rejects negatives
         check_bool_fields(self, ("async_checkpoint", "progress_bar", "tensorboard"))
@@ -447,11 +457,20 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
             return {"checkpoint/total_s": total, "checkpoint/total_step": save_times[-1]["step"]}
         return {}
 
+    held = (HeldOutRuns(source.held_out, cfg.eval_every, run_log, run_dir, log)
+            if source.held_out is not None else None)
+    if held is not None:
+        held.check(trainer)
+        if restored is None and start_step < cfg.num_steps:
+            held.evaluate(trainer, "before")
     bar = _progress(cfg, start_step, primary)
     stopped_by = None
     ok = False
     try:
         while trainer.step_index < cfg.num_steps:
+            # (a resumed run redoes an evaluation at its first step: the row was dropped with the step's)
+            if held is not None and held.due(trainer.step_index, last=False):
+                held.evaluate(trainer, f"step_{trainer.step_index}")
             metrics = trainer.step()
             metrics.update(finished_total())   # an earlier async save that has finished by now
             metrics.update(save(force=False))
@@ -477,6 +496,8 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
             stop.uninstall()
         if ok:   # a step that raised leaves the trainer mid-step: the last saved step stands
             save(force=True)
+            if held is not None and stopped_by is None and held.due(trainer.step_index, last=True):
+                held.evaluate(trainer, "after")
         try:
             ckpt.close()
             finished_total()
@@ -491,6 +512,7 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
         "final_metrics": {k: v for k, v in last.items() if isinstance(v, (int, float))},
         "wall_s": time.perf_counter() - t_run, "metrics_path": str(run_dir / "metrics.jsonl"),
         "timeline": timeline, "model": model_cfg.name, "devices": jax.device_count(),
+        **(held.summary() if held is not None and primary else {}),
     }
     if primary:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str))

@@ -5,10 +5,17 @@
 success rate (share of reward >= 1), the mean reward and how the trajectories ended. Engines
 built with the same (model_cfg, mesh, max_slots, max_len, buckets) share their compilations,
 so evaluating with the trainer's engine settings costs no extra compile.
+
+`HeldOut(env, tokenizer, tasks, agent_cfg)` is a held-out set as a value (what `launch.runner`
+evaluates during a run, `ExperimentConfig.eval_every`); `held_out.run(engine, params)` scores it
+on an existing engine (the trainer's: no second KV cache, no extra compile), frees that engine's
+KV cache after, and returns the same dict as `evaluate` plus 'examples': the first `EXAMPLES`
+tasks' gold answer, final text (cut to 300 characters) and reward.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Sequence
 
@@ -20,6 +27,8 @@ from sfrrl_jax.agents.reward_fns import reward_component_means
 from sfrrl_jax.aio import run_sync
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine
+
+EXAMPLES = 4
 
 
 def evaluate(model_cfg: ModelConfig, params, env: Environment, tokenizer, tasks: Sequence[Task],
@@ -45,14 +54,18 @@ def evaluate(model_cfg: ModelConfig, params, env: Environment, tokenizer, tasks:
                                   samples_per_task=samples_per_task, max_concurrency=max_slots))
     finally:
         engine.release_memory()
-    wall = time.perf_counter() - t0
+    return summarise(trajs, time.perf_counter() - t0, len(tasks), return_trajectories)
+
+
+def summarise(trajs, wall: float, num_tasks: int, return_trajectories: bool = False) -> dict:
+    """`evaluate`'s result dict from the scored trajectories of `num_tasks` tasks and the wall time."""
     rewards = np.array([t.reward for t in trajs], np.float64)
     calls = sum(t.num_tool_calls for t in trajs)
     finish = collections.Counter(t.finish_reason for t in trajs)
     out = {
         "success_rate": float(np.mean(rewards >= 1.0)),
         "mean_reward": float(rewards.mean()),
-        "num_tasks": len(tasks),
+        "num_tasks": num_tasks,
         "num_trajectories": len(trajs),
         "mean_generated_tokens": float(np.mean([t.num_generated for t in trajs])),
         "mean_tool_calls": calls / len(trajs),
@@ -64,3 +77,50 @@ def evaluate(model_cfg: ModelConfig, params, env: Environment, tokenizer, tasks:
     if return_trajectories:
         out["trajectories"] = trajs
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldOut:
+    """A held-out task set and how to score it: greedy when `agent_cfg.temperature == 0`.
+
+    env: the environment (reward functions; a trajectory succeeds at reward >= 1); tokenizer: the
+    model's, with its chat template; tasks: the held-out tasks (none of them a training prompt:
+    the builder checks, e.g. `launch.agentic.AgenticRollout`); agent_cfg: the agent's limits and
+    sampling; samples_per_task: trajectories per task (> 1 only when sampling).
+    """
+
+    env: Environment
+    tokenizer: object
+    tasks: Sequence[Task]
+    agent_cfg: AgentConfig
+    samples_per_task: int = 1
+
+    def __post_init__(self):
+        if not self.tasks:
+            raise ValueError("HeldOut: no tasks")
+        if not isinstance(self.agent_cfg, AgentConfig):
+            raise TypeError(f"HeldOut.agent_cfg must be an AgentConfig, got {type(self.agent_cfg).__name__}")
+        if isinstance(self.samples_per_task, bool) or not isinstance(self.samples_per_task, int) \
+                or self.samples_per_task < 1:
+            raise ValueError(f"HeldOut.samples_per_task must be an int >= 1, got {self.samples_per_task!r}")
+
+    def run(self, engine: Engine, params, max_concurrency: int | None = None) -> dict:
+        """Scores the set on `engine` with `params` (set on it first); frees its KV cache after.
+        Returns `evaluate`'s dict. The engine must be idle (no request in flight)."""
+        if self.agent_cfg.max_total_tokens > engine.steps.max_len:
+            raise ValueError(f"HeldOut: AgentConfig.max_total_tokens={self.agent_cfg.max_total_tokens} > engine "
+                             f"max_len={engine.steps.max_len}")
+        engine.set_params(params)
+        t0 = time.perf_counter()
+        try:
+            trajs = run_sync(run_many(engine, self.env, list(self.tasks), self.tokenizer, self.agent_cfg,
+                                      samples_per_task=self.samples_per_task,
+                                      max_concurrency=max_concurrency or engine.steps.max_slots))
+        finally:
+            engine.release_memory()
+        out = summarise(trajs, time.perf_counter() - t0, len(self.tasks))
+        # what the scores are of: a few answers as the verifier saw them
+        out["examples"] = [{"task_id": t.task_id, "gold": task.answer, "final_text": t.final_text[:300],
+                            "reward": t.reward}
+                           for task, t in zip(self.tasks, trajs[::self.samples_per_task][:EXAMPLES])]
+        return out
