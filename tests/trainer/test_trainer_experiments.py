@@ -76,6 +76,10 @@ def test_every_shipped_gin_parses_and_validates():
             assert model.n_experts % exp.mesh_expert == 0
             assert exp.mesh_size == n
             seen[path.name] = (model, exp)
+        elif job.kind == "smollm2_rl":   # the real model's run: the 'rl' path after converting the weights
+            exp = job.recipe.experiment
+            assert exp.hf_path and exp.rollout.eval_tasks and exp.eval_every and job.run_dir
+            assert gin_bindings.validate_job(job) is None
         else:
             assert job.kind == "quickstart" and isinstance(job.recipe, QuickstartRecipe) and job.run_dir
             assert gin_bindings.validate_job(job) is None
@@ -118,7 +122,7 @@ def test_misspelt_binding_in_a_file_names_file_and_line(tmp_path):
     bad.write_text("Job.kind = 'rl'\nJob.experiment = @ExperimentConfig()\nExperimentConfig.num_step = 3\n")
     with pytest.raises(gin_bindings.GinConfigError, match=r"(?s)'num_step'.*bad\.gin.*line 3"):
         gin_bindings.load_job([str(bad)])
-    with pytest.raises(gin_bindings.GinConfigError, match="Job.kind='train'; valid: \\['rl', 'quickstart'\\]"):
+    with pytest.raises(gin_bindings.GinConfigError, match="Job.kind='train'; valid: \\['rl', 'quickstart', 'smollm2_rl'\\]"):
         gin_bindings.load_job([str(REPO / "experiments/configs/stragglers.gin")], ["Job.kind = 'train'"])
 
 
