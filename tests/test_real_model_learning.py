@@ -37,6 +37,11 @@ def test_a_run_becomes_curves_and_a_table_row(tmp_path):
     assert "| 0 | ours | 0.200 | 0.450 | +25.0 | 4 | 46 |" in table
     bench.plot({"seeds": {0: {"ours": run, "trl": run}}}, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 1000
-    assert bench.seed_bindings(2, "/r", 7) == ["ExperimentConfig.seed = 2", "AgentConfig.seed = 2",
-                                               "Job.run_dir = '/r'", "ExperimentConfig.run_dir = '/r'",
+    assert bench.seed_bindings(2, "/r", 7) == ["ExperimentConfig.seed = 2", "AgentConfig.seed = 2", "RUN_DIR = '/r'",
                                                "ExperimentConfig.num_steps = 7"]
+    # the bindings load with the gin file (each one used: the CLI refuses a binding nothing reads)
+    from sfrrl_jax.launch import gin_bindings
+    job = gin_bindings.load_job([str(SCRIPT.parents[1] / "configs" / "smollm2_learns.gin")],
+                                bench.seed_bindings(2, "/r", 7))
+    assert job.run_dir == "/r" and job.recipe.experiment.run_dir == "/r" and job.recipe.experiment.seed == 2
+    assert job.recipe.experiment.num_steps == 7 and job.recipe.experiment.rollout.agent.seed == 2

@@ -46,8 +46,8 @@ import real_model_step as rms  # noqa: E402  (TRL config and reward adapters)
 
 
 def seed_bindings(seed: int, run_dir: str, steps: int | None) -> list[str]:
-    out = [f"ExperimentConfig.seed = {seed}", f"AgentConfig.seed = {seed}", f"Job.run_dir = {run_dir!r}",
-           f"ExperimentConfig.run_dir = {run_dir!r}"]
+    """Bindings of one seed's run (the gin file names its run dir through the RUN_DIR macro)."""
+    out = [f"ExperimentConfig.seed = {seed}", f"AgentConfig.seed = {seed}", f"RUN_DIR = {run_dir!r}"]
     if steps is not None:
         out.append(f"ExperimentConfig.num_steps = {steps}")
     return out

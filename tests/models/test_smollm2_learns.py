@@ -29,8 +29,7 @@ def test_smollm2_gains_held_out_success_over_two_seeds(tmp_path):
     for seed in (0, 1):
         run_dir = tmp_path / f"seed{seed}"
         params = [f"ExperimentConfig.seed = {seed}", f"AgentConfig.seed = {seed}", "ExperimentConfig.num_steps = 20",
-                  "ExperimentConfig.eval_every = 0", f"Job.run_dir = '{run_dir}'",
-                  f"ExperimentConfig.run_dir = '{run_dir}'"]
+                  "ExperimentConfig.eval_every = 0", f"RUN_DIR = '{run_dir}'"]
         cmd = [sys.executable, str(REPO / "experiments" / "train.py"),
                f"--gin_file={REPO / 'experiments' / 'configs' / 'smollm2_learns.gin'}"]
         cmd += [f"--gin_param={p}" for p in params]
