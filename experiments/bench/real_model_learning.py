@@ -156,15 +156,9 @@ def run_trl(gin_file: str, seed: int, steps: int | None, threads: int) -> dict:
     tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.hf_path, local_files_only=True)
     trainer = PromptCheck(model=model, reward_funcs=funcs, args=trl.GRPOConfig(**kw), train_dataset=data,
                           processing_class=tokenizer, callbacks=[Clock()])
-    for quiet in (transformers.PrinterCallback, transformers.ProgressCallback):
-        trainer.remove_callback(quiet)
-    t0 = time.perf_counter()
-    try:
-        trainer.train()
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+    total_s = rms.train_quietly(trainer, out_dir)
     record["evals"] = _with_walls(record["evals"], record["step_walls"])
-    return {**record, "total_s": time.perf_counter() - t0, "config": {k: v for k, v in kw.items() if k != "output_dir"},
+    return {**record, "total_s": total_s, "config": {k: v for k, v in kw.items() if k != "output_dir"},
             "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
             "torch_threads": torch.get_num_threads()}
 

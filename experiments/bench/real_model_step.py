@@ -483,14 +483,7 @@ def run_trl(hf_dir: str, setting: dict, parts: dict, steps: int, warmup: int, se
                              parts["fmt"], parts["messages"])
     trainer = TimedGRPOTrainer(model=model, reward_funcs=funcs, args=trl.GRPOConfig(**kw), train_dataset=data,
                                processing_class=tokenizer, callbacks=[StepClock()])
-    for quiet in (transformers.PrinterCallback, transformers.ProgressCallback):   # the table says it all
-        trainer.remove_callback(quiet)
-    t0 = time.perf_counter()
-    try:
-        trainer.train()
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    total_s = time.perf_counter() - t0
+    total_s = train_quietly(trainer, out_dir)
     ours_ids = {tuple(p) for p in parts["prompt_ids"]}
     prompts_match = all(tuple(p) in ours_ids for r in records for p in r.get("prompt_ids", []))
     per_step = []
@@ -506,6 +499,20 @@ def run_trl(hf_dir: str, setting: dict, parts: dict, steps: int, warmup: int, se
             "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
             "warmup_steps_s": [r["step_s"] for r in records[:warmup]],
             "per_step": per_step, "summary": summarize(per_step)}
+
+
+def train_quietly(trainer, out_dir: str) -> float:
+    """`trainer.train()` without TRL's printing callbacks (the bench prints its own), its output dir
+    removed after; returns the wall seconds."""
+    import transformers
+    for quiet in (transformers.PrinterCallback, transformers.ProgressCallback):
+        trainer.remove_callback(quiet)
+    t0 = time.perf_counter()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return time.perf_counter() - t0
 
 
 def _activation_checkpointing(model) -> bool:
