@@ -105,6 +105,17 @@ def test_math_file_round_trips(tmp_path):
     ("3", r"\boxed{4}", 0.0),
     ("3", "no idea", 0.0),
     ("Paris", "<answer>Lyon</answer>", 0.0),
+    # no tags, no \boxed{}: the text's last number is its answer
+    ("-2", "-9 + 7 = -2", 1.0),
+    ("2", "The answer is 2.", 1.0),
+    ("1234", "It is 1,234 in all.", 1.0),
+    ("-3", "3 * -1 = 3", 0.0),
+    ("Paris", "It is paris", 0.0),   # words must be the whole text (or in the tags)
+    # ... never an expression the text only mentions (math-verify evaluates it): a reward hack RL
+    # found on one-digit arithmetic, restating the question and answering nothing
+    ("-3", "To calculate 3 * -1, we can use the operation of multiplication with a negative operator. In", 0.0),
+    ("-16", 'To calculate -8 + -8, we can use the "/" operator in mathematics. In this case, it is used', 0.0),
+    ("-16", "-8 + -8", 0.0),
 ])
 def test_math_equivalence(answer, final_text, expected):
     task = math_task("a problem", answer, "m")

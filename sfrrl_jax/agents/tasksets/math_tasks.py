@@ -7,8 +7,12 @@ Other fields go to `Task.metadata`. The prompt is the problem plus `MATH_INSTRUC
 `verify_math(task, final_text)` -> 1.0 or 0.0:
   * the prediction is the last `<answer>...</answer>` block of the final text if there is one (read
     as one LaTeX expression when it has any of \\ ^ _ { }, e.g. '1 + x^2', else as text whose number
-    counts, e.g. '3 dollars'), else the whole final text (where `\\boxed{}` wins over the last
-    number, as math-verify extracts);
+    counts, e.g. '3 dollars'); else the final text's last `\\boxed{}`; else the final text's last
+    number ('-9 + 7 = -2' -> -2), and a text without one scores 0. Never an expression the text
+    merely mentions: math-verify reads free text as math and evaluates what it finds, so 'To
+    calculate 3 * -1, we use multiplication...' stated the answer -3 to it; RL on one-digit
+    arithmetic (SmolLM2-135M) learnt to restate the question so and scored 87 % held out while
+    answering nothing. A gold answer that is an expression needs the tags or \\boxed{};
   * the gold answer is parsed as LaTeX inside `\\boxed{}` (so '\\frac{1}{2}', '0.5', '1/2' and
     '50\\%'-style answers all parse), and the two are compared by math-verify: numbers (fractions,
     decimals rounded to 6 places, thousands separators), units and currency stripped ('3 dollars',
@@ -51,6 +55,9 @@ MATH_SYSTEM_PROMPT = ("You are a careful assistant that solves math problems ste
 MAX_PARSE_CHARS = 2000  # longer predictions are cut to their tail before parsing (sympy time grows with size)
 _PROBLEM_FIELDS = ("problem", "question", "prompt")
 _WORDS = re.compile(r"[A-Za-z]{2,}([\s'-]+[A-Za-z]+)*\.?")
+# A number as a final answer states it: sign, digits with thousands separators, decimals, an
+# exponent, a fraction without spaces ('-2', '1,234', '0.5', '6.02e23', '3/4').
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+)?")
 
 
 # math-verify runs in a child process killed past its time (isolated.py): an answer such as
@@ -75,13 +82,30 @@ def math_equal(prediction: str, answer: str, boxed: bool = False) -> bool:
     return verdict
 
 
+def final_answer(final_text: str, gold: str) -> tuple[str, bool] | None:
+    """(the prediction, whether it is the answer alone) that `verify_math` compares (module doc):
+    the last <answer> block; else the text when it has a \\boxed{} (math-verify reads the last
+    one) or the gold answer is words (the whole text must say them); else the last number alone;
+    None when the text has none of these."""
+    block = extract_answer(final_text)
+    if block is not None:
+        return block, True
+    if "\\boxed" in final_text or _WORDS.fullmatch(gold.strip()):
+        return final_text, False
+    numbers = _NUMBER.findall(final_text.replace("\u2212", "-"))
+    return (numbers[-1], True) if numbers else None
+
+
 def verify_math(task: Task, final_text: str) -> float:
-    """1.0 if the final answer (last <answer> block, else the whole text) equals `task.answer`."""
+    """1.0 if the final answer (`final_answer`: the last <answer> block, \\boxed{} or number)
+    equals `task.answer`."""
     if task.answer is None:
         raise ValueError(f"task {task.task_id}: a 'math' task needs an answer to verify against")
-    block = extract_answer(final_text)
-    prediction = block if block is not None else final_text
-    return float(math_equal(prediction, task.answer, boxed=block is not None))
+    found = final_answer(final_text, task.answer)
+    if found is None:
+        return 0.0
+    prediction, alone = found
+    return float(math_equal(prediction, task.answer, boxed=alone))
 
 
 def math_task(problem: str, answer: Any, task_id: str, **metadata: Any) -> Task:
