@@ -1,9 +1,10 @@
 """Opt-in (`pytest -m real_model tests`, README "Real models"): SmolLM2-135M-Instruct learns one-digit
 arithmetic through `experiments/configs/smollm2_learns.gin` in a reduced form (20 RL steps, a held-out
 evaluation before and after only), on two seeds, each run as `experiments/train.py` runs it (its own
-process, one CPU device). The full recipe (40 steps) gains +30 points or more on each of three seeds
-(README); here each seed must gain at least 5 points and the two at least 10 on average, a wide
-margin under the ~+35 points seen at 20 steps. About 10 minutes per seed on a 2-core CPU."""
+process, one CPU device). Measured at 20 steps: +14 (seed 0) and +15 points (seed 1) from 14.5 %
+(README has the full recipe's table); here each seed must gain, and the two at least 7 points on
+average (half the measured: a margin of about two standard errors of the mean gain on 200 tasks).
+About 10 minutes per seed on a 2-core CPU."""
 import json
 import os
 import pathlib
@@ -40,4 +41,4 @@ def test_smollm2_gains_held_out_success_over_two_seeds(tmp_path):
         assert 0.05 <= summary["success_before"] <= 0.40   # the base model: between 5 % and 40 %
         gains.append(summary["success_gain"])
         assert (run_dir / "learning_curve.png").stat().st_size > 1000
-    assert min(gains) >= 0.05 and sum(gains) / len(gains) >= 0.10, gains
+    assert min(gains) > 0.0 and sum(gains) / len(gains) >= 0.07, gains
