@@ -46,15 +46,22 @@ def evaluate(model_cfg: ModelConfig, params, env: Environment, tokenizer, tasks:
                          f"max_len={max_len}; a trajectory could outgrow its KV cache slot")
     engine = Engine(model_cfg, params, max_slots=max_slots, max_len=max_len, buckets=buckets,
                     decode_steps=decode_steps)
+    trajs, wall = _roll_out(engine, env, tokenizer, tasks, agent_cfg, samples_per_task, max_slots)
+    return summarise(trajs, wall, len(tasks), return_trajectories)
+
+
+def _roll_out(engine: Engine, env: Environment, tokenizer, tasks: Sequence[Task], agent_cfg: AgentConfig,
+              samples_per_task: int, max_concurrency: int) -> tuple[list, float]:
+    """Every task's trajectories on `engine` (task-major), and the wall seconds; frees its KV cache."""
     t0 = time.perf_counter()
     try:
         # run_sync, not asyncio.run: it does not wait at exit for a tool call abandoned at its
         # timeout (one that ignores cancellation), and it works inside a notebook's running loop
         trajs = run_sync(run_many(engine, env, list(tasks), tokenizer, agent_cfg,
-                                  samples_per_task=samples_per_task, max_concurrency=max_slots))
+                                  samples_per_task=samples_per_task, max_concurrency=max_concurrency))
     finally:
         engine.release_memory()
-    return summarise(trajs, time.perf_counter() - t0, len(tasks), return_trajectories)
+    return trajs, time.perf_counter() - t0
 
 
 def summarise(trajs, wall: float, num_tasks: int, return_trajectories: bool = False) -> dict:
@@ -111,14 +118,9 @@ class HeldOut:
             raise ValueError(f"HeldOut: AgentConfig.max_total_tokens={self.agent_cfg.max_total_tokens} > engine "
                              f"max_len={engine.steps.max_len}")
         engine.set_params(params)
-        t0 = time.perf_counter()
-        try:
-            trajs = run_sync(run_many(engine, self.env, list(self.tasks), self.tokenizer, self.agent_cfg,
-                                      samples_per_task=self.samples_per_task,
-                                      max_concurrency=max_concurrency or engine.steps.max_slots))
-        finally:
-            engine.release_memory()
-        out = summarise(trajs, time.perf_counter() - t0, len(self.tasks))
+        trajs, wall = _roll_out(engine, self.env, self.tokenizer, self.tasks, self.agent_cfg, self.samples_per_task,
+                                max_concurrency or engine.steps.max_slots)
+        out = summarise(trajs, wall, len(self.tasks))
         # what the scores are of: a few answers as the verifier saw them
         out["examples"] = [{"task_id": t.task_id, "gold": task.answer, "final_text": t.final_text[:300],
                             "reward": t.reward}
