@@ -3,3 +3,4 @@
 reading a gin file, so `Job.kind = 'quickstart'` resolves)."""
 from experiments.recipes import quickstart  # noqa: F401  (registers Job kind 'quickstart')
 from experiments.recipes import smollm2_rl  # noqa: F401  (registers Job kind 'smollm2_rl')
+from experiments.recipes import smollm2_tool_rl  # noqa: F401  (registers Job kind 'smollm2_tool_rl')
