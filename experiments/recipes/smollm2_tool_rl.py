@@ -148,10 +148,6 @@ def make_warm_start_dir(base_dir: pathlib.Path, out_dir: pathlib.Path, template:
     return out_dir
 
 
-def _tool_calls_per_task(result: dict) -> float:
-    return float(result.get("mean_tool_calls", 0.0))
-
-
 def run_warm_start(recipe: SmolLM2ToolRL, warm_dir: pathlib.Path, log: Callable[[str], None]) -> dict:
     """Steps 2-4 of the module doc: base evaluation, SFT, saved weights in `warm_dir` -> its record."""
     from sfrrl_jax.checkpoints.hf import load_hf, save_hf
@@ -178,7 +174,7 @@ def run_warm_start(recipe: SmolLM2ToolRL, warm_dir: pathlib.Path, log: Callable[
         base = evaluate(model_cfg, params, held.env, held.tokenizer, held.tasks, held.agent_cfg,
                         max_slots=min(64, len(held.tasks)), max_len=exp.trainer.max_len,
                         buckets=exp.trainer.buckets)
-        record.update(base_success=base["success_rate"], base_tool_calls=_tool_calls_per_task(base),
+        record.update(base_success=base["success_rate"], base_tool_calls=base["mean_tool_calls"],
                       base_eval_s=round(time.perf_counter() - t0, 1))
         log(f"base weights, tools in the prompt: held-out success {base['success_rate']:.3f}, "
             f"{record['base_tool_calls']:.2f} tool calls per task")
@@ -221,8 +217,7 @@ def run_smollm2_tool_rl(recipe: SmolLM2ToolRL, run_dir, log: Callable[[str], Non
     if evals:
         summary.update(tool_calls_before=evals[0].get("eval/mean_tool_calls"),
                        tool_calls_after=evals[-1].get("eval/mean_tool_calls"))
-    summary.update({k: v for k, v in record.items() if k != "sft_examples"})
-    summary["sft_examples"] = record.get("sft_examples")
+    summary.update(record)
     return summary
 
 
