@@ -54,3 +54,61 @@ def test_the_check_fails_on_an_import_against_the_layer_order(tmp_path):
     assert out.returncode != 0, report
     assert "Rooms import downward only BROKEN" in report, report
     assert "sfrrl_jax.models.layers -> sfrrl_jax.trainer.rl_trainer" in report, report   # the copy was linted
+
+
+def escaping_arrows(package: Path) -> list[str]:
+    """Arrows import-linter cannot see: code in the package that edits `sys.path` (so that it can
+    import what is not installed) or imports the checkout's `experiments` (experiment code, which
+    imports the library, never the other way). One 'file:line: what' per finding."""
+    import ast
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        where = lambda node: f"{path.relative_to(package.parent)}:{node.lineno}"   # noqa: E731
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and ast.unparse(node.func.value) == "sys.path" \
+                    and node.func.attr in ("insert", "append", "extend", "remove", "pop", "clear"):
+                out.append(f"{where(node)}: sys.path.{node.func.attr}(...)")
+            elif isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(ast.unparse(t).startswith("sys.path") for t in targets):
+                    out.append(f"{where(node)}: assigns sys.path")
+            elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "experiments" for a in node.names):
+                out.append(f"{where(node)}: import experiments")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "experiments":
+                out.append(f"{where(node)}: from {node.module} import ...")
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("importlib.import_module", "import_module") \
+                    and node.args and isinstance(node.args[0], ast.Constant) \
+                    and str(node.args[0].value).split(".")[0] == "experiments":
+                out.append(f"{where(node)}: import_module({node.args[0].value!r})")
+    return sorted(out, key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
+
+
+def test_no_arrow_escapes_the_check():
+    assert escaping_arrows(REPO / "sfrrl_jax") == []
+
+
+def test_the_escape_check_fails_on_a_sys_path_edit_or_an_experiments_import(tmp_path):
+    pkg = tmp_path / "sfrrl_jax"
+    (pkg / "launch").mkdir(parents=True)
+    (pkg / "launch" / "cli.py").write_text(
+        "import importlib\nimport sys\nsys.path.insert(0, '/checkout')\nsys.path += ['/x']\n"
+        "import experiments.recipes\nfrom experiments import recipes\nimportlib.import_module('experiments.recipes')\n")
+    assert escaping_arrows(pkg) == [
+        "sfrrl_jax/launch/cli.py:3: sys.path.insert(...)", "sfrrl_jax/launch/cli.py:4: assigns sys.path",
+        "sfrrl_jax/launch/cli.py:5: import experiments", "sfrrl_jax/launch/cli.py:6: from experiments import ...",
+        "sfrrl_jax/launch/cli.py:7: import_module('experiments.recipes')"]
+
+
+def test_the_check_fails_when_launch_imports_the_testing_room(tmp_path):
+    shutil.copytree(REPO / "sfrrl_jax", tmp_path / "sfrrl_jax", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    runner = tmp_path / "sfrrl_jax" / "launch" / "runner.py"
+    # the synthetic workload as the runner's default rollout: the arrow this contract forbids
+    runner.write_text(runner.read_text() + "\nfrom sfrrl_jax.testing.workload import WorkloadRollout  # noqa: E402,F401\n")
+    out = _lint(tmp_path, extra_path=tmp_path)
+    report = out.stdout + out.stderr
+    assert out.returncode != 0, report
+    assert "Launch does not import the testing room BROKEN" in report, report
+    assert "sfrrl_jax.launch.runner -> sfrrl_jax.testing.workload" in report, report

@@ -3,10 +3,14 @@
     sfrrl-train --gin_file=experiments/configs/stragglers.gin \
                 --gin_param="ExperimentConfig.num_steps=50" --run_dir=/tmp/run [--resume]
 
-Job kinds besides 'rl' are recipes (experiment code, `sfrrl_jax.launch.recipes`): the shipped ones
-are in a source checkout's experiments/recipes/, imported here before the gin files are read (from
-the checkout this package was installed from in editable mode, else from `experiments` on
-sys.path); without them a recipe Job is refused with how to run it from a checkout.
+Job kinds besides 'rl' are recipes (experiment code, `sfrrl_jax.launch.recipes`), registered when
+their module is imported. Before reading the gin files this imports, in order: the modules of every
+installed `sfrrl_jax.recipes` entry point (a package of recipes declares one in its pyproject:
+`[project.entry-points."sfrrl_jax.recipes"] mine = "my_pkg.recipes"`), then each --recipe_module
+(repeatable; found on sys.path as Python finds it, never added to it). A gin file may also import
+its recipe's module itself (`import my_pkg.recipes` at its top). The shipped recipes live in a
+source checkout's experiments/recipes/, which experiments/train.py imports: a recipe Job whose kind
+is not registered is refused with how to run it.
 
 --gin_file and --gin_param repeat; bindings apply after the files, in order. --resume continues
 from the newest intact checkpoint in the run dir (a damaged newest one is renamed
@@ -37,38 +41,41 @@ import importlib
 import json
 import os
 import sys
-from pathlib import Path
 
-# How to run a recipe when this install cannot see experiments/ (a wheel, not a checkout).
-RECIPES_HINT = ("the shipped recipes (e.g. Job.kind = 'quickstart') live in a source checkout's experiments/recipes/, "
-                "which this install cannot find: from a checkout's root run "
-                "`python experiments/train.py --gin_file=experiments/configs/quickstart.gin` (or `pip install -e .` "
-                "from the checkout), or import your recipe module (it calls sfrrl_jax.launch.register_recipe) "
-                "before calling sfrrl_jax.launch.cli.main")
+# How to run a recipe whose kind is not registered.
+RECIPES_HINT = ("a recipe's Job kind exists once its module is imported: the shipped recipes (e.g. Job.kind = "
+                "'quickstart') are a source checkout's experiments/recipes/, which "
+                "`python experiments/train.py --gin_file=experiments/configs/quickstart.gin` (from the checkout's "
+                "root) imports; your own: --recipe_module my_pkg.recipes, an `sfrrl_jax.recipes` entry point, or "
+                "`import my_pkg.recipes` at the top of the gin file")
+
+RECIPE_ENTRY_POINTS = "sfrrl_jax.recipes"
 
 
-def import_shipped_recipes() -> bool:
-    """Imports `experiments.recipes`, registering the shipped recipes' Job kinds; False if not found.
+def import_recipes(modules: list[str] = ()) -> list[str]:
+    """Imports the recipe modules of the installed `sfrrl_jax.recipes` entry points, then `modules`,
+    which registers their Job kinds (`sfrrl_jax.launch.recipes.register_recipe`).
 
-    The checkout next to this package comes first (an editable install runs from it; recipes are
-    experiment code, not installed with the library), then whatever `experiments` sys.path holds.
+    Args:
+      modules: dotted module names (the --recipe_module flags), imported as Python finds them.
+    Returns:
+      The names imported, in order.
+    Raises:
+      ModuleNotFoundError / ImportError: a module is not found or fails to import (its own error).
     """
-    checkout = Path(__file__).resolve().parents[2]
-    if (checkout / "experiments" / "recipes" / "__init__.py").is_file() and str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
-    try:
-        importlib.import_module("experiments.recipes")
-    except ModuleNotFoundError as e:
-        if e.name not in ("experiments", "experiments.recipes"):
-            raise   # a recipe's own import failed: that error is the one to see
-        return False
-    return True
+    from importlib.metadata import entry_points
+    names = [ep.value.split(":")[0] for ep in entry_points(group=RECIPE_ENTRY_POINTS)] + list(modules)
+    for name in names:
+        importlib.import_module(name)
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sfrrl-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--gin_file", action="append", default=[], help="a .gin file (repeatable)")
     p.add_argument("--gin_param", action="append", default=[], help="one gin binding (repeatable)")
+    p.add_argument("--recipe_module", action="append", default=[],
+                   help="a module that registers recipe Job kinds, imported before the gin files (repeatable)")
     p.add_argument("--resume", nargs="?", const="on", choices=("on", "strict"), default=None,
                    help="continue from the newest intact checkpoint; --resume=strict refuses a damaged newest one")
     p.add_argument("--run_dir", default=None, help="overrides ExperimentConfig.run_dir / Job.run_dir")
@@ -101,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sfrrl-train: {e}", file=sys.stderr)
         return 2
     initialize(dist)                          # before anything starts a JAX backend
-    have_recipes = import_shipped_recipes()   # after --cpu_devices: a recipe may import jax
+    try:
+        import_recipes(args.recipe_module)    # after --cpu_devices: a recipe may import jax
+    except ImportError as e:
+        print(f"sfrrl-train: cannot import a recipe module: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     from sfrrl_jax.launch import gin_bindings
     # Bound through gin, so the operative config records them; optional because each job kind
     # builds only one of Job.run_dir / ExperimentConfig (a recipe Job has no ExperimentConfig).
@@ -114,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         job = gin_bindings.load_job(args.gin_file, args.gin_param, optional_params=own)
     except gin_bindings.GinConfigError as e:
         print(f"sfrrl-train: {e}", file=sys.stderr)
-        if not have_recipes:
+        if "Job.kind=" in str(e) or "No configurable matching" in str(e):
             print(f"sfrrl-train: {RECIPES_HINT}", file=sys.stderr)
         return 2
     operative = gin_bindings.operative_config()

@@ -37,7 +37,6 @@ from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.launch.runner import ExperimentConfig, validate_experiment
 from sfrrl_jax.launch.recipes import (BUILTIN_KINDS, get_recipe, recipe_kinds, registered_recipes,
                                       unknown_kind_message)
-from sfrrl_jax.testing.workload import WorkloadConfig
 from sfrrl_jax.agents.environments import calculator_environment, qa_environment
 from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.reward_fns import answer_correct, answer_format, in_thread, tool_error_penalty
@@ -122,8 +121,7 @@ def register() -> None:
     Called by every `load_job`, so a recipe whose module is imported later is picked up then.
     """
     if not _REGISTERED:
-        for cls in (ExperimentConfig, TrainerConfig, LossConfig, AdvantageConfig, OptimizerConfig, WorkloadConfig,
-                    ToolRunnerConfig):
+        for cls in (ExperimentConfig, TrainerConfig, LossConfig, AdvantageConfig, OptimizerConfig, ToolRunnerConfig):
             gin.external_configurable(cls, module="sfrrl")
         # the real experiment path (launch.agentic): the rollout factory, the agent's limits, and
         # the environments a gin file may pass as values (`AgenticRollout.environment = @code_environment()`)
@@ -166,7 +164,8 @@ def load_job(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
         hint = ""
         if "No configurable matching" in str(e):  # e.g. @QuickstartRecipe() with its module not imported
             hint = (f"\n  (registered job kinds: {list(recipe_kinds())}; a recipe's configurable exists once its "
-                    f"module is imported: experiments/train.py imports experiments/recipes/)")
+                    f"module is imported: experiments/train.py imports experiments/recipes/; sfrrl-train "
+                    f"--recipe_module imports yours)")
         raise GinConfigError(f"gin config ({where}) is invalid: {type(e).__name__}: {e}{hint}") from e
     except OSError as e:
         raise GinConfigError(f"cannot read gin file: {e}") from e

@@ -14,7 +14,8 @@ and from then on a gin file can say
 `gin_bindings` makes each registered class a gin configurable (module 'sfrrl') at its next
 `load_job`, and the Job takes the recipe's config under the parameter named after its kind.
 Nothing in the library imports a recipe: whoever runs one imports its module first
-(`experiments/train.py` and the `sfrrl-train` CLI import `experiments.recipes`).
+(`experiments/train.py` imports `experiments.recipes`; the `sfrrl-train` CLI the modules of
+`sfrrl_jax.recipes` entry points and of its --recipe_module flags).
 """
 from __future__ import annotations
 
@@ -101,4 +102,5 @@ def get_recipe(kind: str) -> Recipe:
 def unknown_kind_message(kind: str) -> str:
     return (f"Job.kind={kind!r}; valid: {list(recipe_kinds())} (a recipe's kind exists once its module is "
             f"imported and calls sfrrl_jax.launch.recipes.register_recipe; the shipped recipes are in "
-            f"experiments/recipes/, which experiments/train.py imports)")
+            f"experiments/recipes/, which experiments/train.py imports; sfrrl-train imports --recipe_module "
+            f"modules and sfrrl_jax.recipes entry points)")

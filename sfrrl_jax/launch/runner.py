@@ -61,11 +61,11 @@ from sfrrl_jax.checkpoints.orbax_store import Checkpointer, check_finite
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.evaluate import HeldOut
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, RolloutFn, TaskStream, shared_train_step
+from sfrrl_jax.trainer.rollout_source import RolloutFactory, RolloutSource  # noqa: F401  (re-exported)
 from sfrrl_jax.trainer.run_logger import RunLogger
 from sfrrl_jax.trainer.stop_signal import install_sigterm_handler
 from sfrrl_jax.checkpoints.trainer_state import (check_resumable, config_fingerprint, load_trainer_state,
                                              trainer_state)
-from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, make_tasks
 from sfrrl_jax.launch.held_out_runs import HeldOutRuns
 
 logger = logging.getLogger(__name__)
@@ -73,27 +73,6 @@ logger = logging.getLogger(__name__)
 # Metric prefixes that measure time or this process (compile counts), not the run's math: they
 # differ between a resumed and an uninterrupted run and are left out of exactness comparisons.
 TIMING_PREFIXES = ("time/", "perf/", "checkpoint/")
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutSource:
-    """Where trajectories come from: `await rollout_fn(engine, task, sample_index) -> Trajectory`.
-
-    tasks: the prompts the TaskStream cycles through (seeded permutation per epoch).
-    expected_length: optional `fn(task) -> tokens` for longest-first scheduling of unseen prompts.
-    stateful: optional object with `state_dict()` / `load_state_dict(d)` (JSON-exact) saved in checkpoints.
-    held_out: optional `trainer.evaluate.HeldOut`, evaluated before, during (`eval_every`) and after
-      the run (`launch.held_out_runs`).
-    """
-
-    rollout_fn: RolloutFn
-    tasks: Sequence[Task]
-    expected_length: Callable[[Task], float] | None = None
-    stateful: Any = None
-    held_out: HeldOut | None = None
-
-
-RolloutFactory = Callable[["ExperimentConfig", ModelConfig], RolloutSource]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +88,11 @@ class ExperimentConfig:
       device count (`num_devices` states it up front, so a config is validated without the
       devices). mesh_context > 1 splits each training sequence over that many devices (context
       parallelism, `models.context_parallel`).
-    rollout: 'workload' (the seeded long-tail workload, `workload` below) or a factory
-      `fn(experiment_cfg, model_cfg) -> RolloutSource`.
+    rollout: where trajectories come from, a factory `fn(experiment_cfg, model_cfg) -> RolloutSource`
+      (`trainer.rollout_source`), required: `launch.agentic.AgenticRollout` (a task set through the
+      agent loop; in gin `@AgenticRollout()`) or `testing.workload.WorkloadRollout` (the seeded
+      long-tail workload of the straggler benches). A factory's `validate(experiment_cfg, model_cfg)`,
+      if it has one, runs with the other checks before anything is allocated.
     num_steps: total RL steps of the run (a resumed run continues up to it).
     resume: continue from the run dir's newest intact checkpoint (True: a damaged newest step is
       renamed "<step>.damaged" and an older one restores; 'strict': a damaged newest step is refused).
@@ -134,8 +116,7 @@ class ExperimentConfig:
     trainer: TrainerConfig = TrainerConfig()
     loss: LossConfig = LossConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
-    rollout: Any = "workload"
-    workload: WorkloadConfig = WorkloadConfig()
+    rollout: Any = None
     num_steps: int = 10
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
@@ -183,11 +164,11 @@ class ExperimentConfig:
                              f"mesh_context={self.mesh_context} x mesh_tensor={self.mesh_tensor} = "
                              f"{self.mesh_size}, but num_devices="
                              f"{self.num_devices}")
-        if not (self.rollout == "workload" or callable(self.rollout)):
-            raise ValueError(f"{own}.rollout={self.rollout!r}; use 'workload' or a factory "
-                             "fn(experiment_cfg, model_cfg) -> RolloutSource")
-        for k, cls in (("trainer", TrainerConfig), ("loss", LossConfig), ("optimizer", OptimizerConfig),
-                       ("workload", WorkloadConfig)):
+        if self.rollout is not None and (isinstance(self.rollout, str) or not callable(self.rollout)):
+            raise ValueError(f"{own}.rollout={self.rollout!r} is not a rollout factory: give a callable "
+                             f"fn(experiment_cfg, model_cfg) -> RolloutSource, e.g. @AgenticRollout() "
+                             f"(the synthetic workload, once 'workload', is @WorkloadRollout())")
+        for k, cls in (("trainer", TrainerConfig), ("loss", LossConfig), ("optimizer", OptimizerConfig)):
             if not isinstance(getattr(self, k), cls):
                 raise TypeError(f"{own}.{k} must be a {cls.__name__}, got {type(getattr(self, k)).__name__}")
 
@@ -261,17 +242,11 @@ def validate_experiment(cfg: ExperimentConfig, num_devices: int | None = None) -
     axis = cfg.optimizer.state_shard_axis
     if axis is not None and axis not in MESH_AXES:
         raise ValueError(f"OptimizerConfig.state_shard_axis={axis!r}; valid: {list(MESH_AXES)} or None")
-    if cfg.rollout == "workload":
-        w = cfg.workload
-        if w.vocab_size > model_cfg.vocab_size:
-            raise ValueError(f"WorkloadConfig.vocab_size={w.vocab_size} > ModelConfig.vocab_size="
-                             f"{model_cfg.vocab_size}: the workload would emit ids the model lacks")
-        longest = w.prompt_len + w.max_turns * w.max_response + (w.max_turns - 1) * w.observation_len
-        if longest > cfg.trainer.max_len:
-            raise ValueError(f"the longest workload trajectory (WorkloadConfig prompt_len + max_turns x "
-                             f"max_response + observations = {longest} tokens) exceeds "
-                             f"TrainerConfig.max_len={cfg.trainer.max_len}")
-    check = getattr(cfg.rollout, "validate", None)   # a rollout factory's own checks (launch.agentic)
+    if cfg.rollout is None:   # checked here, not at construction: a config may be built up in steps
+        raise ValueError("ExperimentConfig.rollout is not set: give the run its rollout factory, "
+                         "@AgenticRollout() (launch.agentic: a task set through the agent loop) or "
+                         "@WorkloadRollout() (testing.workload: the synthetic long-tail workload)")
+    check = getattr(cfg.rollout, "validate", None)   # the rollout factory's own checks
     if check is not None:
         check(cfg, model_cfg)
     return model_cfg
@@ -280,9 +255,7 @@ def validate_experiment(cfg: ExperimentConfig, num_devices: int | None = None) -
 # -- building ------------------------------------------------------------------------------------
 
 def build_rollout_source(cfg: ExperimentConfig, model_cfg: ModelConfig) -> RolloutSource:
-    if cfg.rollout == "workload":
-        agent = WorkloadAgent(cfg.workload)
-        return RolloutSource(agent, make_tasks(cfg.workload), stateful=agent)
+    """Calls `cfg.rollout(cfg, model_cfg)` and checks it returned a `RolloutSource` (TypeError if not)."""
     source = cfg.rollout(cfg, model_cfg)
     if not isinstance(source, RolloutSource):
         raise TypeError(f"ExperimentConfig.rollout factory {cfg.rollout!r} returned a "
@@ -368,7 +341,7 @@ def run_fingerprint(cfg: ExperimentConfig, model_cfg: ModelConfig) -> dict:
         mesh.append(["context", cfg.mesh_context])
     return config_fingerprint(model=model_cfg, trainer=cfg.trainer, loss=cfg.loss,
                               optimizer=cfg.optimizer, seed=cfg.seed, mesh=mesh,
-                              rollout=cfg.workload if cfg.rollout == "workload" else repr(cfg.rollout))
+                              rollout=repr(cfg.rollout))
 
 
 # -- the run -------------------------------------------------------------------------------------

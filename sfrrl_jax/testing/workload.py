@@ -12,6 +12,10 @@ to the parked slot. Work that would overflow the engine's context is cut there
 
 The reward is a pure function of the generated tokens (the share of even token ids), so it
 depends on the policy and training moves it; a trajectory with a failed tool call gets 0.
+
+A run uses it as its rollout: `ExperimentConfig(rollout=WorkloadRollout(WorkloadConfig(...)))`, in gin
+`import sfrrl_jax.testing.workload` then `ExperimentConfig.rollout = @WorkloadRollout()` and
+`WorkloadRollout.workload = @WorkloadConfig()` (importing this module registers both with gin).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import dataclasses
 import hashlib
 import time
 
+import gin
 import numpy as np
 
 from sfrrl_jax.agents.protocols import GenerationRequest, Task, ToolCall
@@ -27,6 +32,8 @@ from sfrrl_jax.agents.tools import ToolRunner, ToolRunnerConfig
 from sfrrl_jax.checks import (check_bool_fields, check_int_fields, check_number, check_number_fields, check_seed,
                               check_str)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
+from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.trainer.rollout_source import RolloutSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,3 +218,43 @@ class WorkloadAgent:
         traj.reward = 0.0 if errors else even_token_reward(generated)
         traj.metadata["tool_errors"] = errors
         return traj
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadRollout:
+    """`ExperimentConfig.rollout` factory of the synthetic workload: `factory(experiment_cfg, model_cfg)`
+    returns a `RolloutSource` of `make_tasks(workload)` rolled out by a `WorkloadAgent` (its replay
+    counts are the source's checkpointed state).
+
+    Attributes:
+      workload: the distributions of the replayed work.
+    """
+
+    workload: WorkloadConfig = WorkloadConfig()
+
+    def __post_init__(self):
+        if not isinstance(self.workload, WorkloadConfig):
+            raise TypeError(f"WorkloadRollout.workload must be a WorkloadConfig, got {type(self.workload).__name__}")
+
+    def validate(self, experiment_cfg, model_cfg: ModelConfig) -> None:
+        """Raises ValueError if the workload emits token ids the model lacks, or its longest trajectory
+        exceeds `experiment_cfg.trainer.max_len`."""
+        w = self.workload
+        if w.vocab_size > model_cfg.vocab_size:
+            raise ValueError(f"WorkloadConfig.vocab_size={w.vocab_size} > ModelConfig.vocab_size="
+                             f"{model_cfg.vocab_size}: the workload would emit ids the model lacks")
+        longest = w.prompt_len + w.max_turns * w.max_response + (w.max_turns - 1) * w.observation_len
+        if longest > experiment_cfg.trainer.max_len:
+            raise ValueError(f"the longest workload trajectory (WorkloadConfig prompt_len + max_turns x "
+                             f"max_response + observations = {longest} tokens) exceeds "
+                             f"TrainerConfig.max_len={experiment_cfg.trainer.max_len}")
+
+    def __call__(self, experiment_cfg, model_cfg: ModelConfig) -> RolloutSource:
+        """The run's rollout source (see the class doc); `validate` is the runner's to call first."""
+        agent = WorkloadAgent(self.workload)
+        return RolloutSource(agent, make_tasks(self.workload), stateful=agent)
+
+
+# A gin file that imports this module may bind both (registering again is harmless).
+for _cls in (WorkloadConfig, WorkloadRollout):
+    gin.external_configurable(_cls, module="sfrrl")

@@ -33,13 +33,15 @@ STRAGGLERS = str(REPO / "experiments/configs/stragglers.gin")
 # The smallest run: one group of two one-turn samples, one step, on the 8 devices conftest gives.
 # It binds no ExperimentConfig.loss, so LossConfig bindings are unused here.
 TINY_GIN = """
+import sfrrl_jax.testing.workload
 Job.kind = 'rl'
 Job.experiment = @ExperimentConfig()
 ExperimentConfig.model = 'tiny-moe'
 ExperimentConfig.model_overrides = {'max_seq_len': 64, 'n_layers': 1}
 ExperimentConfig.mesh_expert = 8
 ExperimentConfig.num_devices = 8
-ExperimentConfig.workload = @WorkloadConfig()
+ExperimentConfig.rollout = @WorkloadRollout()
+WorkloadRollout.workload = @WorkloadConfig()
 ExperimentConfig.trainer = @TrainerConfig()
 ExperimentConfig.num_steps = 1
 ExperimentConfig.checkpoint_every = 1

@@ -35,7 +35,8 @@ STRAGGLERS = str(REPO / "experiments/configs/stragglers.gin")
 # The 'tiny-moe' preset read from an HF directory (config.json + six shards), on the 8 devices
 # conftest gives. `ExperimentConfig.model` names the preset, so today's validation let the preset
 # stand in for a directory that is not there.
-HF_GIN = """
+HF_BASE_GIN = """
+import sfrrl_jax.testing.workload
 Job.kind = 'rl'
 Job.experiment = @ExperimentConfig()
 ExperimentConfig.model = 'tiny-moe'
@@ -50,9 +51,10 @@ TrainerConfig.max_len = 1024
 TrainerConfig.buckets = (256,)
 TrainerConfig.seq_bucket = 1024
 """
+HF_GIN = HF_BASE_GIN + "ExperimentConfig.rollout = @WorkloadRollout()\n"
 
 # HF_GIN's experiment on agentic RL: a task file, the tokenizer beside the weights
-AGENTIC_GIN = HF_GIN + """
+AGENTIC_GIN = HF_BASE_GIN + """
 ExperimentConfig.rollout = @AgenticRollout()
 AgenticRollout.agent = @AgentConfig()
 AgentConfig.max_turns = 2

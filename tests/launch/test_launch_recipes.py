@@ -94,21 +94,59 @@ def test_register_recipe_refuses_taken_or_bad_kinds(toy, kind, cls, error):
         register_recipe(kind, cls, run_toy)
 
 
-def test_cli_without_experiments_says_how_to_run_the_recipe(monkeypatch, capsys):
-    # As in an install that is not a checkout: no recipe registered, experiments/ not found.
+def test_cli_without_the_recipe_module_says_how_to_run_the_recipe(monkeypatch, capsys):
+    # As in a run that imported no recipe module: no recipe registered.
     monkeypatch.setattr(recipes, "_RECIPES", {})
-    monkeypatch.setattr(cli, "import_shipped_recipes", lambda: False)
     assert cli.main([f"--gin_file={QUICKSTART_GIN}", "--validate_only"]) == 2
     err = capsys.readouterr().err
     # which of the two depends on whether gin met QuickstartRecipe earlier in this process
     assert ("Job.kind='quickstart'; valid: ['rl']" in err
             or "No configurable matching reference '@QuickstartRecipe()'" in err)
     assert "python experiments/train.py --gin_file=experiments/configs/quickstart.gin" in err
+    assert "--recipe_module" in err
 
 
-def test_installed_cli_finds_the_checkouts_recipes_from_any_directory(tmp_path):
-    # The editable install's CLI, run outside the checkout with nothing on PYTHONPATH.
+def _cli(args: list[str], cwd, pythonpath: list[str] = ()) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-m", "sfrrl_jax.launch.cli", f"--gin_file={QUICKSTART_GIN}",
-                          "--validate_only"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(map(str, pythonpath))
+    # sfrrl-train's own interpreter state: -c, so the cwd is not put on sys.path (as for the console script)
+    return subprocess.run([sys.executable, "-c", "import sys; from sfrrl_jax.launch.cli import main; "
+                           "sys.exit(main(sys.argv[1:]))"] + args, cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_installed_cli_imports_only_the_recipe_modules_it_is_given(tmp_path):
+    # The library never puts the checkout on sys.path: without --recipe_module the shipped recipes
+    # are unknown even in the checkout's root, and the error says how to run them.
+    out = _cli([f"--gin_file={QUICKSTART_GIN}", "--validate_only"], cwd=REPO)
+    assert out.returncode == 2 and "python experiments/train.py" in out.stderr, out.stderr[-3000:]
+    # --recipe_module imports the module as Python finds it (here on PYTHONPATH), from any directory
+    out = _cli(["--recipe_module=experiments.recipes", f"--gin_file={QUICKSTART_GIN}", "--validate_only"],
+               cwd=tmp_path, pythonpath=[REPO])
     assert out.returncode == 0 and "config valid (quickstart)" in out.stdout, out.stderr[-3000:]
+    out = _cli(["--recipe_module=no_such_recipes", f"--gin_file={QUICKSTART_GIN}", "--validate_only"], cwd=tmp_path)
+    assert out.returncode == 2 and "cannot import a recipe module" in out.stderr, out.stderr[-3000:]
+    assert "no_such_recipes" in out.stderr
+
+
+def test_installed_cli_imports_the_recipes_of_an_entry_point(tmp_path):
+    # A package of recipes declares an `sfrrl_jax.recipes` entry point; installed (here: its module and
+    # dist-info on sys.path, as pip lays them out), the CLI imports it and its Job kind runs.
+    (tmp_path / "toy_recipes.py").write_text(
+        "import dataclasses\n"
+        "from sfrrl_jax.launch.recipes import register_recipe\n"
+        "@dataclasses.dataclass(frozen=True)\n"
+        "class EntryToy:\n    steps: int = 1\n"
+        "def run(recipe, run_dir, log=print):\n    log(f'entry toy ran {recipe.steps} steps')\n"
+        "    return {'steps': recipe.steps}\n"
+        "register_recipe('entry_toy', EntryToy, run)\n")
+    info = tmp_path / "toy_recipes-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-recipes\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[sfrrl_jax.recipes]\ntoy = toy_recipes\n")
+    gin_file = tmp_path / "toy.gin"
+    gin_file.write_text("Job.kind = 'entry_toy'\nJob.entry_toy = @EntryToy()\nEntryToy.steps = 3\n"
+                        f"Job.run_dir = {str(tmp_path / 'run')!r}\n")
+    out = _cli([f"--gin_file={gin_file}"], cwd=tmp_path, pythonpath=[tmp_path])
+    assert out.returncode == 0 and "entry toy ran 3 steps" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

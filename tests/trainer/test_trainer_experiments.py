@@ -24,6 +24,7 @@ TRAIN = REPO / "experiments" / "train.py"
 # Tiny and deterministic: one group per step (one micro-step: the gradient sum has one order),
 # one_step_off so the carried-over micro-batch must come back from the checkpoint too.
 TINY_GIN = """
+import sfrrl_jax.testing.workload
 Job.kind = 'rl'
 Job.experiment = @ExperimentConfig()
 ExperimentConfig.model = 'tiny-moe'
@@ -31,7 +32,8 @@ ExperimentConfig.model_overrides = {'max_seq_len': 64}
 ExperimentConfig.mesh_data = 1
 ExperimentConfig.mesh_expert = 2
 ExperimentConfig.num_devices = 2
-ExperimentConfig.workload = @WorkloadConfig()
+ExperimentConfig.rollout = @WorkloadRollout()
+WorkloadRollout.workload = @WorkloadConfig()
 ExperimentConfig.trainer = @TrainerConfig()
 ExperimentConfig.optimizer = @OptimizerConfig()
 ExperimentConfig.num_steps = 6
@@ -91,8 +93,9 @@ def test_every_shipped_gin_parses_and_validates():
     assert model.name == "qwen3-moe-30b-a3b" and model.n_experts == 128 and exp.hf_path
     # the real configs train agentic RL on real task sets (the workload stays for benchmarks)
     from sfrrl_jax.launch.agentic import AgenticRollout
+    from sfrrl_jax.testing.workload import WorkloadRollout
     for name, (model, exp) in seen.items():
-        assert (exp.rollout == "workload") == (name == "stragglers.gin"), name
+        assert isinstance(exp.rollout, WorkloadRollout) == (name == "stragglers.gin"), name
         if name != "stragglers.gin":
             assert isinstance(exp.rollout, AgenticRollout) and exp.rollout.tasks, name
     # the validation is real: the same config on a mesh that does not fit is refused, by name
@@ -293,3 +296,16 @@ def test_sigterm_saves_the_current_step_and_exits(runs, signum):
     assert summary["stopped_by_signal"] == signum and 1 <= done < 6
     assert summary["checkpoints"] == [done] and (run_dir / "checkpoints" / str(done)).is_dir()
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(done))
+
+
+def test_a_run_names_its_rollout():
+    # No synthetic default: a config without a rollout is refused at validation, naming both factories;
+    # the old 'workload' string is refused at construction with its replacement.
+    with pytest.raises(ValueError, match=r"ExperimentConfig.rollout is not set.*@AgenticRollout\(\).*@WorkloadRollout\(\)"):
+        validate_experiment(ExperimentConfig(run_dir="/x", model="tiny-moe"), num_devices=1)
+    with pytest.raises(ValueError, match=r"ExperimentConfig.rollout='workload' is not a rollout factory.*@WorkloadRollout\(\)"):
+        ExperimentConfig(run_dir="/x", rollout="workload")
+    from sfrrl_jax.testing.workload import WorkloadConfig, WorkloadRollout
+    with pytest.raises(ValueError, match=r"WorkloadConfig.vocab_size=100000 > ModelConfig.vocab_size"):
+        validate_experiment(ExperimentConfig(run_dir="/x", model="tiny-moe",
+                                             rollout=WorkloadRollout(WorkloadConfig(vocab_size=100000))), num_devices=1)
