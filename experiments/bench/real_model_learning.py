@@ -231,12 +231,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
             print(f"[seed {seed}] TRL GRPOTrainer ...", flush=True)
             per["trl"] = run_trl(args.gin_file, seed, args.steps, threads, args.gin_param)
         results["seeds"][seed] = per
-    table = format_table(results)
+        table = format_table(results)   # written after every seed: a long sweep that dies keeps what it did
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**results, "table": table}, indent=1))
+        plot(results, out.with_suffix(".png"))
     print(table)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**results, "table": table}, indent=1))
-    plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return results
 
