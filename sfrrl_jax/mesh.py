@@ -26,8 +26,16 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-# The mesh's axis names: spelt here once, used everywhere by these constants.
-DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, TENSOR_AXIS = "data", "expert", "context", "tensor"
+# The mesh's axis names: spelt here once, used everywhere by these constants (one assignment each,
+# so the API reference sees each constant).
+DATA_AXIS = "data"
+"""Mesh axis of data parallelism: batch rows split over it."""
+EXPERT_AXIS = "expert"
+"""Mesh axis of expert parallelism: the experts' weight stacks split over it (and batch rows too)."""
+CONTEXT_AXIS = "context"
+"""Mesh axis of context parallelism: a training sequence split over it."""
+TENSOR_AXIS = "tensor"
+"""Mesh axis of tensor parallelism: heads and MLP width split over it."""
 MESH_AXES = (DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, TENSOR_AXIS)
 BATCH_AXES = (DATA_AXIS, EXPERT_AXIS)  # the axes a batch's rows are split over
 # The axes tokens are split over: rows over BATCH_AXES, then each row's sequence over `context`.
@@ -68,6 +76,18 @@ def make_mesh(
 
     Axis types are `Auto`: XLA propagates shardings through the dense parts, and the MoE layer
     enters `shard_map` explicitly. The product of the sizes must equal the device count.
+
+    Args:
+      data: size of the `data` axis (batch rows; the one that crosses hosts).
+      expert: size of the `expert` axis (experts; also batch rows and sequence).
+      tensor: size of the `tensor` axis (heads, MLP and vocab dims).
+      devices: the devices to lay out (default: `jax.devices()`); sorted by (process, id), so each
+        process's devices are contiguous on the leading axes.
+      context: size of the `context` axis (sequence).
+    Returns:
+      The `Mesh` of shape `(data, expert, context, tensor)`, axes named `MESH_AXES`.
+    Raises:
+      ValueError: when a size is not a positive int, or their product differs from the device count.
     """
     sizes = {DATA_AXIS: data, EXPERT_AXIS: expert, CONTEXT_AXIS: context, TENSOR_AXIS: tensor}
     for name, size in sizes.items():
@@ -148,6 +168,14 @@ def shard_by_logical(tree: Any, logical_tree: Any, mesh: Mesh) -> Any:
 
     `logical_tree` holds, for each leaf, a tuple of logical names (one per dim). Works for host
     numpy arrays and for `jax.Array`s (which are resharded if needed).
+
+    Args:
+      tree: a pytree of arrays (host numpy or `jax.Array`).
+      logical_tree: the same structure with, for each leaf, a tuple of logical axis names or None, one per dim
+        (e.g. `("batch", "seq")`); mapped to mesh axes by `LOGICAL_AXIS_RULES`, fitted to the leaf's shape.
+      mesh: the mesh to place on.
+    Returns:
+      `tree` with every leaf a `jax.Array` in its `NamedSharding` (same structure).
     """
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
     shardings = jax.tree.map(

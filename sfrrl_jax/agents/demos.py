@@ -19,6 +19,7 @@ from sfrrl_jax.agents.environments import CALCULATOR_SYSTEM_PROMPT
 from sfrrl_jax.agents.formats import ToolCallFormat, infer_format, renders_tool_calls, trajectory_format
 from sfrrl_jax.agents.protocols import Message, Task
 from sfrrl_jax.agents.tools import CalculatorTool, evaluate_arithmetic, format_number, tool_schema
+from sfrrl_jax.tokenizer.protocol import TokenizerProtocol
 from sfrrl_jax.tokenizer.tokenizer import TemplateDeltaError
 
 
@@ -29,8 +30,24 @@ def _operand(text: str) -> str:
 def calculator_demonstration(task: Task, system_prompt: str | None = CALCULATOR_SYSTEM_PROMPT,
                              call_id: str = "call_0") -> list[Message]:
     """A correct transcript for an 'arithmetic' task, checked against the calculator as it is built.
-    `call_id`: each call's id, which templates that write ids teach the model (Kimi K2's are
-    'functions.calculator:0')."""
+
+    One assistant turn per step of `task.metadata["steps"]`, each a single `calculator` call whose
+    operands are spelt as in the prompt (or copied from an earlier result), followed by its tool
+    message; then a final assistant turn `<answer>{task.answer}</answer>`.
+
+    Args:
+      task: an 'arithmetic' task (as made by `tasks.arithmetic_task`), with `metadata["steps"]`
+        (`[left, op, right, value]` per step).
+      system_prompt: the system message; None or empty: the transcript has none.
+      call_id: each call's id (and its tool message's `tool_call_id`), which templates that write
+        ids teach the model (Kimi K2's are 'functions.calculator:0').
+    Returns:
+      The transcript as OpenAI-style messages: [system], user, then (assistant call, tool result)
+      per step, then the assistant's answer.
+    Raises:
+      ValueError: `task.kind` is not 'arithmetic'.
+      AssertionError: a step's expression does not evaluate to its recorded value.
+    """
     if task.kind != "arithmetic":
         raise ValueError(f"task {task.task_id}: calculator demonstrations need kind 'arithmetic', got {task.kind!r}")
     messages: list[Message] = []
@@ -53,18 +70,45 @@ def calculator_demonstration(task: Task, system_prompt: str | None = CALCULATOR_
 
 
 def calculator_tool_schemas() -> list[dict]:
+    """The tool schemas of the calculator environment, to render demonstrations with.
+
+    Returns:
+      `[tool_schema(CalculatorTool())]`: the OpenAI function-calling schema of the `calculator` tool.
+    """
     return [tool_schema(CalculatorTool())]
 
 
-def render_sft_example(tokenizer, messages: Sequence[Message], tools: Sequence[dict] | None = None,
+def render_sft_example(tokenizer: TokenizerProtocol, messages: Sequence[Message], tools: Sequence[dict] | None = None,
                        tool_format: "str | ToolCallFormat | None" = None) -> tuple[list[int], list[int]]:
     """(tokens, loss_mask) for a transcript; assistant turns are rendered as the policy would emit them.
 
-    `tool_format` is the format the rollout reads calls with (`AgentConfig.tool_format`; None: the
-    chat template's, as in the rollout). Each learned turn must read back, with it, to exactly the
-    message's calls (names and arguments, in order; an answer to none), else ValueError naming
-    the message and what was read. A template whose call markup no built-in format reads is
-    not checked unless `tool_format` is given."""
+    Laid out like a rollout trajectory: the prompt up to the first assistant message (with the
+    generation prompt), then each assistant turn as generated (its end-of-turn token included),
+    then the following non-assistant messages plus the next generation prompt (`render_delta`);
+    messages after the last assistant message are left out.
+    Each learned turn must read back, with `tool_format`, to exactly the message's calls (names
+    and arguments, in order; an answer to none). A template whose call markup no built-in format
+    reads is not checked unless `tool_format` is given.
+
+    Args:
+      tokenizer: the tokenizer with the chat template (`TokenizerProtocol`; its
+        `chat_template_source`, where it has one, picks the default format).
+      messages: the transcript, OpenAI-style messages with at least one assistant message; tool
+        calls' arguments may be dicts or JSON strings.
+      tools: the tool schemas the template renders (e.g. `calculator_tool_schemas()`); None: none.
+      tool_format: the format the rollout reads calls with (`AgentConfig.tool_format`: a built-in's
+        name or a format value); None: the chat template's, as in the rollout.
+    Returns:
+      `(tokens, loss_mask)`, two lists of equal length: the token ids, and 1 on the assistant turns'
+      tokens (the learned ones), 0 elsewhere.
+    Raises:
+      ValueError: the transcript has no assistant message; a learned turn does not read back to the
+        message's calls (the message names the message and what was read); a tool call has no
+        function name or arguments that are not JSON; or `tool_format` names no built-in format.
+      TypeError: `tool_format` is neither a string nor a value with `parse`.
+      TemplateDeltaError: (a ValueError) an assistant turn does not extend its generation prompt,
+        or the template is not append-only after it (from `render_delta`).
+    """
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise ValueError("render_sft_example: the transcript has no assistant message to learn from")

@@ -64,12 +64,37 @@ class ToolEnvironment:
 def calculator_environment(runner_cfg: ToolRunnerConfig = ToolRunnerConfig(),
                            reward_fns: Sequence[RewardFn] | None = None,
                            reward_weights: Sequence[float] | None = None) -> ToolEnvironment:
+    """The environment of 'arithmetic' tasks: the `calculator` tool and `CALCULATOR_SYSTEM_PROMPT`.
+
+    Args:
+      runner_cfg: how the tool calls run (`ToolRunnerConfig`: timeout, concurrency, output cap,
+        remote workers).
+      reward_fns: the reward functions summed into the reward; None: `[answer_correct]`.
+      reward_weights: one weight per reward function; None: 1 each.
+    Returns:
+      A `ToolEnvironment` with `[CalculatorTool()]`.
+    Raises:
+      ValueError, TypeError: bad `reward_fns` / `reward_weights` (see `reward_fns.RewardSum`).
+    """
     return ToolEnvironment([CalculatorTool()], CALCULATOR_SYSTEM_PROMPT, runner_cfg, reward_fns, reward_weights)
 
 
 def countdown_environment(sandbox: PythonSandbox, runner_cfg: ToolRunnerConfig = ToolRunnerConfig(),
                           reward_fns: Sequence[RewardFn] | None = None,
                           reward_weights: Sequence[float] | None = None) -> ToolEnvironment:
+    """The environment of 'countdown' tasks: the `python` and `calculator` tools and `COUNTDOWN_SYSTEM_PROMPT`.
+
+    Args:
+      sandbox: the sandbox the `python` tool runs the model's code in.
+      runner_cfg: how the tool calls run (`ToolRunnerConfig`: timeout, concurrency, output cap,
+        remote workers).
+      reward_fns: the reward functions summed into the reward; None: `[answer_correct]`.
+      reward_weights: one weight per reward function; None: 1 each.
+    Returns:
+      A `ToolEnvironment` with `[PythonTool(sandbox), CalculatorTool()]`.
+    Raises:
+      ValueError, TypeError: bad `reward_fns` / `reward_weights` (see `reward_fns.RewardSum`).
+    """
     return ToolEnvironment([PythonTool(sandbox), CalculatorTool()], COUNTDOWN_SYSTEM_PROMPT, runner_cfg,
                            reward_fns, reward_weights)
 
@@ -77,6 +102,18 @@ def countdown_environment(sandbox: PythonSandbox, runner_cfg: ToolRunnerConfig =
 def qa_environment(runner_cfg: ToolRunnerConfig = ToolRunnerConfig(), reward_fns: Sequence[RewardFn] | None = None,
                    reward_weights: Sequence[float] | None = None,
                    system_prompt: str | None = QA_SYSTEM_PROMPT) -> ToolEnvironment:
-    """No tools: the model answers from what it knows. system_prompt: None sends no system message
-    (a chat template may then put in its own default one, as SmolLM2's does)."""
+    """The environment of 'qa' tasks. No tools: the model answers from what it knows.
+
+    Args:
+      runner_cfg: how the tool calls run (`ToolRunnerConfig`: timeout, concurrency, output cap,
+        remote workers).
+      reward_fns: the reward functions summed into the reward; None: `[answer_correct]`.
+      reward_weights: one weight per reward function; None: 1 each.
+      system_prompt: the system message; None sends no system message (a chat template may then put
+        in its own default one, as SmolLM2's does).
+    Returns:
+      A `ToolEnvironment` without tools.
+    Raises:
+      ValueError, TypeError: bad `reward_fns` / `reward_weights` (see `reward_fns.RewardSum`).
+    """
     return ToolEnvironment([], system_prompt, runner_cfg, reward_fns, reward_weights)

@@ -409,7 +409,16 @@ def renders_tool_calls(tokenizer) -> bool:
 
 
 def infer_format(chat_template: str | None) -> str | None:
-    """The built-in format whose markup `chat_template` writes (None: none recognised)."""
+    """The built-in format whose markup `chat_template` writes (None: none recognised).
+
+    Markers are tried most specific first (see `_TEMPLATE_MARKERS`); the first format with a
+    marker found in the template wins.
+
+    Args:
+      chat_template: the chat template's Jinja source; None or empty recognises nothing.
+    Returns:
+      The name of a built-in format (a key of `FORMATS`), or None when no marker is found.
+    """
     if not chat_template:
         return None
     for name, markers in _TEMPLATE_MARKERS:
@@ -419,7 +428,17 @@ def infer_format(chat_template: str | None) -> str | None:
 
 
 def get_format(fmt: "str | ToolCallFormat") -> ToolCallFormat:
-    """A built-in format by name, or `fmt` itself when it is a format value (has `parse`)."""
+    """A built-in format by name, or `fmt` itself when it is a format value (has `parse`).
+
+    Args:
+      fmt: a built-in format's name (a key of `FORMATS`, e.g. 'qwen3'), or a format value with a
+        callable `parse(text) -> ParsedTurn`.
+    Returns:
+      A new instance of the named built-in format, or `fmt` itself when it is a format value.
+    Raises:
+      TypeError: `fmt` is neither a string nor a value with a callable `parse`.
+      ValueError: `fmt` is a string that names no built-in format.
+    """
     if not isinstance(fmt, str):
         if callable(getattr(fmt, "parse", None)):
             return fmt

@@ -53,6 +53,44 @@ _log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
+    """How `run_agent` rolls out a trajectory: turn and token budgets, sampling, tool-call parsing.
+
+    Every field is checked when the config is built (a bad value would otherwise fail every
+    sample one by one).
+
+    Attributes:
+      max_turns: most assistant turns (generations) per trajectory, >= 1; reaching it ends the
+        trajectory 'max_turns' (the calls of the last turn are not run: nobody would read them).
+      max_new_tokens_per_turn: most tokens one turn generates, >= 1; a turn that hits it ends the
+        trajectory 'length'.
+      max_total_tokens: most tokens of the whole trajectory (prompt, turns, observations), >= 1;
+        the trajectory never grows past it and ends 'max_tokens' where it would.
+      wall_budget_s: wall-clock budget of the trajectory in seconds (> 0), generation and tool
+        time together; running out ends it 'wall_budget'.
+      temperature: sampling temperature, >= 0 (0: greedy).
+      top_k: keep the `top_k` most likely tokens when sampling (>= 0); None (or 0): no top-k filter.
+      top_p: nucleus sampling mass, in (0, 1]; None: no top-p filter.
+      seed: base sampling seed, in [0, 2**32); each turn's seed is `turn_seed(seed, task_id,
+        sample_index, turn)`.
+      tool_format: the tool-call format turns are parsed with: None, the format the tokenizer's
+        chat template writes (`formats.format_for`); a built-in's name (`formats.FORMATS`: 'qwen3',
+        'harmony', 'llama3_json', 'mistral', 'pythonic', ...) or a format value
+        (`formats.ToolCallFormat`: `parse(text) -> ParsedTurn`). An unknown name fails here.
+      max_tool_calls_per_turn: most calls of one turn that are run, >= 1; calls past it are not
+        run: one error observation says so (`capped_calls`).
+      stop_token_ids: the ids that end a turn; None: the tokenizer's stops as the tool format
+        refines them (`formats.turn_stop_ids`).
+      chat_template_kwargs: variables for the chat template in every render of the trajectory
+        (Qwen3's `{'enable_thinking': False}`, gpt-oss's `{'reasoning_effort': 'high'}`): a mapping or
+        (name, value) pairs, kept as sorted (key, value) pairs. Needs a tokenizer with
+        `with_template_kwargs`.
+
+    Raises:
+      ValueError: (when built) a field out of its range or of the wrong type, an unknown
+        `tool_format` name, or `chat_template_kwargs` whose keys are not identifiers.
+      TypeError: `tool_format` is neither a string nor a value with `parse`.
+    """
+
     max_turns: int = 8
     max_new_tokens_per_turn: int = 512
     max_total_tokens: int = 4096
@@ -231,7 +269,33 @@ def _takes_an_assistant_turn_after(tokenizer: TokenizerProtocol, messages: list[
 async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokenizer: TokenizerProtocol, cfg: AgentConfig,
                     sample_index: int = 0, group_id: str | None = None) -> Trajectory:
     """Roll out one trajectory of `task`; the reward is set from `env.reward` at the end (which may
-    record its components in `traj.metadata["rewards"]`, see `reward_fns.py`)."""
+    record its components in `traj.metadata["rewards"]`, see `reward_fns.py`).
+
+    Generates turns on `engine`, parses their tool calls with the config's format, runs them
+    through the environment (its episode, where it opens one per trajectory) and appends the
+    observations, until a finish reason (module doc). The engine slot is released at the end,
+    also on errors and cancellation.
+
+    Args:
+      engine: the generation engine (`EngineProtocol`).
+      env: the environment: prompt, tools, tool execution and reward.
+      task: the task to roll out.
+      tokenizer: the tokenizer with the policy's chat template.
+      cfg: budgets, sampling and tool-call format (`AgentConfig`).
+      sample_index: which of the task's samples this is (feeds the per-turn sampling seed).
+      group_id: the trajectory's group id (for group advantages); None: `task.task_id`.
+    Returns:
+      The `Trajectory`: tokens, loss mask, turns, messages, `finish_reason`, and its reward; a
+      sample whose environment, tokenizer step or reward raised after the prompt was built is
+      returned failed (`error` set, reward 0) instead of raising.
+    Raises:
+      EngineError: the engine itself failed.
+      Exception: what the setup raised before the trajectory had a prompt (tool schemas, format,
+        opening or resetting the episode, the prompt's render), e.g. a TypeError for
+        `chat_template_kwargs` with a tokenizer lacking `with_template_kwargs`; a SystemExit,
+        KeyboardInterrupt or GeneratorExit there comes as a `UserCodeExit`.
+      asyncio.CancelledError: the trajectory itself was cancelled.
+    """
     start = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + cfg.wall_budget_s
     try:
@@ -437,6 +501,24 @@ async def run_many(engine: EngineProtocol, env: Environment, tasks: Sequence[Tas
     fails is returned as a failed trajectory (`Trajectory.error`), also one whose environment
     raised before it began (`failed_trajectory`); no slot is ever None. An `EngineError`, or an
     error in `on_group_done`, cancels the rest and propagates.
+
+    Args:
+      engine: the generation engine (`EngineProtocol`), shared by all trajectories.
+      env: the environment, shared by all trajectories.
+      tasks: the tasks; their `task_id`s must be unique (they are the group ids).
+      tokenizer: the tokenizer with the policy's chat template.
+      cfg: budgets, sampling and tool-call format (`AgentConfig`).
+      samples_per_task: G, trajectories per task, > 0.
+      max_concurrency: most trajectories in flight at once; None (or 0): no limit.
+      on_group_done: `on_group_done(group_id, trajectories)`, sync or async, called once per task
+        with its G finished and rewarded trajectories (in sample order).
+    Returns:
+      `len(tasks) * samples_per_task` trajectories, task-major: `result[i * G + s]` is sample `s`
+      of `tasks[i]`.
+    Raises:
+      ValueError: `samples_per_task` <= 0 or duplicate task ids.
+      ExceptionGroup: holding the `EngineError` (the engine itself failed) or the error of
+        `on_group_done` that cancelled the rest (the samples run in an `asyncio.TaskGroup`).
     """
     if samples_per_task <= 0:
         raise ValueError(f"samples_per_task must be > 0, got {samples_per_task}")

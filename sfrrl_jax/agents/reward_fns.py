@@ -67,7 +67,18 @@ def reward_name(fn: RewardFn) -> str:
 
 
 def named(fn: RewardFn, name: str) -> RewardFn:
-    """`fn` under the log name `name` (same values)."""
+    """`fn` under the log name `name` (same values): names a lambda, a partial or a callable object.
+
+    Args:
+      fn: the reward function, `fn(task, trajectory) -> float`.
+      name: the log name (the component is logged as `reward/<name>`); non-empty, without '/', not
+        one of `RESERVED_NAMES`.
+    Returns:
+      A plain function calling `fn`, with `__name__` `name` and `__wrapped__` `fn`.
+    Raises:
+      TypeError: `fn` is not callable.
+      ValueError: `name` is not a usable name (empty, '<lambda>', holding '/', or reserved).
+    """
     if not callable(fn):
         raise TypeError(f"named: fn must be callable, got {fn!r}")
 
@@ -81,9 +92,22 @@ def named(fn: RewardFn, name: str) -> RewardFn:
 
 
 def in_thread(fn: RewardFn, name: str | None = None) -> RewardFn:
-    """`fn` as an async reward function that runs it in a worker thread (`asyncio.to_thread`),
-    under `fn`'s log name (or `name`). For a blocking `fn` that is safe to call from several
-    threads at once: the agent loop goes on with the other trajectories while it runs."""
+    """`fn` as an async reward function that runs it in a worker thread (`asyncio.to_thread`).
+
+    For a blocking `fn` that is safe to call from several threads at once: the agent loop goes on
+    with the other trajectories while it runs.
+
+    Args:
+      fn: a synchronous reward function, `fn(task, trajectory) -> float`.
+      name: the log name; None: `fn`'s own (`reward_name(fn)`).
+    Returns:
+      An `async def` reward function awaiting `fn(task, trajectory)` in a worker thread, with
+      `__name__` the log name and `__wrapped__` `fn`.
+    Raises:
+      TypeError: `fn` is not callable, or is already a coroutine function.
+      ValueError: the log name is not usable (see `named`): `name` is bad, or, with `name` None,
+        `fn` has no usable `__name__` (a lambda).
+    """
     if not callable(fn):
         raise TypeError(f"in_thread: fn must be callable, got {fn!r}")
     if inspect.iscoroutinefunction(fn):
@@ -99,17 +123,43 @@ def in_thread(fn: RewardFn, name: str | None = None) -> RewardFn:
 
 
 def answer_correct(task: Task, trajectory: Trajectory) -> float:
-    """The verifier of `task.kind` (`task_kinds.register_task_kind`) on the final assistant text."""
+    """The verifier of `task.kind` (`task_kinds.register_task_kind`) on the final assistant text.
+
+    The default reward of `ToolEnvironment`.
+
+    Args:
+      task: the task; `task.kind` picks the verifier.
+      trajectory: the finished trajectory; its `final_text` is verified.
+    Returns:
+      The verifier's value (`rewards.task_reward`; the built-in verifiers give a value in [0, 1]).
+    Raises:
+      UnknownTaskKindError: `task.kind` is not registered.
+    """
     return task_reward(task, trajectory.final_text)
 
 
 def answer_format(task: Task, trajectory: Trajectory) -> float:
-    """1.0 if the final assistant text has an <answer>...</answer> block, else 0.0."""
+    """1.0 if the final assistant text has an <answer>...</answer> block, else 0.0.
+
+    Args:
+      task: the task (unused; part of the reward-function signature).
+      trajectory: the finished trajectory; its `final_text` is read (`rewards.extract_answer`).
+    Returns:
+      1.0 or 0.0.
+    """
     return float(extract_answer(trajectory.final_text) is not None)
 
 
 def tool_error_penalty(task: Task, trajectory: Trajectory) -> float:
-    """-(tool calls that errored) / (tool calls), in [-1, 0]; 0.0 without calls."""
+    """-(tool calls that errored) / (tool calls), in [-1, 0]; 0.0 without calls.
+
+    Args:
+      task: the task (unused; part of the reward-function signature).
+      trajectory: the finished trajectory; its `num_tool_errors` and `num_tool_calls` (over all
+        turns) are read.
+    Returns:
+      Minus the fraction of the trajectory's tool calls that errored, in [-1, 0].
+    """
     calls = trajectory.num_tool_calls
     return -trajectory.num_tool_errors / calls if calls else 0.0
 
@@ -211,8 +261,16 @@ class RewardSum:
 
 
 def reward_component_means(trajectories: Iterable[Trajectory]) -> dict[str, float]:
-    """`{"reward/<name>": mean}` of each recorded component (`metadata["rewards"]`), over the
-    trajectories that have it; failed trajectories (`error` set) are left out. Keys sorted."""
+    """`{"reward/<name>": mean}` of each recorded component (`metadata["rewards"]`).
+
+    Args:
+      trajectories: the trajectories (e.g. a training step's); failed ones (`error` set) are left
+        out.
+    Returns:
+      For each component name recorded in any kept trajectory, the mean of its unweighted values
+      over the trajectories that have it, keyed `reward/<name>`; keys sorted. Empty when none
+      recorded any.
+    """
     values: dict[str, list[float]] = {}
     for traj in trajectories:
         if traj.error is not None:

@@ -290,7 +290,13 @@ def probe_capabilities(refresh: bool = False) -> SandboxCapabilities:
     """Try the isolation layers with a trivial program; cached per effective uid.
 
     The full jail is tried first (one launch, in a per-call memory cgroup where one can be made);
-    only if it fails is each layer tried alone.
+    only if it fails is each layer tried alone. A separate uid is only tried when running as root.
+
+    Args:
+      refresh: probe again (the memory-cgroup lookup too) instead of returning the cached result.
+    Returns:
+      The `SandboxCapabilities` this machine grants: one flag per isolation layer, and how the
+      memory cap holds (`memory_cap`: 'cgroup2' / 'cgroup1', or 'rlimit-split').
     """
     euid = os.geteuid()
     if refresh or euid not in _CAPABILITIES:

@@ -90,9 +90,30 @@ _REGISTRY: dict[str, TaskKind] = {}
 def register_task_kind(name: str, verify: Verifier, *, from_record: FromRecord | None = None,
                        to_record: ToRecord | None = None, fields: tuple[str, ...] = (),
                        override: bool = False) -> TaskKind:
-    """Registers (and returns) the kind `name`: `verify(task, final_text) -> float`; JSONL records
-    through `from_record(record, task_id) -> Task` / `to_record(task) -> dict` (default: the generic
-    prompt/answer/metadata record). An existing name raises ValueError unless `override=True`."""
+    """Registers (and returns) the kind `name`, so that `Task(kind=name)` is verified and loaded.
+
+    JSONL records go through `from_record(record, task_id) -> Task` / `to_record(task) -> dict`
+    (default: the generic prompt/answer/metadata record, `prompt_task_from_record` /
+    `prompt_task_to_record`).
+
+    Args:
+      name: the kind's name, as written in `Task.kind` and a JSONL record's `kind`; a non-empty string.
+      verify: `verify(task, final_text) -> float`, the kind's reward for the final assistant text.
+      from_record: `from_record(record, task_id) -> Task` for JSONL records (the record has `kind` set);
+        a ValueError it raises names the bad field. None: `prompt_task_from_record`.
+      to_record: `to_record(task) -> dict`, the record's fields other than 'id' and 'kind'. None:
+        `prompt_task_to_record`.
+      fields: JSONL fields a record of this kind must have, checked before `from_record` with a
+        line-numbered error.
+      override: replace a kind already registered under `name` instead of raising.
+    Returns:
+      The registered `TaskKind`.
+    Raises:
+      ValueError: `name` is already registered and `override` is False, or `name` is not a
+        non-empty string.
+      TypeError: `verify`, `from_record` or `to_record` is not callable, or `fields` is a string or
+        holds a non-string.
+    """
     kind = TaskKind(name, verify, from_record or prompt_task_from_record, to_record or prompt_task_to_record,
                     fields)
     if name in _REGISTRY and not override:
@@ -102,19 +123,41 @@ def register_task_kind(name: str, verify: Verifier, *, from_record: FromRecord |
 
 
 def unregister_task_kind(name: str) -> TaskKind:
-    """Removes (and returns) the kind `name`; an unknown name raises UnknownTaskKindError."""
+    """Removes (and returns) the kind `name` from the registry.
+
+    Args:
+      name: the registered kind's name.
+    Returns:
+      The `TaskKind` that was registered under `name`.
+    Raises:
+      UnknownTaskKindError: `name` is not registered.
+    """
     kind = get_task_kind(name)
     del _REGISTRY[name]
     return kind
 
 
 def registered_task_kinds() -> list[str]:
-    """The registered kind names, sorted."""
+    """The registered kind names, sorted.
+
+    Returns:
+      A new sorted list of the names of all registered kinds (the built-in 'arithmetic',
+      'countdown' and 'qa' once `tasks.py` is imported).
+    """
     return sorted(_REGISTRY)
 
 
 def get_task_kind(name: str) -> TaskKind:
-    """The kind `name`, or UnknownTaskKindError listing the registered kinds and how to add one."""
+    """The registered kind `name`.
+
+    Args:
+      name: the kind's name (`Task.kind`).
+    Returns:
+      The `TaskKind` registered under `name`.
+    Raises:
+      UnknownTaskKindError: `name` is not a registered kind (or not a string); the message lists
+        the registered kinds and how to add one.
+    """
     kind = _REGISTRY.get(name) if isinstance(name, str) else None
     if kind is None:
         raise UnknownTaskKindError(

@@ -66,7 +66,22 @@ def arithmetic_task(expression: str, task_id: str) -> Task:
 
 def generate_arithmetic_tasks(n: int, seed: int = 0, min_ops: int = 2, max_ops: int = 4,
                               max_digits: int = 5) -> list[Task]:
-    """`n` multi-step expressions over integers of up to `max_digits` digits (+ - * only: exact)."""
+    """`n` multi-step expressions over integers of up to `max_digits` digits (+ - * only: exact).
+
+    Each expression is made by `arithmetic_task` (kind 'arithmetic', with its calculator steps in
+    `metadata["steps"]`); each operand is a random integer in [2, 10**d - 1], d drawn from
+    [2, `max_digits`].
+
+    Args:
+      n: number of tasks.
+      seed: seed of the generator (`random.Random(seed)`); the same seed gives the same tasks.
+      min_ops: fewest binary operations in an expression.
+      max_ops: most binary operations in an expression (each count drawn uniformly in
+        [`min_ops`, `max_ops`]).
+      max_digits: most decimal digits of an operand; at least 2.
+    Returns:
+      `n` tasks with ids 'arith-<seed>-<i>', i in [0, n).
+    """
     rng = random.Random(seed)
 
     def number() -> str:
@@ -93,7 +108,21 @@ def countdown_task(numbers: list[int], target: int, task_id: str, solution: str 
 
 def generate_countdown_tasks(n: int, seed: int = 0, count: int = 4, max_number: int = 100,
                              max_target: int = 1000) -> list[Task]:
-    """Solvable instances: the target is the value of a random expression over a subset of the numbers."""
+    """Solvable instances: the target is the value of a random expression over a subset of the numbers.
+
+    Each task's `answer` is that expression (one solution); draws whose value is not an integer in
+    [1, `max_target`] are discarded and drawn again.
+
+    Args:
+      n: number of tasks.
+      seed: seed of the generator (`random.Random(seed)`); the same seed gives the same tasks.
+      count: how many numbers each task gives (the expression uses 2 to `count` of them).
+      max_number: the largest number given (numbers are drawn from [1, `max_number`]).
+      max_target: the largest target.
+    Returns:
+      `n` 'countdown' tasks with ids 'countdown-<seed>-<i>', i in [0, n), and `metadata` holding
+      `numbers` and `target`.
+    """
     rng = random.Random(seed)
     tasks = []
     while len(tasks) < n:
@@ -205,8 +234,18 @@ def _task_from_record(record: dict, where: str, default_id: str, default_kind: s
 
 
 def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
-    """`('<path>:<line>', record)` for each non-blank line; bad JSON or a non-object raises
-    DatasetError naming the line (and the column of a JSON error)."""
+    """`('<path>:<line>', record)` for each non-blank line of a JSONL file.
+
+    Args:
+      path: the JSONL file; a name ending in '.gz' is read gzip-compressed. Read as UTF-8 text.
+    Yields:
+      `(where, record)`: `where` is '<path>:<line>' (lines counted from 1), `record` the line's
+      JSON object as a dict. Blank lines are skipped.
+    Raises:
+      FileNotFoundError: `path` does not exist.
+      DatasetError: a line is bad JSON or not a JSON object (the message names the line, and the
+        column of a JSON error), or the file is not UTF-8 text.
+    """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
@@ -232,7 +271,19 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
 
 
 def load_tasks_jsonl(path: str | os.PathLike, default_kind: str = "qa") -> list[Task]:
-    """Tasks from a JSONL file; any bad line raises DatasetError naming the line and the field."""
+    """Tasks from a JSONL file (record formats: module doc); blank lines are skipped.
+
+    Args:
+      path: the JSONL file (gzip-compressed when its name ends in '.gz'; see `read_records`).
+      default_kind: the kind of a record without a `kind` field (a registered kind's name).
+    Returns:
+      The tasks in file order. A record without `id` gets '<file stem>-<line>'.
+    Raises:
+      FileNotFoundError: `path` does not exist.
+      DatasetError: (a ValueError) any bad line: bad JSON, an unregistered kind, a missing or bad
+        field, a bad or duplicate id, or a `from_record` that fails; the message names the line and
+        the field.
+    """
     path = Path(path)
     tasks, seen = [], {}
     for where, record in read_records(path):
@@ -251,6 +302,19 @@ def task_to_record(task: Task) -> dict:
 
 
 def save_tasks_jsonl(tasks: Iterable[Task], path: str | os.PathLike) -> Path:
+    """Writes `tasks` as a JSONL file that `load_tasks_jsonl` reads back into equal tasks.
+
+    Each line is `task_to_record(task)`: 'id', 'kind' and the kind's `to_record` fields.
+
+    Args:
+      tasks: the tasks to write, in order.
+      path: the file to write (plain text, not compressed, even for a '.gz' name); overwritten if
+        it exists.
+    Returns:
+      `path` as a `Path`.
+    Raises:
+      UnknownTaskKindError: a task's kind is not registered.
+    """
     path = Path(path)
     with path.open("w") as f:
         for task in tasks:

@@ -108,9 +108,34 @@ _CANCELLED = _Cancelled()
 class ToolRunner:
     """Runs parsed calls against `tools` under `cfg` (see the module doc for what it guarantees).
 
-    Counters: `orphaned_calls` (calls abandoned at their timeout, or when their caller was
-    cancelled, while still running: an async tool that ignored cancellation, a blocking call in
-    a thread written off) and `pools_replaced` (thread pools found shut down and replaced)."""
+    Each call's arguments are checked against its tool's JSON schema (`parameters`); async tools
+    run on the event loop as their own tasks, blocking ones (with a `blocking_fn`, as
+    `FunctionTool`) on the runner's pool of `cfg.thread_workers` daemon threads; at most
+    `cfg.max_concurrency` calls run at once, each under `cfg.timeout_s`. Observations longer than
+    `cfg.max_output_chars` are truncated.
+
+    `run(calls)` (one turn's calls, run concurrently) returns a `list[ToolResult]`, one per item of
+    `calls`, in call order. It never raises for anything a call does: an unparseable call
+    (`ToolCallError`), an unknown tool, arguments violating the schema, a tool that raises (a
+    `ToolError`'s message is passed on verbatim), times out, or returns a value JSON cannot hold
+    each give a result with `is_error=True` and content 'error: <message>'. Only the cancellation
+    of the caller itself propagates. `run_one(call, tools)` runs one call, optionally against other
+    tools. `close()` cancels queued blocking calls.
+
+    Args:
+      tools: the tools, by their distinct `name`s.
+      cfg: timeout, concurrency bound, thread-pool size and output cap (`ToolRunnerConfig`).
+
+    Attributes:
+      tools: `{name: tool}`.
+      cfg: the `ToolRunnerConfig`.
+      orphaned_calls: calls abandoned at their timeout, or when their caller was cancelled, while
+        still running: an async tool that ignored cancellation, a blocking call in a thread written off.
+      pools_replaced: thread pools found shut down and replaced.
+
+    Raises:
+      ValueError: (constructor) two tools share a name.
+    """
 
     def __init__(self, tools: Sequence[Tool], cfg: ToolRunnerConfig = ToolRunnerConfig()):
         names = [t.name for t in tools]
@@ -348,6 +373,16 @@ def format_number(value: Fraction) -> str:
 
 
 class CalculatorTool:
+    """The `calculator` tool: exact arithmetic on one `expression` argument (a string).
+
+    Evaluates with `evaluate_arithmetic` (numbers, + - * / // % **, parentheses; at most
+    `MAX_EXPRESSION_CHARS` characters and `MAX_RESULT_DIGITS` digits) and returns the value as
+    `format_number` writes it: integers exactly, other rationals as a decimal with 12 significant
+    digits. An expression it cannot evaluate (bad syntax, division by zero, too large) raises
+    `ToolError` with the reason, which the runner returns as an error observation. Stateless: one
+    instance serves every trajectory.
+    """
+
     name = "calculator"
     description = "Evaluate an arithmetic expression exactly (+ - * / // % ** and parentheses)."
     parameters = {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"],

@@ -504,7 +504,7 @@ class Checkpointer:
                                                f"(checksums): a flipped bit or a rewritten file")
         return _wrap_prng_keys(state, abstract_state, meta.get("prng_impls", {})), host
 
-    def restore_latest(self, abstract_state, strict: bool = False,
+    def restore_latest(self, abstract_state: Any, strict: bool = False,
                        require_finite: bool = True) -> tuple[int, Any, dict] | None:
         """(step, state, host_state) of the newest restorable step, or None when there is none.
 

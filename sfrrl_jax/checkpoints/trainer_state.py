@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sfrrl_jax.checkpoints.orbax_store import abstract_of, check_json_exact
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, MicroStepUnit
+
+if TYPE_CHECKING:
+    from sfrrl_jax.models.transformer import Params
 
 HOST_FORMAT = 2  # 2: 'longest_first' (durations in seconds) replaced 'length_history' (tokens)
 
@@ -117,6 +120,18 @@ def trainer_state(trainer: RLTrainer, rollout: Any = None, fingerprint: dict | N
     """(device state, host state) of `trainer` at a step boundary, ready for `Checkpointer.maybe_save`.
 
     The host state is a deep copy: the async writer may serialise it after the loop moved on.
+
+    Args:
+      trainer: the RL trainer, between steps.
+      rollout: the rollout source; its `state_dict()` is saved under 'rollout' if it has one (else None).
+      fingerprint: `config_fingerprint(...)` of the configs that shape the run, checked on resume; None skips
+        the check.
+    Returns:
+      `(state, host)`: the device state `{'params', 'opt_state'}` (the trainer's arrays, not copies), and the
+      JSON-exact host state (module docstring).
+    Raises:
+      TypeError: when the host state would not survive a JSON round trip unchanged (e.g. the rollout's
+        `state_dict()` holds a tuple or a non-str key).
     """
     state = {"params": trainer.params, "opt_state": trainer.opt_state}
     host = {
@@ -134,8 +149,16 @@ def trainer_state(trainer: RLTrainer, rollout: Any = None, fingerprint: dict | N
     return state, host
 
 
-def abstract_trainer_state(params, opt_state) -> dict:
-    """The restore target (shapes, dtypes, shardings) of `trainer_state`'s device state."""
+def abstract_trainer_state(params: Params, opt_state: Any) -> dict:
+    """The restore target (shapes, dtypes, shardings) of `trainer_state`'s device state.
+
+    Args:
+      params: the model params (a nested dict of `jax.Array`), in the shardings to restore into.
+      opt_state: the optimizer state pytree of arrays (`OptState`, or any optax state), likewise.
+    Returns:
+      `{'params': ..., 'opt_state': ...}` with every array replaced by its `jax.ShapeDtypeStruct` (shape,
+      dtype, sharding), for `Checkpointer.restore` / `restore_latest`.
+    """
     return {"params": abstract_of(params), "opt_state": abstract_of(opt_state)}
 
 
@@ -155,7 +178,22 @@ def check_resumable(host: dict, fingerprint: dict | None, num_tasks: int, where:
 
 
 def load_trainer_state(trainer: RLTrainer, state: dict, host: dict, rollout: Any = None) -> None:
-    """Puts a restored (state, host) into `trainer` (and the rollout source's own state)."""
+    """Puts a restored (state, host) into `trainer` (and the rollout source's own state).
+
+    Sets the trainer's params (also pushed to its engine with `set_params`), optimizer state, step,
+    params version, task-stream position, longest-first durations and carried-over micro-batches.
+
+    Args:
+      trainer: the RL trainer to resume.
+      state: the restored device state, `{'params', 'opt_state'}` (as `trainer_state` returns it).
+      host: the restored host state (as `trainer_state` returns it); check it first with `check_resumable`.
+      rollout: the rollout source; gets `load_state_dict(host['rollout'])` when the host state holds one.
+    Returns:
+      None: `trainer` (and `rollout`) are updated in place.
+    Raises:
+      ValueError: when a carried-over array is not a saved array, or the checkpoint holds rollout state but
+        `rollout` has no `load_state_dict()`.
+    """
     trainer.params, trainer.opt_state = state["params"], state["opt_state"]
     trainer.engine.set_params(trainer.params)
     trainer.step_index = int(host["step"])

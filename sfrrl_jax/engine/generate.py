@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import warnings
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from sfrrl_jax.aio import run_sync
 
@@ -13,6 +13,9 @@ from sfrrl_jax.engine.types import Completion, GenerationRequest
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.driver import Engine
 from sfrrl_jax.mesh import memory_limit
+
+if TYPE_CHECKING:
+    from sfrrl_jax.models.transformer import Params
 
 # Share of the device's (CPU: the host's available) memory a `generate` call's KV cache may take
 # by default: the params and the activations need the rest.
@@ -59,7 +62,7 @@ def fit_slots_to_budget(engine: Engine, build: Callable[..., Engine], who: str,
     return build(max_slots=fitting)
 
 
-def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, stop_token_ids: Sequence[int] = (), max_slots: int | None = None,
              max_len: int | None = None, decode_steps: int = 4,
@@ -74,12 +77,24 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
     `max_slots` caps the slots too.
 
     Args:
-      cfg, params: the model and its (sharded) params.
+      cfg: the model config.
+      params: the model's (sharded) params, a nested dict of `jax.Array`.
       prompts: token-id sequences (not text).
-      max_new_tokens: per prompt; max_len: the engine's cache length per slot (None: the longest
-        prompt + max_new_tokens rounded up to a power of two, at most cfg.max_seq_len).
+      max_new_tokens: per prompt.
+      temperature: sampling temperature; 0 (the default) is greedy.
+      top_k: keep only the k most likely tokens (None: off).
+      top_p: nucleus sampling's probability mass, in (0, 1] (None: off).
+      seed: request i samples from seed `seed + i`.
+      stop_token_ids: token ids that end a completion ('stop'; the stop token is included).
+      max_slots: caps the slots that decode together (None: one per prompt, within the budget).
+      max_len: the engine's cache length per slot (None: the longest prompt + max_new_tokens rounded up
+        to a power of two, at most cfg.max_seq_len).
+      decode_steps: tokens each decode chunk generates per running slot.
+      kv_budget_bytes: the KV cache budget (None: half the device's memory, see above).
     Returns:
-      One `Completion` per prompt, in prompt order.
+      One `Completion` per prompt, in prompt order ([] for no prompts).
+    Raises:
+      ValueError: when `prompts` (or one of them) is text rather than token ids, or a setting is out of range.
     """
     if isinstance(prompts, (str, bytes)):
         raise ValueError("prompts must be a list of token-id sequences, got text: tokenize it first")

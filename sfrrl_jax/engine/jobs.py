@@ -105,23 +105,46 @@ class Job:
 
 @dataclasses.dataclass
 class EngineStats:
+    """An engine's running counters (`Engine.stats`), cumulative since the engine was built; a caller takes
+    differences between two snapshots (`dataclasses.replace(engine.stats)`).
+
+    Attributes:
+      decode_steps: decode steps run (each decode chunk counts its `decode_steps` tokens per slot).
+      slot_steps_active: sum over decode steps of running slots (the valid ones).
+      slot_steps_total: sum over decode steps of max_slots.
+      generated_tokens: tokens generated and streamed into requests.
+      prefills: prompts admitted by prefill.
+      prefill_calls: prefill device calls (one per prompt bucket of an admission).
+      prefill_rows: distinct prompts those calls computed (shared prompts once).
+      appends: observations appended to parked slots.
+      append_calls: append device calls (one per bucket of an admission's appends).
+      device_seconds: wall time inside device steps (block-until-ready).
+      faults: device steps that raised; each rebuilt the state.
+      restored_slots: slots refilled from their token logs after a fault.
+      evictions: paged: parked slots evicted to the host (restored on append).
+      preemptions: paged: running requests preempted (restored by recompute).
+      cache_swaps: swap_cache: idle jobs run with the KV cache in host memory.
+      swap_seconds: swap_cache: wall time moving the cache out and back.
+    """
+
     decode_steps: int = 0
-    slot_steps_active: int = 0       # sum over decode steps of running slots
-    slot_steps_total: int = 0        # sum over decode steps of max_slots
+    slot_steps_active: int = 0
+    slot_steps_total: int = 0
     generated_tokens: int = 0
-    prefills: int = 0                # prompts admitted by prefill
-    prefill_calls: int = 0           # prefill device calls (one per prompt bucket of an admission)
-    prefill_rows: int = 0            # distinct prompts those calls computed (shared prompts once)
-    appends: int = 0                 # observations appended to parked slots
-    append_calls: int = 0            # append device calls (one per bucket of an admission's appends)
-    device_seconds: float = 0.0      # wall time inside device steps (block-until-ready)
-    faults: int = 0                  # device steps that raised; each rebuilt the state
-    restored_slots: int = 0          # slots refilled from their token logs after a fault
-    evictions: int = 0               # paged: parked slots evicted to the host (restored on append)
-    preemptions: int = 0             # paged: running requests preempted (restored by recompute)
-    cache_swaps: int = 0             # swap_cache: idle jobs run with the KV cache in host memory
-    swap_seconds: float = 0.0        # swap_cache: wall time moving the cache out and back
+    prefills: int = 0
+    prefill_calls: int = 0
+    prefill_rows: int = 0
+    appends: int = 0
+    append_calls: int = 0
+    device_seconds: float = 0.0
+    faults: int = 0
+    restored_slots: int = 0
+    evictions: int = 0
+    preemptions: int = 0
+    cache_swaps: int = 0
+    swap_seconds: float = 0.0
 
     @property
     def slot_occupancy(self) -> float:
+        """The share of slot-steps that ran a request: `slot_steps_active / slot_steps_total` (0 before any)."""
         return self.slot_steps_active / max(self.slot_steps_total, 1)

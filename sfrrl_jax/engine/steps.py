@@ -113,9 +113,18 @@ class DecodeState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Prefix:
-    cache_k: jax.Array     # [layers, 1, bucket, kv_heads, head_dim]
+    """One prompt's prefilled KV cache, what `prefill` returns and `insert` writes into a slot (positions
+    0..bucket-1 of the slot's cache; cast to the engine's cache dtype there). A pytree.
+
+    Attributes:
+      cache_k: `[layers, 1, bucket, kv_heads, head_dim]`, the keys of the prompt padded to its bucket length.
+      cache_v: `[layers, 1, bucket, kv_heads, cfg.value_cache_dim]`, the values, likewise.
+      true_length: scalar, the prompt's real length (positions past it are padding).
+    """
+
+    cache_k: jax.Array
     cache_v: jax.Array
-    true_length: jax.Array  # scalar
+    true_length: jax.Array
 
 
 @jax.tree_util.register_dataclass

@@ -130,6 +130,38 @@ class EngineError(RuntimeError):
 
 @runtime_checkable
 class EngineProtocol(Protocol):
-    async def complete(self, request: GenerationRequest) -> Completion: ...
+    """What any engine meets (the real `Engine`, a scripted one in tests, a remote one): the agent loop's
+    view of generation. Runtime-checkable: `isinstance(x, EngineProtocol)` checks that both methods exist.
 
-    async def release(self, slot_handle: Any) -> None: ...
+    The semantics callers rely on are in the module docstring; each method's contract below.
+    """
+
+    async def complete(self, request: GenerationRequest) -> Completion:
+        """Generates one turn for one trajectory.
+
+        Args:
+          request: with `slot_handle=None`, `tokens` is the whole prompt (prefill). With the handle of this
+            trajectory's previous `Completion`, the slot's KV cache holds everything so far (including the last
+            generated token) and `tokens` are only the NEW tokens to append, never the history again.
+        Returns:
+          The `Completion`: the newly generated tokens (the stop token that ended the turn included),
+          `logprobs[i]` = log p(tokens[i]) under the sampling distribution actually used, `finish_reason`
+          'stop' or 'length', and a `slot_handle` that keeps the slot parked until the next `complete` or
+          `release`.
+        Raises:
+          EngineError: when the engine itself failed (no trajectory can go on).
+          asyncio.CancelledError: when the call is cancelled (wall budget); the engine then frees whatever
+            the request allocated, and the caller still releases the last handle it was given.
+          ValueError: for a request the engine refuses, this request's own error (`Engine`: a handle that is not
+            parked on it, an append past its `max_len`, ...; other engines may name their own).
+        """
+        ...
+
+    async def release(self, slot_handle: Any) -> None:
+        """Frees the parked slot `slot_handle` names; the loop calls it exactly once when a trajectory ends.
+
+        Args:
+          slot_handle: a `Completion.slot_handle` of this engine. None, or a handle released already, is a no-op
+            (a cancelled call's slot may have been freed by the engine already).
+        """
+        ...

@@ -55,9 +55,21 @@ def register_recipe(kind: str, recipe_cls: type, run_fn: RunFn,
                     validate_fn: Callable[[Any], None] | None = None) -> Recipe:
     """Registers `recipe_cls` / `run_fn` as Job kind `kind` (see `Recipe`); returns the entry.
 
-    Registering the same (kind, class, functions) objects again is a no-op; a different class or
-    function under a kind already taken is a ValueError (two recipes would answer to one gin
-    name), as is a kind that is not an identifier or is one of Job's own parameter names.
+    Registering the same (kind, class, functions) objects again is a no-op.
+
+    Args:
+      kind: the Job kind, an identifier (it names the Job parameter that takes the recipe's config).
+      recipe_cls: the recipe's config class (a gin configurable once registered).
+      run_fn: `run(recipe, run_dir, log=print) -> dict`, runs the recipe (see `Recipe.run`).
+      validate_fn: optional `validate(recipe) -> None`, raising ValueError when the recipe cannot run (see
+        `Recipe.validate`).
+    Returns:
+      The registered `Recipe`.
+    Raises:
+      ValueError: when a different class or function is already registered under `kind` (two recipes would
+        answer to one gin name), or `kind` is not an identifier, is a built-in kind or one of Job's own
+        parameter names.
+      TypeError: when `recipe_cls` is not a class, or `run_fn` / `validate_fn` is not callable.
     """
     if not isinstance(kind, str) or not kind.isidentifier():
         raise ValueError(f"register_recipe: kind must be an identifier (it names a Job parameter), got {kind!r}")
@@ -83,7 +95,11 @@ def unregister_recipe(kind: str) -> None:
 
 
 def recipe_kinds() -> tuple[str, ...]:
-    """Every Job kind that can run now: the built-in ones, then the registered recipes in order."""
+    """Every Job kind that can run now.
+
+    Returns:
+      The built-in kinds (`BUILTIN_KINDS`), then the registered recipes' kinds in registration order.
+    """
     return BUILTIN_KINDS + tuple(_RECIPES)
 
 
@@ -92,7 +108,15 @@ def registered_recipes() -> tuple[Recipe, ...]:
 
 
 def get_recipe(kind: str) -> Recipe:
-    """The registered recipe of `kind`; a ValueError naming the registered kinds if there is none."""
+    """The registered recipe of `kind`.
+
+    Args:
+      kind: a Job kind.
+    Returns:
+      Its `Recipe` entry.
+    Raises:
+      ValueError: naming the valid kinds (and how recipes get registered) when `kind` has no registered recipe.
+    """
     try:
         return _RECIPES[kind]
     except KeyError:

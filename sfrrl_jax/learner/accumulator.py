@@ -28,11 +28,21 @@ def field_getitem(self, key):
 
 
 class Scalars(NamedTuple):
-    numerator: Any         # sum of the differentiated loss numerators
-    denominator: Any       # sum of the aggregation denominators (loss tokens or sequences)
-    num_tokens: Any        # loss tokens
-    num_seqs: Any          # sequences with at least one loss token
-    num_microbatches: Any  # micro-batches added (float32)
+    """The scalar sums of an accumulator, each a float32 scalar `jax.Array` summed over the micro-batches added.
+
+    Attributes:
+      numerator: sum of the differentiated loss numerators.
+      denominator: sum of the aggregation denominators (loss tokens or sequences).
+      num_tokens: loss tokens.
+      num_seqs: sequences with at least one loss token.
+      num_microbatches: micro-batches added (float32).
+    """
+
+    numerator: Any
+    denominator: Any
+    num_tokens: Any
+    num_seqs: Any
+    num_microbatches: Any
 
     __getitem__ = field_getitem
 

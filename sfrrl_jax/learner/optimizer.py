@@ -191,8 +191,14 @@ def apply_updates_rounded(params, updates, seed, rounding: str = "stochastic"):
     return jax.tree.unflatten(treedef, out)
 
 
-def learning_rate_schedule(cfg: OptimizerConfig):
-    """step (int array) -> learning rate (float32)."""
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """The learning-rate schedule of `cfg`: linear warmup, then cosine decay (see `OptimizerConfig`).
+
+    Args:
+      cfg: the optimizer config (`learning_rate`, `warmup_steps`, `total_steps`, `end_lr_ratio`).
+    Returns:
+      `schedule(step) -> lr`: step (int array, applied updates) -> learning rate (float32, same shape).
+    """
     peak = cfg.learning_rate
     end = peak * cfg.end_lr_ratio
     warm = cfg.warmup_steps
@@ -218,7 +224,15 @@ def decays(path, leaf) -> bool:
 
 
 def build_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    """clip_by_global_norm (optional) -> AdamW with the schedule."""
+    """clip_by_global_norm (optional) -> AdamW with the schedule.
+
+    Args:
+      cfg: the optimizer config. `max_grad_norm` None: no clipping; `decay_matrices_only`: weight decay masked to
+        the weight matrices (`decays`); `mu_dtype`: the first moment's dtype.
+    Returns:
+      The optax transformation: `optax.adamw(learning_rate_schedule(cfg), ...)`, chained after
+      `optax.clip_by_global_norm(cfg.max_grad_norm)` when that is set.
+    """
     mask = (lambda params: jax.tree_util.tree_map_with_path(decays, params)) if cfg.decay_matrices_only else None
     adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, mask=mask, mu_dtype=cfg.mu_dtype)
@@ -267,7 +281,8 @@ def _with_extra_axis(sharding: NamedSharding, shape, axis: str | None) -> NamedS
     return sharding
 
 
-def opt_state_shardings(tx: optax.GradientTransformation, params, cfg: OptimizerConfig | None = None) -> OptState:
+def opt_state_shardings(tx: optax.GradientTransformation, params: Any,
+                        cfg: OptimizerConfig | None = None) -> OptState:
     """Shardings of `OptState(step, inner)` for params (arrays or ShapeDtypeStructs with .sharding).
 
     Param-shaped state (the moments) follows each param's sharding plus `cfg.state_shard_axis`;
@@ -275,6 +290,17 @@ def opt_state_shardings(tx: optax.GradientTransformation, params, cfg: Optimizer
     state leaf at a param's place but of another shape is replicated; if optax cannot locate the
     params in the state (`optax.tree_map_params`), leaves shaped like a param take that param's
     sharding and the rest is replicated.
+
+    Args:
+      tx: the optax transformation whose state is sharded (its `init` is traced abstractly, nothing is allocated).
+      params: the params pytree: `jax.Array`s or `jax.ShapeDtypeStruct`s, each with a `NamedSharding`.
+      cfg: the optimizer config that built `tx`, or None for a raw transformation. With `cfg.offload_state`
+        the shardings are in host memory (`memory_kind='pinned_host'`).
+    Returns:
+      An `OptState` of `NamedSharding`s, shaped like the state `tx.init(params)` wrapped in `OptState`; `step`
+      replicated.
+    Raises:
+      ValueError: when the params are not arrays with a `NamedSharding`.
     """
     leaves = jax.tree.leaves(params)
     if not leaves or not isinstance(getattr(leaves[0], "sharding", None), NamedSharding):

@@ -40,6 +40,7 @@ Host numpy inputs are placed batch-sharded on the params' mesh. Multi-host: pass
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +64,9 @@ from sfrrl_jax.learner.optimizer import (
     learning_rate_in_state, learning_rate_schedule, opt_state_shardings, with_memory_kind,
 )
 
+if TYPE_CHECKING:
+    from sfrrl_jax.config import ModelConfig
+
 
 def validate_microbatch(batch: dict, loss: Loss | LossConfig, vocab_size: int | None = None) -> None:
     """Host-side checks (keys, shapes, dtypes, token range) with messages naming the tensor.
@@ -70,6 +74,20 @@ def validate_microbatch(batch: dict, loss: Loss | LossConfig, vocab_size: int | 
     Required keys are the loss's `required_fields` (and under routing replay 'routes' and
     'routes_mask'); a key is unknown unless a built-in loss or this loss reads it
     (`rl.loss_fn.BUILTIN_FIELDS`, `Loss.fields`).
+
+    Args:
+      batch: the micro-batch, a dict of arrays: 'tokens' `[batch, seq]` int (seq >= 2); every other field
+        `[batch, seq]` like it, except 'advantages', which may be per-row `[batch]` on unpacked rows (no
+        'segment_ids'), and 'routes', `[batch, seq, moe layers, top_k]` int. A None value counts as missing
+        and is not shape-checked.
+      loss: the loss (`sfrrl_jax.rl.Loss`, or a `LossConfig` mapped to its built-in).
+      vocab_size: when given, every token id must lie in `[0, vocab_size)`.
+    Returns:
+      None, when the micro-batch passes every check.
+    Raises:
+      TypeError: when `batch` is not a dict, or 'tokens' is not integer.
+      KeyError: when a required key is missing, or a key is unknown.
+      ValueError: when a shape is wrong, per-row advantages meet packed rows, or a token id is out of range.
     """
     if not isinstance(batch, dict):
         raise TypeError(f"micro-batch must be a dict of arrays, got {type(batch).__name__}")
@@ -451,15 +469,23 @@ def _apply_update(tx, schedule, param_sh, params, opt_state: OptState, acc: Accu
     return new_params, new_opt, metrics
 
 
-def make_train_step(cfg, loss: Loss | LossConfig,
+def make_train_step(cfg: ModelConfig, loss: Loss | LossConfig,
                     optimizer: optax.GradientTransformation | OptimizerConfig) -> TrainStep:
     """The train step of the sfrrl_jax transformer for `cfg` (a `sfrrl_jax.config.ModelConfig`).
 
-    loss: a `sfrrl_jax.rl.Loss` or a `LossConfig`; optimizer: an optax `GradientTransformation`
-    or an `OptimizerConfig` (see `TrainStep`). Router aux / z-loss coefficients come from the
-    loss (`Loss.router_aux_coef` / `router_z_coef`, i.e. the LossConfig's) when set, else from `cfg`.
-    Routing replay (`Loss.routing_replay='r3'`, a MoE `cfg`): the forward uses the batch's routes
-    and metrics gain 'routing_agreement' and 'routing_agreement/layer_<i>' per MoE layer i.
+    Router aux / z-loss coefficients come from the loss (`Loss.router_aux_coef` / `router_z_coef`,
+    i.e. the LossConfig's) when set, else from `cfg`. Routing replay (`Loss.routing_replay='r3'`, a
+    MoE `cfg`): the forward uses the batch's routes and metrics gain 'routing_agreement' and
+    'routing_agreement/layer_<i>' per MoE layer i.
+
+    Args:
+      cfg: the model config; its `vocab_size` bounds the micro-batches' token ids.
+      loss: a `sfrrl_jax.rl.Loss` or a `LossConfig`.
+      optimizer: an optax `GradientTransformation` or an `OptimizerConfig` (see `TrainStep`).
+    Returns:
+      The `TrainStep` (jitted lazily, per params layout and batch shape).
+    Raises:
+      ValueError: when the loss has routing_replay='r3' but the model has no MoE layer.
     """
     from sfrrl_jax.models import transformer as tfm
 

@@ -47,8 +47,16 @@ def mesh_context(params):
     return jax.sharding.use_abstract_mesh(mesh)
 
 
-def mesh_of(params) -> Mesh:
-    """The mesh the params live on (every leaf must share it)."""
+def mesh_of(params: tfm.Params) -> Mesh:
+    """The mesh the params live on (every leaf must share it).
+
+    Args:
+      params: the params (a nested dict of `jax.Array`; any pytree of arrays works); its first leaf is read.
+    Returns:
+      The `Mesh` of the first leaf's `NamedSharding`.
+    Raises:
+      ValueError: when the first leaf is not a `jax.Array` with a `NamedSharding` (use `init_params` / `load_hf`).
+    """
     leaf = jax.tree.leaves(params)[0]
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, NamedSharding):
@@ -58,7 +66,15 @@ def mesh_of(params) -> Mesh:
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
-    """The `NamedSharding` of every param, from its logical axes and the one rules table."""
+    """The `NamedSharding` of every param, from its logical axes and the one rules table.
+
+    Args:
+      cfg: the model config.
+      mesh: the mesh to shard over.
+    Returns:
+      A nested dict laid out as the params (`transformer.param_shapes(cfg)`), each leaf a `NamedSharding` on
+      `mesh` (`mesh.LOGICAL_AXIS_RULES`, fitted to the param's shape).
+    """
     axes = tfm.param_logical_axes(cfg)
     shapes = tfm.param_shapes(cfg)
     return jax.tree.map(
@@ -78,8 +94,16 @@ def check_mesh_fits(cfg: ModelConfig, mesh: Mesh) -> None:
 def init_params(cfg: ModelConfig, mesh: Mesh, seed: int = 0) -> dict:
     """Random params, created directly in their shardings (no full host copy ever exists).
 
-    Returns a nested dict of `jax.Array`; expert weights are sharded over the `expert` axis,
-    dense weights over `tensor` where their dims divide, replicated over `data`.
+    Args:
+      cfg: the model config.
+      mesh: the mesh to create the params on.
+      seed: the PRNG seed of the initialisers.
+    Returns:
+      A nested dict of `jax.Array` (laid out as `transformer.param_shapes(cfg)`, sharded as
+      `param_shardings(cfg, mesh)`); expert weights are sharded over the `expert` axis, dense weights over
+      `tensor` where their dims divide, replicated over `data`.
+    Raises:
+      ValueError: when `cfg.n_experts` is not divisible by the mesh's expert axis size.
     """
     check_mesh_fits(cfg, mesh)
     with jax.set_mesh(mesh):
@@ -151,19 +175,38 @@ def _concrete_range(x) -> tuple[int, int] | None:
     return int(a.min()), int(a.max())
 
 
-def forward(cfg: ModelConfig, params, tokens, segment_ids=None, positions=None, return_aux=False, *,
-            routes=None, routes_mask=None, return_routes=False):
+def forward(cfg: ModelConfig, params: tfm.Params, tokens: jax.typing.ArrayLike,
+            segment_ids: jax.typing.ArrayLike | None = None, positions: jax.typing.ArrayLike | None = None,
+            return_aux: bool = False, *, routes: jax.typing.ArrayLike | None = None,
+            routes_mask: jax.typing.ArrayLike | None = None, return_routes: bool = False
+            ) -> jax.Array | tuple[jax.Array | dict[str, jax.Array], ...]:
     """Logits [batch, seq, vocab] (fp32) of a packed batch; jitted once per shape.
 
-    segment_ids [batch, seq]: tokens attend only within their segment (0 = padding);
-    positions [batch, seq]: RoPE positions (default: restart at 0 in each segment).
-    With return_aux, also the router metrics ('router_aux_loss', 'router_z_loss', ...).
-    Routing replay (MoE): routes [batch, seq, moe layers, top_k] int are the experts to use
-    (e.g. an engine's `Completion.routes`) where routes_mask [batch, seq] is true (default: all),
-    gate weights from this forward's router; aux then holds 'routing_agreement' (overall and
-    '/layer_<i>'). return_routes: also the experts used, [batch, seq, moe layers, top_k] int32.
-    Returns logits, then aux (return_aux), then routes (return_routes).
-    Composes with jax.jit / jax.grad / jax.vmap (see the module doc).
+    Composes with jax.jit / jax.grad / jax.vmap (see the module doc). Concrete inputs are checked on the host
+    (shape, dtype, vocab range, length); traced ones get the static checks only (rank, dtype, length).
+
+    Args:
+      cfg: the model config.
+      params: the sharded params (from `init_params` / `load_hf`); the model runs on their mesh.
+      tokens: `[batch, seq]` int token ids in `[0, cfg.vocab_size)`, seq <= `cfg.max_seq_len`.
+      segment_ids: `[batch, seq]` int: tokens attend only within their segment (0 = padding).
+        Default (None): one segment per row.
+      positions: `[batch, seq]` int RoPE positions, below `cfg.max_seq_len` (default: restart at 0 in each
+        segment).
+      return_aux: also return the router metrics ('router_aux_loss', 'router_z_loss', ...).
+      routes: routing replay (MoE): `[batch, seq, moe layers, top_k]` int expert ids in `[0, cfg.n_experts)`,
+        the experts to use (e.g. an engine's `Completion.routes`) where `routes_mask` is true, gate weights
+        from this forward's router; aux then holds 'routing_agreement' (overall and '/layer_<i>').
+      routes_mask: `[batch, seq]` bool-like, where to replay `routes` (default: all); only with `routes`.
+      return_routes: also return the experts used, `[batch, seq, moe layers, top_k]` int32.
+    Returns:
+      The logits `[batch, seq, vocab]` float32 alone, or a tuple: logits, then aux (`{name: scalar}`, with
+      `return_aux`), then routes (with `return_routes`).
+    Raises:
+      TypeError: when `tokens` or `routes` are not integer.
+      ValueError: for a wrong rank or shape, a sequence past `cfg.max_seq_len`, token ids, positions or expert
+        ids out of range (concrete inputs), `routes_mask` without `routes`, routes or `return_routes` on a model
+        without a MoE layer, or params that carry no mesh.
     """
     validate_tokens(cfg, tokens, segment_ids, positions)
     if routes is not None:

@@ -108,6 +108,21 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, n: int, dense: bool):
 
 
 class Transformer(nnx.Module):
+    """The decoder as an NNX module: it defines the params' structure, initialisers and logical axes.
+
+    Params live as a plain nested dict of `jax.Array` (`Params`); this module is rebuilt abstractly per config
+    (`_skeleton`) and re-bound to the arrays inside each jitted function (`bind`), which moves no data.
+
+    Attributes:
+      cfg: the model config.
+      embed: the token embedding table `[vocab, embed]`.
+      layers: the stacked blocks (every param with a leading `layers` dim): every layer of a uniform model, the MoE
+        layers of a MoE model with `cfg.dense_layers`.
+      dense_layers: the stacked dense blocks of a MoE model with `cfg.dense_layers` (absent otherwise).
+      final_norm: the final RMSNorm.
+      lm_head: the LM head `[embed, vocab]`; absent with `cfg.tie_embeddings` (the transposed embedding serves).
+    """
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg, rngs)
@@ -165,7 +180,14 @@ def _skeleton(cfg: ModelConfig):
 
 
 def param_logical_axes(cfg: ModelConfig) -> dict:
-    """Same nested layout as the params, each leaf a tuple of logical names (one per dim)."""
+    """Same nested layout as the params, each leaf a tuple of logical names (one per dim).
+
+    Args:
+      cfg: the model config.
+    Returns:
+      A nested dict like the params, each leaf a tuple of logical axis names (`sfrrl_jax.mesh.LOGICAL_AXIS_RULES`)
+      or None per dim; stacked layers' leaves start with `"layers"`.
+    """
     _, state = _skeleton(cfg)
     flat = {}
     for path, var in nnx.to_flat_state(state):
@@ -310,21 +332,40 @@ def _replay_per_layer(cfg: ModelConfig, routes, routes_mask, segment_ids, seq_le
     return jnp.moveaxis(routes, 2, 0)[index], mask
 
 
-def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, positions=None,
-                   routes=None, routes_mask=None, return_routes: bool = False):
+def forward_hidden(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                   positions: jax.Array | None = None, routes: jax.Array | None = None,
+                   routes_mask: jax.Array | None = None, return_routes: bool = False
+                   ) -> tuple[jax.Array, dict[str, jax.Array]] | tuple[jax.Array, dict[str, jax.Array], jax.Array]:
     """Final-normed hidden states [batch, seq, embed] and aux metrics (means over the MoE
     layers; a dense layer has no router).
 
-    tokens [batch, seq] int; segment_ids [batch, seq] (0 = padding, excluded from router
-    statistics; tokens attend only within their segment); positions [batch, seq] (RoPE and
-    causality). Defaults: one segment per row, positions 0..seq-1.
+    Pure and traceable: call it under `jax.set_mesh(mesh)` (inside a jit), as the public wrappers in
+    `sfrrl_jax.models.api` do.
 
-    Routing replay (R3): routes [batch, seq, moe layers, top_k] int (any int dtype; layers in
-    `moe_layer_ids` order) are the experts to use where routes_mask [batch, seq] (default: all)
-    is true; their weights come from this forward's router, so the router still learns. aux then
-    holds 'routing_agreement' (the share of replayed choices this forward would have made,
-    over the MoE layers) and 'routing_agreement/layer_<i>' per MoE layer i. return_routes:
-    also return the experts used, [batch, seq, moe layers, top_k] int32, as a third value.
+    Args:
+      cfg: the model config.
+      params: the params (`Params`, laid out as `param_shapes(cfg)`).
+      tokens: `[batch, seq]` int token ids.
+      segment_ids: `[batch, seq]` int (0 = padding, excluded from router statistics; tokens attend only
+        within their segment). Default (None): one segment per row.
+      positions: `[batch, seq]` int, RoPE positions (and causality). Default (None): 0..seq-1, restarting
+        at each new segment.
+      routes: routing replay (R3): `[batch, seq, moe layers, top_k]` int (any int dtype; layers in
+        `moe_layer_ids` order), the experts to use where `routes_mask` is true; their weights come from this
+        forward's router, so the router still learns. None: route as the router chooses.
+      routes_mask: `[batch, seq]` bool-like, where to replay `routes` (default: all).
+      return_routes: also return the experts used, as a third value.
+    Returns:
+      `(hidden, aux)`, or `(hidden, aux, routes)` with `return_routes`:
+        hidden: `[batch, seq, embed]` in the compute dtype.
+        aux: `{name: scalar}`, the router metrics ('router_aux_loss', 'router_z_loss', ...) averaged over the
+          MoE layers ({} for a dense model); with `routes`, also 'routing_agreement' (the share of replayed
+          choices this forward would have made, over the MoE layers) and 'routing_agreement/layer_<i>' per
+          MoE layer i.
+        routes: `[batch, seq, moe layers, top_k]` int32, the experts used.
+    Raises:
+      ValueError: when `routes` is given or `return_routes` is set on a model without a MoE layer, or `routes`
+        does not have the shape `[batch, seq, moe layers, top_k]`.
     """
     model = bind(cfg, params)
     segment_ids, positions = default_positions_and_segments(tokens, segment_ids, positions)
@@ -364,7 +405,14 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens, segment_ids=None, p
 def unembedding(cfg: ModelConfig, params: Params) -> jax.Array:
     """The LM head matrix [embed, vocab] (the transposed embedding when tied), divided by
     cfg.logits_divisor (Granite's logits_scaling): every path to the logits, the engine's and the
-    train step's chunked log-probs, goes through here."""
+    train step's chunked log-probs, goes through here.
+
+    Args:
+      cfg: the model config (`tie_embeddings`, `logits_divisor`).
+      params: the params (`Params`).
+    Returns:
+      `[embed, vocab]` in the params' dtype: `params['lm_head']`, or `params['embed']['embedding'].T` when tied.
+    """
     w = params["embed"]["embedding"].T if cfg.tie_embeddings else params["lm_head"]
     return w if cfg.logits_divisor == 1.0 else w / jnp.asarray(cfg.logits_divisor, w.dtype)
 

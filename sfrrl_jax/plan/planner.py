@@ -163,6 +163,26 @@ class Phase:
 
 @dataclasses.dataclass
 class Plan:
+    """The memory plan of a run: every compiled phase's per-device peak, and what lives between calls.
+
+    `to_markdown()` renders the report (per-phase peak, breakdown, verdict against the device memory); `to_dict()`
+    the same figures as JSON-able values (GB = 1e9 bytes).
+
+    Attributes:
+      inputs: the run's configs and mesh that were planned.
+      config: what was planned (`PlanConfig`: device memory, reserve, shapes, phases).
+      phases: the compiled `Phase`s, in `ALL_PHASES` order (those asked for and that apply).
+      static: per-device bytes of what lives between calls: 'params', 'optimizer state (device)',
+        'optimizer state (pinned_host)', 'accumulator (f32 grads)', 'KV cache', 'deferred buffers'.
+      shapes: the micro-batch and engine shapes planned (micro-batch [rows, length], mode, max_slots, max_len,
+        prefill_len, decode_steps, paging, mesh, early_groups, swap_cache).
+      setup_s: seconds spent building the abstract inputs before compiling.
+      budget: (property) the bytes a phase may peak at: device_memory_gb - reserve_gb, in bytes.
+      peak: (property) the largest phase peak, in bytes (0 with no phase).
+      fits: (property) whether every phase's peak is within `budget`.
+      compile_s: (property) the phases' total compile seconds.
+    """
+
     inputs: PlanInputs
     config: PlanConfig
     phases: list
@@ -248,7 +268,19 @@ def compiled_model_cfg(model_cfg: ModelConfig, cfg: PlanConfig) -> ModelConfig:
 
 
 def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callable[[str], None] | None = None) -> Plan:
-    """Compiles the phases in `cfg.phases` for `inputs` and returns the Plan (see the module doc)."""
+    """Compiles the phases in `cfg.phases` for `inputs` and returns the Plan (see the module doc).
+
+    Inputs are abstract (shapes and the run's shardings): nothing the size of the model is allocated.
+
+    Args:
+      inputs: the run's configs and its mesh (over real or fake devices).
+      cfg: what to plan beyond the run's configs (default `PlanConfig()`: an H200's 141 GB, every phase).
+      log: called with one line of progress per phase compiled (None: silent).
+    Returns:
+      The `Plan`.
+    Raises:
+      ValueError: when the micro-batch length exceeds `ModelConfig.max_seq_len`.
+    """
     say = log or (lambda s: None)
     t0 = time.perf_counter()
     model_cfg, mesh, tc = compiled_model_cfg(inputs.model_cfg, cfg), inputs.mesh, inputs.trainer

@@ -27,22 +27,51 @@ def _group_std(rewards: jnp.ndarray, ddof: int) -> jnp.ndarray:
 
 
 def grpo_advantages(rewards: jnp.ndarray, eps: float = 1e-6, std_ddof: int = 0) -> jnp.ndarray:
-    """GRPO: (r - group mean) / (group std + eps). rewards, result: [groups, G]."""
+    """GRPO advantages: (r - group mean) / (group std + eps), per group.
+
+    Branches only on static shapes, so it traces under `jax.jit`. A group with no contrast gets 0: its
+    centred rewards are 0, and where G - std_ddof <= 0 (e.g. G = 1 with `std_ddof=1`) the std is taken as 0.
+
+    Args:
+      rewards: `[groups, G]` float rewards; row i holds the G samples of prompt i.
+      eps: added to the group std in the denominator (avoids division by 0 for constant groups).
+      std_ddof: delta degrees of freedom of the group std: 0 = population std (divide by G), 1 = unbiased
+        (divide by G - 1).
+    Returns:
+      `[groups, G]` advantages, the dtype of `rewards`.
+    Raises:
+      ValueError: `rewards` is not 2-D.
+    """
     _check_grouped(rewards, "grpo_advantages")
     centred = rewards - jnp.mean(rewards, axis=-1, keepdims=True)
     return centred / (_group_std(rewards, std_ddof) + eps)
 
 
 def dr_grpo_advantages(rewards: jnp.ndarray) -> jnp.ndarray:
-    """Dr. GRPO: r - group mean (no std normalisation). rewards, result: [groups, G]."""
+    """Dr. GRPO advantages: r - group mean (no std normalisation).
+
+    Args:
+      rewards: `[groups, G]` float rewards; row i holds the G samples of prompt i.
+    Returns:
+      `[groups, G]` advantages, the dtype of `rewards`; each row sums to 0.
+    Raises:
+      ValueError: `rewards` is not 2-D.
+    """
     _check_grouped(rewards, "dr_grpo_advantages")
     return rewards - jnp.mean(rewards, axis=-1, keepdims=True)
 
 
 def rloo_advantages(rewards: jnp.ndarray) -> jnp.ndarray:
-    """RLOO: r_i - mean_{j != i} r_j = G/(G-1) * (r_i - group mean). [groups, G] -> [groups, G].
+    """RLOO advantages: r_i - mean_{j != i} r_j = G/(G-1) * (r_i - group mean).
 
     A group of one sample has no leave-one-out baseline: its advantage is 0.
+
+    Args:
+      rewards: `[groups, G]` float rewards; row i holds the G samples of prompt i.
+    Returns:
+      `[groups, G]` advantages (zeros when G = 1).
+    Raises:
+      ValueError: `rewards` is not 2-D.
     """
     _check_grouped(rewards, "rloo_advantages")
     g = rewards.shape[-1]
@@ -68,11 +97,24 @@ def reinforce_pp_advantages(
     std_ddof: int = 0,
     group_baseline: bool = False,
 ) -> jnp.ndarray:
-    """REINFORCE++: rewards whitened over the whole batch (global mean and std).
+    """REINFORCE++ advantages: rewards whitened over the whole batch (global mean and std).
 
-    rewards: [groups, G] (or any shape); mask (same shape, optional): samples that count in the
-    batch statistics (e.g. those that survived filtering); masked-out samples get advantage 0.
-    group_baseline=True (REINFORCE++-baseline) subtracts each group's mean first.
+    With n = sum(mask): mean = sum(x * mask) / n, var = sum((x - mean)^2 * mask) / (n - std_ddof)
+    (0 when n - std_ddof <= 0), and the advantage is (x - mean) / (sqrt(var) + eps) * mask.
+    `group_baseline=True` (REINFORCE++-baseline) first replaces x by x - group mean (the mean of all G
+    samples of the group, masked or not).
+
+    Args:
+      rewards: `[groups, G]` float rewards (or any shape when `group_baseline` is False).
+      mask: optional 0/1 array of the shape of `rewards`: the samples that count in the batch statistics
+        (e.g. those that survived filtering); masked-out samples get advantage 0. None: every sample counts.
+      eps: added to the batch std in the denominator.
+      std_ddof: delta degrees of freedom of the batch std (0 = population, 1 = unbiased).
+      group_baseline: subtract each group's mean before whitening (needs `[groups, G]` rewards).
+    Returns:
+      Advantages of the shape of `rewards`, 0 where `mask` is 0.
+    Raises:
+      ValueError: `group_baseline` is True and `rewards` is not 2-D.
     """
     x = rewards
     if group_baseline:
@@ -84,10 +126,22 @@ def reinforce_pp_advantages(
 def compute_advantages(
     rewards: jnp.ndarray, cfg: AdvantageConfig, mask: jnp.ndarray | None = None
 ) -> jnp.ndarray:
-    """Dispatches on `cfg.estimator`. rewards: [groups, G] -> advantages [groups, G].
+    """Advantages by the estimator `cfg.estimator` names (see `AdvantageConfig`).
 
-    `mask` is only used by the batch-normalised estimators (REINFORCE++), whose statistics span
-    groups; group estimators are unaffected by other groups by construction.
+    'grpo' -> `grpo_advantages(rewards, cfg.eps, cfg.std_ddof)`, 'dr_grpo' -> `dr_grpo_advantages`,
+    'rloo' -> `rloo_advantages`, 'reinforce_pp' / 'reinforce_pp_baseline' -> `reinforce_pp_advantages`
+    (with `group_baseline` for the latter). `cfg` is hashable, so it can be a static argument of `jax.jit`.
+
+    Args:
+      rewards: `[groups, G]` float rewards; row i holds the G samples of prompt i.
+      cfg: the estimator and its `eps` / `std_ddof`.
+      mask: optional 0/1 `[groups, G]` samples that count. Only used by the batch-normalised estimators
+        (REINFORCE++), whose statistics span groups; group estimators are unaffected by other groups by
+        construction.
+    Returns:
+      `[groups, G]` advantages.
+    Raises:
+      ValueError: unknown `cfg.estimator`, or `rewards` not 2-D (where the estimator needs groups).
     """
     est = cfg.estimator
     if est == "grpo":
@@ -103,10 +157,16 @@ def compute_advantages(
 
 
 def broadcast_to_tokens(advantages: jnp.ndarray, loss_mask: jnp.ndarray) -> jnp.ndarray:
-    """Per-sample advantages -> per-token [batch, seq], zero where loss_mask is 0.
+    """Per-sample advantages -> per-token `[batch, seq]`, zero where `loss_mask` is 0.
 
-    advantages: [batch] or [groups, G] (flattened row-major to [groups * G] = batch);
-    loss_mask: [batch, seq].
+    Args:
+      advantages: `[batch]` or `[groups, G]` per-sample advantages (flattened row-major to
+        `[groups * G]` = batch).
+      loss_mask: `[batch, seq]` 0/1 loss mask.
+    Returns:
+      `[batch, seq]` token advantages `advantages[b] * loss_mask[b, t]`, the dtype of `advantages`.
+    Raises:
+      ValueError: `loss_mask` is not 2-D, or its batch size differs from the number of advantages.
     """
     adv = jnp.reshape(advantages, (-1,))
     if loss_mask.ndim != 2 or adv.shape[0] != loss_mask.shape[0]:
@@ -127,8 +187,19 @@ def kl_shaped_rewards(
 ) -> jnp.ndarray:
     """KL as reward shaping: r - coef * sum over the sample's loss tokens of KL(pi || ref).
 
-    rewards: [batch]; logprobs / ref_logprobs / loss_mask: [batch, seq] (log-probs of the sampled
-    tokens under the sampling policy and the reference). Returns [batch].
+    Apply it before computing advantages (and keep `LossConfig.kl_coef` = 0 then).
+
+    Args:
+      rewards: `[batch]` float per-sample rewards.
+      logprobs: `[batch, seq]` float log-probs of the sampled tokens under the sampling policy.
+      ref_logprobs: `[batch, seq]` float log-probs of the same tokens under the reference policy.
+      loss_mask: `[batch, seq]` 0/1 mask of the tokens whose KL counts.
+      coef: KL coefficient (0 leaves the rewards unchanged).
+      estimator: per-token KL estimator, 'k1', 'k2' or 'k3' (see `rl.kl.kl_estimate`).
+    Returns:
+      `[batch]` shaped rewards.
+    Raises:
+      ValueError: unknown `estimator`.
     """
     kl = kl_estimate(logprobs, ref_logprobs, estimator) * loss_mask
     return rewards - coef * jnp.sum(kl, axis=-1)
@@ -144,8 +215,18 @@ def reinforce_pp_token_advantages(
     """REINFORCE++ with per-token KL shaping (gamma = 1), whitened over all loss tokens.
 
     The return of token t is the outcome reward minus kl_coef times the KL still to come:
-    G_t = r - kl_coef * sum_{s >= t} kl_s (loss tokens only). rewards: [batch]; loss_mask, kl:
-    [batch, seq]. Returns token advantages [batch, seq] (0 off the loss mask).
+    G_t = r - kl_coef * sum_{s >= t} kl_s (loss tokens only). The returns are then whitened over every
+    loss token of the batch: (G_t - mean) / (std + eps), population std (ddof 0).
+
+    Args:
+      rewards: `[batch]` float per-sample outcome rewards.
+      loss_mask: `[batch, seq]` 0/1 loss mask.
+      kl: optional `[batch, seq]` float per-token KL estimates (e.g. `rl.kl.kl_estimate`); None: no
+        shaping.
+      kl_coef: KL coefficient; 0 disables the shaping.
+      eps: added to the std in the denominator.
+    Returns:
+      `[batch, seq]` float32 token advantages (0 off the loss mask).
     """
     m = loss_mask.astype(jnp.float32)
     returns = jnp.broadcast_to(rewards[:, None], m.shape).astype(jnp.float32)

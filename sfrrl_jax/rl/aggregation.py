@@ -18,6 +18,16 @@ class SequenceLayout:
     segment_ids None: one sequence per row. Otherwise sequences are the maximal runs of equal
     segment id within a row (padding, id 0 by convention, forms runs too; it carries no loss
     tokens, so it never counts).
+
+    Args:
+      shape: the `(batch, seq)` shape of the arrays it maps.
+      segment_ids: optional `[batch, seq]` int segment ids of packed rows; None: one sequence per row.
+    Attributes:
+      shape: `(batch, seq)`.
+      num_slots: length of the per-sequence arrays (`sum`, `gather`): batch without segment ids, else
+        batch * seq (one slot per possible run; unused slots hold 0).
+    Raises:
+      ValueError: `shape` is not 2-D, or `segment_ids` has another shape.
     """
 
     def __init__(self, shape: tuple[int, int], segment_ids: jnp.ndarray | None = None):
@@ -70,12 +80,24 @@ def aggregation_parts(
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """(numerator, denominator) of the aggregation over this (micro-)batch; both are sums.
 
-    per_token, mask: [batch, seq]. The loss is sum(numerators) / max(sum(denominators), 1):
+    The loss is sum(numerators) / max(sum(denominators), 1) over the micro-batches:
       token_mean               sum(l * m)                           / #loss tokens
       seq_mean_token_sum       sum(l * m)                           / #sequences
       seq_mean_token_sum_norm  sum(l * m) / norm_length             / #sequences
       seq_mean_token_mean      sum_s (sum_{t in s} l m / n_s)       / #sequences
     A sequence counts only if it has at least one loss token (filtered or padding rows don't).
+
+    Args:
+      per_token: `[batch, seq]` per-token losses l (any float dtype; computed in float32).
+      mask: `[batch, seq]` 0/1 loss mask m.
+      layout: the `SequenceLayout` of this `[batch, seq]` batch (unused by 'token_mean').
+      mode: one of the aggregations above (`LossConfig.aggregation`).
+      norm_length: the fixed length of 'seq_mean_token_sum_norm' (e.g. the max response length); ignored
+        by the other modes.
+    Returns:
+      `(numerator, denominator)`, float32 scalars; the numerator is differentiable in `per_token`.
+    Raises:
+      ValueError: unknown `mode`, or 'seq_mean_token_sum_norm' with `norm_length` None.
     """
     m = mask.astype(jnp.float32)
     lm = per_token.astype(jnp.float32) * m
@@ -104,6 +126,20 @@ def aggregate(
     mode: str,
     norm_length: int | None = None,
 ) -> jnp.ndarray:
-    """The aggregated scalar over one whole batch (0 if it holds no loss token)."""
+    """The aggregated scalar over one whole batch (0 if it holds no loss token).
+
+    numerator / max(denominator, 1) of `aggregation_parts`, which describes the modes.
+
+    Args:
+      per_token: `[batch, seq]` per-token losses (any float dtype; computed in float32).
+      mask: `[batch, seq]` 0/1 loss mask.
+      layout: the `SequenceLayout` of this `[batch, seq]` batch.
+      mode: 'token_mean', 'seq_mean_token_sum', 'seq_mean_token_mean' or 'seq_mean_token_sum_norm'.
+      norm_length: the fixed length of 'seq_mean_token_sum_norm'; ignored by the other modes.
+    Returns:
+      The loss, a float32 scalar.
+    Raises:
+      ValueError: unknown `mode`, or 'seq_mean_token_sum_norm' with `norm_length` None.
+    """
     num, den = aggregation_parts(per_token, mask, layout, mode, norm_length)
     return num / jnp.maximum(den, 1.0)

@@ -30,16 +30,20 @@ def _check_choice(owner: str, name: str, value, allowed) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-    """How per-sample advantages are computed from `[groups, G]` rewards.
+    """How per-sample advantages are computed from `[groups, G]` rewards (`rl.advantages.compute_advantages`).
 
-    estimator:
-      grpo                   (r - group mean) / (group std + eps)
-      dr_grpo                r - group mean (Dr. GRPO: no std, and no length normalisation, which
-                             is the loss aggregation's job: use 'seq_mean_token_sum_norm')
-      rloo                   r - mean of the *other* G-1 samples of the group
-      reinforce_pp           (r - batch mean) / (batch std + eps)   (REINFORCE++)
-      reinforce_pp_baseline  group mean subtracted first, then batch-std normalised
-    std_ddof: 0 = population std, 1 = unbiased (groups of one sample then have std 0).
+    Attributes:
+      estimator: the estimator:
+        grpo                   (r - group mean) / (group std + eps)
+        dr_grpo                r - group mean (Dr. GRPO: no std, and no length normalisation, which
+                               is the loss aggregation's job: use 'seq_mean_token_sum_norm')
+        rloo                   r - mean of the *other* G-1 samples of the group
+        reinforce_pp           (r - batch mean) / (batch std + eps)   (REINFORCE++)
+        reinforce_pp_baseline  group mean subtracted first, then batch-std normalised
+      eps: added to the std in the denominator (>= 0).
+      std_ddof: 0 = population std, 1 = unbiased (groups of one sample then have std 0).
+    Raises:
+      ValueError: a field outside its choices or range (the message names the field).
     """
 
     estimator: AdvantageEstimator = "grpo"
@@ -60,39 +64,51 @@ class LossConfig:
     `sft_loss(cfg)` (a `rl.Loss`, which the train step takes directly; a new loss is a new `Loss`,
     not a new option here).
 
-    objective: 'policy' (clipped policy gradient, below) or 'sft' (masked NLL of the loss tokens).
-    policy_loss: 'ppo' (token ratio) or 'gspo' (sequence ratio = exp(mean token log-ratio)).
-    clip_low / clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher:
-      clip_high > clip_low).
-    dual_clip: None, or c > 1: for negative advantages the per-token loss is capped at -c * A.
-    aggregation: how per-token losses become one scalar over the whole (accumulated) batch:
-      token_mean               sum over all loss tokens / number of loss tokens
-      seq_mean_token_sum       sum over all loss tokens / number of sequences
-      seq_mean_token_mean      mean over sequences of the per-sequence token mean
-      seq_mean_token_sum_norm  sum over all loss tokens / (sequences * norm_length)  (Dr. GRPO)
-    behavior: which log-probs the PPO/GSPO ratio is taken against:
-      current  stop_gradient(current log-probs): exact on-policy with one update per batch (the
-               ratio is 1 in value; train/inference mismatch is then corrected with `is_correction`)
-      rollout  the engine's rollout log-probs (the behaviour policy as sampled)
-      old      `old_logprobs` from the batch (a training-engine forward of the sampling weights)
-    kl_coef / kl_estimator: KL(pi || ref) penalty added to the loss (needs `ref_logprobs`);
-      coefficient 0 disables it. For KL as reward shaping use `rl.advantages.kl_shaped_rewards`
-      before computing advantages and keep kl_coef = 0 here.
-    entropy_coef: the aggregated token entropy times this is subtracted from the loss.
-    is_correction: train/inference mismatch correction with w = pi_behavior / pi_rollout:
-      'tis' multiplies the loss by min(w, is_cap); 'mis' (IcePop-style) multiplies it by w where
-      is_low <= w <= is_high and masks the token (or sequence) otherwise.
-    is_level: 'token' (per-token w), 'sequence' (w = product over the sequence's tokens),
-      'geo_sequence' (w = geometric mean over the sequence's tokens).
-    router_aux_coef / router_z_coef: coefficients of the model's router losses; None takes them
-      from the ModelConfig.
-    routing_replay: 'off', or 'r3' (rollout routing replay, MoE models): the engine records the
-      experts every token it fed used, the micro-batches carry them ('routes' [rows, seq, moe
-      layers, top_k], 'routes_mask' [rows, seq]) and the train forward uses those experts, with
-      gate weights from its own router (so the router still learns). Metrics then include
-      'routing_agreement' and 'routing_agreement/layer_<i>' (the share of the engine's choices
-      the train router would have made itself).
-    vocab_chunk / seq_chunk: chunk sizes of the logprob computation (never materialises [T, V]).
+    Attributes:
+      objective: 'policy' (clipped policy gradient, below) or 'sft' (masked NLL of the loss tokens).
+      policy_loss: 'ppo' (token ratio) or 'gspo' (sequence ratio = exp(mean token log-ratio)).
+      clip_low: the ratio is clipped to [1 - clip_low, 1 + clip_high]; in [0, 1).
+      clip_high: upper clip, >= 0 (DAPO clip-higher: clip_high > clip_low).
+      dual_clip: None, or c > 1: for negative advantages the per-token loss is capped at -c * A.
+      aggregation: how per-token losses become one scalar over the whole (accumulated) batch:
+        token_mean               sum over all loss tokens / number of loss tokens
+        seq_mean_token_sum       sum over all loss tokens / number of sequences
+        seq_mean_token_mean      mean over sequences of the per-sequence token mean
+        seq_mean_token_sum_norm  sum over all loss tokens / (sequences * norm_length)  (Dr. GRPO)
+      norm_length: the fixed length of 'seq_mean_token_sum_norm' (e.g. the max response length), an
+        int >= 1; required by that aggregation, ignored by the others (None).
+      behavior: which log-probs the PPO/GSPO ratio is taken against:
+        current  stop_gradient(current log-probs): exact on-policy with one update per batch (the
+                 ratio is 1 in value; train/inference mismatch is then corrected with `is_correction`)
+        rollout  the engine's rollout log-probs (the behaviour policy as sampled)
+        old      `old_logprobs` from the batch (a training-engine forward of the sampling weights)
+      kl_coef: coefficient (>= 0) of the KL(pi || ref) penalty added to the loss (needs
+        `ref_logprobs`); 0 disables it. For KL as reward shaping use `rl.advantages.kl_shaped_rewards`
+        before computing advantages and keep kl_coef = 0 here.
+      kl_estimator: the per-token KL estimator of that penalty, 'k1', 'k2' or 'k3' (`rl.kl`).
+      entropy_coef: the aggregated token entropy times this (>= 0) is subtracted from the loss.
+      is_correction: train/inference mismatch correction with w = pi_behavior / pi_rollout: 'none';
+        'tis' multiplies the loss by min(w, is_cap); 'mis' (IcePop-style) multiplies it by w where
+        is_low <= w <= is_high and masks the token (or sequence) otherwise.
+      is_level: 'token' (per-token w), 'sequence' (w = product over the sequence's tokens),
+        'geo_sequence' (w = geometric mean over the sequence's tokens).
+      is_cap: the TIS cap, > 0.
+      is_low: the lower MIS bound, in [0, 1].
+      is_high: the upper MIS bound, >= 1.
+      router_aux_coef: coefficient of the model's router auxiliary loss (>= 0); None takes it from
+        the ModelConfig.
+      router_z_coef: coefficient of the model's router z-loss (>= 0); None takes it from the ModelConfig.
+      routing_replay: 'off', or 'r3' (rollout routing replay, MoE models): the engine records the
+        experts every token it fed used, the micro-batches carry them ('routes' [rows, seq, moe
+        layers, top_k], 'routes_mask' [rows, seq]) and the train forward uses those experts, with
+        gate weights from its own router (so the router still learns). Metrics then include
+        'routing_agreement' and 'routing_agreement/layer_<i>' (the share of the engine's choices
+        the train router would have made itself).
+      vocab_chunk: vocab chunk size (int >= 1) of the logprob computation (never materialises [T, V]).
+      seq_chunk: sequence chunk size (int >= 1) of the logprob computation.
+    Raises:
+      ValueError: a field outside its choices or range (the message names the field and the valid
+        choices), 'seq_mean_token_sum_norm' without norm_length, or not is_low <= 1 <= is_high.
     """
 
     objective: Objective = "policy"
@@ -153,10 +169,19 @@ class LossConfig:
 class OverlongConfig:
     """Overlong handling (DAPO). `max_length` is the response budget in tokens.
 
-    mode 'mask' (overlong filtering): a response that was truncated (reached max_length without
-    finishing) is dropped from the loss. 'soft' (overlong punishment): the reward gets a penalty
-    that grows linearly from 0 at length max_length - buffer to -penalty at max_length, and stays
-    at -penalty beyond.
+    Used by `rl.filters.overlong_filter`.
+
+    Attributes:
+      mode: 'mask' (overlong filtering): a response that was truncated (reached max_length without
+        finishing) is dropped from the loss. 'soft' (overlong punishment): the reward gets a penalty
+        that grows linearly from 0 at length max_length - buffer to -penalty at max_length, and stays
+        at -penalty beyond.
+      max_length: the response budget in tokens, an int >= 1.
+      buffer: length of the soft-penalty ramp in tokens, an int in [0, max_length] (0: the full
+        penalty beyond max_length).
+      penalty: the full soft penalty, >= 0.
+    Raises:
+      ValueError: a field outside its choices or range.
     """
 
     mode: Literal["mask", "soft"] = "soft"

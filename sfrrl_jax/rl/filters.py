@@ -15,6 +15,15 @@ from sfrrl_jax.rl.config import OverlongConfig
 
 
 class GroupFilter(NamedTuple):
+    """Result of `zero_variance_groups`.
+
+    Attributes:
+      keep_groups: `[groups]` bool, True for the groups to keep.
+      keep_samples: `[groups, G]` bool, the group's bit repeated over its samples.
+      num_kept: int32 scalar, groups kept.
+      num_dropped: int32 scalar, groups dropped.
+    """
+
     keep_groups: jnp.ndarray   # [groups] bool
     keep_samples: jnp.ndarray  # [groups, G] bool (the group's bit repeated)
     num_kept: jnp.ndarray      # scalar int32: groups kept
@@ -24,7 +33,15 @@ class GroupFilter(NamedTuple):
 def zero_variance_groups(rewards: jnp.ndarray, atol: float = 0.0) -> GroupFilter:
     """Dynamic sampling: keep groups whose rewards are not all equal (max - min > atol).
 
-    rewards: [groups, G]. A group of a single sample has no variance and is dropped.
+    A group of a single sample has no variance and is dropped (for `atol` >= 0).
+
+    Args:
+      rewards: `[groups, G]` rewards; row i holds the G samples of prompt i.
+      atol: a group is kept when its reward spread max - min exceeds this.
+    Returns:
+      A `GroupFilter`: the kept groups and samples as bool masks, and the kept/dropped group counts.
+    Raises:
+      ValueError: `rewards` is not 2-D.
     """
     if rewards.ndim != 2:
         raise ValueError(f"zero_variance_groups: rewards must be [groups, G], got {tuple(rewards.shape)}")
@@ -36,6 +53,14 @@ def zero_variance_groups(rewards: jnp.ndarray, atol: float = 0.0) -> GroupFilter
 
 
 class OverlongResult(NamedTuple):
+    """Result of `overlong_filter`.
+
+    Attributes:
+      rewards: `[batch]` rewards after the soft penalty (unchanged in 'mask' mode).
+      keep_samples: `[batch]` bool, the samples that stay in the loss (all True in 'soft' mode).
+      num_overlong: int32 scalar, samples masked ('mask') or penalised ('soft').
+    """
+
     rewards: jnp.ndarray       # [batch] rewards after the soft penalty (unchanged in 'mask' mode)
     keep_samples: jnp.ndarray  # [batch] bool: samples that stay in the loss
     num_overlong: jnp.ndarray  # scalar int32: samples masked ('mask') or penalised ('soft')
@@ -47,11 +72,23 @@ def overlong_filter(
     cfg: OverlongConfig,
     truncated: jnp.ndarray | None = None,
 ) -> OverlongResult:
-    """Overlong masking or soft punishment. rewards, lengths: [batch] (response lengths in tokens).
+    """Overlong masking ('mask') or soft punishment ('soft'), as `cfg.mode` says.
 
-    truncated (optional [batch] bool): the sample hit the budget without finishing; defaults to
-    lengths >= cfg.max_length. In 'soft' mode the penalty depends on the length only:
-    penalty = cfg.penalty * clip((length - (max_length - buffer)) / buffer, 0, 1).
+    'mask' drops the truncated samples from the loss. In 'soft' mode the penalty depends on the length
+    only: penalty = cfg.penalty * clip((length - (max_length - buffer)) / buffer, 0, 1) is subtracted from
+    the reward (with `buffer` 0: the full penalty for length > max_length, else none).
+
+    Args:
+      rewards: `[batch]` float rewards.
+      lengths: `[batch]` response lengths in tokens (int or float).
+      cfg: the mode, `max_length` (response budget), `buffer` and `penalty`.
+      truncated: optional `[batch]` bool, used in 'mask' mode only: the sample hit the budget without
+        finishing; defaults to lengths >= cfg.max_length.
+    Returns:
+      An `OverlongResult`: the (penalised) rewards, the `[batch]` bool samples to keep, and the number
+        of samples masked or penalised.
+    Raises:
+      ValueError: `rewards` and `lengths` are not both `[batch]` (1-D, same shape).
     """
     if rewards.shape != lengths.shape or rewards.ndim != 1:
         raise ValueError(f"overlong_filter: rewards {tuple(rewards.shape)} and lengths "
@@ -71,8 +108,17 @@ def overlong_filter(
 
 
 def apply_sample_mask(loss_mask: jnp.ndarray, keep_samples: jnp.ndarray) -> jnp.ndarray:
-    """Zeroes the loss mask of dropped samples. loss_mask [batch, seq], keep_samples [batch] or
-    [groups, G] (flattened row-major)."""
+    """Zeroes the loss mask of dropped samples.
+
+    Args:
+      loss_mask: `[batch, seq]` 0/1 loss mask.
+      keep_samples: `[batch]` or `[groups, G]` bool, True for the samples to keep (flattened row-major
+        to `[groups * G]` = batch).
+    Returns:
+      `[batch, seq]` loss mask, the dtype of `loss_mask`, with the rows of dropped samples zeroed.
+    Raises:
+      ValueError: the number of keep bits differs from the batch size of `loss_mask`.
+    """
     keep = jnp.reshape(keep_samples, (-1,))
     if keep.shape[0] != loss_mask.shape[0]:
         raise ValueError(f"apply_sample_mask: {keep.shape[0]} keep bits for loss_mask {tuple(loss_mask.shape)}")

@@ -23,6 +23,14 @@ LOG_WEIGHT_CLAMP = 30.0
 
 
 class ISWeights(NamedTuple):
+    """Result of `mismatch_weights`; every field is `[batch, seq]` float32, 0 off the loss mask.
+
+    Attributes:
+      weight: the weight to multiply the per-token policy loss by (no grad).
+      raw: the untruncated w of each token's unit (token or sequence).
+      rejected: 1 where TIS truncated / MIS masked, else 0.
+    """
+
     weight: jnp.ndarray   # [batch, seq] weight to multiply the per-token policy loss by (no grad)
     raw: jnp.ndarray      # [batch, seq] the untruncated w of each token's unit (token or sequence)
     rejected: jnp.ndarray  # [batch, seq] 1 where TIS truncated / MIS masked, else 0
@@ -39,10 +47,29 @@ def mismatch_weights(
     low: float = 0.5,
     high: float = 2.0,
 ) -> ISWeights:
-    """Importance weights for `correction` in {'none', 'tis', 'mis'}; all arrays [batch, seq].
+    """Importance weights for `correction` in {'none', 'tis', 'mis'}; all arrays `[batch, seq]`.
 
-    behavior_logp: log-probs of the policy the gradient is taken for (detached here);
-    rollout_logp: the engine's log-probs of the same tokens; mask: loss mask.
+    log w = behavior_logp - rollout_logp per loss token; at sequence level it is summed ('sequence') or
+    averaged ('geo_sequence') over the sequence's loss tokens and broadcast back to them. w itself is
+    exp(log w) with log w clamped to [-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP]. Then 'none': weight = 1;
+    'tis': weight = min(w, cap); 'mis': weight = w where low <= w <= high, else 0.
+
+    Args:
+      behavior_logp: `[batch, seq]` float log-probs of the policy the gradient is taken for (detached
+        here with `stop_gradient`).
+      rollout_logp: `[batch, seq]` float: the engine's log-probs of the same tokens.
+      mask: `[batch, seq]` 0/1 loss mask.
+      layout: the `SequenceLayout` of the batch (which tokens form a sequence).
+      correction: 'none', 'tis' or 'mis'.
+      level: 'token' (per-token w), 'sequence' (product of the sequence's token ratios) or
+        'geo_sequence' (their geometric mean).
+      cap: the TIS truncation threshold.
+      low: the lower bound of the MIS keep range.
+      high: the upper bound of the MIS keep range.
+    Returns:
+      `ISWeights` (`weight`, `raw`, `rejected`), each `[batch, seq]` float32 and 0 off the mask.
+    Raises:
+      ValueError: unknown `level` or `correction`.
     """
     m = mask.astype(jnp.float32)
     log_w = (jax.lax.stop_gradient(behavior_logp) - rollout_logp).astype(jnp.float32) * m

@@ -15,7 +15,20 @@ KL_LOG_RATIO_CLAMP = 20.0
 
 
 def kl_estimate(logp: jnp.ndarray, ref_logp: jnp.ndarray, estimator: str) -> jnp.ndarray:
-    """Per-token KL estimate, same shape as the inputs ([batch, seq])."""
+    """Per-token estimate of KL(pi || ref), with log_ratio = logp - ref_logp (see the module doc).
+
+    k1 = log_ratio, k2 = log_ratio**2 / 2, k3 = exp(-log_ratio) - 1 + log_ratio (log_ratio clamped to
+    [-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP] first).
+
+    Args:
+      logp: `[batch, seq]` float log-probs of the sampled tokens under pi.
+      ref_logp: `[batch, seq]` float log-probs of the same tokens under the reference.
+      estimator: 'k1', 'k2' or 'k3'.
+    Returns:
+      The per-token estimate, same shape as the inputs (`[batch, seq]`); not masked.
+    Raises:
+      ValueError: unknown `estimator`.
+    """
     log_ratio = logp - ref_logp
     if estimator == "k1":
         return log_ratio

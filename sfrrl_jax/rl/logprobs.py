@@ -27,7 +27,18 @@ import jax.numpy as jnp
 def naive_token_logprobs_and_entropy(
     hidden: jnp.ndarray, unembed: jnp.ndarray, targets: jnp.ndarray
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Reference implementation with full float32 logits. Shapes as in the chunked version."""
+    """Reference implementation with full float32 logits. Shapes as in the chunked version.
+
+    Materialises the `[batch, seq, vocab]` float32 logits (and their log-softmax); differentiable by plain
+    autodiff. Inputs are not validated.
+
+    Args:
+      hidden: `[batch, seq, d_model]` hidden states (any float dtype).
+      unembed: `[d_model, vocab]` unembedding.
+      targets: `[batch, seq]` int token ids in [0, vocab).
+    Returns:
+      `(logp, entropy)`, both `[batch, seq]` float32: log p(targets) and the entropy of p per token.
+    """
     logits = jnp.einsum("btd,dv->btv", hidden, unembed, preferred_element_type=jnp.float32)
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(logp_all, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
@@ -44,9 +55,22 @@ def token_logprobs_and_entropy(
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """log p(targets) and the entropy of p, per token, computed in tiles.
 
-    hidden: [batch, seq, d_model] (any float dtype); unembed: [d_model, vocab]; targets:
-    [batch, seq] int token ids in [0, vocab). Returns (logp, entropy), both [batch, seq] float32.
-    Differentiable in hidden and unembed; the gradient matches `naive_token_logprobs_and_entropy`.
+    The logits are produced one `[batch, seq_chunk, vocab_chunk]` float32 tile at a time (see the module
+    doc); seq and vocab are padded up to multiples of the chunk sizes internally. Differentiable in hidden
+    and unembed (a `jax.custom_vjp` that recomputes the tiles); the gradient matches
+    `naive_token_logprobs_and_entropy`, with gradients cast back to the dtypes of `hidden` and `unembed`.
+
+    Args:
+      hidden: `[batch, seq, d_model]` hidden states (any float dtype).
+      unembed: `[d_model, vocab]` unembedding.
+      targets: `[batch, seq]` int token ids in [0, vocab) (not differentiated).
+      vocab_chunk: vocab columns per tile (capped at vocab; at least 1).
+      seq_chunk: sequence positions per tile (capped at seq; at least 1).
+    Returns:
+      `(logp, entropy)`, both `[batch, seq]` float32.
+    Raises:
+      ValueError: `hidden` is not 3-D, `unembed` not 2-D, `targets` not `[batch, seq]` of `hidden`, or
+        the d_model of `hidden` differs from the rows of `unembed`.
     """
     if hidden.ndim != 3 or unembed.ndim != 2 or targets.shape != hidden.shape[:2]:
         raise ValueError(

@@ -74,7 +74,16 @@ BUILTIN_FIELDS = (BASE_FIELDS + ("advantages", "rollout_logprobs", "old_logprobs
 
 
 class LossInputs(NamedTuple):
-    """What a loss function sees for one micro-batch (all [batch, seq], target-aligned)."""
+    """What a loss function sees for one micro-batch (all `[batch, seq]`, target-aligned).
+
+    Attributes:
+      logp: `[batch, seq]` float current params' log-probs of the predicted tokens (differentiable).
+      entropy: `[batch, seq]` float their predictive entropies (differentiable).
+      mask: `[batch, seq]` float32 target mask: 1 = a loss token predicted from its own segment.
+      layout: the `SequenceLayout`: which tokens form a sequence (packed rows).
+      fields: the declared, present batch fields (not tokens/loss_mask/layout), each float32
+        `[batch, seq]` ('advantages' given per row `[batch]` is broadcast over the row first).
+    """
     logp: jnp.ndarray        # current params' log-probs of the predicted tokens (differentiable)
     entropy: jnp.ndarray     # their predictive entropies (differentiable)
     mask: jnp.ndarray        # float32 target mask: 1 = a loss token predicted from its own segment
@@ -90,7 +99,31 @@ def _check_fields(name: str, value) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Loss:
-    """A per-micro-batch objective and its declarations; see the module doc."""
+    """A per-micro-batch objective and its declarations; see the module doc.
+
+    Attributes:
+      fn: the objective, `LossInputs -> ObjectiveParts`.
+      required_fields: batch keys that must be present; must include 'tokens' and 'loss_mask'.
+      optional_fields: batch keys read when present (none of them also required).
+      linear_in_advantages: the numerator's gradient is `A * H + K` per row, and
+        `ObjectiveParts.advantage_term` is its A-carrying part (needs 'advantages' required).
+      has_advantage_free_terms: the numerator has terms besides `advantage_term` with a nonzero gradient.
+      advantage_metrics: metric sums equal to `advantage_term`.
+      zero_advantage_zero_gradient: a row whose advantages are all 0 adds nothing to the gradient (a
+        bool; needs 'advantages' required).
+      name: a label used in messages.
+      vocab_chunk: vocab chunk size of the log-prob computation (int >= 1).
+      seq_chunk: sequence chunk size of the log-prob computation (int >= 1).
+      router_aux_coef: router auxiliary loss coefficient (>= 0); None: the model config's.
+      router_z_coef: router z-loss coefficient (>= 0); None: the model config's.
+      routing_replay: 'off' or 'r3' (the forward replays the engine's experts; `REPLAY_FIELDS` then
+        required, and never declared as loss fields).
+      config: the `LossConfig` a built-in was made from (None: custom).
+    Raises:
+      TypeError: `fn` is not callable, a field list is not a tuple of names, or
+        `zero_advantage_zero_gradient` is not a bool.
+      ValueError: any other declaration breaks the rules above.
+    """
 
     fn: Callable[[LossInputs], ObjectiveParts]
     required_fields: tuple[str, ...] = BASE_FIELDS
@@ -197,7 +230,14 @@ def policy_loss(cfg: LossConfig = LossConfig()) -> Loss:
     Without them (kl_coef == entropy_coef == 0) it declares `zero_advantage_zero_gradient`: its
     numerator is then the aggregated clipped term alone, each token's loss -A * r (or its clip, its
     dual clip -c * A, times a stop-gradient IS weight), whose gradient at A = 0 is exactly 0 for
-    every policy_loss, behavior and is_correction.
+    every policy_loss, behavior and is_correction. Its `fn` calls `rl.losses.policy_objective`.
+
+    Args:
+      cfg: a `LossConfig` with objective 'policy' (default: `LossConfig()`).
+    Returns:
+      The `Loss`, with metric 'agg/pg_loss' as its `advantage_metrics`.
+    Raises:
+      ValueError: `cfg.objective` is not 'policy'.
     """
     if cfg.objective != "policy":
         raise ValueError(f"policy_loss: LossConfig.objective={cfg.objective!r}, expected 'policy' "
@@ -220,7 +260,16 @@ def policy_loss(cfg: LossConfig = LossConfig()) -> Loss:
 def sft_loss(cfg: LossConfig = LossConfig(objective="sft")) -> Loss:
     """Masked NLL of the loss tokens (minus the entropy bonus), aggregated per `cfg.aggregation`.
 
-    Requires tokens and loss_mask only; other built-in fields in the batch are ignored.
+    Requires tokens and loss_mask only; other built-in fields in the batch are ignored. Its `fn` calls
+    `rl.losses.sft_objective`; it is not linear in advantages, and has advantage-free terms only when
+    `cfg.entropy_coef` > 0.
+
+    Args:
+      cfg: a `LossConfig` with objective 'sft' (default: `LossConfig(objective="sft")`).
+    Returns:
+      The `Loss`.
+    Raises:
+      ValueError: `cfg.objective` is not 'sft'.
     """
     if cfg.objective != "sft":
         raise ValueError(f"sft_loss: LossConfig.objective={cfg.objective!r}, expected 'sft' "
@@ -231,12 +280,26 @@ def sft_loss(cfg: LossConfig = LossConfig(objective="sft")) -> Loss:
 
 
 def loss_from_config(cfg: LossConfig) -> Loss:
-    """The built-in Loss `cfg` describes: `policy_loss(cfg)` or `sft_loss(cfg)` by `cfg.objective`."""
+    """The built-in Loss `cfg` describes: `policy_loss(cfg)` or `sft_loss(cfg)` by `cfg.objective`.
+
+    Args:
+      cfg: the loss config; `objective` 'sft' gives `sft_loss(cfg)`, anything else `policy_loss(cfg)`.
+    Returns:
+      The `Loss`.
+    """
     return sft_loss(cfg) if cfg.objective == "sft" else policy_loss(cfg)
 
 
 def as_loss(loss: Loss | LossConfig) -> Loss:
-    """A Loss as is; a LossConfig through `loss_from_config`."""
+    """A Loss as is; a LossConfig through `loss_from_config`.
+
+    Args:
+      loss: a `Loss`, or a `LossConfig` describing a built-in one.
+    Returns:
+      The `Loss`.
+    Raises:
+      TypeError: `loss` is neither a `Loss` nor a `LossConfig`.
+    """
     if isinstance(loss, Loss):
         return loss
     if isinstance(loss, LossConfig):

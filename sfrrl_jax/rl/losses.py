@@ -29,6 +29,25 @@ LOG_RATIO_CLAMP = 20.0
 
 
 class ObjectiveParts(NamedTuple):
+    """One micro-batch's objective as the parts of an exact accumulation (sums over sequences).
+
+    Micro-batches add their parts; the loss is sum(numerators) / max(sum(denominators), 1), and
+    `finalize_metrics` turns the summed metrics into means.
+
+    Attributes:
+      numerator: scalar: the differentiated sum; loss = numerator / denominator.
+      denominator: scalar: loss tokens or sequences in this batch (a count, per the aggregation).
+      num_tokens: scalar: loss tokens.
+      num_seqs: scalar: sequences with at least one loss token.
+      sums: dict of 'agg/..' and 'tok/..' metric sums (no gradient).
+      maxes: dict of metric maxima over loss tokens (-inf if none; no gradient).
+      mins: dict of metric minima over loss tokens (+inf if none; no gradient).
+      advantage_term: the part of `numerator` that carries the advantages (the clipped policy term;
+        differentiable). With behavior='current' the ratio is exactly 1, so it is linear in the advantages
+        and the rest of the numerator (KL, entropy) does not depend on them: see `learner.deferred`. A
+        `rl.Loss` declaring `linear_in_advantages` must fill it the same way. Default 0.0.
+    """
+
     numerator: jnp.ndarray    # scalar: the differentiated sum; loss = numerator / denominator
     denominator: jnp.ndarray  # scalar: loss tokens or sequences in this batch (a count)
     num_tokens: jnp.ndarray   # scalar: loss tokens
@@ -36,10 +55,6 @@ class ObjectiveParts(NamedTuple):
     sums: dict                # 'agg/..' and 'tok/..' metric sums (no gradient)
     maxes: dict               # metric maxima over loss tokens (-inf if none)
     mins: dict                # metric minima over loss tokens (+inf if none)
-    # The part of `numerator` that carries the advantages (the clipped policy term; differentiable).
-    # With behavior='current' the ratio is exactly 1, so it is linear in the advantages and the rest
-    # of the numerator (KL, entropy) does not depend on them: see `learner.deferred`. A `rl.Loss`
-    # declaring `linear_in_advantages` must fill it the same way.
     advantage_term: jnp.ndarray | float = 0.0
 
 
@@ -50,11 +65,21 @@ def ppo_clip_loss(
     clip_high: float,
     dual_clip: float | None = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-    """Per-token clipped surrogate loss (to minimise). All arrays [batch, seq].
+    """Per-token clipped surrogate loss (to minimise). All arrays `[batch, seq]`.
 
+    With r = exp(log_ratio) (log_ratio clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] first):
     loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), and with dual clip (c > 1), for
-    A < 0: min(loss, -c A). Returns (loss, clipped, dual_clipped) where the last two are 0/1
-    indicators of the token's gradient being cut by the clip and by the dual clip.
+    A < 0: min(loss, -c A). Not masked: the caller multiplies by the loss mask.
+
+    Args:
+      log_ratio: `[batch, seq]` float log(pi / pi_behavior) per token (differentiable).
+      advantages: `[batch, seq]` float per-token advantages A.
+      clip_low: r is clipped below at 1 - clip_low.
+      clip_high: r is clipped above at 1 + clip_high.
+      dual_clip: None (off), or c > 1: the dual-clip cap for negative advantages.
+    Returns:
+      `(loss, clipped, dual_clipped)`, each `[batch, seq]`: the per-token loss, and float32 0/1
+        indicators of the token's gradient being cut by the clip and by the dual clip (exclusive).
     """
     ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -advantages * ratio
@@ -74,9 +99,20 @@ def ppo_clip_loss(
 def gspo_log_ratio(
     logp: jnp.ndarray, behavior_logp: jnp.ndarray, mask: jnp.ndarray, layout: SequenceLayout
 ) -> jnp.ndarray:
-    """GSPO-token log-ratio, [batch, seq]: in value every token carries its sequence's
+    """GSPO-token log-ratio, `[batch, seq]`: in value every token carries its sequence's
     mean log-ratio; in gradient token t carries d logp_t (so d s_i,t = s_i * d logp_t).
     With 'seq_mean_token_mean' aggregation this is exactly GSPO's sequence-level objective.
+
+    Computed as stop_gradient(seq_mean(logp - behavior_logp)) + logp - stop_gradient(logp), the mean
+    taken over each sequence's loss tokens.
+
+    Args:
+      logp: `[batch, seq]` float current log-probs of the predicted tokens (differentiable).
+      behavior_logp: `[batch, seq]` float log-probs of the same tokens under the behaviour policy.
+      mask: `[batch, seq]` 0/1 loss mask (which tokens enter the sequence mean).
+      layout: the `SequenceLayout` of the batch.
+    Returns:
+      `[batch, seq]` log-ratios (in value, every token of a sequence holds the same one).
     """
     seq_lr = layout.gather(layout.mean(logp - behavior_logp, mask))
     return jax.lax.stop_gradient(seq_lr) + logp - jax.lax.stop_gradient(logp)
@@ -100,10 +136,36 @@ def policy_objective(
 ) -> ObjectiveParts:
     """Clipped policy gradient (+ KL, entropy, mismatch correction) as accumulation parts.
 
-    logp, entropy: [batch, seq] from the current params (differentiable); mask: loss mask;
-    advantages: per-token [batch, seq]; rollout_logp: the engine's log-probs (needed unless
-    behavior='current' and is_correction='none'); old_logp: needed for behavior='old';
-    ref_logp: needed for kl_coef > 0.
+    The behaviour log-probs are stop_gradient(logp), `rollout_logp` or `old_logp` (`cfg.behavior`); the
+    log-ratio is logp - behavior (PPO) or `gspo_log_ratio` (GSPO), and the per-token loss
+    `ppo_clip_loss`. When `rollout_logp` is given, that loss is multiplied by the stop-gradient weight
+    of `mismatch_weights` (`cfg.is_correction`, `cfg.is_level`; 'none' weighs every loss token 1).
+    numerator = agg(pg) + kl_coef * agg(kl_estimate(logp, ref_logp)) - entropy_coef * agg(entropy),
+    each agg an `aggregation_parts` numerator under `cfg.aggregation`; `advantage_term` = agg(pg).
+
+    Metrics: sums 'agg/pg_loss', 'tok/clip_frac', 'tok/dual_clip_frac', 'tok/approx_kl' (k3 of
+    behavior vs. logp), 'tok/entropy', 'tok/ratio'; 'agg/kl_loss', 'tok/kl_ref' with KL;
+    'agg/entropy_bonus' with the entropy bonus; 'tok/is_weight', 'tok/is_rejected_frac',
+    'tok/mismatch' with `rollout_logp`. Maxima/minima 'ratio_max' / 'ratio_min', and 'is_weight_max' /
+    'is_weight_min' with `rollout_logp`.
+
+    Args:
+      logp: `[batch, seq]` float log-probs of the predicted tokens from the current params
+        (differentiable).
+      entropy: `[batch, seq]` float their predictive entropies (differentiable).
+      mask: `[batch, seq]` 0/1 loss mask.
+      advantages: `[batch, seq]` float per-token advantages.
+      rollout_logp: `[batch, seq]` float engine log-probs, or None; needed for behavior='rollout' and
+        for is_correction != 'none'.
+      layout: the `SequenceLayout` of the batch.
+      cfg: the loss config (objective 'policy').
+      old_logp: `[batch, seq]` float log-probs of the sampling weights; needed for behavior='old'.
+      ref_logp: `[batch, seq]` float reference log-probs; needed for kl_coef > 0.
+    Returns:
+      The `ObjectiveParts`.
+    Raises:
+      ValueError: a log-prob input the config needs is None, or (from `aggregation_parts`)
+        'seq_mean_token_sum_norm' without `cfg.norm_length`.
     """
     m = mask.astype(jnp.float32)
     logp = logp.astype(jnp.float32)
@@ -174,7 +236,26 @@ def sft_objective(
     cfg: LossConfig,
     rollout_logp: jnp.ndarray | None = None,
 ) -> ObjectiveParts:
-    """Masked negative log-likelihood of the loss tokens, aggregated like the policy loss."""
+    """Masked negative log-likelihood of the loss tokens, aggregated like the policy loss.
+
+    numerator = agg(-logp) - entropy_coef * agg(entropy), each agg an `aggregation_parts` numerator
+    under `cfg.aggregation`. Metrics: sums 'agg/nll', 'tok/entropy', 'agg/entropy_bonus' (entropy_coef
+    > 0) and 'tok/mismatch' (with `rollout_logp`); no maxima/minima; `advantage_term` is 0.
+
+    Args:
+      logp: `[batch, seq]` float log-probs of the target tokens from the current params
+        (differentiable).
+      entropy: `[batch, seq]` float their predictive entropies (differentiable).
+      mask: `[batch, seq]` 0/1 loss mask.
+      layout: the `SequenceLayout` of the batch.
+      cfg: the loss config (`aggregation`, `norm_length`, `entropy_coef`).
+      rollout_logp: optional `[batch, seq]` float engine log-probs, only for the 'tok/mismatch'
+        metric (mean |rollout_logp - logp| over loss tokens).
+    Returns:
+      The `ObjectiveParts`.
+    Raises:
+      ValueError: (from `aggregation_parts`) 'seq_mean_token_sum_norm' without `cfg.norm_length`.
+    """
     m = mask.astype(jnp.float32)
     nll = -logp.astype(jnp.float32)
     num, den = aggregation_parts(nll, m, layout, cfg.aggregation, cfg.norm_length)

@@ -19,6 +19,15 @@ def build_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = TINY_VOCAB_S
 
     Deterministic: the same `vocab_size` always yields byte-identical files. Special tokens take
     ids 0..len(SPECIAL_TOKENS)-1 (pad = 0), then the 256 byte symbols, then merges.
+
+    Args:
+      path: the output directory (created if needed).
+      vocab_size: the vocabulary size, specials included: above `len(SPECIAL_TOKENS) + 256`, at most
+        `TINY_VOCAB_SIZE` (512, the default).
+    Returns:
+      `path`, as a `Path`: a standard HF tokenizer directory (`load_tokenizer` reads it).
+    Raises:
+      ValueError: when `vocab_size` is out of that range.
     """
     if not len(SPECIAL_TOKENS) + 256 < vocab_size <= TINY_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be in ({len(SPECIAL_TOKENS) + 256}, {TINY_VOCAB_SIZE}], got {vocab_size}")

@@ -295,7 +295,22 @@ def _without_surrogates(text: str) -> str:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load `tokenizer.json` + `tokenizer_config.json` (+ `chat_template.jinja` if present) from `path`."""
+    """Load `tokenizer.json` + `tokenizer_config.json` (+ `chat_template.jinja` if present) from `path`.
+
+    The chat template is the config's `chat_template` (of a list of named templates, the one named "default"),
+    else `chat_template.jinja`; a `generation_config.json`'s `eos_token_id` (an id or a list) becomes
+    `Tokenizer.generation_eos_ids`.
+
+    Args:
+      path: the tokenizer (or HF model) directory; `tokenizer_config.json` is optional.
+    Returns:
+      The `Tokenizer`, named after the directory.
+    Raises:
+      FileNotFoundError: when the directory has no `tokenizer.json`.
+      ValueError: when `generation_config.json` is not valid JSON, not an object, or its `eos_token_id` is not a
+        token id (or list of them) in the vocabulary, or a special token the config names (bos, eos, pad,
+        end-of-turn) is not in the vocabulary.
+    """
     directory = Path(path)
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.is_file():

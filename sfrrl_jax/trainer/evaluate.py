@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -28,17 +28,41 @@ from sfrrl_jax.aio import run_sync
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine
 
+if TYPE_CHECKING:
+    from sfrrl_jax.models.transformer import Params
+    from sfrrl_jax.tokenizer.protocol import TokenizerProtocol
+
 EXAMPLES = 4
 
 
-def evaluate(model_cfg: ModelConfig, params, env: Environment, tokenizer, tasks: Sequence[Task],
+def evaluate(model_cfg: ModelConfig, params: Params, env: Environment, tokenizer: TokenizerProtocol,
+             tasks: Sequence[Task],
              agent_cfg: AgentConfig, max_slots: int = 16, max_len: int = 320,
              buckets: Sequence[int] | None = None, decode_steps: int = 4, samples_per_task: int = 1,
              return_trajectories: bool = False) -> dict:
-    """Scores `tasks` -> {'success_rate', 'mean_reward', 'num_tasks', 'num_trajectories',
-    'mean_generated_tokens', 'mean_tool_calls', 'tool_error_rate', 'finish/<reason>' (shares),
-    'wall_s', 'reward/<name>' (each reward function's mean, as the trainer logs them)}
-    (+ 'trajectories' with `return_trajectories`)."""
+    """Scores `tasks` with real agent rollouts through an `Engine` over `params` (module docstring).
+
+    Args:
+      model_cfg: the model config.
+      params: the model's (sharded) params, a nested dict of `jax.Array` (not copied).
+      env: the environment (tools and reward functions; a trajectory succeeds at reward >= 1).
+      tokenizer: the model's tokenizer, with its chat template.
+      tasks: the tasks to score (at least one).
+      agent_cfg: the agent loop's settings (greedy when `agent_cfg.temperature == 0`).
+      max_slots: the engine's slots, also the most trajectories rolled out at once.
+      max_len: the engine's KV cache length per slot; at least `agent_cfg.max_total_tokens`.
+      buckets: the engine's prompt bucket lengths (None: its default).
+      decode_steps: tokens per decode chunk.
+      samples_per_task: trajectories per task.
+      return_trajectories: also return the scored trajectories.
+    Returns:
+      {'success_rate', 'mean_reward', 'num_tasks', 'num_trajectories', 'mean_generated_tokens',
+      'mean_tool_calls', 'tool_error_rate', 'finish/<reason>' (shares), 'wall_s', 'reward/<name>' (each
+      reward function's mean, as the trainer logs them)} (+ 'trajectories' with `return_trajectories`).
+    Raises:
+      ValueError: when `tasks` is empty, or `agent_cfg.max_total_tokens > max_len` (a trajectory could outgrow
+        its KV cache slot).
+    """
     if not tasks:
         raise ValueError("evaluate: no tasks")
     if agent_cfg.max_total_tokens > max_len:

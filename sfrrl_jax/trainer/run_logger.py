@@ -47,5 +47,17 @@ def _plain(v):
 
 
 def read_metrics(run_dir: str | pathlib.Path) -> list[dict]:
+    """The rows `RunLogger.log` appended to `run_dir/metrics.jsonl`, in the order written.
+
+    Args:
+      run_dir: the run directory.
+    Returns:
+      One dict per non-blank line: `'step'` (int) and the metrics logged at that step, as `RunLogger.log` wrote
+      them (ints, bools and strings as given, other numbers as floats, anything else as its string). A resumed
+      run appends to the same file, after the earlier rows.
+    Raises:
+      FileNotFoundError: when `run_dir` has no `metrics.jsonl`.
+      json.JSONDecodeError: when a line is not valid JSON (e.g. a truncated last line).
+    """
     path = pathlib.Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

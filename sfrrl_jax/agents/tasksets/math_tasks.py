@@ -72,8 +72,22 @@ def _normalize_words(text: str) -> str:
 
 def math_equal(prediction: str, answer: str, boxed: bool = False) -> bool:
     """Whether the text `prediction` states the gold `answer` (see the module docstring).
-    `boxed`: `prediction` is the answer alone (an <answer> block), so LaTeX in it (any of \\ ^ _ { })
-    is read as one expression, as if in \\boxed{}; else the text's \\boxed{} or last number counts."""
+
+    A gold answer of plain words, or one math-verify cannot read as math, is compared as normalized text
+    (lower case, spaces collapsed, a final '.' dropped); otherwise math-verify compares the two in a child
+    process (`isolated.MathVerifierProcess`) on the last `MAX_PARSE_CHARS` characters of `prediction`.
+
+    Args:
+      prediction: the predicted text.
+      answer: the gold answer.
+      boxed: `prediction` is the answer alone (an <answer> block), so LaTeX in it (any of \\ ^ _ { }) is read
+        as one expression, as if in \\boxed{}; else the text's \\boxed{} or last number counts.
+    Returns:
+      True if they are equal; False otherwise, and when math-verify runs past its time or dies (out of memory).
+    Raises:
+      ImportError: math-verify is not installed.
+      RuntimeError: the math-verify process did not start in time.
+    """
     if _WORDS.fullmatch(answer.strip()):
         return _normalize_words(prediction) == _normalize_words(answer)
     verdict = _VERIFIER.equal(prediction[-MAX_PARSE_CHARS:], answer, boxed)
@@ -97,8 +111,19 @@ def final_answer(final_text: str, gold: str) -> tuple[str, bool] | None:
 
 
 def verify_math(task: Task, final_text: str) -> float:
-    """1.0 if the final answer (`final_answer`: the last <answer> block, \\boxed{} or number)
-    equals `task.answer`."""
+    """1.0 if the final answer (`final_answer`: the last <answer> block, \\boxed{} or number) equals `task.answer`.
+
+    The 'math' kind's verifier (module docstring), comparing with `math_equal`.
+
+    Args:
+      task: a 'math' task with its gold `answer`.
+      final_text: the model's final assistant text.
+    Returns:
+      1.0 if equal, else 0.0 (also when the text has no <answer> block, \\boxed{} or number).
+    Raises:
+      ValueError: `task.answer` is None.
+      ImportError: math-verify is not installed (raised by `math_equal`).
+    """
     if task.answer is None:
         raise ValueError(f"task {task.task_id}: a 'math' task needs an answer to verify against")
     found = final_answer(final_text, task.answer)
@@ -109,7 +134,16 @@ def verify_math(task: Task, final_text: str) -> float:
 
 
 def math_task(problem: str, answer: Any, task_id: str, **metadata: Any) -> Task:
-    """A 'math' task: `problem` + `MATH_INSTRUCTION`, the gold `answer` as text."""
+    """A 'math' task: `problem` + `MATH_INSTRUCTION`, the gold `answer` as text.
+
+    Args:
+      problem: the problem statement.
+      answer: the gold answer (a string or number), stored as `str(answer)`.
+      task_id: the task's id.
+      **metadata: more `Task.metadata` entries (besides 'problem', which holds `problem`).
+    Returns:
+      The Task, kind 'math', prompt `problem` + two newlines + `MATH_INSTRUCTION`.
+    """
     return Task(task_id=task_id, kind="math", prompt=f"{problem}\n\n{MATH_INSTRUCTION}", answer=str(answer),
                 metadata={"problem": problem, **metadata})
 
@@ -138,6 +172,19 @@ register_task_kind("math", verify_math, from_record=_math_from_record, to_record
 def math_environment(sandbox: PythonSandbox, runner_cfg: ToolRunnerConfig = ToolRunnerConfig(),
                      reward_fns: Sequence[RewardFn] | None = None,
                      reward_weights: Sequence[float] | None = None) -> ToolEnvironment:
-    """Python tool (jailed) + calculator; reward: `answer_correct` (the kind's verifier) by default."""
+    """Python tool (jailed) + calculator; reward: `answer_correct` (the kind's verifier) by default.
+
+    Args:
+      sandbox: the jailed sandbox the python tool runs code in.
+      runner_cfg: how tool calls run (timeouts, concurrency, remote workers).
+      reward_fns: the reward functions; None: `[answer_correct]`, which calls the task kind's verifier
+        (`verify_math` for 'math' tasks).
+      reward_weights: one weight per reward function; None: 1 each.
+    Returns:
+      A `ToolEnvironment` with the tools `PythonTool(sandbox)` and `CalculatorTool()` and the system prompt
+      `MATH_SYSTEM_PROMPT`.
+    Raises:
+      ValueError, TypeError: bad `reward_fns` / `reward_weights` (see `reward_fns.RewardSum`).
+    """
     return ToolEnvironment([PythonTool(sandbox), CalculatorTool()], MATH_SYSTEM_PROMPT, runner_cfg, reward_fns,
                            reward_weights)

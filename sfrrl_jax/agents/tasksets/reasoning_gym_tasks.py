@@ -61,7 +61,23 @@ def _entry(task: Task) -> dict:
 
 
 def verify_reasoning_gym(task: Task, final_text: str) -> float:
-    """reasoning-gym's `score_answer` for the task's generator on the last <answer> block."""
+    """reasoning-gym's `score_answer` for the task's generator on the last <answer> block.
+
+    The 'reasoning_gym' kind's verifier (module docstring): the answer is scored in a fresh confined fork
+    (`isolated.ReasoningGymScorer`).
+
+    Args:
+      task: a 'reasoning_gym' task (`metadata` holds 'dataset', 'question' and 'entry_metadata').
+      final_text: the model's final assistant text.
+    Returns:
+      The scorer's value in [0, 1]; 0.0 when the text has no <answer> block, when the scorer runs past its
+      time or memory or raises, or when the answer holds code a scorer that evaluates it could run
+      (`answer_screen`).
+    Raises:
+      ValueError: reasoning-gym has no generator named `task.metadata['dataset']`.
+      ImportError: reasoning-gym is not installed.
+      RuntimeError: the confined scoring process could not start.
+    """
     answer = extract_answer(final_text)
     if answer is None:
         return 0.0
@@ -103,8 +119,21 @@ register_task_kind("reasoning_gym", verify_reasoning_gym, from_record=_rg_from_r
 
 
 def reasoning_gym_tasks(name: str, size: int = 100, seed: int = 0, **config: Any) -> list[Task]:
-    """`size` tasks from reasoning-gym's generator `name` (its config keywords in `config`), ids
-    '<name>-<seed>-<i>'. Deterministic in (name, size, seed, config)."""
+    """`size` tasks from reasoning-gym's generator `name`, made with `reasoning_gym.create_dataset`.
+
+    Deterministic in (name, size, seed, config).
+
+    Args:
+      name: the generator, a key of `reasoning_gym.factory.DATASETS` (e.g. 'gsm_symbolic', 'chain_sum').
+      size: how many tasks to generate.
+      seed: the generator's seed.
+      **config: the generator's config keywords.
+    Returns:
+      `size` 'reasoning_gym' tasks with ids '<name>-<seed>-<i>', `i` from 0.
+    Raises:
+      ValueError: reasoning-gym has no generator `name`, or an entry it generated is malformed.
+      ImportError: reasoning-gym is not installed.
+    """
     rg = _reasoning_gym()
     if name not in rg.factory.DATASETS:
         raise ValueError(f"reasoning-gym has no dataset {name!r}; known: {sorted(rg.factory.DATASETS)}")

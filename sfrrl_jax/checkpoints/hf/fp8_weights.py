@@ -142,8 +142,20 @@ def fp8_scheme(hf: Mapping[str, Any], where: str) -> Fp8Scheme | None:
 
 
 def dequantize_fp8(weight: np.ndarray, scale: np.ndarray, tile: tuple[int, int]) -> np.ndarray:
-    """weight [..., out, in] float8_e4m3fn, scale [..., ceil(out/tile[0]), ceil(in/tile[1])] -> float32
-    [..., out, in], each tile times its scale."""
+    """Dequantises a scaled FP8 weight: each tile of the weight times its scale, in float32.
+
+    Edge tiles are cut short where the tile does not divide the weight's last two dims.
+
+    Args:
+      weight: `[..., out, in]` float8_e4m3fn, the quantised weight.
+      scale: `[..., ceil(out / tile[0]), ceil(in / tile[1])]`, one scale per tile (any float dtype; it is
+        cast to float32). A scale multiplies.
+      tile: `(rows, cols)`, the block of the weight's last two dims one scale covers.
+    Returns:
+      `[..., out, in]` float32, the values the weight stands for.
+    Raises:
+      ValueError: when `weight` has fewer than 2 dims, or `scale` is not of the shape above.
+    """
     want = Fp8Scheme("", tile).grid(weight.shape)
     if scale.shape != want:
         raise ValueError(f"FP8 weight {weight.shape} with tile {list(tile)} needs scales of shape {want}, "

@@ -41,8 +41,20 @@ ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCa
 
 
 def config_from_hf(hf: Mapping[str, Any], dtype: str | None = None, where: str = "config.json") -> ModelConfig:
-    """Our `ModelConfig` for an HF config dict. `dtype` sets param and compute dtype
-    (default: the config's `dtype`/`torch_dtype`, else float32)."""
+    """Our `ModelConfig` for an HF config dict.
+
+    Args:
+      hf: the parsed `config.json` (transformers 5 or 4.x field names). Gemma 3's multimodal config is read through
+        its `text_config`; `kimi_k2` is read as `deepseek_v3`.
+      dtype: sets param and compute dtype, one of `DTYPES` (default: the config's `dtype`/`torch_dtype`, else
+        float32).
+      where: names the config in error messages.
+    Returns:
+      The `ModelConfig` of the model the config describes.
+    Raises:
+      HFConfigError: when the model_type is not supported, a required key is missing or malformed, the dtype is not
+        supported, or the config uses a variant our model cannot represent (the offending key named).
+    """
     family = hf.get("model_type")
     if family == "gemma3":
         return config_from_hf(gemma3_text_config(hf, where), dtype, f"{where} text_config")
@@ -352,7 +364,15 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """The HF `config.json` dict for `cfg` (transformers 5 field names)."""
+    """The HF `config.json` dict for `cfg` (transformers 5 field names).
+
+    Args:
+      cfg: the model config; its `family` picks the HF architecture.
+    Returns:
+      The dict to write as `config.json`.
+    Raises:
+      HFConfigError: when `cfg` uses a variant the HF class of its family cannot express (`check_exportable`).
+    """
     check_exportable(cfg)
     hf: dict[str, Any] = {
         "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,

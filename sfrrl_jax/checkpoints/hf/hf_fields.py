@@ -28,7 +28,15 @@ class HFConfigError(ValueError):
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:
-    """The parsed `config.json` of an HF model directory."""
+    """The parsed `config.json` of an HF model directory.
+
+    Args:
+      path: the model directory.
+    Returns:
+      The JSON object, as a dict.
+    Raises:
+      HFConfigError: when the directory has no `config.json`, or it is not valid JSON.
+    """
     file = Path(path) / "config.json"
     if not file.is_file():
         raise HFConfigError(f"{Path(path)}: no config.json")

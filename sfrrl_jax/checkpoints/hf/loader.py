@@ -205,7 +205,8 @@ class _LanguageModelFiles:
         return read_tensor(self.tensors[name], rows)
 
 
-def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfig, dict]:
+def load_hf(path: str | os.PathLike, mesh: Mesh, dtype: jax.typing.DTypeLike | None = None
+            ) -> tuple[ModelConfig, dict]:
     """Reads an HF directory (`config.json` + safetensors shards) into sharded params on `mesh`.
 
     FP8 weights (`quant_method` "fp8", DeepSeek's block scales, or "compressed-tensors") are
@@ -214,11 +215,19 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfi
     olmoe, glm4_moe, minimax_m2, the latent-attention deepseek_v2, deepseek_v3 and glm4_moe_lite, and the
     dense llama, mistral, qwen2, qwen3, gemma3_text (also the language model of a multimodal
     gemma3), phi3, granite, seed_oss, olmo2, olmo3 and smollm3 (`hf_config.SUPPORTED_FAMILIES`).
-    dtype: param (and compute) dtype; default the config's `dtype`/`torch_dtype`, else float32.
-    Returns (cfg, params) with params laid out as `sfrrl_jax.models.transformer.param_shapes(cfg)`
-    and sharded as `sfrrl_jax.models.api.param_shardings(cfg, mesh)`.
-    Raises `HFConfigError` for unsupported configs and `CheckpointError` for missing, unexpected,
-    mis-shaped tensors or corrupt files.
+
+    Args:
+      path: the HF model directory.
+      mesh: the device mesh the params are sharded over; each process reads only its devices' shards.
+      dtype: param (and compute) dtype; default (None) the config's `dtype`/`torch_dtype`, else float32.
+    Returns:
+      `(cfg, params)`: the `ModelConfig`, and the params (a nested dict of `jax.Array`) laid out as
+      `sfrrl_jax.models.transformer.param_shapes(cfg)` and sharded as
+      `sfrrl_jax.models.api.param_shardings(cfg, mesh)`.
+    Raises:
+      HFConfigError: for unsupported configs.
+      CheckpointError: for missing, unexpected, mis-shaped tensors or corrupt files.
+      ValueError: when `cfg.n_experts` is not divisible by the mesh's expert axis size.
     """
     path = Path(path)
     hf = read_hf_config(path)

@@ -20,7 +20,16 @@ _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 
 
 def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """blocks [..., G, 16] uint8, scales [..., G] uint8 -> float32 [..., G * 32]."""
+    """Dequantises MXFP4 blocks and their scales (module docstring) to float32.
+
+    Args:
+      blocks: `[..., G, 16]` uint8, 32 e2m1 codes per block of the input dim, two per byte, low nibble first.
+      scales: `[..., G]` uint8, one power-of-two exponent per block, biased by 127.
+    Returns:
+      `[..., G * 32]` float32: each code's e2m1 value times `2 ** (scale - 127)` (exact).
+    Raises:
+      ValueError: when `blocks` or `scales` is not uint8, or their shapes are not `[..., G, 16]` and `[..., G]`.
+    """
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
         raise ValueError(f"MXFP4 blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
     if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:

@@ -56,7 +56,23 @@ def _check_params(cfg: ModelConfig, params: dict) -> dict:
 
 def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Writes `params` as an HF checkpoint directory at `path` (created if needed); returns it."""
+    """Writes `params` as an HF checkpoint directory at `path` (created if needed); returns it.
+
+    Every process must call it (the gathers are collective); only process 0 writes.
+
+    Args:
+      cfg: the model config; `config_to_hf(cfg)` is written as `config.json`.
+      params: the params (a nested dict of `jax.Array`), laid out as
+        `sfrrl_jax.models.transformer.param_shapes(cfg)`; written in their own dtype.
+      path: the output directory.
+      max_shard_bytes: the most bytes one safetensors shard file holds (default 4 GiB).
+    Returns:
+      `path`, as a `Path`.
+    Raises:
+      HFConfigError: when `cfg` uses a variant the HF class of its family cannot express.
+      CheckpointError: when `params` do not match `cfg` (a missing or unexpected leaf, a wrong shape), or the
+        leaves feeding one HF tensor differ in dtype.
+    """
     hf_config = config_to_hf(cfg)
     flat = _check_params(cfg, params)
     layers = [layer_groups(cfg, layer) for layer in range(cfg.n_layers)]
