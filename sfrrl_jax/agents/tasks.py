@@ -308,15 +308,15 @@ def save_tasks_jsonl(tasks: Iterable[Task], path: str | os.PathLike) -> Path:
 
     Args:
       tasks: the tasks to write, in order.
-      path: the file to write (plain text, not compressed, even for a '.gz' name); overwritten if
-        it exists.
+      path: the file to write, gzip-compressed when its name ends in '.gz' (as `read_records` reads
+        it); overwritten if it exists.
     Returns:
       `path` as a `Path`.
     Raises:
       UnknownTaskKindError: a task's kind is not registered.
     """
     path = Path(path)
-    with path.open("w") as f:
+    with (gzip.open(path, "wt") if path.suffix == ".gz" else path.open("w")) as f:
         for task in tasks:
             f.write(json.dumps(task_to_record(task)) + "\n")
     return path

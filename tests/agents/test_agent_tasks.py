@@ -112,6 +112,9 @@ def test_jsonl_round_trip_all_kinds(tmp_path):
     assert tasks[-1].metadata == {"match": "numeric", "tolerance": 0.001} and tasks[-1].answer == "3.14159"
     path = save_tasks_jsonl(tasks, tmp_path / "all.jsonl")
     assert load_tasks_jsonl(path) == tasks
+    # a '.gz' name is written compressed, as the reader reads it (it was plain text, unreadable back)
+    gz = save_tasks_jsonl(tasks, tmp_path / "all.jsonl.gz")
+    assert gz.read_bytes()[:2] == b"\x1f\x8b" and load_tasks_jsonl(gz) == tasks
 
 
 @pytest.mark.parametrize("lines, message", [
