@@ -16,7 +16,7 @@ import re
 ROOMS = ("tokenizer", "models", "engine", "rl", "learner", "agents", "trainer", "checkpoints", "testing", "plan",
          "launch")
 # Packages inside a room with an `__all__` of their own (a section of the room's page).
-INNER = {"agents": ("tasksets",), "checkpoints": ("hf",)}
+INNER = {"agents": ("formats", "sandbox", "tasks"), "checkpoints": ("hf",)}
 MARKER = re.compile(r"<!-- members (\S+) -->")
 
 
@@ -26,7 +26,7 @@ def _exports(package: str) -> list[str]:
 
 def _clashes(package: str, name: str, obj) -> bool:
     """A module of the same name stands on the export's path (`engine.generate`, the function, beside
-    `engine/generate.py`; `reasoning_gym_tasks` defined in `tasksets/reasoning_gym_tasks.py`): the
+    `engine/generate.py`; `reasoning_gym_tasks` defined in `tasks/reasoning_gym_tasks.py`): the
     documentation tools read the name as the module, so the entry is written under the object's path."""
     own_module = getattr(obj, "__module__", "") or ""
     return (importlib.util.find_spec(f"{package}.{name}") is not None

@@ -29,7 +29,7 @@ from sfrrl_jax.agents import (AgentConfig, CalculatorTool, Environment, Function
 from sfrrl_jax.agents import (BFCL_CATEGORIES, CodeTestsVerifier, FunctionCallingEnvironment, bfcl_tasks,
                               code_tests_reward, function_call_match, humaneval_tasks, load_tasks, math_environment,
                               math_equal, reasoning_gym_tasks, verify_math, verify_reasoning_gym)
-from sfrrl_jax.agents.rewards import extract_answer
+from sfrrl_jax.agents.tasks.verifiers import extract_answer
 from sfrrl_jax.checkpoints import (Checkpointer, abstract_trainer_state, load_hf, load_trainer_state, save_hf,
                                    trainer_state)
 from sfrrl_jax.config import ModelConfig

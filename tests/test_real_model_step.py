@@ -7,11 +7,11 @@ import pathlib
 
 import pytest
 
-from sfrrl_jax.agents.environments import qa_environment
-from sfrrl_jax.agents.formats import get_format
+from sfrrl_jax.agents.tasks.environments import qa_environment
+from sfrrl_jax.agents.formats.registry import get_format
 from sfrrl_jax.agents.loop import AgentConfig, run_agent
 from sfrrl_jax.agents.protocols import Task
-from sfrrl_jax.agents.reward_fns import answer_correct, answer_format
+from sfrrl_jax.agents.tasks.reward_fns import answer_correct, answer_format
 from sfrrl_jax.aio import run_sync
 from sfrrl_jax.rl.config import AdvantageConfig, LossConfig
 from sfrrl_jax.testing import ScriptedEngine

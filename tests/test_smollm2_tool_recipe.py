@@ -16,8 +16,8 @@ from hf_tokenizer_fixtures import build_qwen3_style_tokenizer  # noqa: E402
 
 from experiments.recipes.smollm2_tool_rl import (TEMPLATE, SmolLM2ToolRL, calculator_call_demonstration,  # noqa: E402
                                                  make_warm_start_dir, task_expression, warm_start_examples)
-from sfrrl_jax.agents.environments import CALCULATOR_SYSTEM_PROMPT  # noqa: E402
-from sfrrl_jax.agents.formats import get_format  # noqa: E402
+from sfrrl_jax.agents.tasks.environments import CALCULATOR_SYSTEM_PROMPT  # noqa: E402
+from sfrrl_jax.agents.formats.registry import get_format  # noqa: E402
 from sfrrl_jax.agents.protocols import Task  # noqa: E402
 from sfrrl_jax.agents.tools import CalculatorTool, tool_schema  # noqa: E402
 from sfrrl_jax.launch.runner import ExperimentConfig  # noqa: E402

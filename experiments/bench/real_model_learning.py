@@ -88,7 +88,7 @@ def run_trl(gin_file: str, seed: int, steps: int | None, threads: int, extra: Se
     import transformers
     import trl
 
-    from sfrrl_jax.agents.formats import get_format
+    from sfrrl_jax.agents.formats.registry import get_format
     from sfrrl_jax.checkpoints.hf import load_hf
     from sfrrl_jax.engine import Engine
     from sfrrl_jax.launch import gin_bindings

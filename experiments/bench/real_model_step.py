@@ -277,7 +277,7 @@ def build_parts(hf_dir: str, setting: dict, seed: int) -> dict:
     them (`AgenticRollout` from the same bindings), for the TRL side and the prompt lengths."""
     import jax
 
-    from sfrrl_jax.agents.formats import get_format
+    from sfrrl_jax.agents.formats.registry import get_format
     from sfrrl_jax.launch import gin_bindings
     from sfrrl_jax.launch.runner import resolve_model_config
     # a provisional budget: the parts do not depend on it, and the real one needs the prompt lengths

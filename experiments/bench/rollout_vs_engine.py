@@ -57,9 +57,9 @@ import numpy as np
 
 import sfrrl_jax as S
 from sfrrl_jax.agents import AgentConfig, answer_correct, answer_format
-from sfrrl_jax.agents.environments import qa_environment
+from sfrrl_jax.agents.tasks.environments import qa_environment
 from sfrrl_jax.agents.protocols import GenerationRequest
-from sfrrl_jax.agents.tasksets.loading import load_tasks
+from sfrrl_jax.agents.tasks.loading import load_tasks
 from sfrrl_jax.aio import run_sync
 from sfrrl_jax.checkpoints.hf import load_hf
 from sfrrl_jax.engine import Engine

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sfrrl_jax.agents.protocols import ToolCall  # noqa: E402
-from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig  # noqa: E402
+from sfrrl_jax.agents.sandbox.python_sandbox import PythonSandbox, SandboxConfig  # noqa: E402
 from sfrrl_jax.agents.tools import ToolRunner, ToolRunnerConfig  # noqa: E402
 
 

@@ -64,12 +64,12 @@ from typing import Callable
 import jax
 import numpy as np
 
-from sfrrl_jax.agents.demos import calculator_demonstration, render_sft_example
-from sfrrl_jax.agents.environments import CALCULATOR_SYSTEM_PROMPT, ToolEnvironment
+from sfrrl_jax.agents.tasks.demos import calculator_demonstration, render_sft_example
+from sfrrl_jax.agents.tasks.environments import CALCULATOR_SYSTEM_PROMPT, ToolEnvironment
 from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.agents.tools import CalculatorTool
-from sfrrl_jax.agents.tasks import generate_arithmetic_tasks
+from sfrrl_jax.agents.tasks.builtin_kinds import generate_arithmetic_tasks
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.launch.recipes import register_recipe
 from sfrrl_jax.mesh import make_mesh

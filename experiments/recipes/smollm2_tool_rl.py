@@ -41,7 +41,7 @@ import numpy as np
 
 from experiments.recipes.quickstart import direct_answer_demonstration, mask_answer_content
 from experiments.recipes.smollm2_rl import ensure_weights
-from sfrrl_jax.agents.demos import render_sft_example
+from sfrrl_jax.agents.tasks.demos import render_sft_example
 from sfrrl_jax.agents.protocols import Task
 from sfrrl_jax.agents.tools import evaluate_arithmetic, format_number
 from sfrrl_jax.launch.recipes import register_recipe

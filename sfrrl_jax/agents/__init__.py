@@ -1,8 +1,6 @@
-"""Agents: engine/tool/environment protocols, tool-call formats, the sandbox, tasks and the task-kind
-registry, reward functions, the agent loop."""
-from sfrrl_jax.agents.demos import calculator_demonstration, calculator_tool_schemas, render_sft_example
-from sfrrl_jax.agents.environments import (ToolEnvironment, calculator_environment, countdown_environment,
-                                           qa_environment)
+"""Agents: the multi-turn loop and its protocols (engine, tool, environment), tools, and three rooms:
+`formats/` (tool-call formats), `sandbox/` (jailed Python), `tasks/` (tasks, the task-kind registry,
+verifiers and reward functions, environments, task sets)."""
 from sfrrl_jax.agents.formats import (CompactFormat, DeepSeekDsmlFormat, DeepSeekFormat, GraniteFormat, HarmonyFormat,
                                       KimiK2Format, Llama3JsonFormat, Llama4JsonFormat, MiniMaxM2Format, MistralFormat,
                                       Olmo3Format, ParsedTurn, PythonicFormat, Qwen3Format, Qwen3XmlFormat,
@@ -10,14 +8,18 @@ from sfrrl_jax.agents.formats import (CompactFormat, DeepSeekDsmlFormat, DeepSee
 from sfrrl_jax.agents.loop import AgentConfig, run_agent, run_many
 from sfrrl_jax.agents.protocols import (Completion, EngineProtocol, Environment, GenerationRequest, RewardFn, Task,
                                         Tool, ToolCall, ToolCallError, ToolResult)
-from sfrrl_jax.agents.reward_fns import (RewardError, RewardSum, answer_correct, answer_format, in_thread, named,
-                                         reward_component_means, tool_error_penalty)
-from sfrrl_jax.agents.rewards import task_reward
 from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig, SandboxResult, probe_capabilities
-from sfrrl_jax.agents.task_kinds import (TaskKind, UnknownTaskKindError, get_task_kind, register_task_kind,
-                                         registered_task_kinds, unregister_task_kind)
-from sfrrl_jax.agents.tasks import (DatasetError, generate_arithmetic_tasks, generate_countdown_tasks,
-                                    load_tasks_jsonl, save_tasks_jsonl)
+from sfrrl_jax.agents.tasks import (BFCL_CATEGORIES, BfclMultiTurnEnvironment, CodeTestsVerifier, DatasetError,
+                                    FunctionCallingEnvironment, RewardError, RewardSum, TaskKind, ToolEnvironment,
+                                    UnknownTaskKindError, answer_correct, answer_format, bfcl_multi_turn_tasks,
+                                    bfcl_tasks, calculator_demonstration, calculator_environment,
+                                    calculator_tool_schemas, code_tests_reward, countdown_environment,
+                                    function_call_match, generate_arithmetic_tasks, generate_countdown_tasks,
+                                    get_task_kind, humaneval_tasks, in_thread, load_tasks, load_tasks_jsonl,
+                                    math_environment, math_equal, multi_turn_match, multi_turn_progress, named,
+                                    qa_environment, reasoning_gym_tasks, register_task_kind, registered_task_kinds,
+                                    render_sft_example, reward_component_means, save_tasks_jsonl, task_reward,
+                                    tool_error_penalty, unregister_task_kind, verify_math, verify_reasoning_gym)
 from sfrrl_jax.agents.tools import CalculatorTool, FunctionTool, PythonTool, ToolError, ToolRunner, ToolRunnerConfig
 from sfrrl_jax.agents.trajectory import Trajectory, Turn
 
@@ -38,15 +40,8 @@ __all__ = [
     "tool_error_penalty", "unregister_task_kind",
 ]
 
-# Task sets as data, rewards as verifiers (issue #22 pt 2): importing registers the kinds 'math',
+# Task sets as data, rewards as verifiers (issue #22 pt 2): importing `tasks` registers the kinds 'math',
 # 'reasoning_gym', 'code', 'function_call' and 'bfcl_multi_turn'; their optional packages load only when used.
-from sfrrl_jax.agents.tasksets import (BFCL_CATEGORIES, BfclMultiTurnEnvironment, CodeTestsVerifier,  # noqa: E402
-                                       FunctionCallingEnvironment, bfcl_multi_turn_tasks, multi_turn_match,
-                                       multi_turn_progress,
-                                       bfcl_tasks, code_tests_reward, function_call_match, humaneval_tasks,
-                                       load_tasks, math_environment, math_equal, reasoning_gym_tasks, verify_math,
-                                       verify_reasoning_gym)
-
 __all__ += ["BFCL_CATEGORIES", "BfclMultiTurnEnvironment", "bfcl_multi_turn_tasks", "multi_turn_match",
             "multi_turn_progress", "CodeTestsVerifier", "FunctionCallingEnvironment", "bfcl_tasks", "code_tests_reward",
             "function_call_match", "humaneval_tasks", "load_tasks", "math_environment", "math_equal",

@@ -38,8 +38,8 @@ import os
 import time
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from sfrrl_jax.agents.call_text import TOOL_NAME
-from sfrrl_jax.agents.formats import get_format, renders_tool_calls, trajectory_format, turn_stop_ids
+from sfrrl_jax.agents.formats.call_text import TOOL_NAME
+from sfrrl_jax.agents.formats.registry import get_format, renders_tool_calls, trajectory_format, turn_stop_ids
 from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment, Episode, GenerationRequest,
                                        Message, Task, ToolCall, ToolCallError, ToolResult)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
@@ -73,13 +73,13 @@ class AgentConfig:
       seed: base sampling seed, in [0, 2**32); each turn's seed is `turn_seed(seed, task_id,
         sample_index, turn)`.
       tool_format: the tool-call format turns are parsed with: None, the format the tokenizer's
-        chat template writes (`formats.format_for`); a built-in's name (`formats.FORMATS`: 'qwen3',
+        chat template writes (`formats.registry.format_for`); a built-in's name (`formats.registry.FORMATS`: 'qwen3',
         'harmony', 'llama3_json', 'mistral', 'pythonic', ...) or a format value
         (`formats.ToolCallFormat`: `parse(text) -> ParsedTurn`). An unknown name fails here.
       max_tool_calls_per_turn: most calls of one turn that are run, >= 1; calls past it are not
         run: one error observation says so (`capped_calls`).
       stop_token_ids: the ids that end a turn; None: the tokenizer's stops as the tool format
-        refines them (`formats.turn_stop_ids`).
+        refines them (`formats.registry.turn_stop_ids`).
       chat_template_kwargs: variables for the chat template in every render of the trajectory
         (Qwen3's `{'enable_thinking': False}`, gpt-oss's `{'reasoning_effort': 'high'}`): a mapping or
         (name, value) pairs, kept as sorted (key, value) pairs. Needs a tokenizer with

@@ -66,7 +66,7 @@ class Tool(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Task:
     """A prompt and what its verifier needs. `kind` names the verifier in the task-kind registry
-    (`task_kinds.register_task_kind`; built-in: 'arithmetic', 'countdown', 'qa', see `tasks.py`)."""
+    (`tasks.kinds.register_task_kind`; built-in: 'arithmetic', 'countdown', 'qa', see `tasks/builtin_kinds.py`)."""
 
     task_id: str
     kind: str

@@ -34,7 +34,7 @@ from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
 
 from sfrrl_jax.agents.protocols import Tool, ToolCall, ToolCallError, ToolResult
-from sfrrl_jax.agents.sandbox import PythonSandbox
+from sfrrl_jax.agents.sandbox.python_sandbox import PythonSandbox
 from sfrrl_jax.agents.schema import validate
 from sfrrl_jax.aio import (DaemonThreadPool, Deadline, Raised, describe, loop_waiter, note_orphan, own_cancellation,
                            user_task, wait_or_abandon)

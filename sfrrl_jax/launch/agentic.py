@@ -7,12 +7,13 @@
     AgentConfig.max_turns = 4
 
 `AgenticRollout(cfg, model_cfg)` is an `ExperimentConfig.rollout` factory: it loads the tasks
-(`agents.tasksets.load_tasks`), the tokenizer and chat template from the model's own directory
+(`agents.tasks.load_tasks`), the tokenizer and chat template from the model's own directory
 (`tokenizer.load_tokenizer`; `tokenizer_path` overrides), picks the tool-call format
 (`tool_format` or `AgentConfig.tool_format`; else the one whose markup its chat template writes,
 `agents.formats.infer_format`; else the model family's, `FAMILY_FORMATS`), builds the
-environment (a value: `environment`, a zero-argument factory such as `@math_environment` in gin;
-by default the one of the task kind, `KIND_ENVIRONMENTS`) and returns an `AgentRollout` over them.
+environment (a value: `environment`, a zero-argument factory such as `@math_tool_environment` in
+gin; by default the one registered with the task kind, `register_task_kind(..., environment=...)`)
+and returns an `AgentRollout` over them.
 
 Checked before anything is allocated or compiled (`validate`, also run by `--validate_only`):
 the task set loads; the tokenizer's vocabulary fits the model's embedding; the chat template
@@ -26,55 +27,16 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sfrrl_jax.agents.environments import ToolEnvironment, calculator_environment, countdown_environment
-from sfrrl_jax.agents.formats import FORMATS, infer_format
+from sfrrl_jax.agents.formats.registry import FORMATS, infer_format
 from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.protocols import Environment, Task
-from sfrrl_jax.agents.reward_fns import in_thread
-from sfrrl_jax.agents.sandbox import PythonSandbox
-from sfrrl_jax.agents.tasksets.bfcl_multi_turn import BfclMultiTurnEnvironment
-from sfrrl_jax.agents.tasksets.code_tasks import code_tests_reward
-from sfrrl_jax.agents.tasksets.function_calling import FunctionCallingEnvironment
-from sfrrl_jax.agents.tasksets.loading import load_tasks
-from sfrrl_jax.agents.tasksets.math_tasks import math_environment
-from sfrrl_jax.agents.tools import PythonTool
+from sfrrl_jax.agents.tasks.kinds import get_task_kind, registered_task_kinds
+from sfrrl_jax.agents.tasks.loading import load_tasks
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.launch.runner import ExperimentConfig, RolloutSource
 from sfrrl_jax.tokenizer import load_tokenizer
 from sfrrl_jax.trainer.agent_rollout import AgentRollout
 from sfrrl_jax.trainer.evaluate import HeldOut
-
-CODE_SYSTEM_PROMPT = ("You are a careful Python programmer. You may run Python to test your code. When you are "
-                      "done, give the complete function in one ```python code block as your final answer.")
-
-
-def code_environment() -> ToolEnvironment:
-    """A jailed Python tool; reward: the task's unit tests run in the sandbox (`code_tests_reward`),
-    in a worker thread (`in_thread`: a test run takes a sandbox process, and the agent loop goes
-    on with the other trajectories meanwhile), so `reward` returns an awaitable."""
-    return ToolEnvironment([PythonTool(PythonSandbox())], CODE_SYSTEM_PROMPT,
-                           reward_fns=[in_thread(code_tests_reward())])
-
-
-def math_tool_environment() -> ToolEnvironment:
-    """`math_environment` over a fresh jailed sandbox (Python tool + calculator; the kind's verifier)."""
-    return math_environment(PythonSandbox())
-
-
-def countdown_tool_environment() -> ToolEnvironment:
-    return countdown_environment(PythonSandbox())
-
-
-#: The environment of each task kind when `AgenticRollout.environment` is not given.
-KIND_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
-    "function_call": FunctionCallingEnvironment,
-    "bfcl_multi_turn": BfclMultiTurnEnvironment,
-    "code": code_environment,
-    "reasoning_gym": math_tool_environment,
-    "qa": math_tool_environment,
-    "arithmetic": calculator_environment,
-    "countdown": countdown_tool_environment,
-}
 
 #: Tool-call format of a model family (`ModelConfig.family`, from config.json's model_type), for a
 #: chat template whose markup names none: Qwen2.5/Qwen3 write Hermes-style <tool_call> JSON,
@@ -101,9 +63,10 @@ class AgenticRollout:
       without one (files only); task_limit: keep the first n; task_options: a generator's options
       (reasoning-gym: `seed`, `size` and the dataset's own config, e.g. {'min_terms': 2}).
     environment: the `Environment` (in gin `@qa_environment()`, built with its own bindings), or a
-      zero-argument factory of it; None: `KIND_ENVIRONMENTS` by the tasks' kind.
+      zero-argument factory of it; None: the default environment registered with the tasks' kind
+      (`register_task_kind(..., environment=...)`).
     tokenizer_path: the tokenizer and chat template's directory (None: `ExperimentConfig.hf_path`).
-    tool_format: a built-in format's name (`agents.formats.FORMATS`: 'qwen3', 'harmony',
+    tool_format: a built-in format's name (`agents.formats.registry.FORMATS`: 'qwen3', 'harmony',
       'llama3_json', 'mistral', 'pythonic', ...) or a format value (None: `AgentConfig.tool_format`
       if set, else the one the chat template writes, else the family's; both set and different
       is an error).
@@ -233,10 +196,13 @@ class AgenticRollout:
                 env = env()
             return env
         kinds = sorted({t.kind for t in tasks})
-        if len(kinds) != 1 or kinds[0] not in KIND_ENVIRONMENTS:
+        registered = registered_task_kinds()
+        factory = get_task_kind(kinds[0]).environment if len(kinds) == 1 and kinds[0] in registered else None
+        if factory is None:
+            defaults = sorted(k for k in registered if get_task_kind(k).environment is not None)
             raise ValueError(f"AgenticRollout.environment is not set and tasks of kind(s) {kinds} have no default "
-                             f"environment (defaults: {sorted(KIND_ENVIRONMENTS)}); pass a factory")
-        return KIND_ENVIRONMENTS[kinds[0]]()
+                             f"environment (defaults: {defaults}); pass a factory")
+        return factory()
 
 
 def _check_tokenizer(tokenizer, path: str, model_cfg: ModelConfig, needs_tools: bool) -> None:

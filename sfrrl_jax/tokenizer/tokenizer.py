@@ -87,7 +87,7 @@ class Tokenizer:
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         """Tokens that end an assistant turn: end-of-turn, eos, then generation_config.json's eos
-        ids (deduplicated). A tool-call format may refine them (`agents.formats.turn_stop_ids`:
+        ids (deduplicated). A tool-call format may refine them (`agents.formats.registry.turn_stop_ids`:
         gpt-oss's <|end|> closes a message inside a turn)."""
         ids = [i for i in (self.end_of_turn_id, self.eos_id) if i is not None]
         return tuple(dict.fromkeys(ids + list(self.generation_eos_ids)))

@@ -23,7 +23,7 @@ import numpy as np
 
 from sfrrl_jax.agents.loop import AgentConfig, run_many
 from sfrrl_jax.agents.protocols import Environment, Task
-from sfrrl_jax.agents.reward_fns import reward_component_means
+from sfrrl_jax.agents.tasks.reward_fns import reward_component_means
 from sfrrl_jax.aio import run_sync
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine

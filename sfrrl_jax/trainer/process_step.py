@@ -43,7 +43,7 @@ import time
 import jax
 import numpy as np
 
-from sfrrl_jax.agents.reward_fns import REWARDS_KEY
+from sfrrl_jax.agents.tasks.reward_fns import REWARDS_KEY
 from sfrrl_jax.learner.process_rows import global_microbatch
 from sfrrl_jax.models.api import mesh_of
 from sfrrl_jax.trainer.batching import Group, group_advantage_slopes, group_advantages, zero_microbatch

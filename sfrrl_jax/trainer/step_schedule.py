@@ -50,7 +50,7 @@ import jax
 import numpy as np
 
 from sfrrl_jax.agents.protocols import EngineError, Task
-from sfrrl_jax.agents.reward_fns import reward_component_means
+from sfrrl_jax.agents.tasks.reward_fns import reward_component_means
 from sfrrl_jax.agents.trajectory import Trajectory
 from sfrrl_jax.trainer.batching import (
     Group, RowLayout, RowShapes, TokenShare, group_advantage_slopes, group_advantages, microbatch_from_layout,

@@ -19,9 +19,9 @@ import warnings
 
 import pytest
 
-from sfrrl_jax.agents import sandbox as sandbox_module
-from sfrrl_jax.agents import sandbox_seccomp
-from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxCapabilities, SandboxConfig
+from sfrrl_jax.agents.sandbox import python_sandbox as sandbox_module
+from sfrrl_jax.agents.sandbox import seccomp as sandbox_seccomp
+from sfrrl_jax.agents.sandbox.python_sandbox import PythonSandbox, SandboxCapabilities, SandboxConfig
 
 PROJECT = sandbox_module._PROJECT_ROOT
 ARCH = platform.machine()
@@ -421,7 +421,7 @@ _NON_ROOT_SCRIPT = textwrap.dedent("""
         module = types.ModuleType(name)  # skip the package __init__s (they import jax)
         module.__path__ = [path]
         sys.modules[name] = module
-    import sfrrl_jax.agents.sandbox as S
+    import sfrrl_jax.agents.sandbox.python_sandbox as S
     try:
         S.PythonSandbox(S.SandboxConfig())
         print("NOT REFUSED")
@@ -444,7 +444,8 @@ def test_non_root_is_refused_unless_opted_in():
         pytest.skip("needs root (to drop to uid 65534) and a system python3 that uid can run")
     as_nobody = {"user": 65534, "group": 65534, "extra_groups": [], "cwd": "/", "env": {"PATH": "/usr/bin:/bin"},
                  "capture_output": True, "text": True, "timeout": 60}
-    readable = "import os, sys; sys.exit(not os.access(sys.argv[1] + '/sfrrl_jax/agents/sandbox.py', os.R_OK))"
+    readable = ("import os, sys; "
+                "sys.exit(not os.access(sys.argv[1] + '/sfrrl_jax/agents/sandbox/python_sandbox.py', os.R_OK))")
     if subprocess.run([python, "-I", "-c", readable, PROJECT], **as_nobody).returncode != 0:
         pytest.skip("the project is not readable by uid 65534")
     proc = subprocess.run([python, "-I", "-c", _NON_ROOT_SCRIPT, PROJECT], **as_nobody)

@@ -16,8 +16,8 @@ import textwrap
 
 import pytest
 
-from sfrrl_jax.agents import sandbox as sandbox_module
-from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig
+from sfrrl_jax.agents.sandbox import python_sandbox as sandbox_module
+from sfrrl_jax.agents.sandbox.python_sandbox import PythonSandbox, SandboxConfig
 
 PROJECT = sandbox_module._PROJECT_ROOT
 MiB = 2**20
@@ -294,8 +294,9 @@ _FROM_VENV = textwrap.dedent("""
         module = types.ModuleType(name)  # skip the package __init__s (they import jax)
         module.__path__ = [path]
         sys.modules[name] = module
-    import sfrrl_jax.agents.sandbox as S
-    S._PROJECT_ROOT = project
+    import sfrrl_jax.agents.sandbox.paths as P
+    import sfrrl_jax.agents.sandbox.python_sandbox as S
+    P._PROJECT_ROOT = project   # the checkout the jail plan hides (paths reads it)
     assert sys.prefix.startswith(project) or sys.executable.startswith(project), (sys.prefix, sys.executable)
     code = ("import json, os, sys\\ntry:\\n    environ = open('/proc/self/environ').read()\\n"
             "except OSError as e:\\n    environ = type(e).__name__\\n"
@@ -345,7 +346,7 @@ _MOUNTS = {
     ("escaped", "7:cpu,memory:/a\n", [(1, "/sys/fs/cgroup/my memory/a")]),
 ])
 def test_own_cgroup_found_in_each_layout(monkeypatch, layout, cgroup_file, expected):
-    from sfrrl_jax.agents import sandbox_cgroup
+    from sfrrl_jax.agents.sandbox import cgroup as sandbox_cgroup
 
     files = {"/proc/self/cgroup": cgroup_file, "/proc/self/mountinfo": _MOUNTS[layout]}
     monkeypatch.setattr(sandbox_cgroup, "_read", files.get)
@@ -353,7 +354,7 @@ def test_own_cgroup_found_in_each_layout(monkeypatch, layout, cgroup_file, expec
 
 
 def test_cgroup_counters_read_for_both_versions(tmp_path):
-    from sfrrl_jax.agents.sandbox_cgroup import CallCgroup
+    from sfrrl_jax.agents.sandbox.cgroup import CallCgroup
 
     (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 2\noom_kill 2\noom_group_kill 1\n")
     (tmp_path / "memory.peak").write_text("536870912\n")

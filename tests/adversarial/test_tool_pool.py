@@ -55,7 +55,7 @@ def test_a_dead_pool_is_replaced_and_the_call_runs():
 def test_queueing_for_sandbox_slots_does_not_count_against_the_tool_timeout():
     # As tried: many sleep() calls at once through a sandbox with fewer slots; each call's own
     # run is well inside the timeout, the queue is not (it was: 128 of 200 "timed out").
-    from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig
+    from sfrrl_jax.agents.sandbox.python_sandbox import PythonSandbox, SandboxConfig
     from sfrrl_jax.agents.tools import PythonTool
     sandbox = PythonSandbox(SandboxConfig(max_concurrency=2, wall_timeout_s=5))
     runner = ToolRunner([PythonTool(sandbox)], ToolRunnerConfig(timeout_s=2.5))

@@ -25,9 +25,9 @@ import time
 import pytest
 
 from sfrrl_jax.agents.loop import AgentConfig, run_agent, run_many
-from sfrrl_jax.agents.environments import ToolEnvironment
+from sfrrl_jax.agents.tasks.environments import ToolEnvironment
 from sfrrl_jax.agents.protocols import Task, ToolCall, ToolResult
-from sfrrl_jax.agents.reward_fns import RewardError, RewardSum, in_thread
+from sfrrl_jax.agents.tasks.reward_fns import RewardError, RewardSum, in_thread
 from sfrrl_jax.agents.tools import FunctionTool, ToolRunner, ToolRunnerConfig
 from sfrrl_jax.agents.trajectory import Trajectory
 from sfrrl_jax.aio import run_sync

@@ -22,7 +22,8 @@ import pytest
 
 import sfrrl_jax as S
 from sfrrl_jax.agents.protocols import GenerationRequest
-from sfrrl_jax.agents.tasks import generate_arithmetic_tasks, save_tasks_jsonl
+from sfrrl_jax.agents.tasks.builtin_kinds import generate_arithmetic_tasks
+from sfrrl_jax.agents.tasks.records import save_tasks_jsonl
 from sfrrl_jax.engine import Engine, LockstepEngine
 from sfrrl_jax.engine.steps import SlotRequest
 from sfrrl_jax.launch import cli, gin_bindings

@@ -1,7 +1,7 @@
 """Tool-call parsing for each format (valid, malformed, nested, several per turn) and the schema check."""
 import pytest
 
-from sfrrl_jax.agents.formats import CompactFormat, HarmonyFormat, ParsedTurn, Qwen3Format, get_format
+from sfrrl_jax.agents.formats.registry import CompactFormat, HarmonyFormat, ParsedTurn, Qwen3Format, get_format
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 from sfrrl_jax.agents.schema import validate
 

@@ -4,11 +4,11 @@ import random
 
 import pytest
 
-from sfrrl_jax.agents.demos import calculator_demonstration, render_sft_example
-from sfrrl_jax.agents.environments import calculator_environment
+from sfrrl_jax.agents.tasks.demos import calculator_demonstration, render_sft_example
+from sfrrl_jax.agents.tasks.environments import calculator_environment
 from sfrrl_jax.agents.loop import AgentConfig, run_agent, run_many
 from sfrrl_jax.agents.protocols import Completion, EngineError, EngineProtocol, GenerationRequest
-from sfrrl_jax.agents.tasks import arithmetic_task, generate_arithmetic_tasks
+from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task, generate_arithmetic_tasks
 from sfrrl_jax.agents.tools import ToolRunnerConfig
 from sfrrl_jax.testing import ScriptedEngine
 from sfrrl_jax.tokenizer import load_tokenizer
@@ -217,9 +217,9 @@ def test_agent_config_validation():
 
 
 def test_countdown_with_the_real_sandboxed_python_tool(tok):
-    from sfrrl_jax.agents.environments import countdown_environment
-    from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig
-    from sfrrl_jax.agents.tasks import countdown_task
+    from sfrrl_jax.agents.tasks.environments import countdown_environment
+    from sfrrl_jax.agents.sandbox.python_sandbox import PythonSandbox, SandboxConfig
+    from sfrrl_jax.agents.tasks.builtin_kinds import countdown_task
 
     env = countdown_environment(PythonSandbox(SandboxConfig(wall_timeout_s=2.0, max_concurrency=2)))
     task = countdown_task([3, 7, 25, 50], 172, "cd")
@@ -239,7 +239,7 @@ def test_countdown_with_the_real_sandboxed_python_tool(tok):
 def test_an_environments_per_task_tools_reach_the_chat_template(tok):
     """`task_tool_schemas(task)` (BFCL items carry their own functions) is what the template renders,
     for the prompt and for every observation appended after it."""
-    from sfrrl_jax.agents.tasksets.function_calling import FunctionCallingEnvironment, bfcl_tasks
+    from sfrrl_jax.agents.tasks.function_calling import FunctionCallingEnvironment, bfcl_tasks
     task = bfcl_tasks("simple_python", limit=1)[0]
     env = FunctionCallingEnvironment()
     seen = []

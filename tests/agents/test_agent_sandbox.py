@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from sfrrl_jax.agents.protocols import ToolCall
-from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig
+from sfrrl_jax.agents.sandbox.python_sandbox import PythonSandbox, SandboxConfig
 from sfrrl_jax.agents.tools import PythonTool, ToolRunner, ToolRunnerConfig
 
 CFG = SandboxConfig(wall_timeout_s=2.0, cpu_seconds=1, memory_bytes=256 * 2**20, max_processes=8,

@@ -3,12 +3,12 @@ import json
 
 import pytest
 
-from sfrrl_jax.agents.demos import calculator_demonstration
+from sfrrl_jax.agents.tasks.demos import calculator_demonstration
 from sfrrl_jax.agents.protocols import Task
-from sfrrl_jax.agents.rewards import (arithmetic_reward, countdown_reward, exact_match_reward, extract_answer,
-                                      numeric_match_reward, parse_number, task_reward)
-from sfrrl_jax.agents.tasks import (DatasetError, arithmetic_task, generate_arithmetic_tasks,
-                                    generate_countdown_tasks, load_tasks_jsonl, save_tasks_jsonl)
+from sfrrl_jax.agents.tasks.verifiers import (arithmetic_reward, countdown_reward, exact_match_reward, extract_answer,
+                                              numeric_match_reward, parse_number, task_reward)
+from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task, generate_arithmetic_tasks, generate_countdown_tasks
+from sfrrl_jax.agents.tasks.records import DatasetError, load_tasks_jsonl, save_tasks_jsonl
 from sfrrl_jax.agents.tools import evaluate_arithmetic
 
 

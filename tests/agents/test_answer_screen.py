@@ -4,7 +4,7 @@ is named."""
 import pytest
 import reasoning_gym   # a test dependency (pyproject's test extra)
 
-from sfrrl_jax.agents.tasksets.answer_screen import EVALUATED_DATASETS, code_in_answer
+from sfrrl_jax.agents.tasks.answer_screen import EVALUATED_DATASETS, code_in_answer
 
 
 @pytest.mark.parametrize("dataset", sorted(EVALUATED_DATASETS))

@@ -11,11 +11,11 @@ import pytest
 
 from sfrrl_jax.agents import AgentConfig, run_agent
 from sfrrl_jax.agents.protocols import Completion
-from sfrrl_jax.agents.tasksets import load_tasks
-from sfrrl_jax.agents.tasksets.bfcl_multi_turn import (MULTI_TURN_CATEGORIES, BfclMultiTurnEnvironment,
-                                                       backend_instances, check_multi_turn, multi_turn_match,
-                                                       multi_turn_progress, multi_turn_task, parse_call, turn_calls)
-from sfrrl_jax.agents.tasks import save_tasks_jsonl
+from sfrrl_jax.agents.tasks import load_tasks
+from sfrrl_jax.agents.tasks.bfcl_multi_turn import (MULTI_TURN_CATEGORIES, BfclMultiTurnEnvironment, backend_instances,
+                                                    check_multi_turn, multi_turn_match, multi_turn_progress,
+                                                    multi_turn_task, parse_call, turn_calls)
+from sfrrl_jax.agents.tasks.records import save_tasks_jsonl
 from sfrrl_jax.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checkpoints"))

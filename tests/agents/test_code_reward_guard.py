@@ -1,4 +1,4 @@
-"""The code reward's guard (agents/tasksets/code_guard.py): solutions that rig the tests instead
+"""The code reward's guard (agents/tasks/code_guard.py): solutions that rig the tests instead
 of solving the problem score 0, in the real sandbox; every canonical HumanEval solution, and
 legitimate solutions shaped unlike them, still score 1."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from sfrrl_jax.agents import load_tasks
-from sfrrl_jax.agents.tasksets.code_guard import hoist_future_imports
-from sfrrl_jax.agents.tasksets.code_tasks import CodeTestsVerifier, code_task
-from sfrrl_jax.agents.tasksets.code_tasks import test_program as program_for  # not collected as a test
+from sfrrl_jax.agents.tasks.code_guard import hoist_future_imports
+from sfrrl_jax.agents.tasks.code_tasks import CodeTestsVerifier, code_task
+from sfrrl_jax.agents.tasks.code_tasks import test_program as program_for  # not collected as a test
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from sfrrl_jax.agents import ParsedTurn
-from sfrrl_jax.agents.formats import get_format, infer_format
-from sfrrl_jax.agents.invoke_format import DeepSeekDsmlFormat, MiniMaxM2Format
+from sfrrl_jax.agents.formats.registry import get_format, infer_format
+from sfrrl_jax.agents.formats.invoke import DeepSeekDsmlFormat, MiniMaxM2Format
 from sfrrl_jax.tokenizer import load_tokenizer
 
 _TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {
@@ -100,8 +100,8 @@ def _reasoned(messages):
 
 def test_minimax_tool_loop_and_sft_over_a_minimax_style_template(tmp_path):
     from sfrrl_jax.agents import calculator_demonstration, calculator_tool_schemas
-    from sfrrl_jax.agents.demos import render_sft_example
-    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.agents.tasks.demos import render_sft_example
+    from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
     from family_tokenizer_fixtures import MINIMAX_M2_STYLE_TEMPLATE, build_minimax_m2_style_tokenizer
     from test_model_formats import _calculator_loop
 
@@ -121,8 +121,8 @@ def test_minimax_tool_loop_and_sft_over_a_minimax_style_template(tmp_path):
 
 def test_dsml_tool_loop_and_sft_over_a_deepseek_v32_style_template(tmp_path):
     from sfrrl_jax.agents import calculator_demonstration, calculator_tool_schemas
-    from sfrrl_jax.agents.demos import render_sft_example
-    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.agents.tasks.demos import render_sft_example
+    from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
     from family_tokenizer_fixtures import DEEPSEEK_V32_STYLE_TEMPLATE, build_deepseek_v32_style_tokenizer
     from test_model_formats import _calculator_loop
 

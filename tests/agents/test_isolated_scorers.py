@@ -11,7 +11,7 @@ import time
 import pytest
 
 import sfrrl_jax as S
-from sfrrl_jax.agents.tasksets.isolated import KILL_MARGIN_S, MathVerifierProcess, ReasoningGymScorer
+from sfrrl_jax.agents.tasks.isolated import KILL_MARGIN_S, MathVerifierProcess, ReasoningGymScorer
 
 
 
@@ -76,7 +76,7 @@ def test_threads_share_one_child_one_request_at_a_time():
     ("x1e5", "x1e5"), ("0x1e5", "0x1e5"), ("1e20.5", "1e20.5"), ("12e", "12e"), ("e5", "e5"),
 ])
 def test_e_notation_is_written_out(text, expanded):
-    from sfrrl_jax.agents.tasksets.math_worker import expand_e_notation
+    from sfrrl_jax.agents.tasks.math_worker import expand_e_notation
     assert expand_e_notation(text) == expanded
 
 

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from sfrrl_jax.agents import KimiK2Format, ParsedTurn
-from sfrrl_jax.agents.formats import get_format, infer_format
+from sfrrl_jax.agents.formats.registry import get_format, infer_format
 from sfrrl_jax.tokenizer import load_tokenizer
 
 _SECTION, _SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -49,8 +49,8 @@ def test_kimi_calls_keep_their_ids_and_name_their_tools():
 
 def test_kimi_tool_loop_and_sft_over_a_kimi_style_template(tmp_path):
     from sfrrl_jax.agents import calculator_demonstration, calculator_tool_schemas
-    from sfrrl_jax.agents.demos import render_sft_example
-    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.agents.tasks.demos import render_sft_example
+    from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
     from family_tokenizer_fixtures import KIMI_K2_STYLE_TEMPLATE, build_kimi_k2_style_tokenizer
     from test_model_formats import _calculator_loop
 

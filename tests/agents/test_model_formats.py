@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from sfrrl_jax.agents import ParsedTurn
-from sfrrl_jax.agents.formats import (DeepSeekFormat, Glm45Format, GraniteFormat, HarmonyFormat, Llama3JsonFormat,
-                                      Llama4JsonFormat, MistralFormat, Olmo3Format, PythonicFormat, Qwen3Format,
-                                      Qwen3XmlFormat, get_format, infer_format, turn_stop_ids)
+from sfrrl_jax.agents.formats.registry import (DeepSeekFormat, Glm45Format, GraniteFormat, HarmonyFormat,
+                                               Llama3JsonFormat, Llama4JsonFormat, MistralFormat, Olmo3Format,
+                                               PythonicFormat, Qwen3Format, Qwen3XmlFormat, get_format, infer_format,
+                                               turn_stop_ids)
 from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.protocols import ToolCall
 from sfrrl_jax.tokenizer import load_tokenizer
@@ -34,7 +35,7 @@ def _calculator_loop(tok, turns) -> str:
     import asyncio
 
     from sfrrl_jax.agents import calculator_environment, run_agent
-    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
     from sfrrl_jax.testing.scripted_engine import ScriptedEngine
     env = calculator_environment()
     try:
@@ -305,8 +306,8 @@ def test_granite_calls_as_a_list_or_one_object_after_each_tag():
 
 def test_granite_tool_loop_and_sft_over_a_granite_style_template(tmp_path):
     from sfrrl_jax.agents import calculator_demonstration, calculator_tool_schemas
-    from sfrrl_jax.agents.demos import render_sft_example
-    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.agents.tasks.demos import render_sft_example
+    from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
     from family_tokenizer_fixtures import GRANITE_STYLE_TEMPLATE, build_granite_style_tokenizer
 
     tok = load_tokenizer(build_granite_style_tokenizer(tmp_path))
@@ -368,8 +369,8 @@ def test_olmo3_calls_one_a_line_inside_function_calls():
 
 def test_olmo3_tool_loop_and_sft_over_an_olmo3_style_template(tmp_path):
     from sfrrl_jax.agents import calculator_demonstration, calculator_tool_schemas
-    from sfrrl_jax.agents.demos import render_sft_example
-    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.agents.tasks.demos import render_sft_example
+    from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
     from sfrrl_jax.launch.agentic import FAMILY_FORMATS
     from family_tokenizer_fixtures import OLMO3_STYLE_TEMPLATE, build_olmo3_style_tokenizer
 
@@ -435,8 +436,8 @@ def test_deepseek_calls_in_the_v3_and_v31_layouts():
 
 def test_deepseek_tool_loop_and_sft_over_a_deepseek_style_template(tmp_path):
     from sfrrl_jax.agents import calculator_demonstration, calculator_tool_schemas
-    from sfrrl_jax.agents.demos import render_sft_example
-    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.agents.tasks.demos import render_sft_example
+    from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
     from family_tokenizer_fixtures import DEEPSEEK_STYLE_TEMPLATE, build_deepseek_style_tokenizer
 
     tok = load_tokenizer(build_deepseek_style_tokenizer(tmp_path))
@@ -492,8 +493,8 @@ def test_glm45_loop_and_sft_where_each_turn_ends_with_the_next_messages_opener(t
     with <|user|>, the tokens that open the next message. The observation delta starts after the
     generated opener, and SFT learns each turn with the opener the template writes after it."""
     from sfrrl_jax.agents import calculator_demonstration, calculator_tool_schemas
-    from sfrrl_jax.agents.demos import render_sft_example
-    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.agents.tasks.demos import render_sft_example
+    from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
     from sfrrl_jax.launch.agentic import FAMILY_FORMATS
     from family_tokenizer_fixtures import GLM45_STYLE_TEMPLATE, build_glm45_style_tokenizer
 
@@ -529,9 +530,9 @@ def test_smollm3_template_gets_its_tools_and_the_turns_as_generated(tmp_path):
     import asyncio
 
     from sfrrl_jax.agents import calculator_demonstration, calculator_environment, calculator_tool_schemas, run_agent
-    from sfrrl_jax.agents.demos import render_sft_example
-    from sfrrl_jax.agents.formats import renders_tool_calls
-    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.agents.tasks.demos import render_sft_example
+    from sfrrl_jax.agents.formats.registry import renders_tool_calls
+    from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
     from sfrrl_jax.testing.scripted_engine import ScriptedEngine
     from family_tokenizer_fixtures import build_smollm3_style_tokenizer
 

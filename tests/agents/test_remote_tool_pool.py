@@ -107,7 +107,7 @@ def test_the_config_chooses_remote_workers_for_an_environments_tools(monkeypatch
 
     import gin
 
-    from sfrrl_jax.agents.environments import ToolEnvironment
+    from sfrrl_jax.agents.tasks.environments import ToolEnvironment
     from sfrrl_jax.agents.tool_pool import shared_pool
     from sfrrl_jax.launch import gin_bindings
 

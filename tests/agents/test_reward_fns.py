@@ -16,8 +16,8 @@ from sfrrl_jax.agents import (AgentConfig, CalculatorTool, Completion, DatasetEr
                               get_task_kind, in_thread, load_tasks_jsonl, named, register_task_kind, registered_task_kinds,
                               reward_component_means, run_agent, run_many, save_tasks_jsonl, task_reward,
                               tool_error_penalty, unregister_task_kind)
-from sfrrl_jax.agents.rewards import extract_answer
-from sfrrl_jax.agents.tasks import arithmetic_task
+from sfrrl_jax.agents.tasks.verifiers import extract_answer
+from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
 from sfrrl_jax.tokenizer import load_tokenizer
 
 CFG = AgentConfig(max_turns=3, max_new_tokens_per_turn=64, max_total_tokens=512, temperature=0.0)

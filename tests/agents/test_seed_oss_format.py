@@ -1,7 +1,7 @@
 """ByteDance Seed-OSS's tool calls (`SeedOssFormat`: Qwen3-Coder's XML in <seed:tool_call> blocks):
 parsing, and the agent loop and SFT over a template written after its published prompt format."""
 from sfrrl_jax.agents import ParsedTurn
-from sfrrl_jax.agents.formats import SeedOssFormat, get_format, infer_format
+from sfrrl_jax.agents.formats.registry import SeedOssFormat, get_format, infer_format
 from sfrrl_jax.tokenizer import load_tokenizer
 
 _END = "<seed:eos>"
@@ -34,8 +34,8 @@ def test_seed_calls_in_seed_tags_read_by_their_schemas():
 
 def test_seed_tool_loop_and_sft_over_a_seed_style_template(tmp_path):
     from sfrrl_jax.agents import calculator_demonstration, calculator_tool_schemas
-    from sfrrl_jax.agents.demos import render_sft_example
-    from sfrrl_jax.agents.tasks import arithmetic_task
+    from sfrrl_jax.agents.tasks.demos import render_sft_example
+    from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
     from family_tokenizer_fixtures import SEED_OSS_STYLE_TEMPLATE, build_seed_oss_style_tokenizer
     from test_model_formats import _calculator_loop
 

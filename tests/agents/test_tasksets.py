@@ -12,10 +12,10 @@ import pytest
 
 from sfrrl_jax.agents import (AgentConfig, DatasetError, SandboxConfig, Task, Trajectory, answer_correct, load_tasks,
                               run_agent, save_tasks_jsonl, task_reward)
-from sfrrl_jax.agents.tasksets import (FunctionCallingEnvironment, bfcl_tasks, code_tests_reward, function_call_match,
-                                       humaneval_tasks, math_environment, match_calls, math_task, parse_python_calls,
-                                       reasoning_gym_tasks, verify_math)
-from sfrrl_jax.agents.tasksets.function_calling import ground_truth_calls, message_tool_calls
+from sfrrl_jax.agents.tasks import (FunctionCallingEnvironment, bfcl_tasks, code_tests_reward, function_call_match,
+                                    humaneval_tasks, math_environment, match_calls, math_task, parse_python_calls,
+                                    reasoning_gym_tasks, verify_math)
+from sfrrl_jax.agents.tasks.function_calling import ground_truth_calls, message_tool_calls
 from sfrrl_jax.testing import ScriptedEngine
 from sfrrl_jax.tokenizer import load_tokenizer
 

@@ -12,8 +12,8 @@ import pytest
 
 from sfrrl_jax.agents import (AgentConfig, calculator_demonstration, calculator_environment, calculator_tool_schemas,
                               render_sft_example, run_agent)
-from sfrrl_jax.agents.formats import infer_format
-from sfrrl_jax.agents.tasks import arithmetic_task
+from sfrrl_jax.agents.formats.registry import infer_format
+from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
 from sfrrl_jax.testing.scripted_engine import ScriptedEngine
 from sfrrl_jax.tokenizer import load_tokenizer
 

@@ -3,9 +3,9 @@ is enough to run the real agent loop (against the scripted engine)."""
 import asyncio
 import json
 
-from sfrrl_jax.agents.environments import calculator_environment
+from sfrrl_jax.agents.tasks.environments import calculator_environment
 from sfrrl_jax.agents.loop import AgentConfig, run_agent
-from sfrrl_jax.agents.tasks import arithmetic_task
+from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
 from sfrrl_jax.testing import ScriptedEngine
 from sfrrl_jax.tokenizer import Tokenizer, TokenizerProtocol, load_tokenizer
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import sfrrl_jax as S
-from sfrrl_jax.agents.environments import calculator_environment
+from sfrrl_jax.agents.tasks.environments import calculator_environment
 from sfrrl_jax.agents.loop import AgentConfig, run_many
-from sfrrl_jax.agents.tasks import arithmetic_task
+from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
 from sfrrl_jax.engine import Engine, SlotRequest
 from sfrrl_jax.engine.pages import PageTable, check_paging
 from sfrrl_jax.engine.paged import engine_steps

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from sfrrl_jax.agents.tasks import generate_arithmetic_tasks, save_tasks_jsonl
+from sfrrl_jax.agents.tasks.builtin_kinds import generate_arithmetic_tasks
+from sfrrl_jax.agents.tasks.records import save_tasks_jsonl
 from sfrrl_jax.launch import gin_bindings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checkpoints"))
@@ -169,8 +170,7 @@ def test_the_code_environment_runs_its_tests_off_the_agent_loop():
     import asyncio
 
     from sfrrl_jax.agents import Trajectory
-    from sfrrl_jax.agents.tasksets.code_tasks import code_task
-    from sfrrl_jax.launch.agentic import code_environment
+    from sfrrl_jax.agents.tasks.code_tasks import code_environment, code_task
     env = code_environment()
     try:
         assert [inspect.iscoroutinefunction(fn) for fn in env.rewards.fns] == [True]

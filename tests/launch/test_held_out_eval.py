@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from sfrrl_jax.agents.tasks import generate_arithmetic_tasks, save_tasks_jsonl
-from sfrrl_jax.agents.tasksets.loading import load_tasks
-from sfrrl_jax.agents.reward_fns import task_reward
+from sfrrl_jax.agents.tasks.builtin_kinds import generate_arithmetic_tasks
+from sfrrl_jax.agents.tasks.records import save_tasks_jsonl
+from sfrrl_jax.agents.tasks.loading import load_tasks
+from sfrrl_jax.agents.tasks.reward_fns import task_reward
 from sfrrl_jax.launch import gin_bindings
 from sfrrl_jax.launch.held_out_runs import HeldOutRuns, write_learning_curve
 

@@ -15,7 +15,7 @@ import pytest
 import sfrrl_jax as S
 from sfrrl_jax.agents import ToolEnvironment, named
 from sfrrl_jax.agents.loop import AgentConfig
-from sfrrl_jax.agents.tasks import arithmetic_task
+from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
 from sfrrl_jax.engine import Engine
 from sfrrl_jax.learner import make_train_step
 from sfrrl_jax.learner.optimizer import OptimizerConfig
@@ -308,7 +308,8 @@ def test_each_reward_function_is_logged_as_its_mean_over_the_step(tok_dir, tmp_p
     row = read_metrics(tmp_path)[0]
     assert (row["reward/generated_share"], row["reward/length"]) == (m["reward/generated_share"], m["reward/length"])
     # one RewardFn protocol, re-exported where reward functions live
-    from sfrrl_jax.agents import protocols, reward_fns
+    from sfrrl_jax.agents import protocols
+    from sfrrl_jax.agents.tasks import reward_fns
     assert reward_fns.RewardFn is protocols.RewardFn is S.RewardFn and isinstance(length, reward_fns.RewardFn)
     # the trainer's own reward metrics cannot be shadowed by a reward function's name
     def mean(task, trajectory):

@@ -13,7 +13,7 @@ import pytest
 
 import sfrrl_jax as S
 from sfrrl_jax.agents import AgentConfig, generate_arithmetic_tasks
-from sfrrl_jax.agents.demos import calculator_demonstration, render_sft_example
+from sfrrl_jax.agents.tasks.demos import calculator_demonstration, render_sft_example
 from sfrrl_jax.tokenizer import load_tokenizer
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.agent_rollout import AgentRollout

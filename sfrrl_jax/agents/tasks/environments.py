@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Awaitable, Sequence
 
 from sfrrl_jax.agents.protocols import Message, RewardFn, Task, Tool, ToolCall, ToolCallError, ToolResult
-from sfrrl_jax.agents.reward_fns import RewardSum, answer_correct
-from sfrrl_jax.agents.sandbox import PythonSandbox
+from sfrrl_jax.agents.sandbox.python_sandbox import PythonSandbox
+from sfrrl_jax.agents.tasks.reward_fns import RewardSum, answer_correct
 from sfrrl_jax.agents.tools import CalculatorTool, PythonTool, ToolRunner, ToolRunnerConfig
 from sfrrl_jax.agents.trajectory import Trajectory
 
@@ -97,6 +97,18 @@ def countdown_environment(sandbox: PythonSandbox, runner_cfg: ToolRunnerConfig =
     """
     return ToolEnvironment([PythonTool(sandbox), CalculatorTool()], COUNTDOWN_SYSTEM_PROMPT, runner_cfg,
                            reward_fns, reward_weights)
+
+
+def countdown_tool_environment() -> ToolEnvironment:
+    """`countdown_environment` over a fresh jailed sandbox: the 'countdown' kind's default environment.
+
+    Returns:
+      A `ToolEnvironment` with `[PythonTool(PythonSandbox()), CalculatorTool()]`, rewarded by
+      `answer_correct`.
+    Raises:
+      RuntimeError: the sandbox's jail cannot be built on this machine (see `PythonSandbox`).
+    """
+    return countdown_environment(PythonSandbox())
 
 
 def qa_environment(runner_cfg: ToolRunnerConfig = ToolRunnerConfig(), reward_fns: Sequence[RewardFn] | None = None,

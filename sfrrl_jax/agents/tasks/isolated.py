@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from sfrrl_jax.agents.sandbox_seccomp import build_compute_filter
+from sfrrl_jax.agents.sandbox.seccomp import build_compute_filter
 
 KILL_MARGIN_S = 5.0           # the parent kills the child this long after the child's own timeout
 START_TIMEOUT_S = 120.0       # importing sympy / reasoning-gym on a loaded 2-core machine

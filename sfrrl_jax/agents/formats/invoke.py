@@ -24,8 +24,8 @@ import json
 import re
 from typing import Any, Mapping
 
-from sfrrl_jax.agents.call_text import (FormatBase, ParsedTurn, make_call, schema_properties, split_reasoning,
-                                        tagged_calls, xml_value)
+from sfrrl_jax.agents.formats.call_text import (FormatBase, ParsedTurn, make_call, schema_properties, split_reasoning,
+                                                tagged_calls, xml_value)
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 
 

@@ -12,7 +12,7 @@ agent loop calls once per trajectory.
 Parsing never raises on model output. Anything unusable (bad JSON, unterminated markup, a call
 without a name, arguments that are not an object) becomes a `ToolCallError` at its place in the
 call order; the loop turns it into an error observation the policy reads on its next turn. The
-readers the formats share are in `call_text`, the pythonic format in `pythonic_format`.
+readers the formats share are in `call_text`, the pythonic format in `pythonic`.
 Unknown tools and schema violations are checked later, by the tool runner, which knows the tools.
 """
 from __future__ import annotations
@@ -21,13 +21,13 @@ import dataclasses
 import re
 from typing import Any, Mapping, Protocol
 
-from sfrrl_jax.agents.call_text import (FormatBase, ParsedTurn, decode_object, json_objects, make_call, named_call,
-                                        schema_properties, split_reasoning, strip_suffixes, tagged_calls, xml_call,
-                                        xml_value)
-from sfrrl_jax.agents.deepseek_format import DeepSeekFormat, KimiK2Format
-from sfrrl_jax.agents.invoke_format import DeepSeekDsmlFormat, MiniMaxM2Format
+from sfrrl_jax.agents.formats.call_text import (FormatBase, ParsedTurn, decode_object, json_objects, make_call,
+                                                named_call, schema_properties, split_reasoning, strip_suffixes,
+                                                tagged_calls, xml_call, xml_value)
+from sfrrl_jax.agents.formats.deepseek import DeepSeekFormat, KimiK2Format
+from sfrrl_jax.agents.formats.invoke import DeepSeekDsmlFormat, MiniMaxM2Format
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
-from sfrrl_jax.agents.pythonic_format import Olmo3Format, PythonicFormat
+from sfrrl_jax.agents.formats.pythonic import Olmo3Format, PythonicFormat
 from sfrrl_jax.tokenizer.chat_template import template_reads_key
 
 

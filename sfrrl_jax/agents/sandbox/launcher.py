@@ -1,7 +1,7 @@
 """The process that builds the sandbox's jail: `python -I -S -c <this file>`, stdin = config + code.
 
 Standalone on purpose (stdlib only, no package imports) so the interpreter starts in ~10 ms. The
-host (`sandbox.PythonSandbox`) starts it as root, with the base interpreter's real path (never a
+host (`python_sandbox.PythonSandbox`) starts it as root, with the base interpreter's real path (never a
 virtualenv's, which may live inside the project) and an environment of its own choosing (LANG
 only), and it builds the jail:
 
@@ -23,7 +23,7 @@ When `user` exits, `init` exits, and the kernel SIGKILLs every process left in t
 nothing the code spawned (even after `setsid`) outlives the call; the IPC namespace, and every
 SysV segment, queue or semaphore in it, dies with it. The host kills the launcher's process group
 on its wall-clock timeout, which takes `init` and therefore the whole namespace down. The host
-also puts the launcher in the call's memory cgroup (`sandbox_cgroup.py`) before it sends the
+also puts the launcher in the call's memory cgroup (`cgroup.py`) before it sends the
 config, i.e. before anything forks, so every process of the call is charged to that cgroup.
 
 Filesystem view (mount_ns): every mount is remounted read-only and nosuid; each `hide` directory is
@@ -35,7 +35,7 @@ private, size-capped tmpfs mounts that vanish with the call; /proc is the new pi
 
 Config keys (JSON object on the first line of stdin; the code, UTF-8, is the rest). Every isolation
 step is optional so that the host can run unisolated where it was told to (it probes first and
-refuses by default; see `sandbox.py`):
+refuses by default; see `python_sandbox.py`):
   uid, gid            run the code as this uid/gid (needs root); null keeps the current ids
   net_ns, mount_ns, pid_ns, ipc_ns, uts_ns   booleans: which namespaces to create
   hide, expose        lists of absolute directories (mount_ns only; see above)
@@ -43,7 +43,7 @@ refuses by default; see `sandbox.py`):
   tmpfs_bytes         size of each private tmpfs, and of all SysV shared memory (ipc_ns)
   workdir             host directory used as cwd when there is no mount namespace
   cpu_s, as_bytes, nproc, fsize_bytes, nofile   rlimits
-  seccomp             hex of a BPF program (`sandbox_seccomp.build_filter`), or null
+  seccomp             hex of a BPF program (`seccomp.build_filter`), or null
   status_fd           inherited pipe fd: init writes {"exit_code", "signal", "exec_s", "peak_rss_kb"}
 Exit codes of the launcher: the code's exit code, 128+signal if it died from a signal, and
 SETUP_FAILED (121) with a message on stderr if the jail could not be built.
@@ -299,7 +299,7 @@ def _no_new_privs():
 
 def _lock_down(seccomp_hex):
     """no_new_privs, then the seccomp filter (hex). The runner installs the code's filter itself;
-    this is for `tasksets/rg_worker.py`, which loads this file for it."""
+    this is for `tasks/rg_worker.py`, which loads this file for it."""
     _no_new_privs()
     if seccomp_hex:
         program = ctypes.create_string_buffer(bytes.fromhex(seccomp_hex))

@@ -1,10 +1,10 @@
-"""What the sandbox's filesystem view hides and exposes (`sandbox.PythonSandbox`'s mount plan).
+"""What the sandbox's filesystem view hides and exposes (`python_sandbox.PythonSandbox`'s mount plan).
 
 The jail covers the host's private places (home directories, /run's sockets, mounted data), the
 project, the trainer's cwd, every non-stdlib `sys.path` entry and site-packages with empty
 read-only mounts, and binds back the base interpreter's stdlib (and what the config allows).
 `_jail_plan(cfg)` turns a `SandboxConfig` into the launcher's `hide` / `expose` / `sys_path`
-lists (sandbox_launcher.py's config keys).
+lists (launcher.py's config keys).
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ _SYSTEM_DIRS = ("/", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/u
                 "/usr/local/lib", "/usr/share", "/etc", "/dev", "/proc", "/sys", "/tmp", "/var", "/var/tmp")
 # Always covered: host sockets (/run), other users' files, mounted data.
 _ALWAYS_HIDDEN = ("/root", "/home", "/run", "/mnt", "/media", "/srv")
-_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+# The checkout holding the package: this file is <root>/sfrrl_jax/agents/sandbox/paths.py (moving it
+# changes the count; the jail covers this directory, see `_jail_plan`).
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[3])
 
 
 def _inside(path: str, root: str) -> bool:
@@ -49,7 +51,7 @@ def _site_dirs() -> list[str]:
 
 def _jail_plan(cfg) -> dict:
     """The launcher's `hide` / `expose` / `sys_path` lists for a `SandboxConfig` (its `visible_paths`
-    and `allow_site_packages`; see sandbox_launcher.py)."""
+    and `allow_site_packages`; see launcher.py)."""
     stdlib = _stdlib_dirs()
     sites = _site_dirs()
     visible = sorted({os.path.realpath(p) for p in cfg.visible_paths})

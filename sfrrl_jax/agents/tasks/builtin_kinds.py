@@ -1,35 +1,31 @@
-"""Tasks: seeded generators (arithmetic, Countdown) and a JSONL loader with line-numbered errors.
+"""The built-in task kinds 'arithmetic', 'countdown' and 'qa': seeded generators (arithmetic,
+Countdown), their JSONL records, and their default environments, registered below exactly as a
+user registers a kind (`kinds.register_task_kind`).
 
-JSONL: one object per line; `kind` (default: the loader's `default_kind`) picks the fields:
+JSONL fields of each (read and written by `records.py`, which names the line of a bad one):
   qa          question: str, answer: str|number, [match: 'exact'|'numeric'], [tolerance: number]
   arithmetic  expression: str (answer derived; if given it must agree)
-  countdown   numbers: [int, ...], target: int
-  a kind registered with `task_kinds.register_task_kind` without a record format of its own:
-              prompt: str, [answer: str|number], any other field -> Task.metadata
+  countdown   numbers: [int, ...], target: int, [solution: str]
   all kinds   [id: str] (default '<file stem>-<line>'); blank lines are skipped.
-The kinds are looked up in the registry (`task_kinds.py`); the built-in ones are registered below.
+Default environments: 'arithmetic' the calculator (`calculator_environment`), 'countdown' a
+jailed Python tool (`countdown_tool_environment`), 'qa' the math tools
+(`math_tasks.math_tool_environment`).
 """
 from __future__ import annotations
 
 import ast
-import gzip
-import json
-import os
 import random
 from fractions import Fraction
-from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from sfrrl_jax.agents.protocols import Task
-from sfrrl_jax.agents.rewards import verify_arithmetic, verify_countdown, verify_qa
-from sfrrl_jax.agents.task_kinds import get_task_kind, register_task_kind, registered_task_kinds
+from sfrrl_jax.agents.tasks.environments import calculator_environment, countdown_tool_environment
+from sfrrl_jax.agents.tasks.kinds import register_task_kind
+from sfrrl_jax.agents.tasks.math_tasks import math_tool_environment
+from sfrrl_jax.agents.tasks.verifiers import verify_arithmetic, verify_countdown, verify_qa
 from sfrrl_jax.agents.tools import evaluate_arithmetic, format_number
 
 ANSWER_INSTRUCTION = "Give the final answer as <answer>N</answer>."
-
-
-class DatasetError(ValueError):
-    """A bad dataset line; the message starts with '<path>:<line>:'."""
 
 
 # ----------------------------------------------------------------------------- arithmetic
@@ -201,122 +197,11 @@ def _countdown_to_record(task: Task) -> dict:
     return record
 
 
-# The built-in kinds, registered exactly as a user registers one (see task_kinds.py).
+# The built-in kinds, registered exactly as a user registers one (see kinds.py).
 register_task_kind("qa", verify_qa, from_record=_qa_from_record, to_record=_qa_to_record,
-                   fields=("question", "answer"))
+                   fields=("question", "answer"), environment=math_tool_environment)
 register_task_kind("arithmetic", verify_arithmetic, from_record=_arithmetic_from_record,
-                   to_record=_arithmetic_to_record, fields=("expression",))
+                   to_record=_arithmetic_to_record, fields=("expression",), environment=calculator_environment)
 register_task_kind("countdown", verify_countdown, from_record=_countdown_from_record,
-                   to_record=_countdown_to_record, fields=("numbers", "target"))
-
-
-def _task_from_record(record: dict, where: str, default_id: str, default_kind: str) -> Task:
-    kind = record.get("kind", default_kind)
-    if not isinstance(kind, str) or kind not in registered_task_kinds():
-        raise DatasetError(f"{where}: field 'kind' must be one of {registered_task_kinds()}, got {kind!r} "
-                           f"(add a kind with sfrrl_jax.agents.register_task_kind(name, verify))")
-    spec = get_task_kind(kind)
-    for field in spec.fields:
-        if field not in record:
-            raise DatasetError(f"{where}: missing required field {field!r} (kind {kind!r})")
-    task_id = record.get("id", default_id)
-    if not isinstance(task_id, str) or not task_id:
-        raise DatasetError(f"{where}: field 'id' must be a non-empty string, got {task_id!r}")
-    try:
-        task = spec.from_record({**record, "kind": kind}, task_id)
-    except Exception as e:  # a ValueError names the bad field; anything else is named by its type
-        raise DatasetError(f"{where}: {e}" if isinstance(e, ValueError) else f"{where}: {type(e).__name__}: {e}") \
-            from None
-    if not isinstance(task, Task) or task.kind != kind or task.task_id != task_id:
-        raise DatasetError(f"{where}: kind {kind!r}: from_record must return a Task with kind {kind!r} and id "
-                           f"{task_id!r}, got {task!r}")
-    return task
-
-
-def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
-    """`('<path>:<line>', record)` for each non-blank line of a JSONL file.
-
-    Args:
-      path: the JSONL file; a name ending in '.gz' is read gzip-compressed. Read as UTF-8 text.
-    Yields:
-      `(where, record)`: `where` is '<path>:<line>' (lines counted from 1), `record` the line's
-      JSON object as a dict. Blank lines are skipped.
-    Raises:
-      FileNotFoundError: `path` does not exist.
-      DatasetError: a line is bad JSON or not a JSON object (the message names the line, and the
-        column of a JSON error), or the file is not UTF-8 text.
-    """
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        f = opener(path, "rt", encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"task file {path} does not exist") from None
-    with f:
-        try:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from None
-                if not isinstance(record, dict):
-                    raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
-                yield where, record
-        except UnicodeDecodeError as e:
-            raise DatasetError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a line)") from None
-
-
-
-def load_tasks_jsonl(path: str | os.PathLike, default_kind: str = "qa") -> list[Task]:
-    """Tasks from a JSONL file (record formats: module doc); blank lines are skipped.
-
-    Args:
-      path: the JSONL file (gzip-compressed when its name ends in '.gz'; see `read_records`).
-      default_kind: the kind of a record without a `kind` field (a registered kind's name).
-    Returns:
-      The tasks in file order. A record without `id` gets '<file stem>-<line>'.
-    Raises:
-      FileNotFoundError: `path` does not exist.
-      DatasetError: (a ValueError) any bad line: bad JSON, an unregistered kind, a missing or bad
-        field, a bad or duplicate id, or a `from_record` that fails; the message names the line and
-        the field.
-    """
-    path = Path(path)
-    tasks, seen = [], {}
-    for where, record in read_records(path):
-        lineno = int(where.rsplit(":", 1)[1])
-        task = _task_from_record(record, where, f"{path.stem}-{lineno}", default_kind)
-        if task.task_id in seen:
-            raise DatasetError(f"{where}: duplicate id {task.task_id!r} (first on line {seen[task.task_id]})")
-        seen[task.task_id] = lineno
-        tasks.append(task)
-    return tasks
-
-
-def task_to_record(task: Task) -> dict:
-    """The JSONL record `load_tasks_jsonl` reads back into an equal task (the kind's `to_record`)."""
-    return {"id": task.task_id, "kind": task.kind, **get_task_kind(task.kind).to_record(task)}
-
-
-def save_tasks_jsonl(tasks: Iterable[Task], path: str | os.PathLike) -> Path:
-    """Writes `tasks` as a JSONL file that `load_tasks_jsonl` reads back into equal tasks.
-
-    Each line is `task_to_record(task)`: 'id', 'kind' and the kind's `to_record` fields.
-
-    Args:
-      tasks: the tasks to write, in order.
-      path: the file to write, gzip-compressed when its name ends in '.gz' (as `read_records` reads
-        it); overwritten if it exists.
-    Returns:
-      `path` as a `Path`.
-    Raises:
-      UnknownTaskKindError: a task's kind is not registered.
-    """
-    path = Path(path)
-    with (gzip.open(path, "wt") if path.suffix == ".gz" else path.open("w")) as f:
-        for task in tasks:
-            f.write(json.dumps(task_to_record(task)) + "\n")
-    return path
+                   to_record=_countdown_to_record, fields=("numbers", "target"),
+                   environment=countdown_tool_environment)

@@ -2,8 +2,8 @@
 
 Every task asks for the final answer inside `<answer>...</answer>`; the last such block counts.
 `verify_arithmetic` / `verify_countdown` / `verify_qa` are the built-in kinds' verifiers
-(`(task, final_text) -> float`, registered in `tasks.py`); `task_reward` dispatches on `task.kind`
-through the registry (`task_kinds.py`). Reward *functions* of a whole trajectory, which an
+(`(task, final_text) -> float`, registered in `builtin_kinds.py`); `task_reward` dispatches on `task.kind`
+through the registry (`kinds.py`). Reward *functions* of a whole trajectory, which an
 environment sums, are in `reward_fns.py`.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from fractions import Fraction
 from typing import Sequence
 
 from sfrrl_jax.agents.protocols import Task
-from sfrrl_jax.agents.task_kinds import UnknownTaskKindError, get_task_kind
+from sfrrl_jax.agents.tasks.kinds import UnknownTaskKindError, get_task_kind
 
 def extract_answer(text: str) -> str | None:
     """Content of the last <answer>...</answer> block, stripped; None if there is none.
@@ -136,7 +136,7 @@ def verify_qa(task: Task, final_text: str) -> float:
 def task_reward(task: Task, final_text: str) -> float:
     """The reward of `final_text` for `task`, by the verifier of `task.kind` from the registry.
 
-    Kinds are registered with `task_kinds.register_task_kind`.
+    Kinds are registered with `kinds.register_task_kind`.
 
     Args:
       task: the task answered; `task.kind` picks the verifier.

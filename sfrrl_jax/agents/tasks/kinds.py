@@ -1,18 +1,22 @@
 """The task-kind registry: what a `Task.kind` means, added to without editing the library.
 
-A kind is a name, a verifier and (for JSONL datasets) how its records read and write:
+A kind is a name, a verifier, (for JSONL datasets) how its records read and write, and
+(optionally) its default environment:
 
     def verify_haiku(task, final_text) -> float:        # the kind's notion of "answer correct"
         return float(extract_answer(final_text) == task.answer)
 
-    register_task_kind("haiku", verify_haiku)           # one place; no library edit
+    register_task_kind("haiku", verify_haiku,           # one place; no library edit
+                       environment=haiku_environment)   # optional: a zero-argument Environment factory
 
 Then `Task(..., kind="haiku")` is verified by `reward_fns.answer_correct` (the default reward of
-`ToolEnvironment`) and `rewards.task_reward`, and `tasks.load_tasks_jsonl` reads lines such as
+`ToolEnvironment`) and `verifiers.task_reward`, `records.load_tasks_jsonl` reads lines such as
 `{"kind": "haiku", "prompt": "...", "answer": "...", <any other field>: ...}` (the generic record:
 `prompt` required, `answer` optional, every other field goes to `Task.metadata`; pass
-`from_record` / `to_record` for a record of your own). The built-in kinds ('arithmetic',
-'countdown', 'qa') are registered the same way, in `tasks.py` (imported with `sfrrl_jax.agents`).
+`from_record` / `to_record` for a record of your own), and `launch.agentic.AgenticRollout` runs
+a set of such tasks in `haiku_environment()` unless it is given an environment. The built-in
+kinds ('arithmetic', 'countdown', 'qa') are registered the same way, in `builtin_kinds.py`, and
+the task sets' kinds in their own modules (all imported with `sfrrl_jax.agents`).
 Registering a name that exists raises unless `override=True`.
 """
 from __future__ import annotations
@@ -20,12 +24,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from sfrrl_jax.agents.protocols import Task
+from sfrrl_jax.agents.protocols import Environment, Task
 
 Verifier = Callable[[Task, str], float]       # (task, final assistant text) -> reward
 FromRecord = Callable[[dict, str], Task]      # (JSONL record with 'kind' set, task id) -> Task; a ValueError
 #                                               names the bad field (the loader prefixes '<path>:<line>: ')
 ToRecord = Callable[[Task], dict]             # Task -> the record's fields other than 'id' and 'kind'
+EnvironmentFactory = Callable[[], Environment]  # () -> a fresh environment for a set of tasks of the kind
 
 _RESERVED = ("id", "kind", "prompt", "answer")
 
@@ -65,13 +70,15 @@ def prompt_task_to_record(task: Task) -> dict:
 @dataclasses.dataclass(frozen=True)
 class TaskKind:
     """A registered kind. `fields`: JSONL fields a record of this kind must have (checked before
-    `from_record`, with a line-numbered error)."""
+    `from_record`, with a line-numbered error). `environment`: the kind's default environment, a
+    zero-argument factory (None: the kind has none; a run must be given one)."""
 
     name: str
     verify: Verifier
     from_record: FromRecord = prompt_task_from_record
     to_record: ToRecord = prompt_task_to_record
     fields: tuple[str, ...] = ()
+    environment: EnvironmentFactory | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -81,6 +88,9 @@ class TaskKind:
                 raise TypeError(f"TaskKind {self.name!r}: {attr} must be callable, got {getattr(self, attr)!r}")
         if isinstance(self.fields, str) or not all(isinstance(f, str) for f in self.fields):
             raise TypeError(f"TaskKind {self.name!r}: fields must be a tuple of field names, got {self.fields!r}")
+        if self.environment is not None and not callable(self.environment):
+            raise TypeError(f"TaskKind {self.name!r}: environment must be a zero-argument factory of an "
+                            f"Environment (or None), got {self.environment!r}")
         object.__setattr__(self, "fields", tuple(self.fields))
 
 
@@ -89,7 +99,7 @@ _REGISTRY: dict[str, TaskKind] = {}
 
 def register_task_kind(name: str, verify: Verifier, *, from_record: FromRecord | None = None,
                        to_record: ToRecord | None = None, fields: tuple[str, ...] = (),
-                       override: bool = False) -> TaskKind:
+                       environment: EnvironmentFactory | None = None, override: bool = False) -> TaskKind:
     """Registers (and returns) the kind `name`, so that `Task(kind=name)` is verified and loaded.
 
     JSONL records go through `from_record(record, task_id) -> Task` / `to_record(task) -> dict`
@@ -105,17 +115,21 @@ def register_task_kind(name: str, verify: Verifier, *, from_record: FromRecord |
         `prompt_task_to_record`.
       fields: JSONL fields a record of this kind must have, checked before `from_record` with a
         line-numbered error.
+      environment: the kind's default environment, a zero-argument factory returning an
+        `Environment` (a class such as `FunctionCallingEnvironment` is one), called once per run
+        whose tasks are all of this kind and that names no environment of its own
+        (`AgenticRollout.environment`). None: the kind has none. Overriding a kind replaces it too.
       override: replace a kind already registered under `name` instead of raising.
     Returns:
       The registered `TaskKind`.
     Raises:
       ValueError: `name` is already registered and `override` is False, or `name` is not a
         non-empty string.
-      TypeError: `verify`, `from_record` or `to_record` is not callable, or `fields` is a string or
-        holds a non-string.
+      TypeError: `verify`, `from_record`, `to_record` or a given `environment` is not callable, or
+        `fields` is a string or holds a non-string.
     """
     kind = TaskKind(name, verify, from_record or prompt_task_from_record, to_record or prompt_task_to_record,
-                    fields)
+                    fields, environment)
     if name in _REGISTRY and not override:
         raise ValueError(f"task kind {name!r} is already registered; pass override=True to replace it")
     _REGISTRY[name] = kind
@@ -142,7 +156,7 @@ def registered_task_kinds() -> list[str]:
 
     Returns:
       A new sorted list of the names of all registered kinds (the built-in 'arithmetic',
-      'countdown' and 'qa' once `tasks.py` is imported).
+      'countdown' and 'qa' once `builtin_kinds.py` is imported).
     """
     return sorted(_REGISTRY)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import re
 
-from sfrrl_jax.agents.call_text import (FormatBase, ParsedTurn, decode_object, make_call, split_reasoning,
-                                        strip_suffixes)
+from sfrrl_jax.agents.formats.call_text import (FormatBase, ParsedTurn, decode_object, make_call, split_reasoning,
+                                                strip_suffixes)
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"

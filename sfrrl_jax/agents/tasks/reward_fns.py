@@ -36,7 +36,7 @@ import math
 from typing import Awaitable, Iterable, Sequence
 
 from sfrrl_jax.agents.protocols import RewardFn, Task
-from sfrrl_jax.agents.rewards import extract_answer, task_reward
+from sfrrl_jax.agents.tasks.verifiers import extract_answer, task_reward
 from sfrrl_jax.agents.trajectory import Trajectory
 from sfrrl_jax.aio import describe, own_cancellation
 
@@ -123,7 +123,7 @@ def in_thread(fn: RewardFn, name: str | None = None) -> RewardFn:
 
 
 def answer_correct(task: Task, trajectory: Trajectory) -> float:
-    """The verifier of `task.kind` (`task_kinds.register_task_kind`) on the final assistant text.
+    """The verifier of `task.kind` (`kinds.register_task_kind`) on the final assistant text.
 
     The default reward of `ToolEnvironment`.
 
@@ -131,7 +131,7 @@ def answer_correct(task: Task, trajectory: Trajectory) -> float:
       task: the task; `task.kind` picks the verifier.
       trajectory: the finished trajectory; its `final_text` is verified.
     Returns:
-      The verifier's value (`rewards.task_reward`; the built-in verifiers give a value in [0, 1]).
+      The verifier's value (`verifiers.task_reward`; the built-in verifiers give a value in [0, 1]).
     Raises:
       UnknownTaskKindError: `task.kind` is not registered.
     """
@@ -143,7 +143,7 @@ def answer_format(task: Task, trajectory: Trajectory) -> float:
 
     Args:
       task: the task (unused; part of the reward-function signature).
-      trajectory: the finished trajectory; its `final_text` is read (`rewards.extract_answer`).
+      trajectory: the finished trajectory; its `final_text` is read (`verifiers.extract_answer`).
     Returns:
       1.0 or 0.0.
     """

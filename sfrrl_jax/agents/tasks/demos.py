@@ -15,9 +15,9 @@ import json
 import os
 from typing import Any, Sequence
 
-from sfrrl_jax.agents.environments import CALCULATOR_SYSTEM_PROMPT
-from sfrrl_jax.agents.formats import ToolCallFormat, infer_format, renders_tool_calls, trajectory_format
+from sfrrl_jax.agents.formats.registry import ToolCallFormat, infer_format, renders_tool_calls, trajectory_format
 from sfrrl_jax.agents.protocols import Message, Task
+from sfrrl_jax.agents.tasks.environments import CALCULATOR_SYSTEM_PROMPT
 from sfrrl_jax.agents.tools import CalculatorTool, evaluate_arithmetic, format_number, tool_schema
 from sfrrl_jax.tokenizer.protocol import TokenizerProtocol
 from sfrrl_jax.tokenizer.tokenizer import TemplateDeltaError
@@ -36,7 +36,7 @@ def calculator_demonstration(task: Task, system_prompt: str | None = CALCULATOR_
     message; then a final assistant turn `<answer>{task.answer}</answer>`.
 
     Args:
-      task: an 'arithmetic' task (as made by `tasks.arithmetic_task`), with `metadata["steps"]`
+      task: an 'arithmetic' task (as made by `builtin_kinds.arithmetic_task`), with `metadata["steps"]`
         (`[left, op, right, value]` per step).
       system_prompt: the system message; None or empty: the transcript has none.
       call_id: each call's id (and its tool message's `tool_call_id`), which templates that write

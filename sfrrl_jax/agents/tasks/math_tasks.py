@@ -41,12 +41,12 @@ import atexit
 import re
 from typing import Any, Sequence
 
-from sfrrl_jax.agents.environments import ToolEnvironment
 from sfrrl_jax.agents.protocols import RewardFn, Task
-from sfrrl_jax.agents.rewards import extract_answer
-from sfrrl_jax.agents.sandbox import PythonSandbox
-from sfrrl_jax.agents.task_kinds import register_task_kind
-from sfrrl_jax.agents.tasksets.isolated import MathVerifierProcess
+from sfrrl_jax.agents.sandbox.python_sandbox import PythonSandbox
+from sfrrl_jax.agents.tasks.environments import ToolEnvironment
+from sfrrl_jax.agents.tasks.isolated import MathVerifierProcess
+from sfrrl_jax.agents.tasks.kinds import register_task_kind
+from sfrrl_jax.agents.tasks.verifiers import extract_answer
 from sfrrl_jax.agents.tools import CalculatorTool, PythonTool, ToolRunnerConfig
 
 MATH_INSTRUCTION = "Give the final answer as <answer>...</answer> (LaTeX such as \\frac{1}{2} is fine)."
@@ -188,3 +188,15 @@ def math_environment(sandbox: PythonSandbox, runner_cfg: ToolRunnerConfig = Tool
     """
     return ToolEnvironment([PythonTool(sandbox), CalculatorTool()], MATH_SYSTEM_PROMPT, runner_cfg, reward_fns,
                            reward_weights)
+
+
+def math_tool_environment() -> ToolEnvironment:
+    """`math_environment` over a fresh jailed sandbox (Python tool + calculator; the kind's verifier):
+    the default environment of the 'qa' and 'reasoning_gym' kinds.
+
+    Returns:
+      A `ToolEnvironment` as `math_environment(PythonSandbox())` builds it.
+    Raises:
+      RuntimeError: the sandbox's jail cannot be built on this machine (see `PythonSandbox`).
+    """
+    return math_environment(PythonSandbox())

@@ -14,7 +14,8 @@ import dataclasses
 import re
 import warnings
 
-from sfrrl_jax.agents.call_text import FormatBase, ParsedTurn, make_call, split_reasoning, strip_suffixes, tagged_calls
+from sfrrl_jax.agents.formats.call_text import (FormatBase, ParsedTurn, make_call, split_reasoning, strip_suffixes,
+                                                tagged_calls)
 from sfrrl_jax.agents.protocols import ToolCall, ToolCallError
 
 

@@ -39,12 +39,12 @@ import json
 from collections import Counter
 from typing import Any, Sequence
 
-from sfrrl_jax.agents.environments import ToolEnvironment
 from sfrrl_jax.agents.protocols import Message, RewardFn, Task, ToolCall, ToolCallError, ToolResult
 from sfrrl_jax.agents.schema import validate
-from sfrrl_jax.agents.task_kinds import register_task_kind
-from sfrrl_jax.agents.tasksets.function_calling import BFCL_HINT, bfcl_data_dir, message_tool_calls, tool_schemas
-from sfrrl_jax.agents.tasksets.records import read_records, task_from_record
+from sfrrl_jax.agents.tasks.environments import ToolEnvironment
+from sfrrl_jax.agents.tasks.function_calling import BFCL_HINT, bfcl_data_dir, message_tool_calls, tool_schemas
+from sfrrl_jax.agents.tasks.kinds import register_task_kind
+from sfrrl_jax.agents.tasks.records import read_records, task_from_record
 from sfrrl_jax.agents.tools import FunctionTool, ToolRunnerConfig
 from sfrrl_jax.agents.trajectory import Trajectory
 
@@ -344,10 +344,6 @@ def _verify_final_text(task: Task, final_text: str) -> float:
                      "with bfcl_multi_turn.multi_turn_match (BfclMultiTurnEnvironment's default)")
 
 
-register_task_kind("bfcl_multi_turn", _verify_final_text, from_record=multi_turn_task, to_record=_to_record,
-                   fields=("question", "initial_config", "involved_classes", "ground_truth"))
-
-
 def bfcl_multi_turn_tasks(category: str = "multi_turn_base", limit: int | None = None) -> list[Task]:
     """BFCL v4 multi-turn items of `category` (one of `MULTI_TURN_CATEGORIES`) with their ground
     truth and function docs, from the installed bfcl-eval.
@@ -474,3 +470,9 @@ class BfclMultiTurnEnvironment(ToolEnvironment):
     async def step(self, calls: Sequence[ToolCall | ToolCallError]) -> list[ToolResult]:
         raise RuntimeError("BfclMultiTurnEnvironment keeps state per trajectory: step an episode "
                            "(open_episode(task)), as the agent loop does")
+
+
+# Registered last: the kind names its default environment, defined above.
+register_task_kind("bfcl_multi_turn", _verify_final_text, from_record=multi_turn_task, to_record=_to_record,
+                   fields=("question", "initial_config", "involved_classes", "ground_truth"),
+                   environment=BfclMultiTurnEnvironment)

@@ -26,10 +26,11 @@ from functools import lru_cache
 from typing import Any
 
 from sfrrl_jax.agents.protocols import Task
-from sfrrl_jax.agents.rewards import extract_answer
-from sfrrl_jax.agents.task_kinds import register_task_kind
-from sfrrl_jax.agents.tasksets.answer_screen import EVALUATED_DATASETS, code_in_answer
-from sfrrl_jax.agents.tasksets.isolated import ReasoningGymScorer
+from sfrrl_jax.agents.tasks.answer_screen import EVALUATED_DATASETS, code_in_answer
+from sfrrl_jax.agents.tasks.isolated import ReasoningGymScorer
+from sfrrl_jax.agents.tasks.kinds import register_task_kind
+from sfrrl_jax.agents.tasks.math_tasks import math_tool_environment
+from sfrrl_jax.agents.tasks.verifiers import extract_answer
 
 RG_INSTRUCTION = "Give the final answer as <answer>...</answer>."
 INSTALL_HINT = "pip install 'sfrrl_jax[tasks]' (or: pip install reasoning-gym)"
@@ -115,7 +116,7 @@ def _rg_to_record(task: Task) -> dict:
 
 
 register_task_kind("reasoning_gym", verify_reasoning_gym, from_record=_rg_from_record, to_record=_rg_to_record,
-                   fields=("question", "answer"))
+                   fields=("question", "answer"), environment=math_tool_environment)
 
 
 def reasoning_gym_tasks(name: str, size: int = 100, seed: int = 0, **config: Any) -> list[Task]:

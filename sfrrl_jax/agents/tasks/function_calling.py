@@ -45,11 +45,11 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from sfrrl_jax.agents.environments import ToolEnvironment
 from sfrrl_jax.agents.protocols import Message, RewardFn, Task, ToolCall, ToolCallError, ToolResult
-from sfrrl_jax.agents.rewards import extract_answer
-from sfrrl_jax.agents.task_kinds import register_task_kind
-from sfrrl_jax.agents.tasksets.records import read_records, task_from_record
+from sfrrl_jax.agents.tasks.environments import ToolEnvironment
+from sfrrl_jax.agents.tasks.kinds import register_task_kind
+from sfrrl_jax.agents.tasks.records import read_records, task_from_record
+from sfrrl_jax.agents.tasks.verifiers import extract_answer
 from sfrrl_jax.agents.trajectory import Trajectory
 
 BFCL_HINT = ("pip install --no-deps 'bfcl-eval==2026.3.23' (--no-deps: only its data files are read, and its own "
@@ -418,10 +418,6 @@ def _fc_to_record(task: Task) -> dict:
             **extra}
 
 
-register_task_kind("function_call", verify_function_call, from_record=_fc_from_record, to_record=_fc_to_record,
-                   fields=("question", "function", "ground_truth"))
-
-
 def bfcl_data_dir() -> Path:
     """The `data` folder of the installed bfcl-eval package (located, not imported)."""
     spec = importlib.util.find_spec("bfcl_eval")
@@ -508,3 +504,8 @@ class FunctionCallingEnvironment(ToolEnvironment):
                 ToolResult(name=c.name, content="(recorded: this item grades the calls and does not run them)",
                            call_id=c.call_id)
                 for c in calls]
+
+
+# Registered last: the kind names its default environment, defined above.
+register_task_kind("function_call", verify_function_call, from_record=_fc_from_record, to_record=_fc_to_record,
+                   fields=("question", "function", "ground_truth"), environment=FunctionCallingEnvironment)

@@ -192,7 +192,7 @@ class MemoryCgroups:
 
 def find() -> MemoryCgroups | None:
     """Where this process can make capped per-call memory cgroups, or None (then the sandbox
-    splits its cap over rlimits; see `sandbox.py`). Tries one: make it, cap it, remove it."""
+    splits its cap over rlimits; see `python_sandbox.py`). Tries one: make it, cap it, remove it."""
     for version, directory in _own_cgroup_dirs():
         if version == 2 and "memory" not in (_read(os.path.join(directory, "cgroup.subtree_control")) or "").split():
             continue
