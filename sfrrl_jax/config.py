@@ -13,6 +13,9 @@ from sfrrl_jax.checks import (check_bool, check_bool_fields, check_int, check_in
                               check_number_fields, check_seed, check_str)
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")   # floating types the model computes in
+# The model families: the names of the checkpoint code's registry (`checkpoints/hf/families`, a layer
+# above this one, so ModelConfig checks the field against this copy; tests/checkpoints/
+# test_family_specs.py holds the two equal).
 Family = Literal["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "llama", "mistral", "qwen2", "qwen3", "gemma3_text",
                  "phi3", "granite", "olmo2", "olmo3", "smollm3", "olmoe", "glm4_moe",
                  "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minimax_m2", "seed_oss"]

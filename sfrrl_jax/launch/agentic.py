@@ -10,7 +10,7 @@
 (`agents.tasks.load_tasks`), the tokenizer and chat template from the model's own directory
 (`tokenizer.load_tokenizer`; `tokenizer_path` overrides), picks the tool-call format
 (`tool_format` or `AgentConfig.tool_format`; else the one whose markup its chat template writes,
-`agents.formats.infer_format`; else the model family's, `FAMILY_FORMATS`), builds the
+`agents.formats.infer_format`; else the model family's, its spec's `tool_format`), builds the
 environment (a value: `environment`, a zero-argument factory such as `@math_tool_environment` in
 gin; by default the one registered with the task kind, `register_task_kind(..., environment=...)`)
 and returns an `AgentRollout` over them.
@@ -32,6 +32,7 @@ from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.protocols import Environment, Task
 from sfrrl_jax.agents.tasks.kinds import get_task_kind, registered_task_kinds
 from sfrrl_jax.agents.tasks.loading import load_tasks
+from sfrrl_jax.checkpoints.hf.families import FAMILIES, default_tool_format
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.launch.runner import ExperimentConfig, RolloutSource
 from sfrrl_jax.tokenizer import load_tokenizer
@@ -39,17 +40,10 @@ from sfrrl_jax.trainer.agent_rollout import AgentRollout
 from sfrrl_jax.trainer.evaluate import HeldOut
 
 #: Tool-call format of a model family (`ModelConfig.family`, from config.json's model_type), for a
-#: chat template whose markup names none: Qwen2.5/Qwen3 write Hermes-style <tool_call> JSON,
-#: gpt-oss the harmony channels, Granite 3 `<|tool_call|>` JSON, OLMo 3 pythonic calls in
-#: <function_calls> (OLMo 2's Tulu template has no tools), GLM-4.5 <arg_key>/<arg_value> pairs.
-#: Llama, Mistral and Mixtral checkpoints differ (Llama 3.1's template writes JSON calls,
-#: SmolLM2's none; Mistral v0.3's [TOOL_CALLS], v0.1's none), and Kimi K2 reads as deepseek_v3
-#: (its architecture) but writes calls of its own ('kimi_k2'): their template decides, or
-#: `AgenticRollout.tool_format`.
-FAMILY_FORMATS = {"qwen2": "qwen3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "gpt_oss": "harmony",
-                  "granite": "granite", "olmo3": "olmo3", "glm4_moe": "glm45", "deepseek_v3": "deepseek_v3",
-                  "glm4_moe_lite": "glm45", "smollm3": "qwen3", "minimax_m2": "minimax_m2",
-                  "seed_oss": "seed_oss"}
+#: chat template whose markup names none: each family's spec says its own (`FamilySpec.tool_format`,
+#: in `checkpoints/hf/families/`; None where a family's checkpoints differ and their template
+#: decides, or `AgenticRollout.tool_format`). This dict is derived from those specs.
+FAMILY_FORMATS = {name: spec.tool_format for name, spec in FAMILIES.items() if spec.tool_format is not None}
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "sfrrl_probe_tool", "description": "probe",
                                                  "parameters": {"type": "object", "properties": {}}}}
@@ -167,7 +161,7 @@ class AgenticRollout:
             raise ValueError(f"AgenticRollout.tool_format={self.tool_format!r} and AgentConfig.tool_format={given!r} "
                              "disagree: set one of them")
         fmt = (self.tool_format or given or (infer_format(tokenizer.chat_template_source) if tokenizer else None)
-               or FAMILY_FORMATS.get(model_cfg.family))
+               or default_tool_format(model_cfg.family))
         agent = self.agent
         if fmt is not None:
             try:

@@ -31,6 +31,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from sfrrl_jax.checkpoints.hf.families import spec_for_model_type
 from sfrrl_jax.checkpoints.hf.safetensors_io import CheckpointError
 
 WEIGHT_CODES = ("F8_E4M3",)
@@ -130,7 +131,8 @@ def fp8_scheme(hf: Mapping[str, Any], where: str) -> Fp8Scheme | None:
     if not isinstance(quant, Mapping):
         raise CheckpointError(f"{where}: quantization_config must be an object, got {quant!r}")
     method = quant.get("quant_method")
-    if method == "mxfp4" and hf.get("model_type") == "gpt_oss":
+    spec = spec_for_model_type(hf.get("model_type"))
+    if method == "mxfp4" and spec is not None and spec.mxfp4_experts:   # GPT-OSS's: tensor_map reads them
         return None
     if method == "fp8":
         return _block_scaled(quant, where)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from sfrrl_jax.checkpoints.hf.families import spec_of, wrapped_by
 from sfrrl_jax.checkpoints.hf.fp8_weights import Fp8WeightFiles, fp8_scheme
 from sfrrl_jax.checkpoints.hf.hf_config import config_from_hf, read_hf_config
 from sfrrl_jax.checkpoints.hf.hf_fields import bool_of
@@ -60,7 +61,7 @@ def validate_tensors(files: CheckpointFiles, groups: list[TensorGroup], cfg: Mod
         dtypes.update(g.hf_dtypes)
     found = files.tensors
     ignorable = {n for n in found if n.endswith(IGNORED_SUFFIXES)}
-    if cfg.family in ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "minimax_m2"):   # MTP layers, after the model's
+    if spec_of(cfg.family).mtp_layers:   # multi-token-prediction layers, after the model's: not read
         ignorable |= {n for n in found if (m := _LAYER.match(n)) and int(m.group(1)) >= cfg.n_layers}
     if cfg.tie_embeddings and "lm_head.weight" in found:
         ignorable.add("lm_head.weight")  # tied: the head is the embedding, a stored copy is redundant
@@ -235,7 +236,7 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype: jax.typing.DTypeLike | N
                          where=str(path / "config.json"))
     check_mesh_fits(cfg, mesh)
     files = CheckpointFiles(path)
-    if hf.get("model_type") == "gemma3":   # the language model of Gemma3ForConditionalGeneration
+    if wrapped_by(hf.get("model_type")) is not None:   # a multimodal model (Gemma 3's): its language model
         files = _LanguageModelFiles(files)
     scheme = fp8_scheme(hf, str(path / "config.json"))
     if scheme is not None:   # FP8 weights read as the float32 values they stand for
@@ -243,7 +244,8 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype: jax.typing.DTypeLike | N
     quantized = is_mxfp4(files.tensors)
     # DeepSeek's RoPE rows pair adjacent dims unless config.json says otherwise (tensor_map)
     # (DeepSeek-V2's always do: transformers rotates them as complex pairs)
-    interleaved = cfg.family == "deepseek_v2" or bool_of(hf, "rope_interleave", str(path / "config.json"), True)
+    interleaved = (spec_of(cfg.family).rope_always_interleaved
+                   or bool_of(hf, "rope_interleave", str(path / "config.json"), True))
     per_layer = [layer_groups(cfg, layer, quantized, interleaved) for layer in range(cfg.n_layers)]
     glob = global_groups(cfg)
     validate_tensors(files, [g for gs in per_layer for g in gs] + glob, cfg)

@@ -6,7 +6,8 @@ keep heads and experts as their own dims: q_proj [D, H, hd], o_proj [H, hd, D], 
 heads flattened, and experts either one tensor per expert (Qwen3-MoE, Mixtral, as
 `save_pretrained` writes them) or fused [E, in, out] with gate and up interleaved on the last dim
 (GPT-OSS: gate = [..., ::2], up = [..., 1::2]), optionally MXFP4-quantised. Phi-3 fuses q, k, v
-into one `qkv_proj` and gate, up into one `gate_up_proj` (their rows in turn).
+into one `qkv_proj` and gate, up into one `gate_up_proj` (their rows in turn). Which names and
+layouts a family uses is its spec's (`FamilySpec.tensor_names`); this module builds them.
 
 A `TensorGroup` is the unit of conversion: a few HF tensors <-> one or more of our per-layer
 leaves. Its `load` reads only the experts it is asked for (the rows of an expert-sharded shard);
@@ -20,6 +21,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from sfrrl_jax.checkpoints.hf.families import spec_of
 from sfrrl_jax.checkpoints.hf.mxfp4 import dequantize_mxfp4, mxfp4_shapes
 from sfrrl_jax.config import ModelConfig
 
@@ -149,7 +151,7 @@ def _attention(cfg: ModelConfig, p: str, rope_interleaved: bool = True) -> list[
         return (lambda w: np.ascontiguousarray(w.reshape(n, hd, d).transpose(2, 0, 1)),
                 lambda w: np.ascontiguousarray(w.transpose(1, 2, 0).reshape(n * hd, d)))
 
-    if cfg.family == "phi3":   # q, k and v rows of one [(h + 2k) * hd, D] linear
+    if spec_of(cfg.family).tensor_names.fused_projections:   # q, k and v rows of one [(h + 2k) * hd, D] linear
         groups = [_stacked_rows(a + "qkv_proj.weight", [(("attn", "q_proj"), h * hd, proj_in(h)),
                                                         (("attn", "k_proj"), k * hd, proj_in(k)),
                                                         (("attn", "v_proj"), k * hd, proj_in(k))], d)]
@@ -203,7 +205,7 @@ def _dense_mlp(cfg: ModelConfig, p: str) -> list[TensorGroup]:
     """Llama/Mistral/Qwen2/Qwen3/Gemma 3 `mlp.{gate,up,down}_proj` ([out, in] linears) <-> ours
     [in, out]; Phi-3's gate and up are the two halves of one `mlp.gate_up_proj`."""
     d, f, m = cfg.d_model, cfg.d_ff, p + "mlp."
-    if cfg.family == "phi3":
+    if spec_of(cfg.family).tensor_names.fused_projections:
         return [_stacked_rows(m + "gate_up_proj.weight", [(("mlp", "w_gate"), f, (_transpose, _transpose)),
                                                            (("mlp", "w_up"), f, (_transpose, _transpose))], d),
                 _single(m + "down_proj.weight", ("mlp", "w_down"), (d, f), _transpose, _transpose)]
@@ -218,14 +220,11 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
         if quantized:
             raise ValueError(f"MXFP4 weights are only defined for gpt_oss's experts, not a dense {cfg.family} MLP")
         return _dense_mlp(cfg, p)
-    if cfg.family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3",
-                      "glm4_moe_lite", "minimax_m2"):
+    tensor_names = spec_of(cfg.family).tensor_names
+    if not tensor_names.fused_experts:   # one [out, in] linear per expert
         if quantized:
             raise ValueError(f"MXFP4 expert weights are only defined for gpt_oss, not {cfg.family}")
-        if cfg.family in ("mixtral", "minimax_m2"):
-            base, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
-        else:
-            base, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        base, names = p + tensor_names.moe_prefix, tensor_names.expert_projections
         fmt = base + "experts.{e}.%s.weight"
         groups = [
             _single(base + "gate.weight", ("moe", "router"), (e, d), _transpose, _transpose),
@@ -234,11 +233,10 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
             _per_expert(fmt % names[2], ("moe", "w_down"), e, (d, f)),
         ]
         if cfg.router == "sigmoid_topk":   # the selection bias: GLM's and DeepSeek's beside the router's weight
-            bias = base + ("e_score_correction_bias" if cfg.family == "minimax_m2" else "gate.e_score_correction_bias")
-            groups.append(_single(bias, ("moe", "score_bias"), (e,)))
+            groups.append(_single(base + tensor_names.score_bias, ("moe", "score_bias"), (e,)))
         if cfg.d_ff_shared:   # the shared expert ([out, in] linears): Qwen2-MoE's; GLM's, DeepSeek's `shared_experts`
             s = cfg.d_ff_shared
-            m = base + ("shared_expert." if cfg.family == "qwen2_moe" else "shared_experts.")
+            m = base + tensor_names.shared_expert
             groups += [_single(m + "gate_proj.weight", ("shared_expert", "w_gate"), (s, d), _transpose, _transpose),
                        _single(m + "up_proj.weight", ("shared_expert", "w_up"), (s, d), _transpose, _transpose),
                        _single(m + "down_proj.weight", ("shared_expert", "w_down"), (d, s), _transpose, _transpose)]
@@ -246,7 +244,8 @@ def _experts(cfg: ModelConfig, p: str, quantized: bool, dense: bool) -> list[Ten
             groups.append(_single(base + "shared_expert_gate.weight", ("shared_gate",), (1, d), _transpose,
                                   _transpose))
         return groups
-    m = p + "mlp."
+    # GPT-OSS's fused experts
+    m = p + tensor_names.moe_prefix
     x = m + "experts."
     groups = [
         _single(m + "router.weight", ("moe", "router"), (e, d), _transpose, _transpose),
