@@ -43,15 +43,22 @@ def test_every_import_linter_contract_is_kept():
     assert f"Contracts: {len(names)} kept, 0 broken." in report, report
 
 
-def test_the_check_fails_on_an_import_against_the_layer_order(tmp_path):
+def _lint_copy_with(tmp_path: Path, module: str, line: str) -> str:
+    """Lints a copy of the package (same contracts) with `line` appended to `module` (a path under
+    sfrrl_jax/); returns the report, asserting the check failed."""
     shutil.copytree(REPO / "sfrrl_jax", tmp_path / "sfrrl_jax", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")   # the same contracts
-    layers = tmp_path / "sfrrl_jax" / "models" / "layers.py"
-    # models sits below trainer: the model code must not reach up into the RL loop
-    layers.write_text(layers.read_text() + "\nimport sfrrl_jax.trainer.rl_trainer  # noqa: E402,F401\n")
+    target = tmp_path / "sfrrl_jax" / module
+    target.write_text(target.read_text() + f"\n{line}  # noqa: E402,F401\n")
     out = _lint(tmp_path, extra_path=tmp_path)
     report = out.stdout + out.stderr
     assert out.returncode != 0, report
+    return report
+
+
+def test_the_check_fails_on_an_import_against_the_layer_order(tmp_path):
+    # models sits below trainer: the model code must not reach up into the RL loop
+    report = _lint_copy_with(tmp_path, "models/layers.py", "import sfrrl_jax.trainer.rl_trainer")
     assert "Rooms import downward only BROKEN" in report, report
     assert "sfrrl_jax.models.layers -> sfrrl_jax.trainer.rl_trainer" in report, report   # the copy was linted
 
@@ -102,13 +109,7 @@ def test_the_escape_check_fails_on_a_sys_path_edit_or_an_experiments_import(tmp_
 
 
 def test_the_check_fails_when_launch_imports_the_testing_room(tmp_path):
-    shutil.copytree(REPO / "sfrrl_jax", tmp_path / "sfrrl_jax", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    runner = tmp_path / "sfrrl_jax" / "launch" / "runner.py"
     # the synthetic workload as the runner's default rollout: the arrow this contract forbids
-    runner.write_text(runner.read_text() + "\nfrom sfrrl_jax.testing.workload import WorkloadRollout  # noqa: E402,F401\n")
-    out = _lint(tmp_path, extra_path=tmp_path)
-    report = out.stdout + out.stderr
-    assert out.returncode != 0, report
+    report = _lint_copy_with(tmp_path, "launch/runner.py", "from sfrrl_jax.testing.workload import WorkloadRollout")
     assert "Launch does not import the testing room BROKEN" in report, report
     assert "sfrrl_jax.launch.runner -> sfrrl_jax.testing.workload" in report, report
