@@ -64,7 +64,7 @@ def import_recipes(modules: list[str] = ()) -> list[str]:
       ModuleNotFoundError / ImportError: a module is not found or fails to import (its own error).
     """
     from importlib.metadata import entry_points
-    names = [ep.value.split(":")[0] for ep in entry_points(group=RECIPE_ENTRY_POINTS)] + list(modules)
+    names = [ep.module for ep in entry_points(group=RECIPE_ENTRY_POINTS)] + list(modules)
     for name in names:
         importlib.import_module(name)
     return names
