@@ -38,7 +38,7 @@ from sfrrl_jax.learner import OptimizerConfig, TrainStep, make_train_step
 from sfrrl_jax.mesh import (CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS, LOGICAL_AXIS_RULES, TENSOR_AXIS, make_mesh,
                             shard_by_logical)
 from sfrrl_jax.models import forward, init_params, param_logical_axes
-from sfrrl_jax.rl import (AdvantageConfig, Loss, LossConfig, LossInputs, ObjectiveParts, compute_advantages,
+from sfrrl_jax.rl import (AdvantageConfig, Loss, LossConfig, LossInputs, MicroBatch, ObjectiveParts, compute_advantages,
                           loss_from_config, policy_loss, sft_loss)
 from sfrrl_jax.tokenizer import Tokenizer, TokenizerProtocol, build_tiny_tokenizer, load_tokenizer
 from sfrrl_jax.trainer import (AgentRollout, RLTrainer, RolloutFn, RunLogger, TaskStream, TrainerConfig,
@@ -65,7 +65,7 @@ __all__ = [
     "function_call_match", "humaneval_tasks", "load_tasks", "math_environment", "math_equal",
     "reasoning_gym_tasks", "verify_math", "verify_reasoning_gym",
     # losses, advantages, the train step
-    "AdvantageConfig", "Loss", "LossConfig", "LossInputs", "ObjectiveParts", "OptimizerConfig", "TrainStep",
+    "AdvantageConfig", "Loss", "LossConfig", "LossInputs", "MicroBatch", "ObjectiveParts", "OptimizerConfig", "TrainStep",
     "compute_advantages", "loss_from_config", "make_train_step", "policy_loss", "sft_loss",
     # the loops
     "AgentRollout", "RLTrainer", "RolloutFn", "RunLogger", "TaskStream", "TrainerConfig", "TrainingDivergedError",

@@ -14,16 +14,17 @@ from sfrrl_jax.rl.importance import mismatch_weights
 from sfrrl_jax.rl.kl import kl_estimate
 from sfrrl_jax.rl.logprobs import naive_token_logprobs_and_entropy, token_logprobs_and_entropy
 from sfrrl_jax.rl.loss_fn import Loss, LossInputs, as_loss, loss_from_config, policy_loss, sft_loss
+from sfrrl_jax.rl.microbatch import MicroBatch, as_microbatch, validate_microbatch
 from sfrrl_jax.rl.losses import (
     ObjectiveParts, gspo_log_ratio, policy_objective, ppo_clip_loss, sft_objective,
 )
 
 __all__ = [
-    "AdvantageConfig", "Loss", "LossConfig", "LossInputs", "ObjectiveParts", "OverlongConfig",
-    "SequenceLayout", "aggregate", "aggregation_parts", "apply_sample_mask", "as_loss",
+    "AdvantageConfig", "Loss", "LossConfig", "LossInputs", "MicroBatch", "ObjectiveParts", "OverlongConfig",
+    "SequenceLayout", "aggregate", "aggregation_parts", "apply_sample_mask", "as_loss", "as_microbatch",
     "broadcast_to_tokens", "compute_advantages", "dr_grpo_advantages", "grpo_advantages",
     "gspo_log_ratio", "kl_estimate", "kl_shaped_rewards", "loss_from_config", "mismatch_weights",
     "naive_token_logprobs_and_entropy", "overlong_filter", "policy_loss", "policy_objective",
     "ppo_clip_loss", "reinforce_pp_advantages", "reinforce_pp_token_advantages", "rloo_advantages",
-    "sft_loss", "sft_objective", "token_logprobs_and_entropy", "zero_variance_groups",
+    "sft_loss", "sft_objective", "token_logprobs_and_entropy", "validate_microbatch", "zero_variance_groups",
 ]
