@@ -63,8 +63,8 @@ def measure(seq: int, context: int, block: int) -> dict:
     mesh = S.make_mesh(context=context, devices=jax.devices()[:context])
     params = S.init_params(cfg, mesh)   # tiny: real arrays are cheaper than abstract bookkeeping
     sh = sharding_for(mesh, ("batch", "seq"), (1, seq))
-    batch = {k: jax.ShapeDtypeStruct((1, seq), dt, sharding=sh)
-             for k, dt in (("tokens", jnp.int32), ("loss_mask", jnp.int32), ("advantages", jnp.float32))}
+    batch = S.MicroBatch(**{k: jax.ShapeDtypeStruct((1, seq), dt, sharding=sh) for k, dt in
+                            (("tokens", jnp.int32), ("loss_mask", jnp.int32), ("advantages", jnp.float32))})
     with jax.set_mesh(mesh):
         compiled = grad_fn(cfg).lower(params, batch).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes

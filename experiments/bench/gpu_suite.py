@@ -313,19 +313,19 @@ def bench_decode(model: Model, spec: dict, iters: int, peak_hbm: float | None) -
 
 # -- 2. train ------------------------------------------------------------------------------------
 
-def train_batch(ts, cfg, rows: int, seq: int, mesh) -> dict:
+def train_batch(ts, cfg, rows: int, seq: int, mesh) -> S.MicroBatch:
     """A policy-loss micro-batch of random tokens with the fields and dtypes the trainer builds."""
     rng = np.random.RandomState(0)
     mb = zero_microbatch(batch_fields(ts.loss), rows, seq)
-    mb["tokens"] = rng.randint(0, cfg.vocab_size, (rows, seq)).astype(np.int32)
-    mb["loss_mask"][:] = 1.0
-    if "advantages" in mb:
-        mb["advantages"] = rng.randn(rows, seq).astype(np.float32)
-    if "segment_ids" in mb:
-        mb["segment_ids"][:] = 1
+    mb = mb.replace(tokens=rng.randint(0, cfg.vocab_size, (rows, seq)).astype(np.int32))
+    mb.loss_mask[:] = 1.0
+    if mb.advantages is not None:
+        mb = mb.replace(advantages=rng.randn(rows, seq).astype(np.float32))
+    if mb.segment_ids is not None:
+        mb.segment_ids[:] = 1
     # only what the step reads, placed as `TrainStep` would place it (so each call skips the copy)
-    reads = set(ts.loss.fields) | set(ts.loss.forward_fields)
-    return {k: jax.device_put(v, batch_sharding(mesh, v.shape)) for k, v in mb.items() if k in reads}
+    mb = mb.select(set(ts.loss.fields) | set(ts.loss.forward_fields))
+    return jax.tree.map(lambda v: jax.device_put(v, batch_sharding(mesh, v.shape)), mb)
 
 
 def bench_train(model: Model, spec: dict, iters: int, peak_flops: float | None, attention: str) -> list[dict]:

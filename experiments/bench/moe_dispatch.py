@@ -111,7 +111,7 @@ def replay_table(args, mesh) -> list[dict]:
     dims = tfm.route_dims(cfg)
     mb = microbatch_from_trajectories(trajs, np.zeros(len(trajs)), 32, 128, batch_fields(policy_loss(
         LossConfig(routing_replay="r3"))), dims)
-    held, gen = mb["routes_mask"].astype(bool), mb["loss_mask"].astype(bool)
+    held, gen = mb.routes_mask.astype(bool), mb.loss_mask.astype(bool)
 
     def forward(p, tokens, seg, routes, mask):
         hidden, aux, used = tfm.forward_hidden(cfg, p, tokens, seg, routes=routes, routes_mask=mask, return_routes=True)
@@ -124,10 +124,10 @@ def replay_table(args, mesh) -> list[dict]:
     with jax.set_mesh(mesh):
         run = jax.jit(forward)
         for replay in (False, True):
-            mask = mb["routes_mask"] if replay else np.zeros_like(mb["routes_mask"])
-            logp, aux, used = run(params, mb["tokens"], mb["segment_ids"], mb["routes"], mask)
-            used, engine_ids = np.sort(np.asarray(used)[held], -1), np.sort(mb["routes"][held], -1)
-            diff = np.abs(np.asarray(logp) - mb["rollout_logprobs"])[gen]
+            mask = mb.routes_mask if replay else np.zeros_like(mb.routes_mask)
+            logp, aux, used = run(params, mb.tokens, mb.segment_ids, mb.routes, mask)
+            used, engine_ids = np.sort(np.asarray(used)[held], -1), np.sort(mb.routes[held], -1)
+            diff = np.abs(np.asarray(logp) - mb.rollout_logprobs)[gen]
             rows.append({"replay": "r3" if replay else "off", "decisions_differ": float(np.mean(used != engine_ids)),
                          "tokens_touched": float(np.mean(np.any(used != engine_ids, axis=(1, 2)))),
                          "mismatch_mean": float(diff.mean()), "mismatch_max": float(diff.max()),

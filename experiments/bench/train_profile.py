@@ -48,13 +48,13 @@ def median_ms(fn, iters: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def batch(cfg, rows: int, seq: int, seed: int) -> dict:
+def batch(cfg, rows: int, seq: int, seed: int) -> S.MicroBatch:
     rng = np.random.RandomState(seed)
     mask = np.ones((rows, seq), np.float32)
     mask[:, : seq // 4] = 0.0  # a prompt: no loss there
-    return {"tokens": rng.randint(0, cfg.vocab_size, (rows, seq)).astype(np.int32), "loss_mask": mask,
-            "advantages": rng.randn(rows, seq).astype(np.float32) * mask,
-            "rollout_logprobs": np.zeros((rows, seq), np.float32)}
+    return S.MicroBatch(rng.randint(0, cfg.vocab_size, (rows, seq)).astype(np.int32), loss_mask=mask,
+                        advantages=rng.randn(rows, seq).astype(np.float32) * mask,
+                        rollout_logprobs=np.zeros((rows, seq), np.float32))
 
 
 def profile(cfg, params, rows: int, seq: int, iters: int) -> dict:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sfrrl_jax.checkpoints.orbax_store import abstract_of, check_json_exact
+from sfrrl_jax.rl.microbatch import MicroBatch, as_microbatch
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, MicroStepUnit
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def _unit_to_json(unit: MicroStepUnit) -> dict:
     return {
         "groups": [{"group_id": str(g.group_id), "params_version": int(g.params_version),
                     "num_generated": int(g.num_generated)} for g in unit.groups],
-        "batch": {k: _array_to_json(v) for k, v in sorted(unit.batch.items()) if v is not None},
+        "batch": {k: _array_to_json(v) for k, v in sorted(as_microbatch(unit.batch).fields().items())},
     }
 
 
@@ -67,7 +68,7 @@ def _unit_from_json(obj: dict, where: str) -> MicroStepUnit:
     groups = [RestoredGroup(g["group_id"], int(g["params_version"]), int(g["num_generated"]))
               for g in obj["groups"]]
     batch = {k: _array_from_json(v, f"{where}.batch[{k!r}]") for k, v in obj["batch"].items()}
-    return MicroStepUnit(groups, batch)
+    return MicroStepUnit(groups, MicroBatch.from_mapping(batch))
 
 
 _DEFAULTS = "__defaults__"

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.loss_fn import Loss, as_loss
+from sfrrl_jax.rl.microbatch import MicroBatch
 from sfrrl_jax.learner.accumulator import (
     AccStats, Accumulator, accumulate_stats, field_getitem, merge_stats,
 )
@@ -94,12 +95,12 @@ def build_deferred_fns(forward_fn, loss: Loss, router_coefs, acc_sh: Accumulator
 
     objective = functools.partial(microbatch_objective, forward_fn, loss, router_coefs, aux_metrics=aux_metrics)
 
-    def split_terms(p, mb):
+    def split_terms(p, mb: MicroBatch):
         numerator, (parts, router_sums) = objective(p, mb)
         return (parts.advantage_term, numerator - parts.advantage_term), (parts, router_sums)
 
-    def micro(p, buf, mb, centred_reward):
-        mb = {**mb, "advantages": mb["loss_mask"].astype(jnp.float32)}  # advantage 1 on every token
+    def micro(p, buf, mb: MicroBatch, centred_reward):
+        mb = mb.replace(advantages=mb.loss_mask.astype(jnp.float32))  # advantage 1 on every token
         (pg, rest), pullback, (parts, router_sums) = jax.vjp(lambda q: split_terms(q, mb), p, has_aux=True)
         one, zero = jnp.ones((), pg.dtype), jnp.zeros((), pg.dtype)
         (h,) = pullback((one, zero))

@@ -4,9 +4,9 @@ The objective is a value (`sfrrl_jax.rl.Loss`: built-ins from a `LossConfig`, or
 it receives the target-aligned log-probs, entropies and mask plus the batch fields it declares
 (`rl.loss_fn.LossInputs`) and returns `ObjectiveParts`.
 
-Shift convention. A batch stores, per position t of `tokens` [batch, seq], the loss-mask bit, the
-advantage and the rollout log-prob *of token t* (aligned to the token they belong to; position 0
-is never a target). The model's hidden state at position t predicts token t+1, so every per-token
+Shift convention. A micro-batch (`rl.MicroBatch`) stores, per position t of `tokens` [batch, seq],
+the loss-mask bit, the advantage and the rollout log-prob *of token t* (aligned to the token they
+belong to; position 0 is never a target). The model's hidden state at position t predicts token t+1, so every per-token
 quantity here lives in "target-aligned" [batch, seq] arrays where column t is the prediction of
 token t+1: they are the stored arrays shifted left by one, and the last column is always masked.
 Keeping the full length avoids copying the hidden states to drop their last position.
@@ -26,6 +26,7 @@ from sfrrl_jax.rl.aggregation import SequenceLayout
 from sfrrl_jax.rl.logprobs import token_logprobs_and_entropy
 from sfrrl_jax.rl.loss_fn import BASE_FIELDS, LAYOUT_FIELDS, REPLAY_FIELDS, Loss, LossInputs
 from sfrrl_jax.rl.losses import ObjectiveParts
+from sfrrl_jax.rl.microbatch import MicroBatch
 
 # forward_fn(params, tokens, segment_ids, positions) -> (hidden [batch, seq, embed],
 #   unembedding [embed, vocab], aux dict of scalars incl. 'router_aux_loss', 'router_z_loss').
@@ -51,25 +52,37 @@ def target_mask(loss_mask: jnp.ndarray, segment_ids: jnp.ndarray | None) -> jnp.
     return m
 
 
-def loss_inputs(loss: Loss, logp: jnp.ndarray, entropy: jnp.ndarray, batch: dict) -> LossInputs:
-    """Target-aligned `LossInputs` from log-probs/entropy [batch, seq] and the stored batch:
-    the fields `loss` declares (and the batch holds), as float32, shifted left by one."""
-    seg = batch.get("segment_ids")
-    mask = target_mask(batch["loss_mask"], seg)
+def loss_inputs(loss: Loss, logp: jnp.ndarray, entropy: jnp.ndarray, batch: MicroBatch) -> LossInputs:
+    """Target-aligned `LossInputs` from log-probs/entropy and the stored micro-batch.
+
+    Args:
+      loss: the loss; its declared fields (`Loss.fields`, extras included) are read from `batch`.
+      logp: `[rows, width]` target-aligned log-probs.
+      entropy: `[rows, width]` target-aligned entropies.
+      batch: the stored (token-aligned) `MicroBatch`: `loss_mask` `[rows, width]`, optional
+        `segment_ids` `[rows, width]`, and the loss's fields.
+    Returns:
+      `LossInputs` whose `fields` hold the declared fields the batch carries (not tokens, loss_mask
+      or the layout), as float32 `[rows, width]` shifted left by one (per-row `[rows]` advantages
+      broadcast over the row first).
+    """
+    seg = batch.segment_ids
+    mask = target_mask(batch.loss_mask, seg)
     layout = SequenceLayout(mask.shape, None if seg is None else shift_left(seg))
     fields = {}
     for k in loss.fields:
         if k in BASE_FIELDS or k in LAYOUT_FIELDS or batch.get(k) is None:
             continue
-        v = batch[k].astype(jnp.float32)
+        v = batch.get(k).astype(jnp.float32)
         if k == "advantages" and v.ndim == 1:  # one advantage per row (unpacked rows; checked by the caller)
             v = jnp.broadcast_to(v[:, None], mask.shape)
         fields[k] = shift_left(v)
     return LossInputs(logp, entropy, mask, layout, fields)
 
 
-def objective_from_logprobs(loss: Loss, logp: jnp.ndarray, entropy: jnp.ndarray, batch: dict) -> ObjectiveParts:
-    """The objective given target-aligned log-probs/entropy [batch, seq] and the stored batch."""
+def objective_from_logprobs(loss: Loss, logp: jnp.ndarray, entropy: jnp.ndarray, batch: MicroBatch) -> ObjectiveParts:
+    """The objective given target-aligned log-probs/entropy `[rows, width]` and the stored
+    `MicroBatch` (`loss_inputs`): `loss.fn(loss_inputs(...))`, the loss's `ObjectiveParts`."""
     return loss.fn(loss_inputs(loss, logp, entropy, batch))
 
 
@@ -78,7 +91,7 @@ def microbatch_objective(
     loss: Loss,
     router_coefs: tuple[float, float],
     params,
-    batch: dict,
+    batch: MicroBatch,
     aux_metrics: tuple[str, ...] = (),
 ):
     """(differentiable numerator, (ObjectiveParts, router metric sums)) of one micro-batch.
@@ -88,10 +101,11 @@ def microbatch_objective(
     policy_loss + coef * (denominator-weighted mean of the micro-batches' router losses); with a
     single micro-batch that is exactly policy_loss + coef * router_loss. `aux_metrics`: further
     scalars of the forward's aux (routing agreement) accumulated the same way, as metrics only.
+    `batch`: the `MicroBatch` (`[rows, width]` fields, token-aligned; module doc).
     """
-    tokens = batch["tokens"]
-    replay = {k: batch[k] for k in REPLAY_FIELDS if batch.get(k) is not None}
-    hidden, unembed, aux = forward_fn(params, tokens, batch.get("segment_ids"), batch.get("positions"), **replay)
+    tokens = batch.tokens
+    replay = {k: batch.get(k) for k in REPLAY_FIELDS if batch.get(k) is not None}
+    hidden, unembed, aux = forward_fn(params, tokens, batch.segment_ids, batch.positions, **replay)
     # Per token, so each context shard computes its own tokens' log-probs (no sequence gather).
     def logprobs(h, targets, w):
         return token_logprobs_and_entropy(h, w, targets, loss.vocab_chunk, loss.seq_chunk)

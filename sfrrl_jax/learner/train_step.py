@@ -29,18 +29,21 @@ the params and the rest replicated.
 A non-finite gradient (or loss) skips the update: params and optimizer state come back unchanged
 and `metrics['update_skipped']` is 1.
 
-A micro-batch is a dict of [batch, seq] arrays (see `rl`/`objective.py` for the shift):
-  tokens (int), loss_mask, and the fields the loss declares; for the built-in policy loss:
-  advantages ([batch, seq], or [batch] for unpacked rows), rollout_logprobs, old_logprobs
-  (behavior='old'), ref_logprobs (kl_coef > 0); segment_ids, positions (optional, packed rows;
-  0 = padding). Fields the loss does not read are dropped before the jit.
+A micro-batch is a `rl.MicroBatch` (`sfrrl_jax.rl.microbatch`), a pytree of [rows, width] arrays
+(see `objective.py` for the shift): tokens (int), loss_mask, and the fields the loss declares; for
+the built-in policy loss: advantages ([rows, width], or [rows] for unpacked rows), rollout_logprobs,
+old_logprobs (behavior='old'), ref_logprobs (kl_coef > 0); segment_ids, positions (optional, packed
+rows; 0 = padding); a custom loss's own fields in `MicroBatch.extras`. The public methods also take
+a mapping of field name -> array (`rl.as_microbatch` turns it into a MicroBatch at the edge).
+`validate_microbatch` checks it against the loss, then fields the loss and forward do not read are
+dropped (`MicroBatch.select`) before the jit.
 Host numpy inputs are placed batch-sharded on the params' mesh. Multi-host: pass global
-`jax.Array`s (e.g. from `jax.make_array_from_process_local_data`).
+`jax.Array`s (e.g. from `jax.make_array_from_process_local_data`, `learner.process_rows`).
 """
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +54,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sfrrl_jax.models.api import mesh_of
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.aggregation import SequenceLayout
-from sfrrl_jax.rl.loss_fn import BUILTIN_FIELDS, REPLAY_FIELDS, Loss, LossInputs, as_loss
+from sfrrl_jax.rl.loss_fn import Loss, LossInputs, as_loss
 from sfrrl_jax.rl.losses import ObjectiveParts, finalize_metrics
+# validate_microbatch lives beside MicroBatch; re-exported here (`learner.validate_microbatch`)
+from sfrrl_jax.rl.microbatch import MicroBatch, as_microbatch, validate_microbatch
 from sfrrl_jax.learner.accumulator import (
     AccStats, Accumulator, accumulate, accumulate_stats, accumulator_shardings, zero_accumulator,
 )
@@ -66,70 +71,6 @@ from sfrrl_jax.learner.optimizer import (
 
 if TYPE_CHECKING:
     from sfrrl_jax.config import ModelConfig
-
-
-def validate_microbatch(batch: dict, loss: Loss | LossConfig, vocab_size: int | None = None) -> None:
-    """Host-side checks (keys, shapes, dtypes, token range) with messages naming the tensor.
-
-    Required keys are the loss's `required_fields` (and under routing replay 'routes' and
-    'routes_mask'); a key is unknown unless a built-in loss or this loss reads it
-    (`rl.loss_fn.BUILTIN_FIELDS`, `Loss.fields`).
-
-    Args:
-      batch: the micro-batch, a dict of arrays: 'tokens' `[batch, seq]` int (seq >= 2); every other field
-        `[batch, seq]` like it, except 'advantages', which may be per-row `[batch]` on unpacked rows (no
-        'segment_ids'), and 'routes', `[batch, seq, moe layers, top_k]` int. A None value counts as missing
-        and is not shape-checked.
-      loss: the loss (`sfrrl_jax.rl.Loss`, or a `LossConfig` mapped to its built-in).
-      vocab_size: when given, every token id must lie in `[0, vocab_size)`.
-    Returns:
-      None, when the micro-batch passes every check.
-    Raises:
-      TypeError: when `batch` is not a dict, or 'tokens' is not integer.
-      KeyError: when a required key is missing, or a key is unknown.
-      ValueError: when a shape is wrong, per-row advantages meet packed rows, or a token id is out of range.
-    """
-    if not isinstance(batch, dict):
-        raise TypeError(f"micro-batch must be a dict of arrays, got {type(batch).__name__}")
-    loss = as_loss(loss)
-    missing = [k for k in loss.required_fields if batch.get(k) is None]
-    if missing:
-        raise KeyError(f"micro-batch is missing {missing}, required by the loss {loss.name} "
-                       f"(Loss.required_fields={list(loss.required_fields)}); has {sorted(batch)}")
-    if loss.routing_replay == "r3":
-        missing = [k for k in REPLAY_FIELDS if batch.get(k) is None]
-        if missing:
-            raise KeyError(f"micro-batch is missing {missing}: routing replay (routing_replay='r3') trains "
-                           f"on the engine's experts (an Engine built with record_routes=True); has {sorted(batch)}")
-    known = set(BUILTIN_FIELDS) | set(loss.fields)
-    unknown = sorted(set(batch) - known)
-    if unknown:
-        raise KeyError(f"micro-batch has unknown keys {unknown}; valid: {sorted(known)}")
-    shape = tuple(np.shape(batch["tokens"]))
-    if len(shape) != 2 or shape[1] < 2:
-        raise ValueError(f"micro-batch 'tokens' must be [batch, seq] with seq >= 2, got {shape}")
-    if not jnp.issubdtype(batch["tokens"].dtype, jnp.integer):
-        raise TypeError(f"micro-batch 'tokens' must be integer ids, got {batch['tokens'].dtype}")
-    for k, v in batch.items():
-        if v is None or k == "tokens":
-            continue
-        s = tuple(np.shape(v))
-        if k == "routes":
-            if len(s) != 4 or s[:2] != shape or not jnp.issubdtype(v.dtype, jnp.integer):
-                raise ValueError(f"micro-batch 'routes' must be int [batch, seq, moe layers, top_k] with "
-                                 f"[batch, seq] = {shape} like 'tokens', got {v.dtype} {s}")
-            continue
-        if k == "advantages" and s == shape[:1]:
-            if batch.get("segment_ids") is not None:
-                raise ValueError("micro-batch 'advantages' is per-row [batch] but rows are packed "
-                                 "('segment_ids' given): pass per-token [batch, seq] advantages")
-            continue
-        if s != shape:
-            raise ValueError(f"micro-batch '{k}' has shape {s}, expected {shape} like 'tokens'")
-    if vocab_size is not None:
-        lo, hi = int(jnp.min(batch["tokens"])), int(jnp.max(batch["tokens"]))
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"micro-batch 'tokens' must lie in [0, {vocab_size}); found min {lo}, max {hi}")
 
 
 def _metric_template(loss: Loss):
@@ -225,14 +166,17 @@ class TrainStep:
                             shapes, self.opt_state_shardings(params))
 
     # -- steps -----------------------------------------------------------------------------------
-    def grad_microstep(self, params, acc: Accumulator, microbatch: dict) -> Accumulator:
-        """Adds one micro-batch's gradient sum, loss numerator and counts to `acc` (donated)."""
+    def grad_microstep(self, params, acc: Accumulator, microbatch: MicroBatch | Mapping[str, Any]) -> Accumulator:
+        """Adds one micro-batch's gradient sum, loss numerator and counts to `acc` (donated).
+
+        `microbatch`: a `rl.MicroBatch` ([rows, width] fields; module doc), or a mapping of field
+        name -> array (`rl.as_microbatch`); checked by `validate_microbatch` (raises naming the field)."""
         fns = self._fns(params)
         mb = self._prepare(params, microbatch)
         with jax.set_mesh(mesh_of(params)):
             return self._acc_out(params, fns["micro"](params, self._acc_in(params, acc), mb))
 
-    def stats_microstep(self, params, acc: Accumulator, microbatch: dict) -> Accumulator:
+    def stats_microstep(self, params, acc: Accumulator, microbatch: MicroBatch | Mapping[str, Any]) -> Accumulator:
         """`grad_microstep` without the backward pass: adds the micro-batch's loss numerator,
         denominator, counts (num_microbatches included) and metric sums / maxima / minima to `acc`
         exactly as `grad_microstep` would, and leaves the gradient sums as they are (not copied, not
@@ -277,8 +221,9 @@ class TrainStep:
         with jax.set_mesh(mesh_of(params)):
             return fns["apply"](params, as_opt_state(opt_state), self._acc_in(params, acc, donated=False))
 
-    def step(self, params, opt_state: OptState, batch: dict):
-        """grad_microstep on the whole batch + apply, fused into one jitted function."""
+    def step(self, params, opt_state: OptState, batch: MicroBatch | Mapping[str, Any]):
+        """grad_microstep on the whole batch (a `rl.MicroBatch` or a mapping, as `grad_microstep`
+        takes) + apply, fused into one jitted function."""
         fns = self._fns(params)
         mb = self._prepare(params, batch)
         with jax.set_mesh(mesh_of(params)):
@@ -289,7 +234,7 @@ class TrainStep:
         """A zero group buffer for trajectories back-propagated before their group finishes."""
         return self._deferred(params)["init"](params)
 
-    def deferred_microstep(self, params, buffer: DeferredBuffer, microbatch: dict,
+    def deferred_microstep(self, params, buffer: DeferredBuffer, microbatch: MicroBatch | Mapping[str, Any],
                            centred_reward: float) -> DeferredBuffer:
         """Adds rows that share one reward (minus the group's reference reward) to `buffer` (donated)."""
         fns = self._deferred(params)
@@ -334,19 +279,21 @@ class TrainStep:
         return self._fns(params)["step"]
 
     # -- internals -------------------------------------------------------------------------------
-    def _prepare(self, params, batch: dict) -> dict:
-        batch = {k: v for k, v in batch.items() if v is not None}
+    def _prepare(self, params, batch: MicroBatch | Mapping[str, Any]) -> MicroBatch:
+        """The checked micro-batch holding only the fields the loss and forward read, each on the
+        params' mesh: a `jax.Array` already NamedSharding-placed there is kept, anything else is put
+        batch-sharded (`batch_sharding`)."""
+        batch = as_microbatch(batch)
         validate_microbatch(batch, self.loss, self.vocab_size)
-        reads = set(self.loss.fields) | set(self.loss.forward_fields)
-        batch = {k: v for k, v in batch.items() if k in reads}
+        batch = batch.select(set(self.loss.fields) | set(self.loss.forward_fields))
         mesh = mesh_of(params)
         out = {}
-        for k, v in batch.items():
+        for k, v in batch.fields().items():
             if isinstance(v, jax.Array) and isinstance(v.sharding, NamedSharding) and v.sharding.mesh == mesh:
                 out[k] = v
             else:
                 out[k] = jax.device_put(np.asarray(v), batch_sharding(mesh, np.shape(v)))
-        return out
+        return MicroBatch.from_mapping(out)
 
     def _fns(self, params) -> dict:
         key = _key(params)

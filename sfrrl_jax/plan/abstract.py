@@ -8,7 +8,7 @@ model exists: gpt-oss-120b's 117B params are shapes, not memory.
     setup.params      {..: SDS}  the shared param pytree (models.api.param_shardings)
     setup.opt_state   OptState of SDS (OptimizerConfig: moments' extra `data` split, pinned_host)
     setup.acc         Accumulator of SDS (float32 gradient sums, sharded like the params)
-    microbatch(setup, rows, length)                     {field: SDS [rows, length]}
+    microbatch(setup, rows, length)                     MicroBatch of SDS [rows, length]
     engine_abstract(model_cfg, mesh, ...)               (EngineSteps, DecodeState of SDS)
 
 `device_bytes(tree)` / `host_bytes(tree)` (from `sfrrl_jax.mesh`) sum the per-device shard bytes
@@ -35,6 +35,7 @@ from sfrrl_jax.mesh import device_bytes, host_bytes, shard_bytes, sharding_for  
 from sfrrl_jax.models.api import param_shardings
 from sfrrl_jax.models.transformer import param_shapes, route_dims
 from sfrrl_jax.rl.config import LossConfig
+from sfrrl_jax.rl.microbatch import MicroBatch
 from sfrrl_jax.trainer.batching import ROUTE_FIELDS, TRAJECTORY_FIELDS, batch_fields
 
 GB = 1e9   # report unit: the decimal GB of a device's datasheet (H200: 141 GB)
@@ -81,16 +82,25 @@ def microbatch_fields(train_step: TrainStep) -> tuple[str, ...]:
     return tuple(k for k in batch_fields(train_step.loss) if k in reads)
 
 
-def microbatch(setup: TrainSetup, rows: int, length: int) -> dict:
-    """Abstract [rows, length] micro-batch, batch-sharded like `TrainStep._prepare` places it
-    (under routing replay 'routes' is [rows, length, moe layers, top_k])."""
+def microbatch(setup: TrainSetup, rows: int, length: int) -> MicroBatch:
+    """Abstract micro-batch, batch-sharded like `TrainStep._prepare` places it.
+
+    Args:
+      setup: the train setup (its train step's loss picks the fields, `microbatch_fields`).
+      rows: the row count.
+      length: the row width in tokens.
+    Returns:
+      A `MicroBatch` of `jax.ShapeDtypeStruct`s with shardings: each field `[rows, length]` (dtypes of
+      `TRAJECTORY_FIELDS`), under routing replay 'routes' `[rows, length, moe layers, top_k]`; the
+      fields the step does not read are None.
+    """
     mesh = jax.tree.leaves(setup.params)[0].sharding.mesh
     out = {}
     for k in microbatch_fields(setup.train_step):
         shape = (rows, length) + (tuple(setup.route_dims) if k == "routes" else ())
         dtype = ROUTE_FIELDS[k] if k in ROUTE_FIELDS else TRAJECTORY_FIELDS[k]
         out[k] = _sds(shape, dtype, sharding_for(mesh, ("batch", "seq") + (None,) * (len(shape) - 2), shape))
-    return out
+    return MicroBatch.from_mapping(out)
 
 
 def engine_abstract(model_cfg: ModelConfig, mesh, max_slots: int, max_len: int, buckets,

@@ -80,13 +80,13 @@ def calibrate(rows: int = 2, length: int = 1024, remat: str = "none") -> dict:
     ts = setup.train_step
     params = init_params(cfg, mesh)
     rng = np.random.default_rng(0)
-    host = {k: np.zeros(v.shape, v.dtype) for k, v in microbatch(setup, rows, length).items()}
-    host["tokens"] = rng.integers(0, cfg.vocab_size, (rows, length)).astype(np.int32)
-    host["loss_mask"][:, length // 4:] = 1.0
-    host["advantages"][:] = rng.normal(size=(rows, 1)).astype(np.float32) * host["loss_mask"]
-    host["segment_ids"][:] = 1
-    shardings = microbatch(setup, rows, length)
-    mb = {k: jax.device_put(v, shardings[k].sharding) for k, v in host.items()}
+    abstract = microbatch(setup, rows, length)
+    host = jax.tree.map(lambda v: np.zeros(v.shape, v.dtype), abstract)
+    host = host.replace(tokens=rng.integers(0, cfg.vocab_size, (rows, length)).astype(np.int32))
+    host.loss_mask[:, length // 4:] = 1.0
+    host.advantages[:] = rng.normal(size=(rows, 1)).astype(np.float32) * host.loss_mask
+    host.segment_ids[:] = 1
+    mb = jax.tree.map(lambda v, a: jax.device_put(v, a.sharding), host, abstract)
     acc = ts.init_accumulator(params)
     compiled = ph.compiled   # the planner's own executable, run on real arrays
     with jax.set_mesh(mesh):

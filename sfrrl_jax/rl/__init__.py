@@ -4,7 +4,7 @@ Losses are values (`Loss`, `rl.loss_fn`): built-ins from a `LossConfig` (`policy
 `loss_from_config`), or any new objective with its declared batch fields.
 """
 from sfrrl_jax.rl.advantages import (
-    broadcast_to_tokens, compute_advantages, dr_grpo_advantages, grpo_advantages,
+    ESTIMATORS, Estimator, advantage_slopes, broadcast_to_tokens, compute_advantages, dr_grpo_advantages, grpo_advantages,
     kl_shaped_rewards, reinforce_pp_advantages, reinforce_pp_token_advantages, rloo_advantages,
 )
 from sfrrl_jax.rl.aggregation import SequenceLayout, aggregate, aggregation_parts
@@ -20,8 +20,8 @@ from sfrrl_jax.rl.losses import (
 )
 
 __all__ = [
-    "AdvantageConfig", "Loss", "LossConfig", "LossInputs", "MicroBatch", "ObjectiveParts", "OverlongConfig",
-    "SequenceLayout", "aggregate", "aggregation_parts", "apply_sample_mask", "as_loss", "as_microbatch",
+    "AdvantageConfig", "ESTIMATORS", "Estimator", "Loss", "LossConfig", "LossInputs", "MicroBatch", "ObjectiveParts", "OverlongConfig",
+    "SequenceLayout", "aggregate", "aggregation_parts", "advantage_slopes", "apply_sample_mask", "as_loss", "as_microbatch",
     "broadcast_to_tokens", "compute_advantages", "dr_grpo_advantages", "grpo_advantages",
     "gspo_log_ratio", "kl_estimate", "kl_shaped_rewards", "loss_from_config", "mismatch_weights",
     "naive_token_logprobs_and_entropy", "overlong_filter", "policy_loss", "policy_objective",

@@ -7,7 +7,11 @@ advantage 0 from the group-baselined estimators: they carry no learning signal.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax.numpy as jnp
+import numpy as np
 
 from sfrrl_jax.rl.config import AdvantageConfig
 from sfrrl_jax.rl.kl import kl_estimate
@@ -123,10 +127,61 @@ def reinforce_pp_advantages(
     return _masked_whiten(x, mask, eps, std_ddof)
 
 
+# -- slopes: d advantage / d reward within a group ------------------------------------------------
+# The group estimators are affine in the rewards of a group: A_i = slope * (r_i - r_j) + A_j for any
+# two samples i, j. A gradient back-propagated before the group's advantages exist
+# (`learner.deferred`) is finished with its slope. Host-side numpy, [groups, G] -> [groups] float32.
+def _grpo_slopes(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+    g = rewards.shape[-1]
+    std = rewards.std(axis=-1, ddof=cfg.std_ddof) if g - cfg.std_ddof > 0 else np.zeros(len(rewards))
+    return (1.0 / (std + np.float32(cfg.eps))).astype(np.float32)
+
+
+def _dr_grpo_slopes(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+    return np.ones(len(rewards), np.float32)
+
+
+def _rloo_slopes(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+    g = rewards.shape[-1]
+    return np.full(len(rewards), 0.0 if g == 1 else g / (g - 1), np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: its advantages and, where it has one, its per-group slope.
+
+    Attributes:
+      advantages: `(rewards [groups, G], cfg, mask [groups, G] | None) -> [groups, G]` advantages (traceable).
+      slope: `(rewards [groups, G] numpy, cfg) -> [groups]` float32 d advantage / d reward within each group,
+        for estimators affine in a group's rewards (host-side); None where the advantages depend on
+        other groups (batch-normalised estimators), so no per-group slope exists.
+    """
+
+    advantages: Callable[..., jnp.ndarray]
+    slope: Callable[[np.ndarray, AdvantageConfig], np.ndarray] | None = None
+
+
+# `AdvantageConfig.estimator` -> the estimator: one entry per estimator, its advantages beside its slope.
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(lambda r, cfg, mask: grpo_advantages(r, cfg.eps, cfg.std_ddof), _grpo_slopes),
+    "dr_grpo": Estimator(lambda r, cfg, mask: dr_grpo_advantages(r), _dr_grpo_slopes),
+    "rloo": Estimator(lambda r, cfg, mask: rloo_advantages(r), _rloo_slopes),
+    "reinforce_pp": Estimator(lambda r, cfg, mask: reinforce_pp_advantages(r, mask, cfg.eps, cfg.std_ddof)),
+    "reinforce_pp_baseline": Estimator(
+        lambda r, cfg, mask: reinforce_pp_advantages(r, mask, cfg.eps, cfg.std_ddof, group_baseline=True)),
+}
+
+
+def _estimator(cfg: AdvantageConfig, fn: str) -> Estimator:
+    if cfg.estimator not in ESTIMATORS:
+        raise ValueError(f"{fn}: unknown estimator {cfg.estimator!r}; valid: {sorted(ESTIMATORS)}")
+    return ESTIMATORS[cfg.estimator]
+
+
 def compute_advantages(
     rewards: jnp.ndarray, cfg: AdvantageConfig, mask: jnp.ndarray | None = None
 ) -> jnp.ndarray:
-    """Advantages by the estimator `cfg.estimator` names (see `AdvantageConfig`).
+    """Advantages by the estimator `cfg.estimator` names (see `AdvantageConfig`; `ESTIMATORS`).
 
     'grpo' -> `grpo_advantages(rewards, cfg.eps, cfg.std_ddof)`, 'dr_grpo' -> `dr_grpo_advantages`,
     'rloo' -> `rloo_advantages`, 'reinforce_pp' / 'reinforce_pp_baseline' -> `reinforce_pp_advantages`
@@ -143,17 +198,32 @@ def compute_advantages(
     Raises:
       ValueError: unknown `cfg.estimator`, or `rewards` not 2-D (where the estimator needs groups).
     """
-    est = cfg.estimator
-    if est == "grpo":
-        return grpo_advantages(rewards, cfg.eps, cfg.std_ddof)
-    if est == "dr_grpo":
-        return dr_grpo_advantages(rewards)
-    if est == "rloo":
-        return rloo_advantages(rewards)
-    if est in ("reinforce_pp", "reinforce_pp_baseline"):
-        return reinforce_pp_advantages(rewards, mask, cfg.eps, cfg.std_ddof,
-                                       group_baseline=est == "reinforce_pp_baseline")
-    raise ValueError(f"compute_advantages: unknown estimator {est!r}")
+    return _estimator(cfg, "compute_advantages").advantages(rewards, cfg, mask)
+
+
+def advantage_slopes(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+    """d advantage / d reward within each group, for the estimator `cfg.estimator` names (`Estimator.slope`).
+
+    The group estimators are affine in a group's rewards: A_i = slope * (r_i - r_j) + A_j for any two
+    samples i, j, which lets a gradient taken before the group finished be completed later
+    (`learner.deferred`). Host-side (numpy).
+
+    Args:
+      rewards: `[groups, G]` float rewards.
+      cfg: the estimator and its `eps` / `std_ddof`.
+    Returns:
+      `[groups]` float32 slopes (GRPO: 1 / (group std + eps); Dr. GRPO: 1; RLOO: G / (G - 1), 0 for G = 1).
+    Raises:
+      ValueError: the estimator has no per-group slope (REINFORCE++ normalises over the batch), or is unknown.
+    """
+    est = _estimator(cfg, "advantage_slopes")
+    if est.slope is None:
+        with_slope = sorted(k for k, e in ESTIMATORS.items() if e.slope is not None)
+        raise ValueError(f"advantage estimator {cfg.estimator!r} is not a per-group affine function of the "
+                         f"reward; advantage-deferred gradients need one of {', '.join(with_slope)}")
+    rewards = np.asarray(rewards, np.float32)
+    _check_grouped(rewards, "advantage_slopes")
+    return est.slope(rewards, cfg)
 
 
 def broadcast_to_tokens(advantages: jnp.ndarray, loss_mask: jnp.ndarray) -> jnp.ndarray:

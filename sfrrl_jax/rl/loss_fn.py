@@ -22,7 +22,7 @@ call with every declared field present).
 
 What a Loss declares, and who reads it:
   required_fields   batch keys that must be present (always incl. 'tokens' and 'loss_mask');
-                    `learner.train_step.validate_microbatch` raises naming a missing one.
+                    `rl.microbatch.validate_microbatch` raises naming a missing one.
   optional_fields   batch keys read when present; any other key outside the built-in fields is
                     rejected, and keys the loss does not read are dropped before the jit.
                     'segment_ids' and 'positions' (packing) are always optional.

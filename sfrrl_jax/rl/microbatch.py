@@ -129,6 +129,11 @@ class MicroBatch:
 def as_microbatch(batch: MicroBatch | Mapping[str, Any]) -> MicroBatch:
     """`batch` as a MicroBatch: itself, or `MicroBatch.from_mapping` of a mapping (an API edge's convenience).
 
+    Args:
+      batch: a `MicroBatch`, or a mapping of field name -> array (built-in names to their attributes,
+        the rest to `extras`, None values left out).
+    Returns:
+      `batch` itself when it is a MicroBatch, else a new MicroBatch of its fields (the same arrays).
     Raises:
       TypeError: `batch` is neither. KeyError: a mapping without 'tokens'.
     """
@@ -176,7 +181,8 @@ def validate_microbatch(batch: MicroBatch | Mapping[str, Any], loss: Loss | Loss
     known = set(BUILTIN_FIELDS) | set(loss.fields)
     unknown = sorted(set(present) - known)
     if unknown:
-        raise KeyError(f"micro-batch has unknown fields {unknown}; valid: {sorted(known)}")
+        raise KeyError(f"micro-batch has unknown keys {unknown} (fields neither a built-in loss nor this "
+                       f"loss reads); valid: {sorted(known)}")
     shape = tuple(np.shape(batch.tokens))
     if len(shape) != 2 or shape[1] < 2:
         raise ValueError(f"micro-batch 'tokens' must be [rows, width] with width >= 2, got {shape}")

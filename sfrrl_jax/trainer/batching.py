@@ -1,7 +1,7 @@
 """Finished groups of trajectories -> advantages -> train micro-batches.
 
-Row layouts. A micro-batch is a set of host arrays [rows, width]; where each trajectory lies in
-them is a `RowLayout`:
+Row layouts. A micro-batch is a `rl.MicroBatch` of host arrays [rows, width]; where each trajectory
+lies in them is a `RowLayout`:
   packed (`pack_rows`, the trainer's default): several trajectories share a row, one after the
     other from column 0, with segment ids 1, 2, 3, ... along the row (0 = the padding after the
     last one) and positions restarting at 0 at each (the forward derives them from the segment
@@ -46,9 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from sfrrl_jax.agents.trajectory import Trajectory
-from sfrrl_jax.rl.advantages import compute_advantages
+from sfrrl_jax.rl.advantages import advantage_slopes, compute_advantages
 from sfrrl_jax.rl.config import AdvantageConfig
 from sfrrl_jax.rl.loss_fn import Loss
+from sfrrl_jax.rl.microbatch import MicroBatch
 
 # What a micro-batch built from trajectories can carry, with each field's dtype (all [rows, T]).
 TRAJECTORY_FIELDS = {"tokens": np.int32, "loss_mask": np.float32, "advantages": np.float32,
@@ -107,19 +108,9 @@ def _host_device():
 
 
 def group_advantage_slopes(groups: Sequence[Group], cfg: AdvantageConfig) -> np.ndarray:
-    """[groups] d advantage / d reward of each group: the group estimators are affine in the reward,
-    A_i = slope * (r_i - r_j) + A_j for any two samples i, j of a group (`learner.deferred` needs it)."""
-    rewards = np.stack([g.rewards for g in groups]).astype(np.float32)
-    g = rewards.shape[-1]
-    if cfg.estimator == "grpo":
-        std = rewards.std(axis=-1, ddof=cfg.std_ddof) if g - cfg.std_ddof > 0 else np.zeros(len(groups))
-        return (1.0 / (std + np.float32(cfg.eps))).astype(np.float32)
-    if cfg.estimator == "dr_grpo":
-        return np.ones(len(groups), np.float32)
-    if cfg.estimator == "rloo":
-        return np.full(len(groups), 0.0 if g == 1 else g / (g - 1), np.float32)
-    raise ValueError(f"advantage estimator {cfg.estimator!r} is not a per-group affine function of the "
-                     "reward; advantage-deferred gradients need one of grpo, dr_grpo, rloo")
+    """[groups] d advantage / d reward of each group (`rl.advantage_slopes`, the estimator's own):
+    `learner.deferred` finishes an early sample's gradient with it."""
+    return advantage_slopes(np.stack([g.rewards for g in groups]).astype(np.float32), cfg)
 
 
 def batch_fields(loss: Loss) -> tuple[str, ...]:
@@ -138,13 +129,25 @@ def batch_fields(loss: Loss) -> tuple[str, ...]:
 
 
 def zero_microbatch(fields: Sequence[str], rows: int, width: int,
-                    route_dims: tuple[int, int] | None = None) -> dict:
-    """All-zero [rows, width] arrays of `fields` (dtypes of `TRAJECTORY_FIELDS`; 'routes' is
-    [rows, width, *route_dims]): a compile warm-up batch with the keys, shapes and dtypes real
-    micro-batches of those fields have."""
+                    route_dims: tuple[int, int] | None = None) -> MicroBatch:
+    """A compile warm-up micro-batch: the fields, shapes and dtypes real micro-batches of `fields` have.
+
+    Args:
+      fields: the fields to carry (`batch_fields(loss)`); must hold 'tokens'.
+      rows: the row count.
+      width: the row width in tokens.
+      route_dims: (moe layers, top_k) of 'routes' (needed when `fields` holds it).
+    Returns:
+      A `MicroBatch` of all-zero host arrays `[rows, width]` (dtypes of `TRAJECTORY_FIELDS`; 'routes'
+      `[rows, width, *route_dims]` int16), None for the fields not in `fields`.
+    Raises:
+      ValueError: a field trajectories do not carry, or 'routes' without `route_dims`.
+      KeyError: `fields` has no 'tokens'.
+    """
     _check_fields(fields, route_dims)
     dtypes = {**TRAJECTORY_FIELDS, **ROUTE_FIELDS}
-    return {k: np.zeros((rows, width) + (tuple(route_dims) if k == "routes" else ()), dtypes[k]) for k in fields}
+    return MicroBatch.from_mapping(
+        {k: np.zeros((rows, width) + (tuple(route_dims) if k == "routes" else ()), dtypes[k]) for k in fields})
 
 
 def _check_fields(fields: Sequence[str], route_dims=None) -> None:
@@ -279,25 +282,38 @@ def pack_rows(lengths: Sequence[int], shapes: RowShapes) -> RowLayout:
 
 def microbatch_from_trajectories(trajs: Sequence[Trajectory], advantages: np.ndarray, seq_bucket: int,
                                  max_len: int, fields: Sequence[str] | None = None,
-                                 route_dims: tuple[int, int] | None = None) -> dict:
-    """Host arrays [rows, width] for `grad_microstep`, one row per trajectory (`RowLayout.one_per_row`:
-    width = the longest rounded up to `seq_bucket`). See `microbatch_from_layout` for the arguments."""
+                                 route_dims: tuple[int, int] | None = None) -> MicroBatch:
+    """A `MicroBatch` of host arrays [rows, width] for `grad_microstep`, one row per trajectory
+    (`RowLayout.one_per_row`: rows = len(trajs), width = the longest rounded up to `seq_bucket`,
+    capped at `max_len`). See `microbatch_from_layout` for the arguments and the fields."""
     layout = RowLayout.one_per_row([len(t.tokens) for t in trajs], seq_bucket, max_len) if trajs else None
     return microbatch_from_layout(trajs, advantages, layout, fields, route_dims)
 
 
 def microbatch_from_layout(trajs: Sequence[Trajectory], advantages: np.ndarray, layout: RowLayout | None,
                            fields: Sequence[str] | None = None,
-                           route_dims: tuple[int, int] | None = None) -> dict:
-    """Host arrays [len(layout.rows), layout.width] for `grad_microstep`, the trajectories placed as
-    `layout` says (`pack_rows` or `RowLayout.one_per_row`), each row's trajectories with segment
-    ids 1, 2, ... and 0 after them.
+                           route_dims: tuple[int, int] | None = None) -> MicroBatch:
+    """The micro-batch for `grad_microstep` of these trajectories, placed as `layout` says
+    (`pack_rows` or `RowLayout.one_per_row`), each row's trajectories with segment ids 1, 2, ...
+    and 0 after them.
 
-    advantages: one value per trajectory, [len(trajs)] (spread over its loss tokens).
-    fields: the keys to return (`batch_fields(loss)`; a field trajectories do not carry raises
-    ValueError naming it); None: every field in `TRAJECTORY_FIELDS`. route_dims: (moe layers,
-    top_k) of 'routes' (needed when fields hold it; see the module doc).
-    Raises ValueError if the layout does not place every trajectory exactly once within its width.
+    Args:
+      trajs: the trajectories.
+      advantages: one value per trajectory, [len(trajs)] (spread over its loss tokens).
+      layout: where each trajectory lies (every one exactly once).
+      fields: the fields to fill (`batch_fields(loss)`; must hold 'tokens'; a field trajectories do
+        not carry raises ValueError naming it); None: every field in `TRAJECTORY_FIELDS`.
+      route_dims: (moe layers, top_k) of 'routes' (needed when fields hold it; see the module doc).
+    Returns:
+      A `MicroBatch` of host arrays, rows = len(layout.rows), width = layout.width: 'tokens'
+      [rows, width] int32, 'loss_mask' / 'advantages' (per token, 0 off the loss mask) /
+      'rollout_logprobs' [rows, width] float32, 'segment_ids' [rows, width] int32, under routing
+      replay 'routes' [rows, width, moe layers, top_k] int16 and 'routes_mask' [rows, width] int32;
+      the fields not in `fields` are None.
+    Raises:
+      ValueError: the layout does not place every trajectory exactly once within its width, there
+        is no trajectory, the advantages do not match them, or a field cannot be built.
+      KeyError: `fields` has no 'tokens'.
     """
     fields = tuple(TRAJECTORY_FIELDS) if fields is None else tuple(fields)
     _check_fields(fields, route_dims)
@@ -338,7 +354,7 @@ def microbatch_from_layout(trajs: Sequence[Trajectory], advantages: np.ndarray, 
     out = {"tokens": tokens, "loss_mask": mask, "advantages": adv_tok, "rollout_logprobs": logp, "segment_ids": seg}
     if replay:
         out["routes"], out["routes_mask"] = routes, held
-    return {k: out[k] for k in fields}
+    return MicroBatch.from_mapping({k: out[k] for k in fields})
 
 
 def _place_routes(t: Trajectory, routes: np.ndarray, held: np.ndarray, route_dims) -> None:

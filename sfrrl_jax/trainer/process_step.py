@@ -1,8 +1,9 @@
 """One RL step on N processes (multi-host), each rolling out and training its share of the groups.
 
-`RLTrainer` uses `ProcessRLStep` instead of `RLStep` when its engine is a `LockstepEngine`
-(the default when `jax.process_count() > 1`). Every process runs the same step; what differs is
-only which trajectories it owns (docs/multihost.md):
+`RLTrainer` runs its `RLStep` with `LockstepRules` (a `step_schedule.StepRules` strategy) instead
+of `OneProcessRules` when its engine is a `LockstepEngine` (the default when `jax.process_count() >
+1`). Every process runs the same step; what differs is only which trajectories it owns
+(docs/multihost.md):
 
   draws      every process draws the same prompts from its own copy of the task stream (same
              seed, same calls); the group of launch index i belongs to process `i % P`. The
@@ -47,8 +48,9 @@ from sfrrl_jax.agents.tasks.reward_fns import REWARDS_KEY
 from sfrrl_jax.learner.process_rows import global_microbatch
 from sfrrl_jax.models.api import mesh_of
 from sfrrl_jax.trainer.batching import Group, group_advantage_slopes, group_advantages, zero_microbatch
-from sfrrl_jax.trainer.rollout_fn import call_rollout
-from sfrrl_jax.trainer.step_schedule import FailedGroup, MicroStepUnit, RLStep, early_micro_step
+from sfrrl_jax.rl.microbatch import MicroBatch
+from sfrrl_jax.trainer.microsteps import MicroStepUnit, early_micro_step
+from sfrrl_jax.trainer.step_schedule import FailedGroup, RLStep, StepRules
 
 _log = logging.getLogger(__name__)
 
@@ -87,18 +89,24 @@ class Agreement:
         return await asyncio.to_thread(self.allgather, value)
 
 
-class ProcessRLStep(RLStep):
-    """The schedule of one RL step on N processes (module doc)."""
+class LockstepRules(StepRules):
+    """The rules of one RL step on N processes in lockstep (module doc); a fresh one per step.
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        ex = trainer.engine.exchange
+    agreement: the run's `Agreement` (its call count runs across steps: every process makes the same calls).
+    """
+
+    def __init__(self, agreement: Agreement):
+        self.agreement = agreement
+        self.step: RLStep | None = None
+
+    def bind(self, step: RLStep) -> None:
+        self.step = step
+        ex = step.engine.exchange
         self.me, self.processes = ex.process_index, ex.process_count
-        self.agreement: Agreement = trainer.agreement
-        self.mesh = mesh_of(trainer.params)
+        self.mesh = mesh_of(step.params)
         # pipelined micro-steps hold this process's groups only: the global micro-batch is about
         # as large as one process's groups_per_microbatch groups
-        self.local_gpm = max(1, self.cfg.groups_per_microbatch // self.processes)
+        self.local_gpm = max(1, step.cfg.groups_per_microbatch // self.processes)
         self.global_kept: list[int] = []     # launch indices of every process's kept groups, sorted
         self.ticks0 = self.exchange_s0 = 0
         # early samples, replicated by events (see the module doc)
@@ -106,96 +114,89 @@ class ProcessRLStep(RLStep):
         self.own_trajs: dict[tuple[int, int], object] = {}
         self.own_done: dict[int, Group] = {}          # own kept groups until their end event applies
         self.shared_merges: collections.deque = collections.deque()
-        self.announced = self.n_launch                # groups launched, as the events say
+        self.announced = step.n_launch                # groups launched, as the events say
         self.settled = 0                              # groups ended (kept, dropped or failed)
         # group ends go through events when their order matters to every process: early samples,
         # or over-provisioning (the first groups_per_step ends in tick order are kept)
-        self.events = self.early is not None or self.cfg.overprovision_groups > 0
+        self.events = step.early is not None or step.cfg.overprovision_groups > 0
         self.kept_count = 0                           # replicated: groups kept so far, in tick order
         self.enough = asyncio.Event()                 # kept_count reached groups_per_step
         self.unapplied_ends = 0                       # own end events not yet applied
         self.ends_applied = asyncio.Event()
         self.flight_index: dict[asyncio.Future, int] = {}
-        if self.early is not None:
-            self.early.active = False                 # activated by the replicated count below
+        if step.early is not None:
+            step.early.active = False                 # activated by the replicated count below
 
     # -- the step -------------------------------------------------------------------------------
-    async def run(self) -> dict:
-        self.begin()
+    async def rollout(self, step: RLStep) -> None:
         try:
-            async with self.engine.session():
-                self.launch_groups()
+            async with step.engine.session():
+                self.launch_round(step.n_launch)
                 try:
                     await self.collect_groups()
                 except BaseException:
-                    await self._stop_in_flight()
+                    await step.stop_in_flight()
                     raise
             # leaving the session waited for every driver to stop: every agreed idle micro-step ran
         finally:
-            self.engine.set_idle_work(None)
-            self.engine.set_event_handler(None)
+            step.engine.set_idle_work(None)
+            step.engine.set_event_handler(None)
         await self.end_rollout()
-        await self.train_remaining_agreed()
-        return self.finish()
 
-    def begin(self) -> None:
-        super().begin()
-        self.ticks0, self.exchange_s0 = self.engine.ticks, self.engine.exchange_seconds
-
-    def install_idle_work(self) -> None:
-        self.engine.set_idle_work(self.idle_work, underfull_slots=self.cfg.underfull_slots,
+    def begin(self, step: RLStep) -> None:
+        self.ticks0, self.exchange_s0 = step.engine.ticks, step.engine.exchange_seconds
+        step.engine.set_idle_work(self.idle_work, underfull_slots=step.cfg.underfull_slots,
                                   has_work=self.has_idle_work, filler=self.filler_job,
                                   shared_work=self.shared_work, has_shared_work=self.has_shared_work)
-        self.engine.set_event_handler(self.on_event if self.events else None)
+        step.engine.set_event_handler(self.on_event if self.events else None)
         self._maybe_activate()
-
-    def launch_groups(self) -> None:
-        self.launch_round(self.n_launch)
 
     def launch_round(self, n: int) -> None:
         """Draws n prompts (the same on every process) and launches this process's groups."""
-        tr = self.trainer
-        drawn = [(self.launched + k, tr.tasks.next()) for k in range(n)]
-        self.launched += n
+        step = self.step
+        tr = step.inputs
+        drawn = [(step.launched + k, tr.tasks.next()) for k in range(n)]
+        step.launched += n
         mine = [(i, task) for i, task in drawn if i % self.processes == self.me]
         visited_elsewhere = getattr(tr.rollout_fn, "visited_elsewhere", None)
         if visited_elsewhere is not None:
             for i, task in drawn:
                 if i % self.processes != self.me:
-                    for sample in range(self.cfg.group_size):
+                    for sample in range(step.cfg.group_size):
                         visited_elsewhere(task, sample)
-        order = tr.longest_first.order([t for _, t in mine]) if self.cfg.longest_first else range(len(mine))
+        order = tr.longest_first.order([t for _, t in mine]) if step.cfg.longest_first else range(len(mine))
         for i, _ in drawn:
-            self.draw_position[i] = i
+            step.draw_position[i] = i
         for k in order:
-            fut = asyncio.ensure_future(self.run_group(mine[k][1], mine[k][0]))
+            fut = asyncio.ensure_future(step.run_group(mine[k][1], mine[k][0]))
             self.flight_index[fut] = mine[k][0]
-            self.in_flight.add(fut)
+            step.in_flight.add(fut)
 
     async def collect_groups(self) -> None:
         """Rounds: every own group finishes, the processes agree on what survived, refills are drawn."""
-        cfg = self.cfg
+        step = self.step
+        cfg = step.cfg
         while True:
             enough = asyncio.ensure_future(self.enough.wait())
             try:
-                while self.in_flight and not self.enough.is_set():
-                    done, _ = await asyncio.wait(self.in_flight | {enough}, return_when=asyncio.FIRST_COMPLETED)
+                while step.in_flight and not self.enough.is_set():
+                    done, _ = await asyncio.wait(step.in_flight | {enough}, return_when=asyncio.FIRST_COMPLETED)
                     for fut in done - {enough}:
-                        self.in_flight.discard(fut)
-                        self.on_group_done(fut.result())
+                        step.in_flight.discard(fut)
+                        self.group_done(step, fut.result())
             finally:
                 enough.cancel()
-            if self.in_flight:   # enough groups kept (over-provisioning): the rest are surplus
-                cancelled = [self.flight_index[f] for f in self.in_flight]
-                await self._stop_in_flight()
-                self.in_flight = set()
+            if step.in_flight:   # enough groups kept (over-provisioning): the rest are surplus
+                cancelled = [self.flight_index[f] for f in step.in_flight]
+                await step.stop_in_flight()
+                step.in_flight = set()
                 for launch_index in cancelled:
-                    self.counts["groups_surplus"] += 1
+                    step.counts["groups_surplus"] += 1
                     self._publish_end(launch_index, keep=False)
             await self._own_ends_applied()   # what this process reports is decided at the ticks
             views = await self.agreement.allgather_async({
-                "kept": [g.launch_index for g in self.kept], "failed": self.counts["groups_failed"],
-                "dropped": self.counts["groups_dropped"], "errors": self.failures[:3]})
+                "kept": [g.launch_index for g in step.kept], "failed": step.counts["groups_failed"],
+                "dropped": step.counts["groups_dropped"], "errors": step.failures[:3]})
             kept = sorted(i for v in views for i in v["kept"])
             failed = sum(v["failed"] for v in views)
             dropped = sum(v["dropped"] for v in views)
@@ -208,28 +209,22 @@ class ProcessRLStep(RLStep):
                                    f"{cfg.failed_groups_limit} it launches, all processes); first errors: {errors}")
             if dropped > cfg.max_refill_groups:
                 raise RuntimeError(f"only {len(kept)} of {cfg.groups_per_step} groups survived dynamic sampling "
-                                   f"after {self.refills} refills; raise TrainerConfig.max_refill_groups")
+                                   f"after {step.refills} refills; raise TrainerConfig.max_refill_groups")
             need = cfg.groups_per_step - len(kept)
-            self.refills += need
+            step.refills += need
             if self.events:
-                self.engine.publish({"e": "round", "n": need})   # process 0's counts, at one tick
+                step.engine.publish({"e": "round", "n": need})   # process 0's counts, at one tick
             self.launch_round(need)
 
-    def on_group_done(self, group: Group | FailedGroup) -> None:
+    def group_done(self, step: RLStep, group: Group | FailedGroup) -> None:
         """Local bookkeeping only: whether the step goes on is decided by the round's agreement.
         With early samples, a group's end is an event: its micro-steps form when it applies."""
-        cfg, counts = self.cfg, self.counts
+        cfg, counts = step.cfg, step.counts
         if isinstance(group, FailedGroup):
-            counts["groups_failed"] += 1
-            counts["failed_samples"] += len(group.errors)
-            self.failures.append(f"{group.group_id}: {group.errors[0]}")
-            _log.warning("group %s dropped: its rollout raised %s", group.group_id, group.errors)
+            step.count_failed(group)
             self._publish_end(group.launch_index, keep=False)
             return
-        counts["failed_samples"] += sum(t.error is not None for t in group.trajectories)
-        self.trainer.longest_first.observe(group.group_id, group.trajectories)
-        counts["tool_errors"] += sum(t.metadata.get("tool_errors", t.num_tool_errors) for t in group.trajectories)
-        counts["orphaned_tool_calls"] += sum(t.metadata.get("orphaned_tool_calls", 0) for t in group.trajectories)
+        step.count_finished(group)
         if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
             counts["groups_dropped"] += 1
             self._publish_end(group.launch_index, keep=False)
@@ -238,41 +233,41 @@ class ProcessRLStep(RLStep):
             self.own_done[group.launch_index] = group
             self._publish_end(group.launch_index, keep=True)
             return
-        self.kept.append(group)
+        step.kept.append(group)
         if cfg.mode != "sync":
             self._add_pending(group)
-        self.note_waiting()
+        step.note_waiting()
 
     def _add_pending(self, group: Group) -> None:
-        self.pending.append(group)
-        if len(self.pending) == self.local_gpm:
-            self._form_units(self.pending)
-            self.pending = []
-            if self.cfg.mode == "pipelined":
-                self.engine.notify_idle_work()
+        step = self.step
+        step.pending.append(group)
+        if len(step.pending) == self.local_gpm:
+            self.form_units(step, step.pending)
+            step.pending = []
+            if step.cfg.mode == "pipelined":
+                step.engine.notify_idle_work()
 
-    def _form_units(self, groups: list[Group]) -> None:
-        new_units = self.trainer._make_units(groups)
+    def form_units(self, step: RLStep, groups: list[Group]) -> list[MicroStepUnit]:
+        new_units = step.make_units(groups)
         for unit in new_units:
             unit.merges = []   # every process merges the buffers (shared work), not the owner alone
-        self.units.extend(new_units)
-        if self.cfg.mode == "pipelined":
-            self.ready.extend(new_units)
+        step.units.extend(new_units)
+        if step.cfg.mode == "pipelined":
+            step.ready.extend(new_units)
+        return new_units
 
     # -- early samples: replicated through the engine's ticks -------------------------------------
-    async def run_sample(self, task, index: int, sample: int):
-        traj = await call_rollout(self.trainer.rollout_fn, self.engine, task, sample)
-        if self.early is not None:
+    def sample_finished(self, step: RLStep, index: int, sample: int, traj) -> None:
+        if step.early is not None:
             self.own_trajs[(index, sample)] = traj
             reward = float(traj.reward) if traj.reward is not None else 0.0   # as Group.rewards
-            self.engine.publish({"e": "sample", "li": index, "s": sample, "r": reward})
-        return traj
+            step.engine.publish({"e": "sample", "li": index, "s": sample, "r": reward})
 
     def _publish_end(self, launch_index: int, keep: bool) -> None:
         if self.events:
             self.unapplied_ends += 1
             self.ends_applied.clear()
-            self.engine.publish({"e": "end", "li": launch_index, "keep": keep})
+            self.step.engine.publish({"e": "end", "li": launch_index, "keep": keep})
 
     async def _own_ends_applied(self) -> None:
         if self.unapplied_ends:
@@ -280,7 +275,8 @@ class ProcessRLStep(RLStep):
 
     def on_event(self, owner: int, event: dict) -> None:
         """Applied on every process at the same tick, in process order (engine.lockstep)."""
-        early, kind = self.early, event["e"]
+        step = self.step
+        early, kind = step.early, event["e"]
         if kind == "round":
             if owner == 0:
                 self.announced += event["n"]
@@ -294,10 +290,10 @@ class ProcessRLStep(RLStep):
             li = event["li"]
             self.settled += 1
             mine = owner == self.me
-            keep = event["keep"] and self.kept_count < self.cfg.groups_per_step
+            keep = event["keep"] and self.kept_count < step.cfg.groups_per_step
             if event["keep"] and not keep and mine:   # finished after enough others: surplus
                 self.own_done.pop(li)
-                self.counts["groups_surplus"] += 1
+                step.counts["groups_surplus"] += 1
             if not keep:
                 if early is not None:
                     early.discard(li)
@@ -306,18 +302,18 @@ class ProcessRLStep(RLStep):
                 prog = early.group_complete(li) if early is not None else None
                 if prog is not None:   # its buffer is merged at the final advantages, on every process
                     rewards = self.sample_rewards[li]
-                    group = _GroupRewards(np.array([rewards[i] for i in range(self.cfg.group_size)], np.float32))
-                    slope = group_advantage_slopes([group], self.cfg.advantage)[0]
-                    advantages = group_advantages([group], self.cfg.advantage)[0]
+                    group = _GroupRewards(np.array([rewards[i] for i in range(step.cfg.group_size)], np.float32))
+                    slope = group_advantage_slopes([group], step.cfg.advantage)[0]
+                    advantages = group_advantages([group], step.cfg.advantage)[0]
                     self.shared_merges.append((prog, float(slope), float(advantages[prog.reference])))
                 if mine:
                     if prog is not None:
-                        self.claimed[li] = prog
+                        step.claimed[li] = prog
                     group = self.own_done.pop(li)
-                    self.kept.append(group)
-                    if self.cfg.mode != "sync":
+                    step.kept.append(group)
+                    if step.cfg.mode != "sync":
                         self._add_pending(group)
-                if self.kept_count == self.cfg.groups_per_step:
+                if self.kept_count == step.cfg.groups_per_step:
                     self.enough.set()
             self.sample_rewards.pop(li, None)
             if mine:
@@ -325,110 +321,115 @@ class ProcessRLStep(RLStep):
                 if not self.unapplied_ends:
                     self.ends_applied.set()
         self._maybe_activate()
-        self.note_waiting()
-        self.engine.notify_idle_work()
+        step.note_waiting()
+        step.engine.notify_idle_work()
 
     def _maybe_activate(self) -> None:
         """The rollout's tail: at most `early_groups` groups unfinished (by the replicated count)."""
-        if self.early is not None and self.announced - self.settled <= self.cfg.early_groups:
-            self.early.activate()
+        step = self.step
+        if step.early is not None and self.announced - self.settled <= step.cfg.early_groups:
+            step.early.activate()
 
     def has_shared_work(self) -> bool:
-        return bool(self.shared_merges) or (self.early is not None and len(self.early) > 0)
+        early = self.step.early
+        return bool(self.shared_merges) or (early is not None and len(early) > 0)
 
     def shared_work(self):
         """The next early micro-step or buffer merge: the same on every process (replicated)."""
+        step = self.step
         if self.shared_merges:
             merge = self.shared_merges.popleft()
             return lambda: self.merge_buffer(*merge)
-        if self.early is not None and len(self.early):
-            unit = self.early.pop()
+        if step.early is not None and len(step.early):
+            unit = step.early.pop()
             if unit.progress.launch_index % self.processes == self.me:
-                step = early_micro_step(unit, self.cfg, self.trainer.batch_fields, self.trainer.route_dims)
+                job = early_micro_step(unit, step.cfg, step.inputs.batch_fields, step.inputs.route_dims)
             else:
-                step = dataclasses.replace(self.filler_unit(), early=unit)
-            return lambda: self.microstep(step)
+                job = dataclasses.replace(self.filler_unit(), early=unit)
+            return lambda: step.microstep(job)
         return None
 
     def merge_buffer(self, progress, slope: float, reference_advantage: float) -> None:
         """Adds an early group's buffer to the gradient sums at its final advantages."""
-        tr = self.trainer
+        step = self.step
         t0 = time.perf_counter()
-        self.acc = tr.train_step.merge_deferred(tr.params, self.acc, progress.buffer, slope, reference_advantage)
+        step.acc = step.train_step.merge_deferred(step.params, step.acc, progress.buffer, slope, reference_advantage)
         progress.buffer = None
-        jax.block_until_ready(self.acc.scalars.numerator)
-        tr.timeline.add("merge_deferred", "train", t0, time.perf_counter())
-        self.train_device_s += time.perf_counter() - t0
+        jax.block_until_ready(step.acc.scalars.numerator)
+        step.timeline.add("merge_deferred", "train", t0, time.perf_counter())
+        step.train_device_s += time.perf_counter() - t0
 
     async def end_rollout(self) -> None:
-        if self.pending:
-            self._form_units(self.pending)
-            self.pending = []
-        await self.engine.wait_idle()
-        self.t_rollout = time.perf_counter()
-        self.engine.release_memory()
-        self.trained_during_rollout = self.train_device_s
+        step = self.step
+        if step.pending:
+            self.form_units(step, step.pending)
+            step.pending = []
+        await step.engine.wait_idle()
+        step.t_rollout = time.perf_counter()
+        step.engine.release_memory()
+        step.trained_during_rollout = step.train_device_s
 
-    async def train_remaining_agreed(self) -> None:
+    async def train_remaining(self, step: RLStep) -> None:
         """The micro-steps the rollout did not run, the same number on every process (fillers
         where a process has fewer). sync: segment j = this process's groups among the j-th
         `groups_per_microbatch` of the global draw order."""
-        cfg = self.cfg
+        cfg = step.cfg
         if cfg.mode == "sync":
-            mine = {g.launch_index: g for g in self.kept}
+            mine = {g.launch_index: g for g in step.kept}
             gpm = cfg.groups_per_microbatch
             segments = []
             for a in range(0, len(self.global_kept), gpm):
                 own = [mine[i] for i in self.global_kept[a:a + gpm] if i in mine]
-                segments.append(self.trainer._make_units(own) if own else [])
-            self.units = [u for s in segments for u in s]
+                segments.append(step.make_units(own) if own else [])
+            step.units = [u for s in segments for u in s]
         else:
-            segments = [list(self.ready)]
-            self.ready.clear()
+            segments = [list(step.ready)]
+            step.ready.clear()
         counts = self.agreement.allgather([len(s) for s in segments])
         for j, seg in enumerate(segments):
             for k in range(max(c[j] for c in counts)):
-                self.microstep(seg[k] if k < len(seg) else self.filler_unit())
+                step.microstep(seg[k] if k < len(seg) else self.filler_unit())
         while self.shared_merges:   # replicated: the same merges on every process
             self.merge_buffer(*self.shared_merges.popleft())
 
     # -- idle work across processes -------------------------------------------------------------
     def idle_work(self):
         """This process's next regular micro-step (early ones are shared work)."""
-        if self.cfg.mode == "sync" or not self.ready:
+        step = self.step
+        if step.cfg.mode == "sync" or not step.ready:
             return None
-        unit = self.ready.popleft()
-        self.note_waiting()
-        return lambda: self.microstep(unit)
+        unit = step.ready.popleft()
+        step.note_waiting()
+        return lambda: step.microstep(unit)
 
     def has_idle_work(self) -> bool:
-        return self.cfg.mode != "sync" and bool(self.ready)  # as RLStep.idle_work: sync trains after
+        step = self.step
+        return step.cfg.mode != "sync" and bool(step.ready)  # as idle_work: sync trains after
 
     def filler_unit(self) -> MicroStepUnit:
         """This process's share of a micro-step in which it has no rows."""
-        return MicroStepUnit([], zero_microbatch(self.trainer.batch_fields, rows=0, width=0,
-                                                     route_dims=self.trainer.route_dims))
+        step = self.step
+        return MicroStepUnit([], zero_microbatch(step.inputs.batch_fields, rows=0, width=0,
+                                                 route_dims=step.inputs.route_dims))
 
     def filler_job(self):
         unit = self.filler_unit()
-        return lambda: self.microstep(unit)
+        return lambda: self.step.microstep(unit)
 
-    def microstep(self, unit: MicroStepUnit) -> None:
-        """One global micro-step: this process's rows of it (every process calls it together)."""
-        local = unit.batch
-        batch = global_microbatch(local, self.mesh)
-        super().microstep(dataclasses.replace(unit, batch=batch))
-        # positions: this process's share of the global [rows, width]; padding: those not its tokens
-        share = int(np.prod(batch["tokens"].shape)) // self.processes
-        seg = local.get("segment_ids")
+    def global_batch(self, step: RLStep, batch: MicroBatch) -> MicroBatch:
+        """One global micro-batch of every process's rows (every process calls it together)."""
+        return global_microbatch(batch, self.mesh)
+
+    def positions(self, step: RLStep, local: MicroBatch, run: MicroBatch) -> tuple[int, int]:
+        # this process's share of the global [rows, width]; padding: those not its tokens
+        share = int(np.prod(run.tokens.shape)) // self.processes
+        seg = local.segment_ids
         own = int(np.count_nonzero(seg)) if seg is not None else 0
-        self.trained["positions"] += share
-        self.trained["padding_positions"] += share - own
+        return share, share - own
 
     # -- metrics: the sums of every process --------------------------------------------------------
-    def metrics(self, wall: float) -> dict:
-        out = super().metrics(wall)
-        trajs = [t for g in self.kept for t in g.trajectories]
+    def metrics(self, step: RLStep, wall: float, out: dict) -> dict:
+        trajs = [t for g in step.kept for t in g.trajectories]
         components = collections.defaultdict(lambda: [0.0, 0])
         for t in trajs:
             if t.error is None:
@@ -436,16 +437,16 @@ class ProcessRLStep(RLStep):
                     components[name][0] += float(value)
                     components[name][1] += 1
         mine = {
-            "rewards": [float(r) for g in self.kept for r in g.rewards],
+            "rewards": [float(r) for g in step.kept for r in g.rewards],
             "components": dict(components),
-            "generated": sum(g.num_generated for g in self.kept),
+            "generated": sum(g.num_generated for g in step.kept),
             "samples": len(trajs),
-            "trained": self.trained["tokens"], "on_policy": self.trained["on_policy_tokens"],
-            "positions": self.trained["positions"], "padding": self.trained["padding_positions"],
-            "counts": {k: self.counts[k] for k in ("tool_errors", "groups_dropped", "groups_failed",
+            "trained": step.trained["tokens"], "on_policy": step.trained["on_policy_tokens"],
+            "positions": step.trained["positions"], "padding": step.trained["padding_positions"],
+            "counts": {k: step.counts[k] for k in ("tool_errors", "groups_dropped", "groups_failed",
                                                    "failed_samples", "groups_surplus", "orphaned_tool_calls")},
-            "kept_groups": len(self.kept),
-            "zero_variance_groups": sum(int(np.ptp(g.rewards) == 0) for g in self.kept),
+            "kept_groups": len(step.kept),
+            "zero_variance_groups": sum(int(np.ptp(g.rewards) == 0) for g in step.kept),
         }
         views = self.agreement.allgather(mine)
         rewards = np.array([r for v in views for r in v["rewards"]])
@@ -469,8 +470,8 @@ class ProcessRLStep(RLStep):
             "train/padding_share": summed["padding"] / summed["positions"] if summed["positions"] else 0.0,
             "train/positions": summed["positions"],
             # the lockstep's cost: engine ticks this step and the wall time inside their exchanges
-            "perf/engine_ticks": self.engine.ticks - self.ticks0,   # timing-dependent: a perf/ key
-            "time/tick_exchange_s": self.engine.exchange_seconds - self.exchange_s0,
+            "perf/engine_ticks": step.engine.ticks - self.ticks0,   # timing-dependent: a perf/ key
+            "time/tick_exchange_s": step.engine.exchange_seconds - self.exchange_s0,
             **{f"rollout/{k}": sum(v["counts"][k] for v in views)
                for k in ("tool_errors", "groups_dropped", "groups_failed", "failed_samples", "groups_surplus",
                          "orphaned_tool_calls")},

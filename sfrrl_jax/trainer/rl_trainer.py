@@ -37,14 +37,14 @@ from sfrrl_jax.learner.deferred import advantage_free_terms, check_deferrable
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.mesh import DATA_AXIS, memory_limit
 from sfrrl_jax.models.api import mesh_of
-from sfrrl_jax.trainer.batching import Group, batch_fields, row_shapes, zero_microbatch
+from sfrrl_jax.trainer.batching import batch_fields, row_shapes, zero_microbatch
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.health import TrainingHealth
 from sfrrl_jax.trainer.memory_check import check_fits, rollout_resident_bytes
 from sfrrl_jax.trainer.rollout_fn import RolloutFn, check_length_budget
 from sfrrl_jax.trainer.scheduling import LongestFirst
-from sfrrl_jax.trainer.process_step import Agreement, ProcessRLStep
-from sfrrl_jax.trainer.step_schedule import MicroStepUnit, RLStep, make_units
+from sfrrl_jax.trainer.process_step import Agreement, LockstepRules
+from sfrrl_jax.trainer.step_schedule import MicroStepUnit, OneProcessRules, RLStep, StepInputs, StepResult
 from sfrrl_jax.trainer.timeline import Timeline
 
 __all__ = ["RLTrainer", "TaskStream", "MicroStepUnit", "RolloutFn", "check_memory_fits", "shared_train_step"]
@@ -226,11 +226,33 @@ class RLTrainer:
         return run_sync(self.step_async())
 
     async def step_async(self) -> dict:
-        """One RL step: its schedule is an `RLStep` (`trainer.step_schedule`), built afresh."""
-        self._step = (ProcessRLStep if self.multi_process else RLStep)(self)
-        metrics = await self._step.run()
+        """One RL step: its schedule is an `RLStep` (`trainer.step_schedule`) built afresh from
+        `step_inputs()`; the `StepResult` it returns is applied here (`apply_step_result`)."""
+        inputs = self.step_inputs()
+        # one process, or N in lockstep: the rules of the step are a value (`StepRules`)
+        self._step = RLStep(inputs, LockstepRules(self.agreement) if self.multi_process else OneProcessRules())
+        result = await self._step.run()
+        self.apply_step_result(result)
+        metrics = dict(result.metrics)
         metrics.update(self.health.observe(metrics))
         return metrics
+
+    def step_inputs(self) -> StepInputs:
+        """The explicit inputs of the next RL step: this trainer's configs and parts, and its
+        current params, optimizer state, version, step index and carried-over micro-steps."""
+        return StepInputs(
+            cfg=self.cfg, engine=self.engine, train_step=self.train_step, rollout_fn=self.rollout_fn,
+            tasks=self.tasks, longest_first=self.longest_first, timeline=self.timeline, params=self.params,
+            opt_state=self.opt_state, params_version=self.params_version, step_index=self.step_index,
+            carry_over=tuple(self.carry_over), batch_fields=self.batch_fields, route_dims=self.route_dims,
+            row_shapes=self.row_shapes, forward_only=self.zero_advantage_forward_only)
+
+    def apply_step_result(self, result: StepResult) -> None:
+        """Takes a finished step's state as this trainer's: params, optimizer state, version,
+        step index and the micro-steps it carries over (`one_step_off`)."""
+        self.params, self.opt_state = result.params, result.opt_state
+        self.params_version, self.step_index = result.params_version, result.step_index
+        self.carry_over = list(result.carry_over)
 
     def compile_train_shapes(self) -> int:
         """Compiles the gradient micro-steps for every [rows, width] a step can form (the
@@ -285,8 +307,3 @@ class RLTrainer:
         return bool(self.cfg.skip_zero_advantage_backward and not self.multi_process
                     and self.train_step.zero_advantage_forward_only)
 
-    def _make_units(self, groups: list[Group]) -> list[MicroStepUnit]:
-        """Micro-steps of finished groups of the step in progress (the step forms every micro-step
-        of its groups here: a seam to observe which groups trained)."""
-        return make_units(groups, self.cfg, self._step.claimed, self.batch_fields, self.route_dims,
-                          self.row_shapes, forward_only=self._step.forward_only)

@@ -23,6 +23,7 @@ from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.models.api import mesh_of
 from sfrrl_jax.models.transformer import forward_with_aux
 from sfrrl_jax.rl.config import LossConfig
+from sfrrl_jax.rl.microbatch import MicroBatch
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.rl_trainer import shared_train_step
 
@@ -65,14 +66,15 @@ def padded_width(lengths: Sequence[int], seq_bucket: int, max_len: int) -> int:
     return min(-(-longest // seq_bucket) * seq_bucket, max(max_len, longest))
 
 
-def make_batch(rows: Sequence[tuple[np.ndarray, np.ndarray]], width: int) -> dict:
-    """Host arrays [len(rows), width]: tokens, loss_mask, segment_ids (1 on real tokens, 0 = pad)."""
+def make_batch(rows: Sequence[tuple[np.ndarray, np.ndarray]], width: int) -> MicroBatch:
+    """A `MicroBatch` of host arrays [len(rows), width]: tokens int32, loss_mask float32, segment_ids
+    int32 (1 on real tokens, 0 = pad), each row's example from column 0."""
     tokens = np.zeros((len(rows), width), np.int32)
     mask = np.zeros((len(rows), width), np.float32)
     seg = np.zeros((len(rows), width), np.int32)
     for i, (t, m) in enumerate(rows):
         tokens[i, :t.size], mask[i, :t.size], seg[i, :t.size] = t, m, 1
-    return {"tokens": tokens, "loss_mask": mask, "segment_ids": seg}
+    return MicroBatch(tokens, loss_mask=mask, segment_ids=seg)
 
 
 class EpochSampler:
@@ -201,10 +203,10 @@ def teacher_forced_accuracy(model_cfg: ModelConfig, params: Params, examples: Se
         chunk = chunk + [(np.zeros(2, np.int32), np.zeros(2, np.float32))] * (batch_size - len(chunk))
         batch = make_batch(chunk, width)
         with jax.set_mesh(mesh):
-            hits = np.asarray(jax.device_get(_argmax_hits(model_cfg, params, batch["tokens"],
-                                                          batch["segment_ids"], batch["loss_mask"])))
+            hits = np.asarray(jax.device_get(_argmax_hits(model_cfg, params, batch.tokens,
+                                                          batch.segment_ids, batch.loss_mask)))
         for i in range(min(batch_size, len(rows) - start)):
-            needed = float(batch["loss_mask"][i, 1:].sum())
+            needed = float(batch.loss_mask[i, 1:].sum())
             got = float(hits[i].sum())
             hits_total, tokens_total, exact = hits_total + got, tokens_total + needed, exact + (got == needed)
     return {"token_accuracy": hits_total / tokens_total, "sequence_accuracy": exact / len(rows)}

@@ -1,50 +1,39 @@
-"""One RL step's schedule, as an object: `RLStep(trainer).run()` (DESIGN.md section 3).
+"""One RL step's schedule, as an object: `await RLStep(inputs, rules).run()` -> `StepResult`
+(DESIGN.md section 3).
 
-`RLTrainer.step_async` builds one `RLStep` per step; the step holds everything that lives for one
-step (the gradient accumulator, the groups in flight and kept, the micro-steps ready to run, the
-counters) as attributes, and its methods are the phases, in the order `run` calls them:
+`RLTrainer.step_async` builds one `RLStep` per step from explicit inputs (`StepInputs`: configs,
+parts, and the params / optimizer state / version / step index it starts from) and applies the
+`StepResult` it returns. The step holds everything that lives for one step (the gradient
+accumulator, the groups in flight and kept, the micro-steps ready to run, the counters) as
+attributes; its phases, in the order `run` calls them:
 
-  begin            the engine gets the current params, a fresh accumulator, the idle-work hook
-  launch_groups    draw `groups_per_step + overprovision_groups` prompts, launch them longest first
-  collect_groups   as groups finish: drop / refill / keep them; kept groups become micro-steps
-                   (`pipelined`: queued for the engine's idle time; `sync`: held for after the
-                   rollout); the rollout's tail activates early samples
-  cancel_leftovers on failure: stop every group still running so their slots are released
-                   (on any failure of the rollout the engine's idle-work hook is removed)
-  end_rollout      stop surplus groups, form the last micro-steps, wait for the driver's last
-                   micro-step, free the KV cache
-  train_remaining  the micro-steps the rollout did not hide (all of them in `sync`, in draw order)
-  finish           the one optimizer update; the step's metrics
+  begin            the engine gets the params, a fresh accumulator, the idle-work hooks
+  rollout          (the rules) launch the step's prompts, collect groups as they finish (drop /
+                   refill / keep them; kept groups become micro-steps, `pipelined`: queued for the
+                   engine's idle time), stop surplus groups, free the KV cache
+  train_remaining  (the rules) the micro-steps the rollout did not hide (all of them in `sync`,
+                   in draw order)
+  finish           the one optimizer update; the step's metrics; the `StepResult`
 
-The engine pops work through `idle_work` (micro-steps of finished groups first, then early
-samples) and runs it on its driver thread with `microstep`. Everything else runs on the event loop.
+What differs between one process and N processes in lockstep is a strategy, `StepRules`, passed
+in as a value: `OneProcessRules` (here) or `trainer.process_step.LockstepRules` (which groups are
+this process's, rounds agreed across processes, replicated events, global micro-batches, metrics
+summed over processes). The step calls its rules at fixed points (`StepRules`' methods) and is
+never subclassed.
 
-Micro-steps (`make_units`, pure host work): a micro-batch of finished groups is laid out in rows
-(`TrainerConfig.pack_rows`: several trajectories per row, `trainer.batching.pack_rows`; else one
-per row), then split into micro-steps of at most `microbatch_rows` rows. A `MicroStepUnit` names
-whose tokens it holds: whole `Group`s when it holds all of theirs, else one `TokenShare` per
-trajectory in its rows (a packed row may hold samples of several groups), so the trained and
-on-policy token counts are exact whatever the layout. Early samples train as one-row micro-steps.
+The engine pops work through the rules' `idle_work` (micro-steps of finished groups first, then
+early samples) and runs it on its driver thread with `RLStep.microstep`. Everything else runs on
+the event loop. Micro-steps are formed by `trainer.microsteps.make_units` (pure host work).
 `train/padding_share` is the share of the micro-steps' [rows, width] positions that held no token.
-
-Forward-only micro-steps (`TrainerConfig.skip_zero_advantage_backward`, where the train step's
-loss allows it: `TrainStep.forward_only_refusal`): trajectories whose advantage is exactly 0 add
-exactly nothing to the gradient, so `make_units` packs them apart (the same packing, the same
-`microbatch_rows` split) into micro-steps marked `forward_only`, which run
-`TrainStep.stats_microstep` (their loss, counts and metrics accumulate; no backward). They count
-in the trained tokens, positions and padding like any micro-step, and in
-`train/forward_only_microsteps`. Early samples and the micro-step that merges their buffers stay
-gradient micro-steps; a multi-process step (`trainer.process_step`) runs none.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import dataclasses
-import functools
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 import numpy as np
@@ -52,13 +41,14 @@ import numpy as np
 from sfrrl_jax.agents.protocols import EngineError, Task
 from sfrrl_jax.agents.tasks.reward_fns import reward_component_means
 from sfrrl_jax.agents.trajectory import Trajectory
-from sfrrl_jax.trainer.batching import (
-    Group, RowLayout, RowShapes, TokenShare, group_advantage_slopes, group_advantages, microbatch_from_layout,
-    microbatch_from_trajectories, pack_rows, row_shapes,
-)
+from sfrrl_jax.rl.microbatch import MicroBatch
+from sfrrl_jax.trainer.batching import Group, RowShapes
 from sfrrl_jax.trainer.config import TrainerConfig
+from sfrrl_jax.trainer.early_samples import EarlySamples, GroupProgress
+from sfrrl_jax.trainer.microsteps import (  # noqa: F401  (re-exported: the step's micro-step forming)
+    MicroStepUnit, early_micro_step, make_units, split_rows, token_share,
+)
 from sfrrl_jax.trainer.rollout_fn import call_rollout
-from sfrrl_jax.trainer.early_samples import EarlySamples, EarlyUnit, GroupProgress
 from sfrrl_jax.trainer.timeline import WaitingWork
 
 _log = logging.getLogger(__name__)
@@ -73,122 +63,319 @@ class FailedGroup:
     errors: list[str]
 
 
-@dataclasses.dataclass
-class MicroStepUnit:
-    """One gradient micro-step: its batch and whose tokens it holds (Groups or TokenShares).
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Everything one RL step reads, passed in explicitly (`RLTrainer.step_inputs` builds it).
 
-    early: set for a sample trained into its unfinished group's buffer; merges: (group progress,
-    advantage slope, reference advantage) of group buffers to add at their final advantages.
-    forward_only: every row's advantage is exactly 0, so the step may run it forward only
-    (`TrainStep.stats_microstep`; module doc). Never set with `early` or `merges`.
+    The run's services are shared with the step and advance through it: the engine (decodes, runs
+    the idle micro-steps), the task stream (draws), `longest_first` (observes group durations) and
+    the timeline (records spans). The state the step starts from is values: it never writes them
+    back, it returns the next state in its `StepResult`.
+
+    Attributes:
+      cfg: the `TrainerConfig`.
+      engine: the rollout engine (`Engine`, or a `LockstepEngine` on N processes).
+      train_step: the `learner.TrainStep` (loss and optimizer).
+      rollout_fn: the rollout function (`trainer.rollout_fn`).
+      tasks: the task stream (`.next() -> Task`).
+      longest_first: the launch-order model (`trainer.scheduling.LongestFirst`).
+      timeline: the run's `trainer.timeline.Timeline`.
+      params: the param pytree the step rolls out and trains on.
+      opt_state: the optimizer state (`learner.OptState`).
+      params_version: the number of updates applied to `params`.
+      step_index: this step's index in the run.
+      carry_over: `one_step_off`: the previous step's micro-steps, trained first.
+      batch_fields: the fields of the step's micro-batches (`batching.batch_fields(loss)`).
+      route_dims: (moe layers, top_k) under routing replay, else None.
+      row_shapes: the packing menu (None: `batching.row_shapes(cfg)`).
+      forward_only: zero-advantage micro-steps run forward only (`RLTrainer.zero_advantage_forward_only`).
     """
 
-    groups: list
-    batch: dict
-    early: EarlyUnit | None = None
-    merges: list = dataclasses.field(default_factory=list)
+    cfg: TrainerConfig
+    engine: object
+    train_step: object
+    rollout_fn: object
+    tasks: object
+    longest_first: object
+    timeline: object
+    params: object
+    opt_state: object
+    params_version: int
+    step_index: int
+    carry_over: tuple = ()
+    batch_fields: tuple[str, ...] | None = None
+    route_dims: tuple[int, int] | None = None
+    row_shapes: RowShapes | None = None
     forward_only: bool = False
 
 
-# -- forming micro-steps (pure: host arrays only) ------------------------------------------------
-def make_units(groups: list[Group], cfg: TrainerConfig, claimed: dict[int, GroupProgress],
-               fields: Sequence[str] | None = None, route_dims: tuple[int, int] | None = None,
-               shapes: RowShapes | None = None, forward_only: bool = False) -> list[MicroStepUnit]:
-    """Micro-steps of these finished groups (module doc). Samples already in a group buffer
-    (trained early) are left out; the last micro-step merges those buffers at the final advantages.
-    claimed: launch index -> progress of groups with early samples (their entries are popped).
-    fields: the batch fields (`batching.batch_fields(loss)`; None: all a trajectory supplies);
-    route_dims: (moe layers, top_k) under routing replay; shapes: the packing menu (None:
-    `batching.row_shapes(cfg)`; the trainer passes its mesh's row multiple).
-    forward_only: pack the trajectories whose advantage is exactly 0 apart, into micro-steps marked
-    `forward_only` that come first (the caller has checked that its train step allows it:
-    `RLStep.forward_only`); the rest, and the merges, follow in gradient micro-steps."""
-    adv = group_advantages(groups, cfg.advantage)
-    progress = [claimed.pop(g.launch_index, None) for g in groups]
-    slopes = group_advantage_slopes(groups, cfg.advantage) if any(progress) else [None] * len(groups)
-    owners, row_adv, merges, merged = [], [], [], []
-    for g, a, prog, slope in zip(groups, adv, progress, slopes):
-        done_early = set(prog.claimed) if prog else set()
-        for i in range(len(g.trajectories)):
-            if i in done_early:
-                merged.append((g, i))
-            else:
-                owners.append((g, i))
-                row_adv.append(a[i])
-        if prog:
-            merges.append((prog, float(slope), float(a[prog.reference])))
-    pack = functools.partial(_packed_units, cfg=cfg, fields=fields, route_dims=route_dims, shapes=shapes)
-    zero = [k for k, a in enumerate(row_adv) if a == 0.0] if forward_only else []
-    if not zero:
-        units = pack(owners, row_adv, whole=None if merged else list(groups))
-    else:
-        rest = [k for k, a in enumerate(row_adv) if a != 0.0]
-        units = pack([owners[k] for k in zero], [row_adv[k] for k in zero],
-                     whole=None if merged or rest else list(groups))
-        for u in units:
-            u.forward_only = True
-        if rest:
-            units += pack([owners[k] for k in rest], [row_adv[k] for k in rest], whole=None)
-    if merges:
-        units[-1].forward_only = False  # the merges' micro-step stays a gradient one
-    units[-1].merges = merges
-    units[-1].groups += [token_share(g, i) for g, i in merged]
-    return units
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one RL step returns; the trainer applies it (`RLTrainer.apply_step_result`).
+
+    Attributes:
+      params: the params after the step's update (the inputs' params when nothing trained).
+      opt_state: the optimizer state after it.
+      params_version: the inputs' version, + 1 where the update was applied.
+      step_index: the next step's index.
+      carry_over: `one_step_off`: this step's micro-steps, for the next step (else empty).
+      kept: the groups the step trained, in the order they were kept.
+      metrics: the step's metrics (`time/`, `perf/`, `reward/`, `rollout/`, `train/` ...).
+    """
+
+    params: object
+    opt_state: object
+    params_version: int
+    step_index: int
+    carry_over: tuple
+    kept: tuple
+    metrics: dict
 
 
-def _packed_units(owners: list, row_adv: list, whole: list | None, cfg: TrainerConfig, fields, route_dims,
-                  shapes: RowShapes | None) -> list[MicroStepUnit]:
-    """The micro-steps of these trajectories ((group, sample) each, with its advantage): laid out in
-    rows (packed or one per row, per `cfg`), split by `microbatch_rows` (`split_rows`)."""
-    trajs = [g.trajectories[i] for g, i in owners]
-    lengths = [len(t.tokens) for t in trajs]
-    layout = (pack_rows(lengths, shapes if shapes is not None else row_shapes(cfg)) if cfg.pack_rows
-              else RowLayout.one_per_row(lengths, cfg.seq_bucket, cfg.max_len))
-    batch = microbatch_from_layout(trajs, row_adv, layout, fields, route_dims)
-    row_owners = [[owners[i] for i in row] for row in layout.rows]
-    return split_rows(batch, row_owners, cfg.microbatch_rows, whole=whole)
+class StepRules:
+    """The rules one RL step follows where one process and N processes differ (module doc): the
+    step calls these at fixed points. The base class is the protocol; `OneProcessRules` and
+    `trainer.process_step.LockstepRules` implement it. A rules object serves one step (`bind`).
+    """
+
+    def bind(self, step: "RLStep") -> None:
+        """Called once by the step's constructor: per-step state of the rules."""
+
+    def begin(self, step: "RLStep") -> None:
+        """After the step's own `begin` (params set, accumulator made): install the engine's hooks."""
+        raise NotImplementedError
+
+    async def rollout(self, step: "RLStep") -> None:
+        """Launch and collect the step's groups until `groups_per_step` are kept; stop the rest; form
+        their micro-steps; free the KV cache. On failure, leave the engine without hooks into the step."""
+        raise NotImplementedError
+
+    def sample_finished(self, step: "RLStep", index: int, sample: int, traj: Trajectory) -> None:
+        """A sample's rollout finished (early samples may train it)."""
+        raise NotImplementedError
+
+    def group_done(self, step: "RLStep", group: "Group | FailedGroup") -> None:
+        """A group's rollout finished (kept, dropped, failed or surplus)."""
+        raise NotImplementedError
+
+    def form_units(self, step: "RLStep", groups: list[Group]) -> list[MicroStepUnit]:
+        """The micro-steps of these kept groups, recorded in `step.units` (and queued where the mode trains them
+        during the rollout)."""
+        raise NotImplementedError
+
+    async def train_remaining(self, step: "RLStep") -> None:
+        """The micro-steps the rollout did not run."""
+        raise NotImplementedError
+
+    def global_batch(self, step: "RLStep", batch: MicroBatch) -> MicroBatch:
+        """The micro-batch the train step runs for this process's rows (one process: the rows)."""
+        return batch
+
+    def positions(self, step: "RLStep", local: MicroBatch, run: MicroBatch) -> tuple[int, int]:
+        """(positions, padding positions) this process counts for a micro-step: `local` is its rows, `run`
+        the batch that ran."""
+        raise NotImplementedError
+
+    def metrics(self, step: "RLStep", wall: float, out: dict) -> dict:
+        """The step's metrics from this process's `out` (N processes: summed over them)."""
+        return out
 
 
-def split_rows(batch: dict, row_owners: list[list], microbatch_rows: int,
-               whole: list | None = None) -> list[MicroStepUnit]:
-    """Micro-steps of at most `microbatch_rows` rows of `batch` (0: no limit). row_owners: per row,
-    the (group, sample) of each trajectory in it (none for an all-padding row). whole: the Groups
-    a single micro-step holds entirely (else its trajectories count as `TokenShare`s)."""
-    rows, step = len(row_owners), microbatch_rows
-    shares = lambda part: [token_share(g, i) for row in part for g, i in row]  # noqa: E731
-    if not step or rows <= step:
-        return [MicroStepUnit(whole if whole is not None else shares(row_owners), batch)]
-    return [MicroStepUnit(shares(row_owners[a:a + step]), {k: v[a:a + step] for k, v in batch.items()})
-            for a in range(0, rows, step)]
+class OneProcessRules(StepRules):
+    """The rules of a step on one process: every group is this process's (module doc)."""
 
+    def begin(self, step: "RLStep") -> None:
+        step.engine.set_idle_work(lambda: self.idle_work(step), underfull_slots=step.cfg.underfull_slots)
 
-def token_share(group: Group, sample: int) -> TokenShare:
-    return TokenShare(group.group_id, group.params_version, int(np.sum(group.trajectories[sample].loss_mask)))
+    async def rollout(self, step: "RLStep") -> None:
+        try:
+            self.launch_groups(step)
+            try:
+                await self.collect_groups(step)
+            except BaseException:
+                await self.cancel_leftovers(step)
+                await self.free_cache_after_failure(step)
+                raise
+            try:
+                await self.end_rollout(step)
+            except BaseException:
+                await self.free_cache_after_failure(step)
+                raise
+        finally:
+            # Whatever ends the rollout (an error included: too few groups survived dynamic
+            # sampling, an EngineError), the engine must not keep calling into this step.
+            step.engine.set_idle_work(None)
 
+    def launch_groups(self, step: "RLStep") -> None:
+        """Draws the step's prompts and launches their groups, longest expected first."""
+        n = step.n_launch
+        drawn = [step.inputs.tasks.next() for _ in range(n)]
+        order = step.inputs.longest_first.order(drawn) if step.cfg.longest_first else range(n)
+        # sync trains in draw order: the launch order follows measured durations, draws do not
+        step.draw_position = {launch_index: i for launch_index, i in enumerate(order)}
+        step.in_flight = {step.launch(drawn[i]) for i in order}
 
-def early_micro_step(unit: EarlyUnit, cfg: TrainerConfig, fields: Sequence[str] | None = None,
-                     route_dims: tuple[int, int] | None = None) -> MicroStepUnit:
-    """The one-row micro-step of an early sample (advantage 1: its buffer is merged at the end)."""
-    traj = unit.progress.finished[unit.sample]
-    batch = microbatch_from_trajectories([traj], [0.0], cfg.seq_bucket, cfg.max_len, fields, route_dims)
-    return MicroStepUnit([], batch, early=unit)
+    async def collect_groups(self, step: "RLStep") -> None:
+        """Until `groups_per_step` groups are kept (or none is left running)."""
+        cfg, early = step.cfg, step.early
+        while step.in_flight and len(step.kept) < cfg.groups_per_step:
+            done, step.in_flight = await asyncio.wait(step.in_flight, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                self.group_done(step, fut.result())
+            if early is not None and len(step.in_flight) <= cfg.early_groups and early.activate():
+                step.note_waiting()  # the tail: finished samples of the last groups may train now
+                step.engine.notify_idle_work()
+
+    async def cancel_leftovers(self, step: "RLStep") -> None:
+        """The step fails (an EngineError, a rollout function that keeps raising): stop every group
+        still running, so their slots are released before the error leaves the step."""
+        await step.stop_in_flight()
+        step.engine.set_idle_work(None)
+
+    async def free_cache_after_failure(self, step: "RLStep") -> None:
+        """A failed step frees the KV cache as a finished rollout does, so whatever the caller does
+        next (evaluate, save, retry the step) has the memory. Only when no request is left: a
+        slot still held means the failure is the engine's own, and its recovery owns the state."""
+        step.engine.set_idle_work(None)
+        await step.engine.wait_idle()
+        occ = step.engine.occupancy
+        if not (occ["running"] or occ["parked"] or occ["queued"]):
+            step.engine.release_memory()
+
+    async def end_rollout(self, step: "RLStep") -> None:
+        """Stop surplus groups, form the last micro-steps, wait for the driver's last micro-step, free the cache."""
+        cfg = step.cfg
+        await step.stop_in_flight()  # over-provisioned groups not needed
+        if step.early is not None:
+            step.early.clear()  # samples of cancelled groups
+        if len(step.kept) < cfg.groups_per_step:
+            raise RuntimeError(f"only {len(step.kept)} of {cfg.groups_per_step} groups survived dynamic sampling "
+                               f"after {step.refills} refills; raise TrainerConfig.max_refill_groups")
+        if step.pending:
+            self.form_units(step, step.pending)
+            step.pending = []
+        step.engine.set_idle_work(None)
+        await step.engine.wait_idle()  # a micro-step may still be running on the driver thread
+        step.t_rollout = time.perf_counter()
+        step.engine.release_memory()  # the cache goes before the update needs the memory
+        step.trained_during_rollout = step.train_device_s
+
+    async def train_remaining(self, step: "RLStep") -> None:
+        cfg = step.cfg
+        if cfg.mode == "sync":
+            # Draw order, not finish order: the gradient sum is then bitwise repeatable.
+            ordered = sorted(step.kept, key=lambda g: step.draw_position[g.launch_index])
+            gpm = cfg.groups_per_microbatch
+            step.units = [u for i in range(0, len(ordered), gpm) for u in step.make_units(ordered[i:i + gpm])]
+            step.ready.extend(step.units)
+        while step.ready:
+            step.microstep(step.ready.popleft())
+
+    def sample_finished(self, step: "RLStep", index: int, sample: int, traj: Trajectory) -> None:
+        if step.early is not None and step.early.sample_finished(index, sample, traj):
+            step.note_waiting()
+            step.engine.notify_idle_work()
+
+    def group_done(self, step: "RLStep", group: "Group | FailedGroup") -> None:
+        """A group finished: lost (refilled), dropped by dynamic sampling (refilled while refills
+        last), surplus, or kept; a kept one becomes micro-steps once `groups_per_microbatch` are in."""
+        cfg, early, counts = step.cfg, step.early, step.counts
+        if isinstance(group, FailedGroup):
+            # A rollout function raised for some sample: that group is lost, not the step.
+            # Another prompt takes its place; a function that keeps failing stops the run.
+            step.count_failed(group)
+            if early is not None:
+                early.discard(group.launch_index)
+            if counts["groups_failed"] > cfg.failed_groups_limit:
+                raise RuntimeError(
+                    f"the rollout function raised in {counts['groups_failed']} groups this step (more than the "
+                    f"{cfg.failed_groups_limit} it launches: groups_per_step + overprovision_groups); first "
+                    f"errors: {step.failures[:3]}")
+            self.refill(step)
+            return
+        step.count_finished(group)
+        if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
+            counts["groups_dropped"] += 1
+            if early is not None:
+                early.discard(group.launch_index)
+            if step.refills < cfg.max_refill_groups:
+                step.refills += 1
+                self.refill(step)
+            return
+        if len(step.kept) == cfg.groups_per_step:
+            counts["groups_surplus"] += 1
+            if early is not None:
+                early.discard(group.launch_index)
+            return
+        step.kept.append(group)
+        if early is not None:
+            progress = early.group_complete(group.launch_index)
+            if progress is not None:
+                step.claimed[group.launch_index] = progress
+            if len(early):  # its freed buffer went to samples of other groups
+                step.engine.notify_idle_work()
+        if cfg.mode == "sync":
+            step.note_waiting()
+            return  # micro-batches are formed after the rollout, in launch order
+        step.pending.append(group)
+        if len(step.pending) == cfg.groups_per_microbatch:
+            self.form_units(step, step.pending)
+            step.pending = []
+            if cfg.mode == "pipelined":
+                step.engine.notify_idle_work()
+        step.note_waiting()
+
+    def refill(self, step: "RLStep") -> None:
+        """Launches one more prompt in place of a lost or dropped group (numbered in draw order)."""
+        step.draw_position[step.launched] = step.n_launch + step.refills + step.counts["groups_failed"] - 1
+        step.in_flight.add(step.launch(step.inputs.tasks.next()))
+
+    def form_units(self, step: "RLStep", groups: list[Group]) -> list[MicroStepUnit]:
+        """Micro-steps of kept groups during the rollout; `pipelined` queues them for idle time."""
+        new_units = step.make_units(groups)
+        step.units.extend(new_units)
+        if step.cfg.mode == "pipelined":
+            step.ready.extend(new_units)
+        return new_units
+
+    def idle_work(self, step: "RLStep") -> Callable[[], None] | None:
+        """The engine's idle hook: the next micro-step to run on its driver thread, or None."""
+        if step.cfg.mode == "sync":
+            return None
+        if step.ready:
+            unit = step.ready.popleft()
+        elif step.early is not None and len(step.early):
+            unit = early_micro_step(step.early.pop(), step.cfg, step.inputs.batch_fields, step.inputs.route_dims)
+        else:
+            return None
+        step.note_waiting()
+        return lambda: step.microstep(unit)
+
+    def positions(self, step: "RLStep", local: MicroBatch, run: MicroBatch) -> tuple[int, int]:
+        # Packing efficiency: positions the micro-step computed vs those holding padding (segment 0).
+        seg = local.segment_ids
+        if isinstance(seg, np.ndarray):  # host batches (built by trainer.batching)
+            return int(np.size(seg)), int(np.sum(seg == 0))
+        return 0, 0
 
 
 class RLStep:
-    """The schedule and state of one RL step of `trainer` (see the module doc)."""
+    """The schedule and state of one RL step (see the module doc): `await RLStep(inputs).run()`
+    returns a `StepResult`; `rules` (default `OneProcessRules()`) is where N processes differ."""
 
-    def __init__(self, trainer):
-        """trainer: the `RLTrainer` (not imported here: it imports this module). The step reads its
-        configs, engine, train step, rollout fn, task stream and timeline, and updates its params,
-        opt_state, params_version, step_index and carry_over."""
-        self.trainer, self.cfg, self.engine = trainer, trainer.cfg, trainer.engine
+    def __init__(self, inputs: StepInputs, rules: StepRules | None = None):
+        """inputs: the step's explicit inputs (`StepInputs`). rules: a fresh `StepRules` for this step."""
+        self.inputs, self.cfg, self.engine = inputs, inputs.cfg, inputs.engine
+        self.rules = rules if rules is not None else OneProcessRules()
+        self.train_step, self.timeline = inputs.train_step, inputs.timeline
+        self.params, self.opt_state, self.params_version = inputs.params, inputs.opt_state, inputs.params_version
         cfg = self.cfg
         self.n_launch = cfg.groups_per_step + cfg.overprovision_groups
         self.early = (EarlySamples(cfg.early_groups, cfg.group_size, active=self.n_launch <= cfg.early_groups)
                       if cfg.early_groups else None)
-        # zero-advantage trajectories train forward only (module doc): where the switch is on, the
-        # train step allows it, and on one process (every process must run the same micro-step)
-        self.forward_only = trainer.zero_advantage_forward_only
+        # zero-advantage trajectories train forward only (trainer.microsteps): where the switch is on,
+        # the train step allows it, and on one process (every process must run the same micro-step)
+        self.forward_only = inputs.forward_only
         # launch index -> progress of a finished group with early samples
         self.claimed: dict[int, GroupProgress] = {}
         self.ready: collections.deque[MicroStepUnit] = collections.deque()  # micro-steps the engine may run
@@ -209,136 +396,52 @@ class RLStep:
                         "forward_only_microsteps": 0, "positions": 0, "padding_positions": 0}
         self.t_start = self.t_rollout = 0.0
         self.stats0 = None
+        self.rules.bind(self)
 
-    async def run(self) -> dict:
+    async def run(self) -> StepResult:
+        """The whole step (module doc): begin, the rules' rollout and remaining training, finish."""
         self.begin()
-        try:
-            self.launch_groups()
-            try:
-                await self.collect_groups()
-            except BaseException:
-                await self.cancel_leftovers()
-                await self.free_cache_after_failure()
-                raise
-            try:
-                await self.end_rollout()
-            except BaseException:
-                await self.free_cache_after_failure()
-                raise
-        finally:
-            # Whatever ends the rollout (an error included: too few groups survived dynamic
-            # sampling, an EngineError), the engine must not keep calling into this step.
-            self.engine.set_idle_work(None)
-        self.train_remaining()
+        await self.rules.rollout(self)
+        await self.rules.train_remaining(self)
         return self.finish()
 
     # -- phases -------------------------------------------------------------------------------
     def begin(self) -> None:
-        tr, cfg = self.trainer, self.cfg
+        """The engine gets the params; a fresh accumulator; `one_step_off`'s carried micro-steps queue first."""
         self.t_start = time.perf_counter()
-        tr.timeline.begin_step(tr.step_index, self.t_start)
+        self.timeline.begin_step(self.inputs.step_index, self.t_start)
         self.stats0 = dataclasses.replace(self.engine.stats)
-        self.engine.set_params(tr.params)
-        self.acc = jax.block_until_ready(tr.train_step.init_accumulator(tr.params))  # one in flight
-        if cfg.mode == "one_step_off":
-            self.ready.extend(tr.carry_over)
-        tr.carry_over = []
+        self.engine.set_params(self.params)
+        self.acc = jax.block_until_ready(self.train_step.init_accumulator(self.params))  # one in flight
+        if self.cfg.mode == "one_step_off":
+            self.ready.extend(self.inputs.carry_over)
         self.note_waiting()
-        self.install_idle_work()
+        self.rules.begin(self)
 
-    def install_idle_work(self) -> None:
-        """Gives the engine this step's idle-work hook."""
-        self.engine.set_idle_work(self.idle_work, underfull_slots=self.cfg.underfull_slots)
-
-    def launch_groups(self) -> None:
-        """Draws the step's prompts and launches their groups, longest expected first."""
-        tr, n = self.trainer, self.n_launch
-        drawn = [tr.tasks.next() for _ in range(n)]
-        order = tr.longest_first.order(drawn) if self.cfg.longest_first else range(n)
-        # sync trains in draw order: the launch order follows measured durations, draws do not
-        self.draw_position = {launch_index: i for launch_index, i in enumerate(order)}
-        self.in_flight = {self.launch(drawn[i]) for i in order}
-
-    async def collect_groups(self) -> None:
-        """Until `groups_per_step` groups are kept (or none is left running)."""
-        cfg, early = self.cfg, self.early
-        while self.in_flight and len(self.kept) < cfg.groups_per_step:
-            done, self.in_flight = await asyncio.wait(self.in_flight, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                self.on_group_done(fut.result())
-            if early is not None and len(self.in_flight) <= cfg.early_groups and early.activate():
-                self.note_waiting()  # the tail: finished samples of the last groups may train now
-                self.engine.notify_idle_work()
-
-    async def cancel_leftovers(self) -> None:
-        """The step fails (an EngineError, a rollout function that keeps raising): stop every group
-        still running, so their slots are released before the error leaves the step."""
-        await self._stop_in_flight()
-        self.engine.set_idle_work(None)
-
-    async def free_cache_after_failure(self) -> None:
-        """A failed step frees the KV cache as a finished rollout does, so whatever the caller does
-        next (evaluate, save, retry the step) has the memory. Only when no request is left: a
-        slot still held means the failure is the engine's own, and its recovery owns the state."""
-        self.engine.set_idle_work(None)
-        await self.engine.wait_idle()
-        occ = self.engine.occupancy
-        if not (occ["running"] or occ["parked"] or occ["queued"]):
-            self.engine.release_memory()
-
-    async def end_rollout(self) -> None:
-        cfg = self.cfg
-        await self._stop_in_flight()  # over-provisioned groups not needed
-        if self.early is not None:
-            self.early.clear()  # samples of cancelled groups
-        if len(self.kept) < cfg.groups_per_step:
-            raise RuntimeError(f"only {len(self.kept)} of {cfg.groups_per_step} groups survived dynamic sampling "
-                               f"after {self.refills} refills; raise TrainerConfig.max_refill_groups")
-        if self.pending:
-            self._form_units(self.pending)
-            self.pending = []
-        self.engine.set_idle_work(None)
-        await self.engine.wait_idle()  # a micro-step may still be running on the driver thread
-        self.t_rollout = time.perf_counter()
-        self.engine.release_memory()  # the cache goes before the update needs the memory
-        self.trained_during_rollout = self.train_device_s
-
-    def train_remaining(self) -> None:
-        cfg = self.cfg
-        if cfg.mode == "sync":
-            # Draw order, not finish order: the gradient sum is then bitwise repeatable.
-            ordered = sorted(self.kept, key=lambda g: self.draw_position[g.launch_index])
-            gpm = cfg.groups_per_microbatch
-            self.units = [u for i in range(0, len(ordered), gpm)
-                          for u in self.trainer._make_units(ordered[i:i + gpm])]
-            self.ready.extend(self.units)
-        while self.ready:
-            self.microstep(self.ready.popleft())
-
-    def finish(self) -> dict:
-        """The optimizer update (if anything trained) and the step's metrics."""
-        tr = self.trainer
+    def finish(self) -> StepResult:
+        """The optimizer update (if anything trained) and the step's metrics, as a `StepResult`."""
         metrics = {}
         if self.trained["microsteps"]:
             t0 = time.perf_counter()
-            tr.params, tr.opt_state, train_metrics = tr.train_step.apply(tr.params, tr.opt_state, self.acc)
+            # params and opt_state are donated: from here on only the new ones exist
+            self.params, self.opt_state, train_metrics = self.train_step.apply(self.params, self.opt_state, self.acc)
+            self.params_version += 1
             train_metrics = jax.device_get(train_metrics)
-            tr.timeline.add("apply", "train", t0, time.perf_counter())
+            self.timeline.add("apply", "train", t0, time.perf_counter())
             self.train_device_s += time.perf_counter() - t0
-            tr.params_version += 1
             metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
-        if self.cfg.mode == "one_step_off":
-            tr.carry_over = self.units
-        self.engine.set_params(tr.params)
+        self.engine.set_params(self.params)
         wall = time.perf_counter() - self.t_start
         self.waiting.update(0, self.t_start + wall)
-        idle = tr.timeline.idle_split(self.t_start, self.t_start + wall, self.waiting.intervals)
+        idle = self.timeline.idle_split(self.t_start, self.t_start + wall, self.waiting.intervals)
         metrics.update(self.metrics(wall))
         metrics.update({"time/idle_s": idle["idle_s"], "time/idle_starved_s": idle["starved_s"],
                         "perf/busy_ceiling_on_policy": 1.0 - idle["starved_s"] / wall})
-        tr.timeline.end_step(time.perf_counter())
-        tr.step_index += 1
-        return metrics
+        self.timeline.end_step(time.perf_counter())
+        return StepResult(params=self.params, opt_state=self.opt_state, params_version=self.params_version,
+                          step_index=self.inputs.step_index + 1,
+                          carry_over=tuple(self.units) if self.cfg.mode == "one_step_off" else (),
+                          kept=tuple(self.kept), metrics=metrics)
 
     # -- groups ---------------------------------------------------------------------------------
     def launch(self, task: Task) -> asyncio.Future:
@@ -355,75 +458,28 @@ class RLStep:
                 raise e  # the engine is gone (or a cancellation): not this group's fault
         if errors:
             return FailedGroup(task.task_id, index, [f"{type(e).__name__}: {e}" for e in errors])
-        return Group(task.task_id, list(trajs), self.trainer.params_version, index)
+        return Group(task.task_id, list(trajs), self.inputs.params_version, index)
 
     async def run_sample(self, task: Task, index: int, sample: int) -> Trajectory:
-        traj = await call_rollout(self.trainer.rollout_fn, self.engine, task, sample)
-        if self.early is not None and self.early.sample_finished(index, sample, traj):
-            self.note_waiting()
-            self.engine.notify_idle_work()
+        traj = await call_rollout(self.inputs.rollout_fn, self.engine, task, sample)
+        self.rules.sample_finished(self, index, sample, traj)
         return traj
 
-    def on_group_done(self, group: Group | FailedGroup) -> None:
-        """A group finished: lost (refilled), dropped by dynamic sampling (refilled while refills
-        last), surplus, or kept; a kept one becomes micro-steps once `groups_per_microbatch` are in."""
-        cfg, early, counts = self.cfg, self.early, self.counts
-        if isinstance(group, FailedGroup):
-            # A rollout function raised for some sample: that group is lost, not the step.
-            # Another prompt takes its place; a function that keeps failing stops the run.
-            counts["groups_failed"] += 1
-            counts["failed_samples"] += len(group.errors)
-            self.failures.append(f"{group.group_id}: {group.errors[0]}")
-            _log.warning("group %s dropped: its rollout raised %s", group.group_id, group.errors)
-            if early is not None:
-                early.discard(group.launch_index)
-            if counts["groups_failed"] > cfg.failed_groups_limit:
-                raise RuntimeError(
-                    f"the rollout function raised in {counts['groups_failed']} groups this step (more than the "
-                    f"{cfg.failed_groups_limit} it launches: groups_per_step + overprovision_groups); first "
-                    f"errors: {self.failures[:3]}")
-            self.refill()
-            return
+    def count_failed(self, group: FailedGroup) -> None:
+        """Counts a group lost to its rollout function raising (the rules decide what follows)."""
+        self.counts["groups_failed"] += 1
+        self.counts["failed_samples"] += len(group.errors)
+        self.failures.append(f"{group.group_id}: {group.errors[0]}")
+        _log.warning("group %s dropped: its rollout raised %s", group.group_id, group.errors)
+
+    def count_finished(self, group: Group) -> None:
+        """Counts a finished group's failed samples and tool errors; its durations teach the launch order."""
+        counts = self.counts
         counts["failed_samples"] += sum(t.error is not None for t in group.trajectories)
-        self.trainer.longest_first.observe(group.group_id, group.trajectories)
+        self.inputs.longest_first.observe(group.group_id, group.trajectories)
         counts["tool_errors"] += sum(t.metadata.get("tool_errors", t.num_tool_errors) for t in group.trajectories)
         # tool calls that ignored cancellation and were left running at their timeout
         counts["orphaned_tool_calls"] += sum(t.metadata.get("orphaned_tool_calls", 0) for t in group.trajectories)
-        if cfg.dynamic_sampling and np.ptp(group.rewards) == 0:
-            counts["groups_dropped"] += 1
-            if early is not None:
-                early.discard(group.launch_index)
-            if self.refills < cfg.max_refill_groups:
-                self.refills += 1
-                self.refill()
-            return
-        if len(self.kept) == cfg.groups_per_step:
-            counts["groups_surplus"] += 1
-            if early is not None:
-                early.discard(group.launch_index)
-            return
-        self.kept.append(group)
-        if early is not None:
-            progress = early.group_complete(group.launch_index)
-            if progress is not None:
-                self.claimed[group.launch_index] = progress
-            if len(early):  # its freed buffer went to samples of other groups
-                self.engine.notify_idle_work()
-        if cfg.mode == "sync":
-            self.note_waiting()
-            return  # micro-batches are formed after the rollout, in launch order
-        self.pending.append(group)
-        if len(self.pending) == cfg.groups_per_microbatch:
-            self._form_units(self.pending)
-            self.pending = []
-            if cfg.mode == "pipelined":
-                self.engine.notify_idle_work()
-        self.note_waiting()
-
-    def refill(self) -> None:
-        """Launches one more prompt in place of a lost or dropped group (numbered in draw order)."""
-        self.draw_position[self.launched] = self.n_launch + self.refills + self.counts["groups_failed"] - 1
-        self.in_flight.add(self.launch(self.trainer.tasks.next()))
 
     # -- training ---------------------------------------------------------------------------------
     def note_waiting(self) -> None:
@@ -434,60 +490,52 @@ class RLStep:
                             + (len(self.kept) if mode == "sync" else 0)
                             + (len(self.early) if self.early is not None else 0))
 
-    def idle_work(self) -> Callable[[], None] | None:
-        """The engine's idle hook: the next micro-step to run on its driver thread, or None."""
-        if self.cfg.mode == "sync":
-            return None
-        if self.ready:
-            unit = self.ready.popleft()
-        elif self.early is not None and len(self.early):
-            unit = early_micro_step(self.early.pop(), self.cfg, self.trainer.batch_fields, self.trainer.route_dims)
-        else:
-            return None
-        self.note_waiting()
-        return lambda: self.microstep(unit)
-
     def microstep(self, unit: MicroStepUnit) -> None:
         """Blocking: one micro-step on the current params (runs on the driver thread): a gradient
-        one, or forward only for a `forward_only` unit where this step allows it (module doc)."""
-        tr = self.trainer
+        one, or forward only for a `forward_only` unit where this step allows it (module doc). The
+        batch that runs is the rules' `global_batch` of the unit's rows."""
+        local = unit.batch
+        unit = dataclasses.replace(unit, batch=self.rules.global_batch(self, local))
         t0 = time.perf_counter()
-        ts = tr.train_step
+        ts, params = self.train_step, self.params
         if unit.early is not None:  # into the group's buffer; its tokens count at the merge
             prog = unit.early.progress
             if prog.buffer is None:
-                prog.buffer = ts.init_deferred(tr.params)
-            prog.buffer = ts.deferred_microstep(tr.params, prog.buffer, unit.batch, unit.early.centred_reward)
+                prog.buffer = ts.init_deferred(params)
+            prog.buffer = ts.deferred_microstep(params, prog.buffer, unit.batch, unit.early.centred_reward)
             jax.block_until_ready(prog.buffer.pg1)
             name = "grad_microstep_early"
             self.trained["early_microsteps"] += 1
         else:
             if unit.forward_only and self.forward_only:  # advantage 0 throughout: no gradient to add
-                self.acc = ts.stats_microstep(tr.params, self.acc, unit.batch)
+                self.acc = ts.stats_microstep(params, self.acc, unit.batch)
                 name = "stats_microstep"
                 self.trained["forward_only_microsteps"] += 1
             else:
-                self.acc = ts.grad_microstep(tr.params, self.acc, unit.batch)
+                self.acc = ts.grad_microstep(params, self.acc, unit.batch)
                 name = "grad_microstep"
             for prog, slope, reference_advantage in unit.merges:
-                self.acc = ts.merge_deferred(tr.params, self.acc, prog.buffer, slope, reference_advantage)
+                self.acc = ts.merge_deferred(params, self.acc, prog.buffer, slope, reference_advantage)
                 prog.buffer = None
             jax.block_until_ready(self.acc.scalars.numerator)
             for g in unit.groups:
                 n = g.num_generated
                 self.trained["tokens"] += n
-                self.trained["on_policy_tokens"] += n if g.params_version == tr.params_version else 0
+                self.trained["on_policy_tokens"] += n if g.params_version == self.params_version else 0
         t1 = time.perf_counter()
-        tr.timeline.add(name, "train", t0, t1)
+        self.timeline.add(name, "train", t0, t1)
         self.train_device_s += t1 - t0
         self.trained["microsteps"] += 1
-        # Packing efficiency: positions the micro-step computed vs those holding padding (segment 0).
-        seg = unit.batch.get("segment_ids")
-        if isinstance(seg, np.ndarray):  # host batches (built by trainer.batching)
-            self.trained["positions"] += int(np.size(seg))
-            self.trained["padding_positions"] += int(np.sum(np.asarray(seg) == 0))
+        positions, padding = self.rules.positions(self, local, unit.batch)
+        self.trained["positions"] += positions
+        self.trained["padding_positions"] += padding
 
     def metrics(self, wall: float) -> dict:
+        """The step's metrics over `wall` seconds, as the rules reduce them (N processes: summed)."""
+        return self.rules.metrics(self, wall, self.own_metrics(wall))
+
+    def own_metrics(self, wall: float) -> dict:
+        """This process's metrics of the step."""
         s, s0, counts, groups = self.engine.stats, self.stats0, self.counts, self.kept
         decode_s = s.device_seconds - s0.device_seconds
         slot_total = s.slot_steps_total - s0.slot_steps_total
@@ -497,10 +545,10 @@ class RLStep:
         generated = sum(g.num_generated for g in groups)
         trained, train_s = self.trained["tokens"], self.train_device_s
         compiles = sum(self.engine.steps.compile_counts().values())
-        compiles += self.trainer.train_step.compile_count()
+        compiles += self.train_step.compile_count()
         return {
             **components,  # first: the trainer's own reward/mean and reward/success_rate win
-            "step": self.trainer.step_index,
+            "step": self.inputs.step_index,
             "time/wall_s": wall,
             "time/rollout_s": self.t_rollout - self.t_start,
             "time/train_s": train_s,
@@ -544,14 +592,14 @@ class RLStep:
         }
 
     # -- internals --------------------------------------------------------------------------------
-    def _form_units(self, groups: list[Group]) -> None:
-        """Micro-steps of kept groups during the rollout; `pipelined` queues them for idle time."""
-        new_units = self.trainer._make_units(groups)
-        self.units.extend(new_units)
-        if self.cfg.mode == "pipelined":
-            self.ready.extend(new_units)
+    def make_units(self, groups: list[Group]) -> list[MicroStepUnit]:
+        """The micro-steps of these finished groups of this step (`make_units` with the step's layout)."""
+        i = self.inputs
+        return make_units(groups, self.cfg, self.claimed, i.batch_fields, i.route_dims, i.row_shapes,
+                          forward_only=self.forward_only)
 
-    async def _stop_in_flight(self) -> None:
+    async def stop_in_flight(self) -> None:
+        """Cancels every group still running and waits for them to release their slots."""
         for fut in self.in_flight:
             fut.cancel()
         await asyncio.gather(*self.in_flight, return_exceptions=True)

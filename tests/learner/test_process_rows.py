@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from sfrrl_jax.learner.process_rows import global_microbatch
+from sfrrl_jax.rl.microbatch import MicroBatch, as_microbatch
 
 from process_rows_common import STEPS, rows_for, setup
 from process_run import finish, launch
@@ -58,16 +59,20 @@ def test_one_process_global_microbatch_pads_and_names_bad_rows():
     _, _, _, mesh = setup()
     rows = rows_for(0, 0)                                      # 3 rows of width 24
     batch = global_microbatch(rows, mesh)
-    assert batch["tokens"].shape == (8, 24) and batch["advantages"].shape == (8,)   # rows to the 8 shards
-    np.testing.assert_array_equal(np.asarray(batch["tokens"])[:3], rows["tokens"])
-    assert not np.asarray(batch["loss_mask"])[3:].any()         # padding rows hold no loss token
+    assert isinstance(batch, MicroBatch) and batch.present == as_microbatch(rows).present
+    assert batch.tokens.shape == (8, 24) and batch.advantages.shape == (8,)   # rows to the 8 shards
+    np.testing.assert_array_equal(np.asarray(batch.tokens)[:3], rows["tokens"])
+    assert not np.asarray(batch.loss_mask)[3:].any()            # padding rows hold no loss token
+    # a MicroBatch of the rows is the same global batch
+    typed = global_microbatch(as_microbatch(rows), mesh)
+    assert all(np.array_equal(np.asarray(typed.get(k)), np.asarray(batch.get(k))) for k in batch.present)
     with pytest.raises(ValueError, match=r"'loss_mask' has shape \(2, 24\)"):
         global_microbatch({**rows, "loss_mask": rows["loss_mask"][:2]}, mesh)
     with pytest.raises(KeyError, match="need 'tokens'"):
         global_microbatch({"loss_mask": rows["loss_mask"]}, mesh)
     # routing replay's routes [rows, width, moe layers, top_k] keep their trailing dims
     routes = np.arange(3 * 24 * 2 * 2, dtype=np.int16).reshape(3, 24, 2, 2)
-    batch = global_microbatch({**rows, "routes": routes}, mesh)
-    assert batch["routes"].shape == (8, 24, 2, 2) and batch["routes"].dtype == np.int16
-    np.testing.assert_array_equal(np.asarray(batch["routes"])[:3], routes)
-    assert not np.asarray(batch["routes"])[3:].any()
+    batch = global_microbatch(as_microbatch(rows).replace(routes=routes), mesh)
+    assert batch.routes.shape == (8, 24, 2, 2) and batch.routes.dtype == np.int16
+    np.testing.assert_array_equal(np.asarray(batch.routes)[:3], routes)
+    assert not np.asarray(batch.routes)[3:].any()

@@ -37,12 +37,12 @@ def _batch(cfg, seed=0):
     seg = np.ones((b, t), np.int32)
     seg[0, 19:42], seg[0, 42:] = 2, 3
     seg[1, 45:] = 0
-    return {
-        "tokens": rng.randint(0, cfg.vocab_size, (b, t)).astype(np.int32),
-        "segment_ids": seg,
-        "loss_mask": (rng.rand(b, t) < 0.7).astype(np.int32) * (seg > 0),
-        "advantages": rng.randn(b, t).astype(np.float32),
-    }
+    return S.MicroBatch(
+        tokens=rng.randint(0, cfg.vocab_size, (b, t)).astype(np.int32),
+        segment_ids=seg,
+        loss_mask=(rng.rand(b, t) < 0.7).astype(np.int32) * (seg > 0),
+        advantages=rng.randn(b, t).astype(np.float32),
+    )
 
 
 def _objective(cfg, params, batch):

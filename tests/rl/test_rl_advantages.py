@@ -98,3 +98,23 @@ def test_bad_inputs_name_the_problem():
         grpo_advantages(jnp.ones((4,)))
     with pytest.raises(ValueError, match="AdvantageConfig.estimator"):
         AdvantageConfig(estimator="ppo")
+
+
+@pytest.mark.parametrize("cfg", [AdvantageConfig("grpo"), AdvantageConfig("grpo", std_ddof=1, eps=1e-3),
+                                 AdvantageConfig("dr_grpo"), AdvantageConfig("rloo")])
+def test_advantage_slopes_are_each_estimators_own(cfg):
+    """Each group estimator's slope (kept with it in `ESTIMATORS`) is the A_i - A_j = slope * (r_i - r_j)
+    of its own advantages, group by group, for groups with and without contrast."""
+    from sfrrl_jax.rl import advantage_slopes
+    rewards = np.array([[1.0, 0.0, 0.5, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, 1.0, 0.0, 0.0]], np.float32)
+    adv = np.asarray(compute_advantages(jnp.asarray(rewards), cfg))
+    slopes = advantage_slopes(rewards, cfg)
+    assert slopes.shape == (3,) and slopes.dtype == np.float32
+    np.testing.assert_allclose(adv - adv[:, :1], slopes[:, None] * (rewards - rewards[:, :1]), rtol=1e-5, atol=1e-6)
+
+
+def test_advantage_slopes_refuse_batch_normalised_estimators():
+    from sfrrl_jax.rl import ESTIMATORS, advantage_slopes
+    assert ESTIMATORS["reinforce_pp"].slope is None
+    with pytest.raises(ValueError, match="reinforce_pp.*not a per-group affine.*grpo"):
+        advantage_slopes(np.ones((2, 3), np.float32), AdvantageConfig("reinforce_pp"))

@@ -139,7 +139,7 @@ def test_packed_rows_replay_routing_and_shard_as_one_per_row(model):
     params = _params(model_cfg, 8)
     b_one = microbatch_from_layout(trajs, adv, one, fields, dims)
     b_packed = microbatch_from_layout(trajs, adv, packed, fields, dims)
-    assert b_packed["routes_mask"].sum() == b_one["routes_mask"].sum() == sum(len(t.routes) for t in trajs)
+    assert b_packed.routes_mask.sum() == b_one.routes_mask.sum() == sum(len(t.routes) for t in trajs)
     acc_one, acc_packed = _accumulate(ts, params, b_one), _accumulate(ts, params, b_packed)
     _compare(acc_one, acc_packed, f"r3 {model}")
     agreement = [float(a.sums["routing_agreement"] / a.scalars.denominator) for a in (acc_one, acc_packed)]
@@ -153,21 +153,23 @@ def test_a_packed_row_holds_trajectories_in_order_with_their_own_segments_positi
     layout = RowLayout(64, ((0, 1, 2), (3,)))
     fields = batch_fields(policy_loss(LossConfig(routing_replay="r3")))
     b = microbatch_from_layout(trajs, [1.0, -2.0, 3.0, 0.5], layout, fields, dims)
-    seg = b["segment_ids"][0]
+    assert b.present == fields and b.positions is None   # the fields asked for, the rest None
+    seg = b.segment_ids[0]
     np.testing.assert_array_equal(seg, [1] * 30 + [2] * 20 + [3] * 12 + [0] * 2)
-    np.testing.assert_array_equal(b["segment_ids"][1], [1] * 10 + [0] * 54)
-    np.testing.assert_array_equal(b["tokens"][0, 30:50], trajs[1].tokens)
-    np.testing.assert_array_equal(b["advantages"][0, 30:50], -2.0 * np.asarray(trajs[1].loss_mask, np.float32))
-    np.testing.assert_array_equal(b["routes"][0, 50:61], trajs[2].routes)
-    np.testing.assert_array_equal(b["routes_mask"][0], [1] * 29 + [0] + [1] * 19 + [0] + [1] * 11 + [0] * 3)
+    np.testing.assert_array_equal(b.segment_ids[1], [1] * 10 + [0] * 54)
+    np.testing.assert_array_equal(b.tokens[0, 30:50], trajs[1].tokens)
+    np.testing.assert_array_equal(b.advantages[0, 30:50], -2.0 * np.asarray(trajs[1].loss_mask, np.float32))
+    np.testing.assert_array_equal(b.routes[0, 50:61], trajs[2].routes)
+    np.testing.assert_array_equal(b.routes_mask[0], [1] * 29 + [0] + [1] * 19 + [0] + [1] * 11 + [0] * 3)
     # the forward's default positions restart at 0 in every trajectory (and in the padding)
-    _, pos = default_positions_and_segments(b["tokens"], b["segment_ids"])
+    _, pos = default_positions_and_segments(b.tokens, b.segment_ids)
     np.testing.assert_array_equal(np.asarray(pos)[0], list(range(30)) + list(range(20)) + list(range(12)) + [0, 1])
     # one per row (early samples, pack_rows=False) is the layout of one trajectory in each row
     one = microbatch_from_trajectories(trajs, [1.0, -2.0, 3.0, 0.5], 16, 64, fields, dims)
     by_layout = microbatch_from_layout(trajs, [1.0, -2.0, 3.0, 0.5], RowLayout(32, ((0,), (1,), (2,), (3,))),
                                        fields, dims)
-    assert all(np.array_equal(one[k], by_layout[k]) for k in fields)
+    assert one.present == by_layout.present == fields
+    assert all(np.array_equal(one.get(k), by_layout.get(k)) for k in fields)
     with pytest.raises(ValueError, match="not each of 0..3 once"):
         microbatch_from_layout(trajs, np.zeros(4), RowLayout(64, ((0, 1), (3,))))
     with pytest.raises(ValueError, match="more than its width 64"):
@@ -228,8 +230,8 @@ def test_split_packed_micro_steps_count_every_generated_token_once(microbatch_ro
                        seq_bucket=16, microbatch_rows=microbatch_rows)
     units = make_units(groups, tc, {})
     for u in units:   # a unit's shares are exactly the trajectories in its rows
-        assert _generated(u) == int(u.batch["loss_mask"].sum())
-        assert u.batch["tokens"].shape[0] <= (microbatch_rows or 8)
+        assert _generated(u) == int(u.batch.loss_mask.sum())
+        assert u.batch.tokens.shape[0] <= (microbatch_rows or 8)
     assert sum(_generated(u) for u in units) == sum(g.num_generated for g in groups)
     if microbatch_rows:   # shares keep each trajectory's group's params version (on-policy counts)
         shares = [s for u in units for s in u.groups]
@@ -242,7 +244,7 @@ def test_split_packed_micro_steps_count_every_generated_token_once(microbatch_ro
     prog = GroupProgress(1, claimed=[0, 2], reference=0, buffer=object())
     units = make_units(groups, tc, {1: prog})
     assert units[-1].merges and units[-1].merges[0][0] is prog
-    assert int(sum(u.batch["loss_mask"].sum() for u in units)) == sum(g.num_generated for g in groups) - sum(
+    assert int(sum(u.batch.loss_mask.sum() for u in units)) == sum(g.num_generated for g in groups) - sum(
         groups[1].trajectories[i].num_generated for i in (0, 2))
     assert sum(_generated(u) for u in units) == sum(g.num_generated for g in groups)
 
@@ -256,7 +258,7 @@ def _agentic_lengths(rng, n, max_len):
 
 
 def _padding_share(units) -> float:
-    seg = [u.batch["segment_ids"] for u in units]
+    seg = [u.batch.segment_ids for u in units]
     return sum(int((s == 0).sum()) for s in seg) / sum(s.size for s in seg)
 
 

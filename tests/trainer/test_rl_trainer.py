@@ -151,11 +151,8 @@ def test_failing_tools_zero_the_reward_and_lose_nothing(tool):
     runner = ToolRunner([tool()], ToolRunnerConfig(timeout_s=0.2))
     agent = WorkloadAgent(wl, runner=runner)
     tr = _trainer("pipelined", agent=agent)
-    captured = []
-    orig = tr._make_units
-    tr._make_units = lambda groups: (captured.extend(groups), orig(groups))[1]
     m = tr.step()
-    trajs = [t for g in captured for t in g.trajectories]
+    trajs = [t for g in tr._step.kept for t in g.trajectories]  # the groups the step trained
     assert len(trajs) == 8 and sorted((t.group_id, t.sample_index) for t in trajs) == sorted(
         {(t.group_id, i) for t in trajs for i in range(4)})
     calls = sum(len(t.turns) - 1 for t in trajs)
@@ -190,11 +187,8 @@ def test_bad_config_fails_before_compiling():
 def test_drawn_work_longer_than_the_context_is_cut_not_crashed():
     long = WorkloadConfig(**{**WL.__dict__, "response_median": 40, "response_sigma": 0.5, "max_response": 80})
     tr = _trainer("sync", agent=WorkloadAgent(long))  # engine max_len 64, prompts of 12 tokens
-    captured = []
-    orig = tr._make_units
-    tr._make_units = lambda groups: (captured.extend(groups), orig(groups))[1]
     m = tr.step()
-    trajs = [t for g in captured for t in g.trajectories]
+    trajs = [t for g in tr._step.kept for t in g.trajectories]  # the groups the step trained
     assert len(trajs) == 8 and m["train/trained_tokens"] == m["rollout/generated_tokens"] > 0
     assert all(len(t.tokens) < MAX_LEN for t in trajs)
     assert any(t.finish_reason == "max_tokens" for t in trajs)

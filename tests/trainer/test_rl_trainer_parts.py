@@ -278,7 +278,8 @@ def test_a_loss_needing_a_field_trajectories_lack_fails_naming_it():
     with pytest.raises(ValueError, match=r"\['values'\] cannot be built from trajectories"):
         microbatch_from_trajectories([], [], 32, 64, fields=("tokens", "values"))
     zero = zero_microbatch(batch_fields(REINFORCE), 3, 32)
-    assert {k: (v.shape, v.dtype) for k, v in zero.items()} == {
+    assert zero.present == batch_fields(REINFORCE) and zero.positions is None   # the rest None
+    assert {k: (v.shape, v.dtype) for k, v in zero.fields().items()} == {
         k: ((3, 32), np.dtype(TRAJECTORY_FIELDS[k])) for k in batch_fields(REINFORCE)}
 
 
@@ -333,3 +334,31 @@ def test_trainer_config_pages_the_engines_cache_and_sets_its_decode_buckets():
                                                      TaskStream(make_tasks(WL))).engine.steps.cache_bytes()
     with pytest.raises(ValueError, match="TrainerConfig.page_size must be >= 1, got 0"):
         _tc(page_size=0)
+
+
+# -- the step as a value: explicit inputs in, a StepResult out ------------------------------------------
+def test_a_step_runs_from_explicit_inputs_and_the_trainer_applies_its_result():
+    """`RLStep(trainer.step_inputs()).run()` writes nothing back into the trainer: it returns the next
+    state as a `StepResult`; applied, it is bitwise what `trainer.step()` gives a trainer built alike."""
+    from sfrrl_jax.aio import run_sync
+    from sfrrl_jax.trainer.step_schedule import OneProcessRules, RLStep, StepResult
+
+    def build():
+        return RLTrainer(CFG, _fresh_params(), _tc(mode="sync"), LOSS, OPT, WorkloadAgent(WL),
+                         TaskStream(make_tasks(WL), seed=3))
+
+    ref, tr = build(), build()
+    ref_metrics = ref.step()
+    inputs = tr.step_inputs()
+    assert inputs.step_index == 0 and inputs.params_version == 0 and inputs.params is tr.params
+    result = run_sync(RLStep(inputs, OneProcessRules()).run())
+    assert isinstance(result, StepResult)
+    assert tr.step_index == 0 and tr.params_version == 0 and tr.carry_over == []   # nothing written back
+    assert result.step_index == 1 and result.params_version == 1 and len(result.kept) == 2
+    tr.apply_step_result(result)
+    assert (tr.step_index, tr.params_version) == (ref.step_index, ref.params_version) == (1, 1)
+    for a, b in zip(jax.tree.leaves(jax.device_get(ref.params)), jax.tree.leaves(jax.device_get(tr.params)),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    for k in ("train/loss", "train/grad_norm", "reward/mean", "train/trained_tokens"):
+        assert result.metrics[k] == ref_metrics[k], k

@@ -61,8 +61,8 @@ def test_bf16_engine_routes_are_replayed_exactly_in_a_batch_of_another_shape():
     fields = batch_fields(loss)
     assert fields[-2:] == ("routes", "routes_mask")
     mb = microbatch_from_trajectories(trajs, np.linspace(-1, 1, len(trajs)), 32, 64, fields, dims)
-    held = mb["routes_mask"].astype(bool)
-    assert mb["routes"].shape == mb["tokens"].shape + dims
+    held = mb.routes_mask.astype(bool)
+    assert mb.routes.shape == mb.tokens.shape + dims
     assert held.sum() == sum(len(t.tokens) - 1 for t in trajs)
 
     def forward(p, tokens, segments, routes, routes_mask):
@@ -75,13 +75,13 @@ def test_bf16_engine_routes_are_replayed_exactly_in_a_batch_of_another_shape():
 
     with jax.set_mesh(mesh):
         fwd = jax.jit(forward)
-        logp_own, _, own = fwd(params, mb["tokens"], mb["segment_ids"], mb["routes"], np.zeros_like(held))
-        logp_replay, aux, used = fwd(params, mb["tokens"], mb["segment_ids"], mb["routes"], mb["routes_mask"])
+        logp_own, _, own = fwd(params, mb.tokens, mb.segment_ids, mb.routes, np.zeros_like(held))
+        logp_replay, aux, used = fwd(params, mb.tokens, mb.segment_ids, mb.routes, mb.routes_mask)
     own, used = np.asarray(own), np.asarray(used)
-    engine_choice = mb["routes"][held]                                           # [held tokens, layers, k]
+    engine_choice = mb.routes[held]                                           # [held tokens, layers, k]
     differ = np.mean(np.sort(own[held], -1) != np.sort(engine_choice, -1))
     touched = np.mean(np.any(np.sort(own[held], -1) != np.sort(engine_choice, -1), axis=(1, 2)))
-    print(f"bf16, train batch {mb['tokens'].shape} vs the engine's slots: without replay {differ:.2%} of "
+    print(f"bf16, train batch {mb.tokens.shape} vs the engine's slots: without replay {differ:.2%} of "
           f"(token, layer, choice) decisions differ, {touched:.2%} of tokens touched in some layer")
     # with replay the train forward uses exactly the engine's experts wherever they were recorded
     np.testing.assert_array_equal(used[held], engine_choice)
@@ -105,8 +105,8 @@ def test_bf16_engine_routes_are_replayed_exactly_in_a_batch_of_another_shape():
     # agrees with the plain forward's to a few choices, not bitwise on every CPU
     assert abs(float(metrics["routing_agreement"]) - float(aux["routing_agreement"])) < 0.05
     assert "layer_0" not in metrics  # the per-layer agreement is not read as a 'tok/' metric
-    generated = mb["loss_mask"].astype(bool)
-    mismatch = {name: np.abs(np.asarray(lp) - mb["rollout_logprobs"])[generated]
+    generated = mb.loss_mask.astype(bool)
+    mismatch = {name: np.abs(np.asarray(lp) - mb.rollout_logprobs)[generated]
                 for name, lp in (("without", logp_own), ("with", logp_replay))}
     print("logprob |train - engine| of the generated tokens: " + ", ".join(
         f"{name} replay mean {d.mean():.3e} max {d.max():.3e}" for name, d in mismatch.items())
@@ -156,5 +156,5 @@ def test_replay_is_refused_where_it_cannot_work():
         ts.grad_microstep(params, ts.init_accumulator(params), batch)
     bad = {**batch, "routes": np.zeros((2, 7, cfg.n_layers, cfg.top_k), np.int16),
            "routes_mask": np.ones((2, 8), np.int32)}
-    with pytest.raises(ValueError, match=r"'routes' must be int \[batch, seq, moe layers, top_k\]"):
+    with pytest.raises(ValueError, match=r"'routes' must be int \[rows, width, moe layers, top_k\]"):
         ts.grad_microstep(params, ts.init_accumulator(params), bad)

@@ -116,9 +116,10 @@ def test_run_sft_learns_with_one_compile_and_checks_its_input(tokenizer):
 def test_sft_batches_pad_to_one_bucketed_width():
     assert padded_width([100, 141, 97], 32, 192) == 160
     batch = make_batch([(np.array([5, 6, 7]), np.array([0, 1, 1.0])), (np.array([8, 9]), np.array([0, 1.0]))], 4)
-    np.testing.assert_array_equal(batch["tokens"], [[5, 6, 7, 0], [8, 9, 0, 0]])
-    np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 1, 0], [1, 1, 0, 0]])
-    np.testing.assert_array_equal(batch["loss_mask"], [[0, 1, 1, 0], [0, 1, 0, 0]])
+    assert batch.present == ("tokens", "loss_mask", "segment_ids")
+    np.testing.assert_array_equal(batch.tokens, [[5, 6, 7, 0], [8, 9, 0, 0]])
+    np.testing.assert_array_equal(batch.segment_ids, [[1, 1, 1, 0], [1, 1, 0, 0]])
+    np.testing.assert_array_equal(batch.loss_mask, [[0, 1, 1, 0], [0, 1, 0, 0]])
 
 
 def test_evaluate_scores_every_task_through_the_engine(tokenizer):

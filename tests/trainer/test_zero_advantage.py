@@ -106,7 +106,7 @@ def test_forward_only_rows_give_the_same_accumulator_and_update(loss_cfg, microb
     assert {s.group_id for u in fo for s in u.groups} == {"g0", "g2"}
     assert {s.group_id for u in on[len(fo):] for s in u.groups} == {"g1", "g3"}
     assert sum(s.num_generated for u in on for s in u.groups) == sum(g.num_generated for g in groups)
-    assert all(not np.any(u.batch["advantages"]) for u in fo)
+    assert all(not np.any(u.batch.advantages) for u in fo)
     params = _params()
     # what makes it exact: the gradient of those rows is exactly zero, bit for bit
     zero = jax.device_get(ts.grad_microstep(params, ts.init_accumulator(params), fo[0].batch))
@@ -187,7 +187,7 @@ def test_trainer_runs_zero_advantage_groups_forward_only_where_the_loss_allows()
     # an entropy bonus has a gradient at advantage 0: its steps form no forward-only micro-step
     # (`RLStep.forward_only` False: make_units packs as before, microstep back-propagates every row)
     entropy = _trainer(LossConfig(entropy_coef=0.01))
-    assert RLStep(entropy).forward_only is False and entropy.zero_advantage_forward_only is False
+    assert RLStep(entropy.step_inputs()).forward_only is False and entropy.zero_advantage_forward_only is False
     for k in ("reward/mean", "rollout/generated_tokens", "train/trained_tokens", "train/num_tokens",
               "train/num_seqs", "policy/on_policy_fraction"):
         assert m["on"][k] == m["off"][k], k
