@@ -142,3 +142,15 @@ def test_summaries_and_ratios(bench):
     table = bench.format_table({"small": {"ours": {"summary": ours, "train_flop_share": 0.5},
                                           "trl": {"summary": trl, "train_flop_share": None}, "ratios": r}})
     assert "2.00x per step" in table and len(table.splitlines()) == 4
+
+
+def test_flop_share_counts_forward_only_tokens_at_a_third(bench):
+    """Tokens of forward-only micro-steps (zero-advantage rows) cost 2 x params, not 6 x."""
+    rows = [_row(0, 30.0, 20.0, 10.0, 10.0, 200, 9), _row(1, 10.0, 6.0, 4.0, 4.0, 200, 9)]
+    rows[1]["train/forward_only_tokens"] = 300
+    steps = bench.ours_steps(rows, warmup=1, prompt_len=50)
+    assert steps[0]["trained_tokens"] == 600 and steps[0]["forward_only_tokens"] == 300
+    ours = bench.summarize(steps)
+    assert ours["forward_only_share"] == pytest.approx(0.5)
+    # (6 x 300 + 2 x 300) x 100 params / 4 s = 60,000 FLOP/s
+    assert bench.flop_share(ours, 100, 120_000.0) == pytest.approx(0.5)

@@ -175,7 +175,12 @@ def ours_steps(rows: Sequence[dict], warmup: int, prompt_len: float, multi_turn:
         else:
             trained = seqs * prompt_len + generated if not multi_turn else None
         compiles = r.get("perf/compile_count")
-        out.append({"step": r.get("step"), "step_s": wall, "rollout_s": rollout, "train_s": r["time/train_s"],
+        # forward-only micro-steps (zero-advantage rows, `skip_zero_advantage_backward`) cost 2 x params a
+        # token, not 6 x: the train step's model FLOPs count them so
+        forward_only = r.get("train/forward_only_tokens", 0)
+        flops = None if trained is None else 6.0 * (trained - forward_only) + 2.0 * forward_only   # x params
+        out.append({"step": r.get("step"), "step_s": wall, "train_flops_per_param": flops,
+                    "forward_only_tokens": forward_only, "rollout_s": rollout, "train_s": r["time/train_s"],
                     "train_exposed_s": exposed, "host_s": wall - rollout - exposed,
                     "hidden_train_share": r.get("time/hidden_train_share"), "generated_tokens": generated,
                     "loss_tokens": r.get("train/trained_tokens"), "trained_tokens": trained,
@@ -207,6 +212,9 @@ def summarize(steps: Sequence[dict]) -> dict:
     if all(s.get("trained_tokens") is not None for s in steps) and total("train_s") > 0:
         out["trained_tokens_per_step"] = mean("trained_tokens")
         out["trained_tok_s"] = total("trained_tokens") / total("train_s")
+    if all(s.get("train_flops_per_param") is not None for s in steps) and total("train_s") > 0:
+        out["train_flops_per_param_s"] = total("train_flops_per_param") / total("train_s")
+        out["forward_only_share"] = total("forward_only_tokens") / max(total("trained_tokens"), 1)
     for k in ("train_exposed_s", "host_s", "hidden_train_share", "generate_s", "slot_occupancy"):
         if all(s.get(k) is not None for s in steps):
             out[k] = mean(k)
@@ -217,9 +225,12 @@ def summarize(steps: Sequence[dict]) -> dict:
 
 
 def flop_share(summary: dict, params: int, matmul_flops_per_s: float | None) -> float | None:
-    """Achieved train FLOP/s (6 x params x trained tokens / train s) over the matmul FLOP/s."""
+    """Achieved train FLOP/s over the matmul FLOP/s: model FLOPs of 6 x params a trained token (2 x params
+    for a token of a forward-only micro-step, where the summary counts them) / train s."""
     if not matmul_flops_per_s or "trained_tok_s" not in summary:
         return None
+    if "train_flops_per_param_s" in summary:
+        return params * summary["train_flops_per_param_s"] / matmul_flops_per_s
     return 6.0 * params * summary["trained_tok_s"] / matmul_flops_per_s
 
 

@@ -121,6 +121,7 @@ class AdmissionMixin:
                     self.params, self.state, job.slot, job.resume or job.restore,
                     len(job.tokens) if running else 0, running, job.slot_req if running else SlotRequest.make())
                 self.stats.restored_slots += 1
+                self.stats.prefill_tokens += len((job.resume or job.restore).context) - 1   # recomputed
                 # One multi-device program in flight at a time: XLA:CPU aborted (an all-gather
                 # rendezvous that one device never joined) with a burst of 64 admissions
                 # dispatched back to back. On GPU the programs run in stream order anyway, so
@@ -158,6 +159,7 @@ class AdmissionMixin:
                 [job.slot_req for job in group])
         jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
         self.stats.appends += len(group)
+        self.stats.prefill_tokens += sum(len(job.feed) for job in group)
         self.stats.append_calls += 1
         first = jax.device_get(host_fields(first))
         if len(group) == 1:   # the fields of one slot, as a row of one
@@ -171,7 +173,9 @@ class AdmissionMixin:
         G samples of a GRPO group, admitted together) is computed once for all of them
         (`prefill_many`'s sources): at 8 prompts x 8 samples prefill was a third of the rollout."""
         rows: dict[tuple, int] = {}
-        sources = [rows.setdefault(tuple(np.asarray(job.request.tokens).reshape(-1).tolist()), len(rows))
+        # Engine(share_prompts=False): every job its own row (keyed apart by its slot)
+        sources = [rows.setdefault(tuple(np.asarray(job.request.tokens).reshape(-1).tolist())
+                                   + (() if self.share_prompts else (-1 - job.slot,)), len(rows))
                    for job in group]
         owner: dict[int, Job] = {}
         for job, source in zip(group, sources):
@@ -185,6 +189,9 @@ class AdmissionMixin:
         self.stats.prefills += len(group)
         self.stats.prefill_calls += 1
         self.stats.prefill_rows += len(rows)
+        computed = sum(map(len, prompts))   # each distinct prompt once; its sharers are served it
+        self.stats.prefill_tokens += computed
+        self.stats.prefix_hit_tokens += sum(len(prompts[s]) for s in sources) - computed
         first = jax.device_get(host_fields(first))
         return {job.slot: {k: None if v is None else v[i] for k, v in first.items()}
                 for i, job in enumerate(group)}

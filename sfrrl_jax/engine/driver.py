@@ -76,6 +76,12 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
     call fed (routing replay in training). It needs max_consecutive_faults=0: a fault's rebuild
     refills slots by recompute and would lose the routes of a running request's fed tokens.
 
+    share_prompts (default True): requests admitted together with the same prompt (the G samples of a
+    GRPO group) prefill it once; each slot gets that row's cache and last logits and samples its
+    own first token (`EngineSteps.prefill_many`'s sources; `stats.prefix_hit_tokens` counts the
+    tokens served so). False computes every request's prompt itself (the baseline of
+    `experiments/bench/prefix_sharing.py`).
+
     decode_buckets: the cache lengths a decode chunk may read (default max_len / 8, / 4, / 2 and
     max_len, none below 128); each chunk reads the smallest that holds every running slot's
     cache at the chunk's end, so short trajectories do not pay attention over the whole cache.
@@ -87,7 +93,7 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
                  max_consecutive_faults: int = 3, idle_work: IdleWork | None = None,
                  underfull_slots: int = 0, trace=None, page_size: int | None = None,
                  num_pages: int | None = None, record_routes: bool = False, decode_buckets=None,
-                 swap_cache: bool = False, paged_attention: PagedAttention = "auto"):
+                 swap_cache: bool = False, paged_attention: PagedAttention = "auto", share_prompts: bool = True):
         if max_consecutive_faults < 0:
             raise ValueError(f"max_consecutive_faults must be >= 0, got {max_consecutive_faults}")
         if record_routes and max_consecutive_faults:
@@ -97,6 +103,9 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
         if not isinstance(swap_cache, bool):
             raise ValueError(f"Engine(swap_cache=...) must be True or False, got {swap_cache!r}")
         self.swap_cache = swap_cache
+        if not isinstance(share_prompts, bool):
+            raise ValueError(f"Engine(share_prompts=...) must be True or False, got {share_prompts!r}")
+        self.share_prompts = share_prompts
         if swap_cache:   # refuse early, naming the switch, where the devices have no host memory
             with_memory_kind(NamedSharding(mesh_of(params), P()), HOST_MEMORY, "Engine(swap_cache)")
         paging = check_paging(page_size, num_pages, max_len, max_slots, cfg.layer_windows, decode_steps)
@@ -407,6 +416,7 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
                                           running, job.slot_req if running else SlotRequest.make())
             jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
             self.stats.restored_slots += 1
+            self.stats.prefill_tokens += len(log.context) - 1   # recomputed
         self._account("restore", t0)
 
     def _discard_state(self) -> None:

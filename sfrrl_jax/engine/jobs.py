@@ -116,6 +116,10 @@ class EngineStats:
       prefills: prompts admitted by prefill.
       prefill_calls: prefill device calls (one per prompt bucket of an admission).
       prefill_rows: distinct prompts those calls computed (shared prompts once).
+      prefill_tokens: tokens the engine ran through the model to fill caches: prompts computed in
+        prefill (a shared prompt once), appended observations, and contexts recomputed by a restore.
+      prefix_hit_tokens: prompt tokens a slot got without computing them: the cache rows of a prompt
+        another slot of the same admission computed (the samples of a GRPO group).
       appends: observations appended to parked slots.
       append_calls: append device calls (one per bucket of an admission's appends).
       device_seconds: wall time inside device steps (block-until-ready).
@@ -134,6 +138,8 @@ class EngineStats:
     prefills: int = 0
     prefill_calls: int = 0
     prefill_rows: int = 0
+    prefill_tokens: int = 0
+    prefix_hit_tokens: int = 0
     appends: int = 0
     append_calls: int = 0
     device_seconds: float = 0.0
@@ -143,6 +149,12 @@ class EngineStats:
     preemptions: int = 0
     cache_swaps: int = 0
     swap_seconds: float = 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The share of cache-filling tokens served without compute: `prefix_hit_tokens / (prefix_hit_tokens +
+        prefill_tokens)` (0 before any)."""
+        return self.prefix_hit_tokens / max(self.prefix_hit_tokens + self.prefill_tokens, 1)
 
     @property
     def slot_occupancy(self) -> float:

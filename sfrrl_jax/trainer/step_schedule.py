@@ -393,7 +393,8 @@ class RLStep:
         self.train_device_s = 0.0
         self.trained_during_rollout = 0.0
         self.trained = {"tokens": 0, "on_policy_tokens": 0, "microsteps": 0, "early_microsteps": 0,
-                        "forward_only_microsteps": 0, "positions": 0, "padding_positions": 0}
+                        "forward_only_microsteps": 0, "forward_only_tokens": 0, "positions": 0,
+                        "padding_positions": 0}
         self.t_start = self.t_rollout = 0.0
         self.stats0 = None
         self.rules.bind(self)
@@ -529,6 +530,8 @@ class RLStep:
         positions, padding = self.rules.positions(self, local, unit.batch)
         self.trained["positions"] += positions
         self.trained["padding_positions"] += padding
+        if name == "stats_microstep":   # computed forward only: a third of a gradient step's FLOPs
+            self.trained["forward_only_tokens"] += positions - padding
 
     def metrics(self, wall: float) -> dict:
         """The step's metrics over `wall` seconds, as the rules reduce them (N processes: summed)."""
@@ -575,6 +578,12 @@ class RLStep:
             "rollout/zero_variance_groups": sum(int(np.ptp(g.rewards) == 0) for g in groups),
             "engine/faults": s.faults - s0.faults,
             "engine/restored_slots": s.restored_slots - s0.restored_slots,
+            # tokens run through the model to fill caches (prompts, appends, restores), and the share
+            # of cache-filling tokens served without compute (a group's shared prompt)
+            "engine/prefill_tokens": s.prefill_tokens - s0.prefill_tokens,
+            "engine/prefix_hit_rate": dataclasses.replace(
+                s, prefill_tokens=s.prefill_tokens - s0.prefill_tokens,
+                prefix_hit_tokens=s.prefix_hit_tokens - s0.prefix_hit_tokens).prefix_hit_rate,
             # swap_cache: the KV cache's trips to host memory around micro-steps, and their time
             "engine/cache_swaps": s.cache_swaps - s0.cache_swaps,
             "time/cache_swap_s": s.swap_seconds - s0.swap_seconds,
@@ -589,6 +598,8 @@ class RLStep:
             "train/early_microsteps": self.trained["early_microsteps"],
             # micro-steps of zero-advantage trajectories run forward only (skip_zero_advantage_backward)
             "train/forward_only_microsteps": self.trained["forward_only_microsteps"],
+            # their non-padding positions (the rest of train/positions' non-padding ran forward and backward)
+            "train/forward_only_tokens": self.trained["forward_only_tokens"],
         }
 
     # -- internals --------------------------------------------------------------------------------

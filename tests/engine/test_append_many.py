@@ -135,6 +135,10 @@ def test_engine_sends_appends_admitted_together_through_one_call():
 
     engine, together = run(range(4))
     assert (engine.stats.appends, engine.stats.append_calls) == (4, 2)
+    # cache-filling tokens: every prompt (computed, or served from a sample sharing it) and every
+    # append's feed (the slot's pending sampled token, then the observation)
+    assert engine.stats.prefill_tokens + engine.stats.prefix_hit_tokens == (
+        sum(len(PROMPTS[i]) for i in range(4)) + sum(len(o) + 1 for o in observations))
     assert engine.steps.compile_counts()["append_many"] == 1 and engine.steps.compile_counts()["append"] == 1
     for i in range(4):
         _, ((first, second),) = run([i])

@@ -120,12 +120,27 @@ def test_engine_prefills_a_groups_shared_prompt_once_with_the_completions_of_one
     engine = Engine(cfg, params, max_slots=16, max_len=48, buckets=(8, 16), decode_steps=3)
     got = _complete_all(engine, requests)
     assert (engine.stats.prefills, engine.stats.prefill_calls, engine.stats.prefill_rows) == (12, 1, 3)
+    # 3 + 4 + 6 prompt tokens computed once; the other 3 samples of each prompt were served them
+    assert (engine.stats.prefill_tokens, engine.stats.prefix_hit_tokens) == (13, 39)
+    assert engine.stats.prefix_hit_rate == 39 / 52
     assert engine.steps.compile_counts()["prefill_many"] == 1   # [4 prompt rows, 16 slots, 8 tokens]
     alone = Engine(cfg, params, max_slots=16, max_len=48, buckets=(8, 16), decode_steps=3)
     want = [_complete_all(alone, [r])[0] for r in requests]
     assert (alone.stats.prefills, alone.stats.prefill_calls, alone.stats.prefill_rows) == (12, 12, 12)
+    assert (alone.stats.prefill_tokens, alone.stats.prefix_hit_tokens, alone.stats.prefix_hit_rate) == (52, 0, 0.0)
+    # share_prompts=False (the bench's baseline): one call still, every sample's prompt computed
+    apart = Engine(cfg, params, max_slots=16, max_len=48, buckets=(8, 16), decode_steps=3, share_prompts=False)
+    got_apart = _complete_all(apart, requests)
+    assert (apart.stats.prefills, apart.stats.prefill_calls, apart.stats.prefill_rows) == (12, 1, 12)
+    assert (apart.stats.prefill_tokens, apart.stats.prefix_hit_tokens) == (52, 0)
+    with pytest.raises(ValueError, match="share_prompts"):
+        Engine(cfg, params, max_slots=2, max_len=48, share_prompts="yes")
     engine.release_memory()
     alone.release_memory()
+    apart.release_memory()
+    for g, w in zip(got_apart, want):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, atol=1e-5)
     for g, w in zip(got, want):
         assert g.tokens == w.tokens
         np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, atol=1e-5)
@@ -147,5 +162,7 @@ def test_agent_loop_groups_reach_the_engine_as_one_prefill_of_their_distinct_pro
     trajs = asyncio.run(run_many(engine, env, tasks, tok, agent, samples_per_task=4))
     assert len(trajs) == 12 and all(t.error is None for t in trajs)
     assert (engine.stats.prefills, engine.stats.prefill_calls, engine.stats.prefill_rows) == (12, 1, 3)
+    prompt_tokens = sum(len(t.tokens) - sum(t.loss_mask) for t in trajs[::4])   # one-turn: the prompt, then generated
+    assert engine.stats.prefill_tokens == prompt_tokens and engine.stats.prefix_hit_tokens == 3 * prompt_tokens
     assert engine.occupancy == {"running": 0, "parked": 0, "free": 12, "queued": 0}
     engine.release_memory()

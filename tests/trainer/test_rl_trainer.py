@@ -56,6 +56,9 @@ def test_pipelined_equals_sync_after_a_step_and_both_are_on_policy(tmp_path):
     assert m_sync["policy/on_policy_fraction"] == 1.0 and m_pipe["policy/on_policy_fraction"] == 1.0
     assert m_pipe["train/microsteps"] == m_sync["train/microsteps"] == 2
     assert m_sync["time/hidden_train_share"] == 0.0
+    # each group's G samples were admitted together: its prompt computed once, served to the others
+    for m in (m_sync, m_pipe):
+        assert m["engine/prefill_tokens"] > 0 and 0.0 < m["engine/prefix_hit_rate"] < 1.0
     for m in (m_sync, m_pipe):  # idle split: starved idle (nothing trainable) is part of all idle
         assert 0.0 <= m["time/idle_starved_s"] <= m["time/idle_s"] < m["time/wall_s"]
         assert m["perf/busy_ceiling_on_policy"] == 1.0 - m["time/idle_starved_s"] / m["time/wall_s"]

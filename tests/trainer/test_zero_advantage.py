@@ -183,6 +183,7 @@ def test_trainer_runs_zero_advantage_groups_forward_only_where_the_loss_allows()
     assert [f._cache_size() for f in micro_fns()] == compiled
     assert m["on"]["rollout/zero_variance_groups"] >= 2
     assert m["on"]["train/forward_only_microsteps"] > 0 and m["off"]["train/forward_only_microsteps"] == 0
+    assert 0 < m["on"]["train/forward_only_tokens"] < m["on"]["train/positions"] and m["off"]["train/forward_only_tokens"] == 0
     assert runs["on"]._step.forward_only is True and runs["off"]._step.forward_only is False
     # an entropy bonus has a gradient at advantage 0: its steps form no forward-only micro-step
     # (`RLStep.forward_only` False: make_units packs as before, microstep back-propagates every row)
