@@ -33,7 +33,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -41,6 +41,9 @@ import numpy as np
 from sfrrl_jax.agents.protocols import EngineError, Task
 from sfrrl_jax.agents.tasks.reward_fns import reward_component_means
 from sfrrl_jax.agents.trajectory import Trajectory
+from sfrrl_jax.engine import Engine
+from sfrrl_jax.learner import TrainStep
+from sfrrl_jax.learner.optimizer import OptState
 from sfrrl_jax.rl.microbatch import MicroBatch
 from sfrrl_jax.trainer.batching import Group, RowShapes
 from sfrrl_jax.trainer.config import TrainerConfig
@@ -48,8 +51,9 @@ from sfrrl_jax.trainer.early_samples import EarlySamples, GroupProgress
 from sfrrl_jax.trainer.microsteps import (  # noqa: F401  (re-exported: the step's micro-step forming)
     MicroStepUnit, early_micro_step, make_units, split_rows, token_share,
 )
-from sfrrl_jax.trainer.rollout_fn import call_rollout
-from sfrrl_jax.trainer.timeline import WaitingWork
+from sfrrl_jax.trainer.rollout_fn import RolloutFn, call_rollout
+from sfrrl_jax.trainer.scheduling import LongestFirst
+from sfrrl_jax.trainer.timeline import Timeline, WaitingWork
 
 _log = logging.getLogger(__name__)
 
@@ -92,14 +96,14 @@ class StepInputs:
     """
 
     cfg: TrainerConfig
-    engine: object
-    train_step: object
-    rollout_fn: object
-    tasks: object
-    longest_first: object
-    timeline: object
-    params: object
-    opt_state: object
+    engine: Engine
+    train_step: TrainStep
+    rollout_fn: RolloutFn
+    tasks: object   # `rl_trainer.TaskStream` (or anything with `.next() -> Task`)
+    longest_first: LongestFirst
+    timeline: Timeline
+    params: Any
+    opt_state: OptState
     params_version: int
     step_index: int
     carry_over: tuple = ()
@@ -123,12 +127,12 @@ class StepResult:
       metrics: the step's metrics (`time/`, `perf/`, `reward/`, `rollout/`, `train/` ...).
     """
 
-    params: object
-    opt_state: object
+    params: Any
+    opt_state: OptState
     params_version: int
     step_index: int
-    carry_over: tuple
-    kept: tuple
+    carry_over: tuple[MicroStepUnit, ...]
+    kept: tuple[Group, ...]
     metrics: dict
 
 
