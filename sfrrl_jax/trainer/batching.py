@@ -179,10 +179,12 @@ class RowShapes:
     are multiples of it (the mesh's data-parallel size: rows that do not split over the `data`
     axis would be computed on every data shard alike). ladder: False = every multiple of
     row_multiple up to max_rows at every width; True = at every width the row counts
-    row_multiple x 2^k and max_rows, and every multiple at the widest width only (what a batch
-    whose longest trajectory pins the width needs). The ladder bounds the menu to about
-    len(widths) x (log2(max_rows) + 1) + max_rows shapes with little padding lost: the width is
-    then free to take up what the coarse row counts leave.
+    row_multiple x {1, 2, 3, 4, 6, 8, 12, ...} (rungs 2^k and 3 x 2^(k-1): each at most 1.5x the
+    one below) and max_rows, and every multiple at the widest width only (what a batch whose
+    longest trajectory pins the width needs). The ladder bounds the menu to about len(widths) x
+    2 log2(max_rows) + max_rows shapes with little padding lost: the width is then free to take
+    up what the coarse row counts leave (8 trajectories of the real-model bench's lengths,
+    simulated: 12.6 % padding on a 2x ladder, 9.7 % on this one, 9.5 % on every row count).
     """
 
     widths: tuple[int, ...]
@@ -198,11 +200,13 @@ class RowShapes:
         object.__setattr__(self, "max_rows", -(-self.max_rows // self.row_multiple) * self.row_multiple)
 
     def rows_at(self, width: int) -> tuple[int, ...]:
-        """The row counts the menu allows at `width`, ascending."""
+        """The row counts the menu allows at `width`, ascending: every multiple of row_multiple, or on a
+        ladder (below the widest width) the rungs m x 2^k and m x 3 x 2^(k-1) and max_rows."""
         m, top = self.row_multiple, self.max_rows
         if not self.ladder or width == self.widths[-1]:
             return tuple(range(m, top + 1, m))
-        return tuple(sorted({m << k for k in range(top.bit_length()) if m << k <= top} | {top}))
+        rungs = {m << k for k in range(top.bit_length())} | {3 * m << k for k in range(top.bit_length())}
+        return tuple(sorted({r for r in rungs if r <= top} | {top}))
 
     @property
     def shapes(self) -> tuple[tuple[int, int], ...]:

@@ -184,15 +184,18 @@ def test_packing_is_first_fit_decreasing_on_the_smallest_area_of_the_menu():
     assert (lay.width, lay.rows) == (64, ((0, 2), (1, 3, 4)))
     assert pack_rows([40, 30, 20, 10, 5], menu) == lay  # a pure function of the lengths
     ladder = RowShapes((16, 32, 48, 64), 8, ladder=True)
-    assert ladder.rows_at(32) == (1, 2, 4, 8) and ladder.rows_at(64) == tuple(range(1, 9))
-    assert len(ladder.shapes) == 3 * 4 + 8
-    # 3 bins of 16 round up to 4 rows at width 16 (one row empty), as small as one row of 64: the
-    # narrower wins the tie ...
-    assert pack_rows([16, 16, 16], RowShapes((16, 64), 8, ladder=True)) == RowLayout(16, ((0,), (1,), (2,), ()))
-    # ... and a width between them does better: 3 x 16 in one row of 48
-    assert pack_rows([16, 16, 16], ladder) == RowLayout(48, ((0, 1, 2),))
+    assert ladder.rows_at(32) == (1, 2, 3, 4, 6, 8) and ladder.rows_at(64) == tuple(range(1, 9))
+    assert len(ladder.shapes) == 3 * 6 + 8
+    assert RowShapes((16, 64), 20, ladder=True).rows_at(16) == (1, 2, 3, 4, 6, 8, 12, 16, 20)
+    # 5 bins of 16 round up to 6 rows at width 16 (one row empty), smaller than two rows of 64 ...
+    assert pack_rows([16] * 5, RowShapes((16, 64), 8, ladder=True)) == RowLayout(
+        16, ((0,), (1,), (2,), (3,), (4,), ()))
+    # ... 3 bins of 16 fill 3 rows of 16, as small as one row of 48, and the narrower wins the tie
+    assert pack_rows([16, 16, 16], ladder) == RowLayout(16, ((0,), (1,), (2,)))
+    # ... and a width between the longest and the widest can win: 2 rows of 48 (96) beat 2 rows of 64
+    assert pack_rows([40, 8, 8, 8, 8, 8], ladder) == RowLayout(48, ((0, 1), (2, 3, 4, 5)))
     pairs = RowShapes((16, 32, 48, 64), 8, row_multiple=2, ladder=True)
-    assert pairs.rows_at(16) == (2, 4, 8) and pairs.rows_at(64) == (2, 4, 6, 8)
+    assert pairs.rows_at(16) == (2, 4, 6, 8) == pairs.rows_at(64)
     assert pack_rows([60], pairs) == RowLayout(64, ((0,), ()))   # rows split over data=2
     # off the menu: longer than max_len (its own width), more trajectories than max_rows
     assert pack_rows([70, 10], menu) == RowLayout(70, ((0,), (1,)))
@@ -294,12 +297,12 @@ def _trainer(pack: bool) -> RLTrainer:
 
 def test_a_packed_step_compiles_nothing_new_and_trains_the_same_tokens_with_less_padding():
     one, packed = _trainer(False), _trainer(True)
-    assert packed.train_shapes() == [(1, 32), (2, 32), (4, 32), (1, 64), (2, 64), (3, 64), (4, 64)]
+    assert packed.train_shapes() == [(r, w) for w in (32, 64) for r in (1, 2, 3, 4)]
     # one per row: a micro-batch's zero-advantage rows train apart (forward only), so any count of rows
     assert one.train_shapes() == [(r, w) for w in (32, 64) for r in (1, 2, 3, 4)]
     one.cfg = dataclasses.replace(one.cfg, skip_zero_advantage_backward=False)
     assert one.train_shapes() == [(4, 32), (4, 64)]
-    assert packed.compile_train_shapes() == 7
+    assert packed.compile_train_shapes() == 8
     compiled = packed.train_step.compile_count()
     m_packed, m_one = packed.step(), one.step()
     assert packed.train_step.compile_count() == compiled + 1   # `apply` only
