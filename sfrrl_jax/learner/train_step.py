@@ -287,13 +287,12 @@ class TrainStep:
         validate_microbatch(batch, self.loss, self.vocab_size)
         batch = batch.select(set(self.loss.fields) | set(self.loss.forward_fields))
         mesh = mesh_of(params)
-        out = {}
-        for k, v in batch.fields().items():
+
+        def place(v):
             if isinstance(v, jax.Array) and isinstance(v.sharding, NamedSharding) and v.sharding.mesh == mesh:
-                out[k] = v
-            else:
-                out[k] = jax.device_put(np.asarray(v), batch_sharding(mesh, np.shape(v)))
-        return MicroBatch.from_mapping(out)
+                return v
+            return jax.device_put(np.asarray(v), batch_sharding(mesh, np.shape(v)))
+        return jax.tree.map(place, batch)
 
     def _fns(self, params) -> dict:
         key = _key(params)

@@ -50,7 +50,8 @@ from sfrrl_jax.models.api import mesh_of
 from sfrrl_jax.trainer.batching import Group, group_advantage_slopes, group_advantages, zero_microbatch
 from sfrrl_jax.rl.microbatch import MicroBatch
 from sfrrl_jax.trainer.microsteps import MicroStepUnit, early_micro_step
-from sfrrl_jax.trainer.step_schedule import FailedGroup, RLStep, StepRules
+from sfrrl_jax.trainer.step_rules import FailedGroup, StepRules
+from sfrrl_jax.trainer.step_schedule import RLStep
 
 _log = logging.getLogger(__name__)
 

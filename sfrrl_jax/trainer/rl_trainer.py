@@ -44,7 +44,9 @@ from sfrrl_jax.trainer.memory_check import check_fits, rollout_resident_bytes
 from sfrrl_jax.trainer.rollout_fn import RolloutFn, check_length_budget
 from sfrrl_jax.trainer.scheduling import LongestFirst
 from sfrrl_jax.trainer.process_step import Agreement, LockstepRules
-from sfrrl_jax.trainer.step_schedule import MicroStepUnit, OneProcessRules, RLStep, StepInputs, StepResult
+from sfrrl_jax.trainer.microsteps import MicroStepUnit
+from sfrrl_jax.trainer.step_rules import OneProcessRules
+from sfrrl_jax.trainer.step_schedule import RLStep, StepInputs, StepResult
 from sfrrl_jax.trainer.timeline import Timeline
 
 __all__ = ["RLTrainer", "TaskStream", "MicroStepUnit", "RolloutFn", "check_memory_fits", "shared_train_step"]

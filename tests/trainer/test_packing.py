@@ -24,7 +24,7 @@ from sfrrl_jax.trainer.batching import (
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.early_samples import GroupProgress
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
-from sfrrl_jax.trainer.step_schedule import make_units
+from sfrrl_jax.trainer.microsteps import make_units
 
 from model_fixtures import TINY_GPT_OSS, randomize
 

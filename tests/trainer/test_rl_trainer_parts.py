@@ -341,7 +341,8 @@ def test_a_step_runs_from_explicit_inputs_and_the_trainer_applies_its_result():
     """`RLStep(trainer.step_inputs()).run()` writes nothing back into the trainer: it returns the next
     state as a `StepResult`; applied, it is bitwise what `trainer.step()` gives a trainer built alike."""
     from sfrrl_jax.aio import run_sync
-    from sfrrl_jax.trainer.step_schedule import OneProcessRules, RLStep, StepResult
+    from sfrrl_jax.trainer.step_rules import OneProcessRules
+    from sfrrl_jax.trainer.step_schedule import RLStep, StepResult
 
     def build():
         return RLTrainer(CFG, _fresh_params(), _tc(mode="sync"), LOSS, OPT, WorkloadAgent(WL),

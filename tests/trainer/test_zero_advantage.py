@@ -22,7 +22,8 @@ from sfrrl_jax.trainer.batching import Group, batch_fields
 from sfrrl_jax.trainer.config import TrainerConfig
 from sfrrl_jax.trainer.early_samples import GroupProgress
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
-from sfrrl_jax.trainer.step_schedule import RLStep, make_units
+from sfrrl_jax.trainer.microsteps import make_units
+from sfrrl_jax.trainer.step_schedule import RLStep
 
 CFG = S.ModelConfig.preset("tiny-moe", max_seq_len=64)
 OPT = OptimizerConfig(learning_rate=1e-4)
