@@ -42,7 +42,8 @@ from typing import Any, Sequence
 from sfrrl_jax.agents.protocols import Message, RewardFn, Task, ToolCall, ToolCallError, ToolResult
 from sfrrl_jax.agents.schema import validate
 from sfrrl_jax.agents.tasks.environments import ToolEnvironment
-from sfrrl_jax.agents.tasks.function_calling import BFCL_HINT, bfcl_data_dir, message_tool_calls, tool_schemas
+from sfrrl_jax.agents.tasks.function_calling import (BFCL_HINT, bfcl_data_dir, bfcl_items_file, message_tool_calls,
+                                                     tool_schemas)
 from sfrrl_jax.agents.tasks.kinds import register_task_kind
 from sfrrl_jax.agents.tasks.records import read_records, task_from_record
 from sfrrl_jax.agents.tools import FunctionTool, ToolRunnerConfig
@@ -363,12 +364,9 @@ def bfcl_multi_turn_tasks(category: str = "multi_turn_base", limit: int | None =
     if category not in MULTI_TURN_CATEGORIES:
         raise ValueError(f"BFCL multi-turn category {category!r} is not supported; supported: "
                          f"{list(MULTI_TURN_CATEGORIES)}")
-    data = bfcl_data_dir()
-    items_path = data / f"BFCL_v4_{category}.json"
-    if not items_path.is_file():
-        raise FileNotFoundError(f"the installed bfcl-eval has no {items_path} (its version: see {BFCL_HINT})")
+    items_path = bfcl_items_file(category)
     answers = {record.get("id"): record.get("ground_truth")
-               for _, record in read_records(data / "possible_answer" / items_path.name)}
+               for _, record in read_records(items_path.parent / "possible_answer" / items_path.name)}
     tasks = []
     for where, record in read_records(items_path):
         if limit is not None and len(tasks) >= limit:

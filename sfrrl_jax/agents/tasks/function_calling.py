@@ -426,6 +426,15 @@ def bfcl_data_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "data"
 
 
+def bfcl_items_file(category: str) -> Path:
+    """The installed bfcl-eval's item file of `category` (its ground truth: `possible_answer/`, same name).
+    Raises FileNotFoundError naming the file when this bfcl-eval has none (ImportError: not installed)."""
+    path = bfcl_data_dir() / f"BFCL_v4_{category}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"the installed bfcl-eval has no {path} (its version: see {BFCL_HINT})")
+    return path
+
+
 def bfcl_tasks(category: str = "simple_python", limit: int | None = None) -> list[Task]:
     """BFCL v4 items of `category` (one of `BFCL_CATEGORIES`) with their ground truth, from the
     installed bfcl-eval; irrelevance categories get `ground_truth: []` (no call is right).
@@ -444,13 +453,10 @@ def bfcl_tasks(category: str = "simple_python", limit: int | None = None) -> lis
     if category not in BFCL_CATEGORIES:
         raise ValueError(f"BFCL category {category!r} is not supported; supported: {list(BFCL_CATEGORIES)} "
                          f"(multi-turn: bfcl_multi_turn.MULTI_TURN_CATEGORIES; Java, JavaScript and agentic ones are not)")
-    data = bfcl_data_dir()
-    items_path = data / f"BFCL_v4_{category}.json"
-    if not items_path.is_file():
-        raise FileNotFoundError(f"the installed bfcl-eval has no {items_path} (its version: see {BFCL_HINT})")
+    items_path = bfcl_items_file(category)
     answers: dict[str, list] = {}
     if "irrelevance" not in category:
-        for where, record in read_records(data / "possible_answer" / items_path.name):
+        for where, record in read_records(items_path.parent / "possible_answer" / items_path.name):
             answers[record.get("id")] = record.get("ground_truth")
     tasks = []
     for where, record in read_records(items_path):
