@@ -170,3 +170,17 @@ def check_mesh_step_equals_one_device(cfg, params):
         # families' test; 5e-5 (5 % of a step) leaves room for another CPU's rounding
         np.testing.assert_allclose(host(a), host(b), atol=5e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
     return before, new
+
+
+def teacher_forced_logprobs(cfg, params, sequences):
+    """log p(token t | tokens < t) under the params, for every position t >= 1 of each sequence."""
+    width = max(len(s) for s in sequences)
+    tokens = np.zeros((len(sequences), width), np.int32)
+    segments = np.zeros_like(tokens)
+    for i, s in enumerate(sequences):
+        tokens[i, :len(s)] = s
+        segments[i, :len(s)] = 1
+    logits = np.asarray(S.forward(cfg, params, tokens, segment_ids=segments))
+    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    return [logp[i, np.arange(len(s) - 1), s[1:]] for i, s in enumerate(sequences)]

@@ -18,8 +18,14 @@ import jax
 import numpy as np
 
 from sfrrl_jax.engine.jobs import Job
+from sfrrl_jax.engine.prefix_cache import page_keys
 from sfrrl_jax.engine.recovery import SlotLog, restorer_for
 from sfrrl_jax.engine.steps import SlotRequest
+
+
+def _token_key(tokens) -> tuple:
+    """A prompt as a hashable key."""
+    return tuple(np.asarray(tokens).reshape(-1).tolist())
 
 
 def host_fields(x) -> dict:
@@ -35,6 +41,7 @@ class AdmissionMixin:
         requests and resumed ones are first come, first served; appends go independently."""
         out, keep = [], collections.deque()
         fifo_blocked = False
+        prompts: dict[tuple, Job] = {}   # this round's computed prompts (paged: sharers take their pages)
         while self._queue:
             job = self._queue.popleft()
             h = job.request.slot_handle
@@ -48,10 +55,18 @@ class AdmissionMixin:
             cached = len(log.context) - (job.resume is not None)  # a resumed log's last is pending
             # A resumed request may evict parked slots (it was running); a new one only waits.
             slot = None if fifo_blocked else self._free_slot(evict=job.resume is not None)
-            if slot is None or not self._fits_or_evict(slot, cached, evict=job.resume is not None):
+            pages, keys = self._shareable(job, log, prompts)
+            shared = None if slot is None else self._fits_or_evict(slot, cached, evict=job.resume is not None,
+                                                                   pages=pages, keys=keys)
+            if shared is None:
                 fifo_blocked = True
                 keep.append(job)
                 continue
+            # tokens whose cache the slot took from the prefix cache (an identical prompt of this
+            # round is no hit: it is computed once in the same prefill call)
+            job.hit = shared * self._pt.page_size if shared and pages is None else 0
+            if job.resume is None and not job.hit:
+                prompts.setdefault(_token_key(job.request.tokens), job)
             self._free.remove(slot)
             job.slot = slot
             self._logs[slot] = log
@@ -66,21 +81,50 @@ class AdmissionMixin:
                 self._serials[job.slot] = self._serial
         return out
 
+    def _shareable(self, job: Job, log: SlotLog, prompts: dict) -> tuple[list | None, list | None]:
+        """What a new or resumed job's slot may take from other slots' pages (paged, full-attention
+        pool): (pages of an identical prompt prefilled in this round, or None; `page_keys` of the
+        tokens it may find in the prefix cache, or None). A new prompt looks up all but its last
+        token (the prefill computes at least one, for its first logits); a resumed one its whole
+        cached context."""
+        if self._pt is None or self._pt.full_kind is None:
+            return None, None
+        ps = self._pt.page_size
+        if job.resume is None:
+            twin = prompts.get(_token_key(job.request.tokens)) if self.share_prompts else None
+            if twin is not None:
+                return self._pt.full_pages(twin.slot, len(log.context) // ps), None
+        return None, (page_keys(log.context[:-1], ps) if self.prefix_cache_pages else None)
+
+    def _remember_prompts(self, jobs: list[Job]) -> None:
+        """After their prefill: names the full pages of the new prompts just computed in the prefix
+        cache (on the loop, in admission order, so every lockstep replica names them alike)."""
+        if not self.prefix_cache_pages:
+            return
+        for job in jobs:
+            if job.request.slot_handle is None and job.resume is None and self._running.get(job.slot) is job:
+                self._pt.register(job.slot, page_keys(np.asarray(job.request.tokens).reshape(-1), self._pt.page_size))
+
     def _take_append(self, job: Job, h) -> bool:
         """Admits an append into its parked slot, or (paged) restores an evicted trajectory into a
         free slot first; False when it must wait for pages or a slot. A released handle fails
         the job (and returns True: it leaves the queue)."""
+        job.hit = 0
         if self._parked.get(h.slot) == h.serial:
             log = self._logs[h.slot]
-            if not self._fits_or_evict(h.slot, len(log.context) + len(job.request.tokens), keep=h.slot):
+            if self._fits_or_evict(h.slot, len(log.context) + len(job.request.tokens), keep=h.slot) is None:
                 return False
             del self._parked[h.slot]
             job.slot = h.slot
         elif h.serial in self._evicted:
             log, slot = self._evicted[h.serial], self._free_slot(evict=True)
-            if slot is None or not self._fits_or_evict(slot, len(log.context) + len(job.request.tokens),
-                                                       start=len(log.context) - 1):  # restore, then append
+            keys = page_keys(log.context[:-1], self._pt.page_size) if self.prefix_cache_pages else None
+            shared = None if slot is None else self._fits_or_evict(
+                slot, len(log.context) + len(job.request.tokens), start=len(log.context) - 1,  # restore, then append
+                keys=keys)
+            if shared is None:
                 return False
+            job.hit = shared * self._pt.page_size
             del self._evicted[h.serial]
             self._free.remove(slot)
             job.slot, job.serial = slot, h.serial
@@ -104,11 +148,17 @@ class AdmissionMixin:
         # on CPU at batch 32, a fifth of a short generation's wall), appends of one bucket one
         # append call; restores go one by one.
         groups: dict[int, list[Job]] = {}
+        cached: dict[int, list[Job]] = {}   # new prompts whose head the prefix cache holds
         for job in jobs:
             if job.feed is None and job.resume is None and job.restore is None:
-                groups.setdefault(self.steps.bucket_for(len(job.request.tokens)), []).append(job)
+                if job.hit:
+                    cached.setdefault(self.steps.bucket_for(len(job.request.tokens) - job.hit), []).append(job)
+                else:
+                    groups.setdefault(self.steps.bucket_for(len(job.request.tokens)), []).append(job)
         for group in groups.values():
             firsts.update(self._prefill_group(group))
+        for group in cached.values():   # after the prefills: a cached page may be one they write
+            firsts.update(self._prefill_at_group(group))
         appends: dict[int, list[Job]] = {}
         for job in jobs:
             if job.slot in firsts:
@@ -119,9 +169,11 @@ class AdmissionMixin:
                 running = job.resume is not None
                 self.state = restorer_for(self.steps).restore(
                     self.params, self.state, job.slot, job.resume or job.restore,
-                    len(job.tokens) if running else 0, running, job.slot_req if running else SlotRequest.make())
+                    len(job.tokens) if running else 0, running, job.slot_req if running else SlotRequest.make(),
+                    start=job.hit)   # what the prefix cache held is not recomputed
                 self.stats.restored_slots += 1
-                self.stats.prefill_tokens += len((job.resume or job.restore).context) - 1   # recomputed
+                self.stats.prefill_tokens += len((job.resume or job.restore).context) - 1 - job.hit
+                self.stats.prefix_hit_tokens += job.hit
                 # One multi-device program in flight at a time: XLA:CPU aborted (an all-gather
                 # rendezvous that one device never joined) with a burst of 64 admissions
                 # dispatched back to back. On GPU the programs run in stream order anyway, so
@@ -167,6 +219,23 @@ class AdmissionMixin:
         return {job.slot: {k: None if v is None else v[i] for k, v in first.items()}
                 for i, job in enumerate(group)}
 
+    def _prefill_at_group(self, group: list[Job]) -> dict[int, dict]:
+        """New prompts of one suffix bucket whose first `job.hit` tokens the slot's cached pages
+        hold: one `prefill_at_many` call computes the rest. {slot: its first results}."""
+        rests = [np.asarray(job.request.tokens).reshape(-1)[job.hit:] for job in group]
+        self.state, first = self.steps.prefill_at_many(
+            self.params, self.state, [job.slot for job in group], np.concatenate([self.steps.pad(r) for r in rests]),
+            [job.hit for job in group], [len(r) for r in rests], [job.slot_req for job in group])
+        jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
+        self.stats.prefills += len(group)
+        self.stats.prefill_calls += 1
+        self.stats.prefill_rows += len(group)
+        self.stats.prefill_tokens += sum(map(len, rests))
+        self.stats.prefix_hit_tokens += sum(job.hit for job in group)
+        first = jax.device_get(host_fields(first))
+        return {job.slot: {k: None if v is None else v[i] for k, v in first.items()}
+                for i, job in enumerate(group)}
+
     def _prefill_group(self, group: list[Job]) -> dict[int, dict]:
         """One `prefill_many` call for new prompts of one bucket (one prompt too: the driver
         compiles no other prefill): {slot: its first results}. A prompt several jobs share (the
@@ -174,7 +243,7 @@ class AdmissionMixin:
         (`prefill_many`'s sources): at 8 prompts x 8 samples prefill was a third of the rollout."""
         rows: dict[tuple, int] = {}
         # Engine(share_prompts=False): every job its own row (keyed apart by its slot)
-        sources = [rows.setdefault(tuple(np.asarray(job.request.tokens).reshape(-1).tolist())
+        sources = [rows.setdefault(_token_key(job.request.tokens)
                                    + (() if self.share_prompts else (-1 - job.slot,)), len(rows))
                    for job in group]
         owner: dict[int, Job] = {}

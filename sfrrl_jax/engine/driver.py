@@ -30,6 +30,7 @@ from sfrrl_jax.engine.admission import AdmissionMixin
 from sfrrl_jax.engine.decode_chain import DecodeChainMixin
 from sfrrl_jax.engine.page_policy import PagingMixin
 from sfrrl_jax.engine.pages import PageTable, check_paging
+from sfrrl_jax.engine.prefix_cache import check_prefix_cache
 from sfrrl_jax.engine.recovery import EngineFailure, SlotLog, restorer_for  # noqa: F401 (re-export)
 from sfrrl_jax.engine.paged import engine_steps
 from sfrrl_jax.engine.jobs import (EngineStats, Job, SlotHandle, check_slot_handle,  # noqa: F401 (re-export)
@@ -79,8 +80,20 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
     share_prompts (default True): requests admitted together with the same prompt (the G samples of a
     GRPO group) prefill it once; each slot gets that row's cache and last logits and samples its
     own first token (`EngineSteps.prefill_many`'s sources; `stats.prefix_hit_tokens` counts the
-    tokens served so). False computes every request's prompt itself (the baseline of
-    `experiments/bench/prefix_sharing.py`).
+    tokens served so); with a paged cache their slots also hold the prompt's full pages once
+    (reference-counted; each slot's partly filled last page is its own copy), so a group of G
+    takes about 1/G of the prompt pages. False computes and stores every request's prompt itself
+    (the baseline of `experiments/bench/prefix_sharing.py`). Bitwise: tokens and logprobs equal
+    the unshared engine's.
+
+    prefix_cache_pages (paged, full-attention layers; default 0 = off): a prefix cache across
+    requests. A slot's full pages are named by the chained hash of the tokens they hold
+    (`engine.prefix_cache`); a later prompt or restore starting with the same tokens maps them
+    and computes only the rest; pages nobody holds any more stay cached, at most this many,
+    least recently released reused first (they count as free). New weights (`set_params`) and a
+    lost state forget the cache. Off by default because a hit is exact only to float rounding
+    (<= 1e-5 in logprobs on CPU): the rest of the prompt reads the prefix's keys from the cache
+    instead of computing them in the same call.
 
     decode_buckets: the cache lengths a decode chunk may read (default max_len / 8, / 4, / 2 and
     max_len, none below 128); each chunk reads the smallest that holds every running slot's
@@ -93,7 +106,8 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
                  max_consecutive_faults: int = 3, idle_work: IdleWork | None = None,
                  underfull_slots: int = 0, trace=None, page_size: int | None = None,
                  num_pages: int | None = None, record_routes: bool = False, decode_buckets=None,
-                 swap_cache: bool = False, paged_attention: PagedAttention = "auto", share_prompts: bool = True):
+                 swap_cache: bool = False, paged_attention: PagedAttention = "auto", share_prompts: bool = True,
+                 prefix_cache_pages: int = 0):
         if max_consecutive_faults < 0:
             raise ValueError(f"max_consecutive_faults must be >= 0, got {max_consecutive_faults}")
         if record_routes and max_consecutive_faults:
@@ -109,13 +123,15 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
         if swap_cache:   # refuse early, naming the switch, where the devices have no host memory
             with_memory_kind(NamedSharding(mesh_of(params), P()), HOST_MEMORY, "Engine(swap_cache)")
         paging = check_paging(page_size, num_pages, max_len, max_slots, cfg.layer_windows, decode_steps)
+        self.prefix_cache_pages = check_prefix_cache(prefix_cache_pages, paging, self.record_routes)
         self.cfg = cfg
         self.params = params
         self._engine_id = new_engine_id()   # in the handles it returns (`jobs.check_slot_handle`)
         self.steps = engine_steps(cfg, mesh_of(params), max_slots, max_len,
                                   None if buckets is None else tuple(buckets), cache_dtype, paging,
                                   self.record_routes, decode_buckets, paged_attention)
-        self._pt = None if paging is None else PageTable(max_slots, max_len, *paging)
+        self._pt = None if paging is None else PageTable(max_slots, max_len, *paging,
+                                                         keep_pages=self.prefix_cache_pages)
         self._table_version = -1                    # the page table version the state holds
         self._evicted: dict[int, SlotLog] = {}      # paged: serial -> an evicted trajectory's log
         self.decode_steps = decode_steps
@@ -147,6 +163,10 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
 
     # -- lifecycle --------------------------------------------------------------------------
     def set_params(self, params) -> None:
+        """The weights the next device steps use (the trainer's, after an update). New weights
+        make every cached prefix stale: the prefix cache forgets them (slots keep their pages)."""
+        if params is not self.params and self._pt is not None:
+            self._pt.forget_cached()
         self.params = params
 
     def set_idle_work(self, idle_work: IdleWork | None, *, underfull_slots: int | None = None) -> None:
@@ -364,8 +384,10 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
         if admitted:
             firsts, chunks = await self._device(self._admit_on_device, admitted)
             self._faults_in_a_row = 0
+            self._remember_prompts(admitted)
             for job, first in zip(admitted, firsts):
                 job.resume = job.restore = None
+                job.hit = 0
                 if self._running.get(job.slot) is not job or first is None:
                     continue  # cancelled while its prefill ran (its slot is in _to_free), or resumed
                 job.add_admission_routes(first)
@@ -410,16 +432,34 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
         self._sync_pages()  # each kept slot is refilled into the pages it owns
         restorer = restorer_for(self.steps)
         t0 = time.perf_counter()
+        refilled = set()   # pages written in this rebuild: a slot sharing them refills only the rest
         for slot, log, job in plan:
             running = job is not None
+            start = self._refilled_prefix(slot, len(log.context) - 1, refilled)
             self.state = restorer.restore(self.params, self.state, slot, log, len(job.tokens) if running else 0,
-                                          running, job.slot_req if running else SlotRequest.make())
+                                          running, job.slot_req if running else SlotRequest.make(), start=start)
             jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
             self.stats.restored_slots += 1
-            self.stats.prefill_tokens += len(log.context) - 1   # recomputed
+            self.stats.prefill_tokens += len(log.context) - 1 - start   # recomputed
+            self.stats.prefix_hit_tokens += start
         self._account("restore", t0)
 
+    def _refilled_prefix(self, slot: int, cached: int, refilled: set) -> int:
+        """A rebuild's refill of `slot` (holding `cached` tokens): the positions its leading full
+        pages already refilled by a slot sharing them hold (not rewritten: every holder reads the
+        same values); the slot's full pages join `refilled`. Not with sliding-window layers: their
+        pages are each slot's own, and a refill from a later position would leave them empty."""
+        if self._pt is None or self._pt.windows != (0,):
+            return 0
+        ps = self._pt.page_size
+        pages = self._pt.table[slot, self._pt.full_kind, :cached // ps].tolist()
+        done = next((i for i, p in enumerate(pages) if p not in refilled), len(pages))
+        refilled.update(pages)
+        return done * ps
+
     def _discard_state(self) -> None:
+        if self._pt is not None:
+            self._pt.forget_cached()   # the pages' contents go with the state
         if self.state is not None:
             for leaf in jax.tree.leaves(self.state):
                 try:
@@ -470,6 +510,8 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
         jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
 
     def _account(self, name: str, t0: float) -> None:
+        if self._pt is not None:
+            self.stats.peak_pages = self._pt.peak_used
         t1 = time.perf_counter()
         self.stats.device_seconds += t1 - t0
         if self._trace is not None:

@@ -83,6 +83,9 @@ class Job:
     resume: SlotLog | None = None
     restore: SlotLog | None = None
     serial: int | None = None
+    # paged, prefix cache on: leading tokens of the prompt (or of a restored log) whose keys and
+    # values the slot took from cached pages at its admission (they are not computed)
+    hit: int = 0
     # record_routes: the experts of the tokens this call fed so far, in feed order, as arrays
     # [n, moe layers, top_k] (the prefill's or append's tokens, then one per decode step)
     routes: list = dataclasses.field(default_factory=list)
@@ -119,7 +122,9 @@ class EngineStats:
       prefill_tokens: tokens the engine ran through the model to fill caches: prompts computed in
         prefill (a shared prompt once), appended observations, and contexts recomputed by a restore.
       prefix_hit_tokens: prompt tokens a slot got without computing them: the cache rows of a prompt
-        another slot of the same admission computed (the samples of a GRPO group).
+        another slot of the same admission computed (the samples of a GRPO group), and (paged,
+        `Engine(prefix_cache_pages=n)`) the tokens of cached pages a prompt or a restore mapped.
+      peak_pages: paged: the most pages held at once over all pools (a shared page once).
       appends: observations appended to parked slots.
       append_calls: append device calls (one per bucket of an admission's appends).
       device_seconds: wall time inside device steps (block-until-ready).
@@ -147,6 +152,7 @@ class EngineStats:
     restored_slots: int = 0
     evictions: int = 0
     preemptions: int = 0
+    peak_pages: int = 0
     cache_swaps: int = 0
     swap_seconds: float = 0.0
 

@@ -28,6 +28,13 @@ each decode chunk's reservation returns those the window has left behind:
   slot is reset on the device, on eviction/preemption, and when fault recovery drops a slot;
   a fault's refill puts each kept slot back into the pages it already owns.
 
+Shared pages (issue #47): a page several slots hold (a group's prompt, a cached prefix) returns
+only with its last holder; eviction and preemption just drop one holder. With the prefix cache on
+(`Engine(prefix_cache_pages=n)`), a slot's full pages are named by their tokens before they go
+back (release, eviction, preemption), and at most n pages nobody holds are kept for a later
+request or a restore with the same prefix (least recently released first to go, and only once
+no free page is left). A restore maps what it finds and recomputes only the rest.
+
 Liveness: one sequence of max_len tokens always fits (`check_paging`), running requests always
 progress (preemption), and every parked trajectory's append can evict the others.
 """
@@ -36,6 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from sfrrl_jax.engine.pages import PageTable
+from sfrrl_jax.engine.prefix_cache import page_keys
 from sfrrl_jax.engine.recovery import SlotLog
 
 
@@ -61,16 +69,29 @@ class PagingMixin:
                 self._pt.release(slot)
             self._free.append(slot)
 
-    def _fits(self, slot: int, tokens: int, start: int | None = None) -> bool:
-        """Gives `slot` the pages for `tokens` cached tokens + one decode chunk. start: where the
-        admitted step's queries start (window layers keep the keys before it they read); default
-        the parked slot's cache length (an append), else `tokens` (a prefill or a restore reads
-        no key it does not write itself)."""
+    def _fits(self, slot: int, tokens: int, start: int | None = None, pages=None, keys=None) -> int | None:
+        """Gives `slot` the pages for `tokens` cached tokens + one decode chunk; returns how many
+        of its first full-attention pages it shares, or None when they cannot be had now.
+        start: where the admitted step's queries start (window layers keep the keys before it they
+        read); default the parked slot's cache length (an append), else `tokens` (a prefill or a
+        restore reads no key it does not write itself). pages: pages of another slot the new one
+        shares (an identical prompt prefilled in the same call); keys: `page_keys` of tokens the
+        slot may take from the prefix cache (looked up now: what an eviction just released may
+        be among them)."""
         if self._pt is None:
-            return True
+            return 0
         if start is None:
             start = len(self._logs[slot].context) - 1 if slot in self._logs else tokens
-        return self._pt.ensure(slot, tokens + self.decode_steps, start=start, cached=tokens)
+        shared = list(pages) if pages is not None else self._pt.lookup(keys) if keys else []
+        if not self._pt.ensure(slot, tokens + self.decode_steps, start=start, cached=tokens, shared=shared):
+            return None
+        return len(shared)
+
+    def _remember(self, slot: int) -> None:
+        """Names `slot`'s full pages in the prefix cache by the tokens they hold (before its pages
+        go back: a later request or this trajectory's restore may find them)."""
+        if self.prefix_cache_pages and slot in self._logs:
+            self._pt.register(slot, page_keys(self._logs[slot].context[:-1], self._pt.page_size))
 
     def _handle_log(self, h) -> SlotLog | None:
         """The log of the trajectory a handle names: parked in its slot, or evicted (paged)."""
@@ -84,18 +105,19 @@ class PagingMixin:
         return self._free[0] if self._free else None
 
     def _fits_or_evict(self, slot: int, tokens: int, evict: bool = True, keep: int | None = None,
-                       start: int | None = None) -> bool:
+                       start: int | None = None, pages=None, keys=None) -> int | None:
         """`_fits`, evicting least recently parked slots (not `keep`) while `evict` allows."""
-        while not self._fits(slot, tokens, start):
+        while (shared := self._fits(slot, tokens, start, pages, keys)) is None:
             if not evict or not self._evict_lru_parked(keep=keep if keep is not None else slot):
-                return False
-        return True
+                return None
+        return shared
 
     def _evict_lru_parked(self, keep: int | None = None) -> bool:
         """Evicts the least recently parked slot other than `keep`; False if there is none."""
         for slot in self._parked:
             if slot != keep:
                 serial = self._parked.pop(slot)
+                self._remember(slot)
                 self._evicted[serial] = self._logs.pop(slot)
                 self._return_slots([slot])
                 self.stats.evictions += 1
@@ -130,6 +152,7 @@ class PagingMixin:
             slot, job = list(self._running.items())[-1]  # admitted last
             del self._running[slot]
             job.serial = self._serials.pop(slot)
+            self._remember(slot)
             job.resume = self._logs.pop(slot)
             job.slot = None
             # Its pages return now; the slot itself only after its device reset (it is still

@@ -19,6 +19,14 @@ pages wholly below the latter and outside the former go back to the allocator. T
 new keys are read from the step itself, not through the table (`engine.model_step`), so an
 append or a restore need no pages for positions it writes but nothing later reads.
 
+Pages can be shared (issue #47): the G samples of one prompt point their first full-attention
+entries at the same pages (the prefill writes them once, or each slot the same values), and a
+later request whose prompt starts with a cached prefix (`engine.prefix_cache`) maps its pages.
+Only *full* pages are shared, pages no holder ever writes again (a slot writes only at and past
+its length); a prompt's partly filled last page is each slot's own, filled with a copy of the
+computed rows (copy-on-write done at the copy). Pages are reference counted: one returns to use
+when its last holder lets go.
+
 `PageAllocator` is one pool's free list; `PageTable` is the host mirror of the device page table
 [max_slots, kinds, pages_per_slot] int32 plus which pages each slot owns. The driver is the only
 writer; it mutates the table on its event loop and reads it from the device worker thread (a
@@ -26,10 +34,13 @@ decode chain reserves its next chunk's pages there), hence the lock.
 """
 from __future__ import annotations
 
+import collections
 import threading
 from typing import NamedTuple
 
 import numpy as np
+
+from sfrrl_jax.engine.prefix_cache import PrefixCache, page_keys
 
 
 class PagesExhausted(RuntimeError):
@@ -124,48 +135,91 @@ def pool_units(paging: Paging, n_layers: int) -> tuple[np.ndarray, np.ndarray, n
 
 
 class PageAllocator:
-    """Free list over pages 0..num_pages-1. Hands out the lowest-numbered free pages first (so a
-    test's page numbers are predictable); refuses double frees and foreign pages loudly."""
+    """Reference-counted pages 0..num_pages-1. Hands out the lowest-numbered free pages first (so
+    a test's page numbers are predictable); refuses double frees and foreign pages loudly.
 
-    def __init__(self, num_pages: int):
+    A page several slots read (a prompt's full pages shared by the samples of its group, a cached
+    prefix) has one reference per holder (`share`) and returns to use only when the last one is
+    freed. `cache` (a `PrefixCache`, for the full-attention pool) keeps pages nobody holds for
+    their contents; they count as free and go back to use, oldest first, when no other page is."""
+
+    def __init__(self, num_pages: int, cache: PrefixCache | None = None):
         if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
             raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
         self.num_pages = int(num_pages)
+        self.cache = cache
         self._free = list(range(self.num_pages - 1, -1, -1))  # popped from the end: lowest first
-        self._in_use = np.zeros(self.num_pages, bool)
+        self._refs = np.zeros(self.num_pages, np.int32)
 
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        """Pages an `alloc` can hand out: free ones and unreferenced cached ones."""
+        return len(self._free) + (self.cache.kept_count if self.cache is not None else 0)
 
     @property
     def used_count(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages somebody holds (a shared page once)."""
+        return self.num_pages - self.free_count
+
+    def refs(self, page: int) -> int:
+        """Holders of `page`."""
+        return int(self._refs[page])
 
     def alloc(self, n: int) -> list[int]:
-        """`n` pages, or `PagesExhausted` (allocating none) when fewer are free."""
+        """`n` pages with one reference each, or `PagesExhausted` (allocating none) when fewer
+        are free. Cached pages are taken (and forgotten) only once no free page is left."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > len(self._free):
-            raise PagesExhausted(f"{n} pages requested, {len(self._free)} of {self.num_pages} free")
-        out = [self._free.pop() for _ in range(n)]
-        self._in_use[out] = True
+        if n > self.free_count:
+            raise PagesExhausted(f"{n} pages requested, {self.free_count} of {self.num_pages} free")
+        out = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        out += [self.cache.evict_oldest() for _ in range(n - len(out))]
+        self._refs[out] = 1
         return out
 
-    def free(self, pages) -> None:
-        """Returns `pages`; a page not allocated (double free, or not from this pool) is a
-        ValueError and nothing of the call is freed."""
+    def share(self, pages) -> None:
+        """One more reference to each of `pages` (held, or kept by the cache); a page that is
+        neither is a ValueError and nothing of the call changes."""
         pages = [int(p) for p in pages]
-        seen = set()
         for p in pages:
-            if not 0 <= p < self.num_pages:
-                raise ValueError(f"page {p} is not in this pool (0..{self.num_pages - 1})")
-            if not self._in_use[p] or p in seen:
+            self._check_page(p)
+            if self._refs[p] == 0 and not (self.cache is not None and self.cache.is_kept(p)):
+                raise ValueError(f"page {p} is shared but nobody holds it")
+        for p in pages:
+            if self._refs[p] == 0:
+                self.cache.take(p)
+            self._refs[p] += 1
+
+    def free(self, pages) -> None:
+        """Drops one reference to each of `pages`; a page whose last reference goes returns to
+        the free list (or the cache's kept pages). A page not held that often (double free, or
+        not from this pool) is a ValueError and nothing of the call is freed."""
+        pages = [int(p) for p in pages]
+        count = collections.Counter(pages)
+        for p, c in count.items():
+            self._check_page(p)
+            if self._refs[p] < c:
                 raise ValueError(f"page {p} freed twice (it is not allocated)")
-            seen.add(p)
-        self._in_use[pages] = False
-        self._free.extend(sorted(pages, reverse=True))
-        self._free.sort(reverse=True)
+        back = []
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                back += self.cache.released(p) if self.cache is not None else [p]
+        self._give_back(back)
+
+    def forget_cached(self) -> None:
+        """Empties the cache's index (its contents are gone or stale); kept pages become free."""
+        if self.cache is not None:
+            self._give_back(self.cache.clear())
+
+    def _give_back(self, pages) -> None:
+        if pages:
+            self._free.extend(pages)
+            self._free.sort(reverse=True)
+
+    def _check_page(self, p: int) -> None:
+        if not 0 <= p < self.num_pages:
+            raise ValueError(f"page {p} is not in this pool (0..{self.num_pages - 1})")
 
 
 class PageTable:
@@ -182,16 +236,20 @@ class PageTable:
     """
 
     def __init__(self, max_slots: int, max_len: int, page_size: int, num_pages: int, windows=(0,),
-                 pool_pages=None, layer_kinds=None):
+                 pool_pages=None, layer_kinds=None, *, keep_pages: int = 0):
         self.page_size, self.max_len = page_size, max_len
         self.pages_per_slot = pages_for(max_len, page_size)
         self.windows = tuple(int(w) for w in windows)
         pool_pages = tuple(pool_pages or (num_pages,) * len(self.windows))
-        self.allocators = [PageAllocator(n) for n in pool_pages]
+        # only the full-attention pool holds whole prefixes: its pages are shared and cached
+        self.full_kind = self.windows.index(0) if 0 in self.windows else None
+        self.allocators = [PageAllocator(n, PrefixCache(keep_pages) if k == self.full_kind else None)
+                           for k, n in enumerate(pool_pages)]
         self.scratch = np.asarray(pool_pages, np.int32)
         self.table = np.empty((max_slots, len(self.windows), self.pages_per_slot), np.int32)
         self.table[:] = self.scratch[None, :, None]
         self.version = 0
+        self.peak_used = 0
         self._lock = threading.Lock()
 
     @property
@@ -208,6 +266,11 @@ class PageTable:
     def free_counts(self) -> tuple[int, ...]:
         """Free pages per kind."""
         return tuple(a.free_count for a in self.allocators)
+
+    @property
+    def used_count(self) -> int:
+        """Pages held over all pools, a page several slots share once."""
+        return sum(a.used_count for a in self.allocators)
 
     @property
     def owned(self) -> np.ndarray:
@@ -241,15 +304,20 @@ class PageTable:
         """More pages (all pools) `slot` needs for `tokens` (capped at max_len), see the class."""
         return sum(len(a) for _, a in self._plan(slot, (tokens, start, cached)))
 
-    def ensure(self, slot: int, tokens: int, start: int | None = None, cached: int | None = None) -> bool:
+    def ensure(self, slot: int, tokens: int, start: int | None = None, cached: int | None = None,
+               shared=None) -> bool:
         """Gives `slot` the pages for `tokens` (and returns its window pages no step reads any
-        more); False (and nothing allocated) when not enough are free."""
-        return self.ensure_many({slot: (tokens, start, cached)})
+        more); False (and nothing allocated) when not enough are free. shared: full-attention
+        pages another slot holds (or the prefix cache keeps) that become this slot's first pages
+        (they hold positions 0..len(shared) * page_size - 1, written already or by the same step)."""
+        return self.ensure_many({slot: (tokens, start, cached)}, None if shared is None else {slot: shared})
 
-    def ensure_many(self, wants: dict) -> bool:
-        """All of `wants` (slot -> tokens, or (tokens, start, cached)) or none of it. Window pages
-        that no later step reads are returned either way (they never will be read)."""
+    def ensure_many(self, wants: dict, shared: dict | None = None) -> bool:
+        """All of `wants` (slot -> tokens, or (tokens, start, cached)) or none of it, the slots
+        of `shared` (slot -> pages, see `ensure`) first taking those pages. Window pages that no
+        later step reads are returned either way (they never will be read)."""
         with self._lock:
+            taken = self._share(shared or {})
             plans = {s: self._plan(s, w) for s, w in wants.items()}
             for s, plan in plans.items():
                 for k, (free, _) in enumerate(plan):
@@ -259,21 +327,86 @@ class PageTable:
                         self.version += 1
             for k, a in enumerate(self.allocators):
                 if sum(len(plan[k][1]) for plan in plans.values()) > a.free_count:
+                    self._unshare(taken)
                     return False
             for s, plan in plans.items():
                 for k, (_, alloc) in enumerate(plan):
                     if alloc:
                         self.table[s, k, alloc] = self.allocators[k].alloc(len(alloc))
                         self.version += 1
+            self.peak_used = max(self.peak_used, self.used_count)
             return True
 
+    def _share(self, shared: dict) -> list[tuple[int, int]]:
+        """Points each slot's first full-attention entries at its shared pages; (slot, count) taken."""
+        taken = []
+        k = self.full_kind
+        for s, pages in shared.items():
+            pages = [int(p) for p in pages]
+            if not pages:
+                continue
+            if k is None:
+                raise ValueError("shared pages need a full-attention pool (this layout has only window layers)")
+            if (self.table[s, k, :len(pages)] != self.scratch[k]).any():
+                raise ValueError(f"slot {s} already holds pages where shared ones would go")
+            self.allocators[k].share(pages)
+            self.table[s, k, :len(pages)] = pages
+            self.version += 1
+            taken.append((s, len(pages)))
+        return taken
+
+    def _unshare(self, taken) -> None:
+        k = self.full_kind
+        for s, n in taken:
+            self.allocators[k].free(self.table[s, k, :n])
+            self.table[s, k, :n] = self.scratch[k]
+            self.version += 1
+
+    def full_pages(self, slot: int, n: int) -> list[int]:
+        """The first `n` full-attention pages of `slot` (to share with another slot)."""
+        with self._lock:
+            row = self.table[slot, self.full_kind, :n]
+            if len(row) < n or (row == self.scratch[self.full_kind]).any():
+                raise ValueError(f"slot {slot} does not hold {n} full-attention pages")
+            return row.tolist()
+
+    def lookup(self, keys) -> list[int]:
+        """Pages of the prefix cache holding the longest run of leading `keys` (`page_keys`)."""
+        if self.full_kind is None:
+            return []
+        with self._lock:
+            return self.allocators[self.full_kind].cache.lookup(keys)
+
+    def register(self, slot: int, keys) -> None:
+        """Names `slot`'s first len(keys) full-attention pages by `keys` (their contents are
+        written: the step that wrote them ran or is ordered before any reader)."""
+        if self.full_kind is None:
+            return
+        with self._lock:
+            k = self.full_kind
+            cache = self.allocators[k].cache
+            for i, key in enumerate(keys[:self.pages_per_slot]):
+                page = int(self.table[slot, k, i])
+                if page == self.scratch[k]:
+                    break
+                cache.add(page, key)
+
+    def forget_cached(self) -> None:
+        """Drops the prefix cache's index (stale weights, or the cache's contents are lost);
+        pages kept only for their contents become free."""
+        with self._lock:
+            for a in self.allocators:
+                a.forget_cached()
+
     def release(self, slot: int) -> None:
-        """Returns every page of `slot` and points its row at the scratch pages."""
+        """Returns every page of `slot` and points its row at the scratch pages. The last page
+        goes first: the prefix cache reuses the least recently released pages first, so a
+        sequence's tail is reused before its head (which later prompts and its restore share)."""
         with self._lock:
             for k, a in enumerate(self.allocators):
                 held = self.table[slot, k] != self.scratch[k]
                 if held.any():
-                    a.free(self.table[slot, k, held])
+                    a.free(self.table[slot, k, held][::-1])
                     self.table[slot, k] = self.scratch[k]
                     self.version += 1
 

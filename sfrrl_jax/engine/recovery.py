@@ -50,23 +50,28 @@ class SlotRestorer:
         self._set = jax.jit(self._set_impl, donate_argnums=(0,))
 
     def restore(self, params, state: DecodeState, slot: int, log: SlotLog, generated: int, active: bool,
-                request: SlotRequest) -> DecodeState:
+                request: SlotRequest, start: int = 0) -> DecodeState:
         """`state` with `slot` holding `log`: cache = context[:-1], pending token = context[-1].
 
         generated: tokens of the current call already delivered (counts toward its max_new);
-        active: True for a request still decoding, False for a parked slot."""
+        active: True for a request still decoding, False for a parked slot. start: positions
+        before it are in the slot's cache already (paged: shared or cached pages), only the rest
+        is recomputed."""
         if not log.context:
             raise ValueError(f"slot {slot}: an empty log cannot be restored")
         cached = log.context[:-1]
+        if not 0 <= start <= len(cached):
+            raise ValueError(f"slot {slot}: restore from position {start} of a {len(cached)}-token cache")
         with jax.set_mesh(self.steps.mesh):
-            if cached:
-                state = self._fill(params, state, np.int32(slot), self.steps.pad(cached), np.int32(len(cached)))
+            if len(cached) > start:
+                state = self._fill(params, state, np.int32(slot), self.steps.pad(cached[start:]), np.int32(start),
+                                   np.int32(len(cached)))
             return self._set(state, np.int32(slot), np.int32(len(cached)), np.int32(log.context[-1]),
                              np.int32(generated), np.int32(log.draws), np.bool_(active), request)
 
-    def _fill_impl(self, params, state: DecodeState, slot, tokens, true_length):
+    def _fill_impl(self, params, state: DecodeState, slot, tokens, start, true_length):
         # through the steps' cache access, so a paged cache refills the slot's own pages
-        _, state = self.steps._extend_slot(params, state, slot, tokens, jnp.int32(0), true_length, cast=True,
+        _, state = self.steps._extend_slot(params, state, slot, tokens, start, true_length, cast=True,
                                            logits_at=jnp.zeros((1,), jnp.int32))  # logits unused: one row
         return state
 

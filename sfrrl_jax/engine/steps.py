@@ -13,6 +13,9 @@
   append_many(params, state, slots, tokens, true_lengths, requests)
                                                 -> (state, first ResultTokens [n])
                                                    (append_prefill into n slots in one call)
+  prefill_at_many(params, state, slots, tokens, starts, true_lengths, requests)
+                                                -> (state, first ResultTokens [n])
+                                                   (prompts whose first tokens are cached)
   free_resource(state, slot)                    -> state
 
 With `record_routes=True` (a MoE model) every ResultTokens also carries `routes`: the experts
@@ -182,6 +185,7 @@ class EngineSteps:
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnums=(2, 3))
         self._append = jax.jit(self._append_impl, donate_argnums=(1,))
         self._append_many = jax.jit(self._append_many_impl, donate_argnums=(1,))
+        self._prefill_at = jax.jit(self._prefill_at_impl, donate_argnums=(1,))
         self._free = jax.jit(self._free_impl, donate_argnums=(0,))
 
     def _set_cache_shapes(self, shape, axes) -> None:
@@ -215,7 +219,8 @@ class EngineSteps:
 
     def compile_counts(self) -> dict:
         return {n: getattr(self, "_" + n)._cache_size() for n in
-                ("init", "prefill", "insert", "prefill_many", "generate", "append", "append_many", "free")}
+                ("init", "prefill", "insert", "prefill_many", "generate", "append", "append_many", "prefill_at",
+                  "free")}
 
     # -- public steps (entered under the mesh) ----------------------------------------------
     def init_decode_state(self) -> DecodeState:
@@ -320,6 +325,29 @@ class EngineSteps:
             return self._append_many(params, state, pad(np.asarray(slots, np.int32)),
                                      pad(np.asarray(tokens, np.int32).reshape(n, -1)),
                                      pad(np.asarray(true_lengths, np.int32)), req, real)
+
+    def prefill_at_many(self, params, state, slots, tokens, starts, true_lengths, requests: list[SlotRequest]):
+        """Prefill of n prompts whose first starts[i] tokens slot i's cache holds already (paged:
+        pages shared from the prefix cache, `engine.prefix_cache`): slots [n] distinct free slots,
+        tokens [n, bucket] the prompts' remaining tokens (each row padded to one bucket, `pad`),
+        starts [n], true_lengths [n] the remaining tokens' counts, one SlotRequest per slot. Each
+        slot then holds its whole prompt and samples its first token as after `prefill_many` (draw
+        0); its logits equal a full prefill's up to float rounding (the suffix reads the prefix's
+        keys from the cache instead of computing them alongside). Rows are padded as
+        `append_many`'s; returns (state, first ResultTokens with fields [many_rows(n)])."""
+        n = len(slots)
+        rows = self.many_rows(n)
+        if len(set(int(s) for s in slots)) != n or len(true_lengths) != n or len(requests) != n or len(starts) != n:
+            raise ValueError(f"prefill_at_many: {n} distinct slots need {n} token rows, starts and requests")
+
+        def pad(a):
+            return np.concatenate([a, np.repeat(a[:1], rows - n, axis=0)], axis=0)
+        req = jax.tree.map(lambda *xs: pad(np.stack([np.asarray(x) for x in xs])), *requests)
+        with jax.set_mesh(self.mesh):
+            return self._prefill_at(params, state, pad(np.asarray(slots, np.int32)),
+                                    pad(np.asarray(tokens, np.int32).reshape(n, -1)),
+                                    pad(np.asarray(starts, np.int32)), pad(np.asarray(true_lengths, np.int32)),
+                                    req, np.arange(rows) < n)
 
     def free_resource(self, state: DecodeState, slot: int) -> DecodeState:
         with jax.set_mesh(self.mesh):
@@ -497,12 +525,23 @@ class EngineSteps:
         return self._set_slot(state, slot, length, first, request, draws + 1), self._on_every_host(first)
 
     def _append_many_impl(self, params, state, slots, tokens, true_lengths, request, real):
-        # a padding row (real False) repeats row 0's slot for its reads, starts past the cache
-        # (its writes are dropped, or land on a scratch page) and sets no slot state
-        start = jnp.where(real, state.lengths[slots], self.max_len)
+        return self._fill_rows(params, state, slots, tokens, state.lengths[slots], true_lengths, request, real,
+                               state.draws[slots])
+
+    def _prefill_at_impl(self, params, state, slots, tokens, starts, true_lengths, request, real):
+        # a prompt's first `starts` tokens are in the slot's (shared) pages already: its first
+        # token is the request's first draw, as after a prefill
+        return self._fill_rows(params, state, slots, tokens, starts, true_lengths, request, real,
+                               jnp.zeros_like(slots))
+
+    def _fill_rows(self, params, state, slots, tokens, start, true_lengths, request, real, draws):
+        """tokens [n, t] into slots [n] at positions start [n].., then each row's next token drawn
+        with its draw index draws [n]. A padding row (real False) repeats row 0's slot for its
+        reads, starts past the cache (its writes are dropped, or land on a scratch page) and sets
+        no slot state."""
+        start = jnp.where(real, start, self.max_len)
         logits, state, *routes = self._extend_slots(params, state, slots, tokens, start, start + true_lengths,
                                                     with_routes=self.record_routes, logits_at=true_lengths - 1)
-        draws = state.draws[slots]
         tok, lp, raw = sample(logits[:, 0], request.sampling, draws)
         length = start + true_lengths
         done = _finish(request, tok, 1, length, self.max_len)

@@ -29,7 +29,8 @@ class FlakyEngineSteps:
     is already gone, as after a real runtime failure. Install: `engine.steps = FlakyEngineSteps(engine.steps, ...)`.
     """
 
-    FAULTY = ("prefill", "insert", "prefill_many", "generate", "append_prefill", "append_many", "free_resource")
+    FAULTY = ("prefill", "insert", "prefill_many", "generate", "append_prefill", "append_many", "prefill_at_many",
+              "free_resource")
 
     def __init__(self, steps, p: float, seed: int = 0, always: bool = False, first_calls: bool = True):
         if not 0 <= p <= 1:

@@ -56,6 +56,7 @@ class WorkloadConfig:
     seed: int = 0
     tool_name: str = "latency_tool"
     difficulty_sigma: float = 0.0     # per-prompt factor on the turn, response and latency medians
+    shared_prefix_len: int = 0        # leading prompt tokens every prompt shares (a system prompt, tool schemas)
     redraw_each_replay: bool = False  # a (prompt, sample)'s n-th rollout draws its own work
 
     def __post_init__(self):
@@ -63,6 +64,9 @@ class WorkloadConfig:
         check_int_fields(self, ("num_prompts", "prompt_len", "max_turns", "max_response", "observation_len"), 1)
         # Token ids are drawn from [3, vocab_size) (0-2 are left to special tokens).
         check_int_fields(self, ("vocab_size",), 4)
+        check_int_fields(self, ("shared_prefix_len",), 0)
+        if self.shared_prefix_len > self.prompt_len:
+            raise ValueError(f"{own}.shared_prefix_len={self.shared_prefix_len} > prompt_len={self.prompt_len}")
         check_seed(f"{own}.seed", self.seed)
         # The medians go through log(): a negative one gives nan draws (nan tool latencies that
         # sleep for nothing or forever, nan lengths), zero gives -inf; so they must be > 0.
@@ -118,11 +122,13 @@ def sample_spec(cfg: WorkloadConfig, task_id: str, sample_index: int, replay: in
 
 
 def make_tasks(cfg: WorkloadConfig) -> list[Task]:
-    """The prompts: random token ids (the workload needs no text)."""
+    """The prompts: random token ids (the workload needs no text), the first `shared_prefix_len`
+    the same in every prompt."""
     out = []
+    head = _rng(cfg.seed, "shared_prefix", 0).integers(3, cfg.vocab_size, cfg.shared_prefix_len).tolist()
     for i in range(cfg.num_prompts):
         r = _rng(cfg.seed, "prompt", i)
-        prompt = r.integers(3, cfg.vocab_size, cfg.prompt_len).tolist()
+        prompt = head + r.integers(3, cfg.vocab_size, cfg.prompt_len - cfg.shared_prefix_len).tolist()
         out.append(Task(task_id=f"w{i}", kind="workload", prompt="", metadata={"prompt_tokens": prompt}))
     return out
 

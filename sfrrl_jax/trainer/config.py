@@ -30,6 +30,12 @@ class TrainerConfig:
     page_size / num_pages: page the engine's KV cache (`Engine(page_size=, num_pages=)`): None
       (the default) reserves max_slots x max_len tokens; a page size makes slots take pages as
       they grow, from `num_pages` shared pages (None: as many tokens as the dense cache).
+    prefix_cache_pages: a paged cache's prefix cache across requests (`Engine(prefix_cache_pages=)`;
+      0, the default: off): a later prompt, or a trajectory restored after eviction, maps the
+      cached pages of its leading tokens (a system prompt, tool schemas) instead of computing
+      them; at most this many pages nobody holds are kept. Forgotten at every weight update.
+      Exact to float rounding only (the rest of a prompt reads the cached keys), hence off. A
+      group's samples share their prompt's pages either way.
     paged_attention: how a paged cache's decode attends (`Engine(paged_attention=)`): 'auto' (the
       paged kernel on a GPU where page_size and head_dim are powers of two, else 'gather'),
       'gather' (a slot's pages copied into a contiguous view) or 'pallas' (the kernel; on CPU it
@@ -95,6 +101,7 @@ class TrainerConfig:
     decode_buckets: tuple[int, ...] | None = None
     page_size: int | None = None
     num_pages: int | None = None
+    prefix_cache_pages: int = 0
     paged_attention: PagedAttention = "auto"
     swap_cache: bool = False
     underfull_slots: int = 0
@@ -130,6 +137,10 @@ class TrainerConfig:
                              "rollout; mode='sync' trains after it, with the cache freed: nothing to swap")
         for k in ("page_size", "num_pages"):
             check_int(f"{own}.{k}", getattr(self, k), 1, optional=True)
+        check_int(f"{own}.prefix_cache_pages", self.prefix_cache_pages, 0)
+        if self.prefix_cache_pages and self.page_size is None:
+            raise ValueError(f"{own}.prefix_cache_pages={self.prefix_cache_pages} keeps pages of a paged cache: "
+                             f"set {own}.page_size")
         if self.paged_attention not in PagedAttention.__args__:
             raise ValueError(f"{own}.paged_attention={self.paged_attention!r}; valid: {list(PagedAttention.__args__)}")
         if self.paged_attention == "pallas" and self.page_size is None:

@@ -174,7 +174,8 @@ class RLTrainer:
             buckets=trainer_cfg.buckets, decode_steps=trainer_cfg.decode_steps,
             decode_buckets=trainer_cfg.decode_buckets,
             page_size=trainer_cfg.page_size, num_pages=trainer_cfg.num_pages,
-            paged_attention=trainer_cfg.paged_attention, swap_cache=trainer_cfg.swap_cache,
+            prefix_cache_pages=trainer_cfg.prefix_cache_pages, paged_attention=trainer_cfg.paged_attention,
+            swap_cache=trainer_cfg.swap_cache,
             **(dict(record_routes=True, max_consecutive_faults=0) if replay else {}))
         self.engine = engine if engine is not None else build(max_slots=trainer_cfg.engine_slots)
         if engine is None and trainer_cfg.max_slots is None:

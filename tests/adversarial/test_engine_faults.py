@@ -17,7 +17,7 @@ from sfrrl_jax.engine import Engine
 from sfrrl_jax.engine.recovery import EngineFailure
 from sfrrl_jax.testing.faults import FlakyEngineSteps
 
-from model_fixtures import TINY, randomize
+from model_fixtures import TINY, randomize, teacher_forced_logprobs
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,20 +116,6 @@ def test_cancel_after_the_result_is_set_does_not_leak_the_parked_slot():
     _assert_all_free(engine)
 
 
-def _engine_logprobs(cfg, params, sequences):
-    """log p(token t | tokens < t) under the params, for every position t >= 1 of each sequence."""
-    width = max(len(s) for s in sequences)
-    tokens = np.zeros((len(sequences), width), np.int32)
-    segments = np.zeros_like(tokens)
-    for i, s in enumerate(sequences):
-        tokens[i, :len(s)] = s
-        segments[i, :len(s)] = 1
-    logits = np.asarray(S.forward(cfg, params, tokens, segment_ids=segments))
-    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) \
-        - logits.max(-1, keepdims=True)
-    return [logp[i, np.arange(len(s) - 1), s[1:]] for i, s in enumerate(sequences)]
-
-
 async def _multi_turn(engine, index, turns=3):
     """A trajectory: prompt, then `turns` generations with an observation appended between."""
     sequence = [1 + index % 50, 2, 3]
@@ -168,7 +154,7 @@ def test_random_device_faults_are_recovered_and_every_token_stays_on_policy():
         assert [len(toks) for _, toks, _ in generated] == [5 + (i + t) % 4 for t in range(3)]
     # ...and every token's reported log-prob is the policy's on the whole sequence: resumed
     # trajectories continued from their prefix on the same params (no stale or mixed cache).
-    want = _engine_logprobs(cfg, params, [s for s, _ in results])
+    want = teacher_forced_logprobs(cfg, params, [s for s, _ in results])
     for (sequence, generated), lp in zip(results, want):
         for start, toks, raw in generated:
             np.testing.assert_allclose(raw, lp[start - 1:start - 1 + len(toks)], atol=2e-4)

@@ -18,9 +18,9 @@ from process_run import finish, launch, outputs
 WORKER = Path(__file__).with_name("lockstep_worker.py")
 
 
-def _reference():
+def _reference(paged=False):
     """The same trajectories on one process's 8 devices through the plain engine."""
-    engine = make_engine(Engine)
+    engine = make_engine(Engine, paged=paged)
 
     async def main():
         return await asyncio.gather(*(run_trajectory(engine, i) for i in range(len(trajectories()))))
@@ -33,26 +33,36 @@ def _assert_same(got, want):
         np.testing.assert_allclose(lps, ref_lps, rtol=0, atol=1e-5)
         # the experts of every fed token, recorded in the session like on one process (a router
         # near-tie may flip with the collectives' other summation order: a share, not bitwise)
+        if ref_routes is None:
+            assert routes is None
+            continue
         routes, ref_routes = np.asarray(routes), np.asarray(ref_routes)
         assert routes.shape == ref_routes.shape
         assert np.mean(routes == ref_routes) > 0.99
 
 
-def test_two_processes_generate_what_one_process_does(tmp_path):
-    procs = launch(WORKER, 2, str(tmp_path / "out{process}.json"))
-    reference = _reference()   # meanwhile, here
+@pytest.mark.parametrize("paged", [False, True], ids=["dense_routes", "paged_prefix_cache"])
+def test_two_processes_generate_what_one_process_does(tmp_path, paged):
+    """paged: a paged cache whose shared and cached pages every process decides alike (the same
+    page tables at the end, the same prefix hits)."""
+    procs = launch(WORKER, 2, str(tmp_path / "out{process}.json"), *(["paged"] if paged else []))
+    reference = _reference(paged)   # meanwhile, here
     finish(procs)
     runs = [json.loads((tmp_path / f"out{p}.json").read_text()) for p in range(2)]
     seen = {}
     for run in runs:
         seen.update({int(i): r for i, r in run["results"].items()})
-        assert run["occupancy"] == {"running": 0, "parked": 0, "free": 3, "queued": 0}
+        assert run["occupancy"] == {"running": 0, "parked": 0, "free": 3, "queued": 0,
+                                    **({"pages_free": 36, "evicted": 0} if paged else {})}
     assert sorted(seen) == list(range(len(trajectories())))   # each process ran its own share
     for i, got in seen.items():
         _assert_same(got, reference[i])
     assert runs[0]["ticks"] == runs[1]["ticks"] > 0               # one exchange per tick, in lockstep
+    if paged:
+        assert runs[0]["page_table"] == runs[1]["page_table"]
+        assert runs[0]["prefix_hit_tokens"] == runs[1]["prefix_hit_tokens"] > 0
     # one process: the lockstep engine over the identity exchange is the plain engine
-    engine = make_engine(LockstepEngine, exchange=LocalExchange())
+    engine = make_engine(LockstepEngine, paged=paged, exchange=LocalExchange())
 
     async def local():
         async with engine.session():

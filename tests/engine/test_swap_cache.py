@@ -30,7 +30,7 @@ def _run(swap: bool, jobs: int, paged: bool, failing: bool = False):
     saw, engine)."""
     cfg, params = _params()
     mesh = S.models.mesh_of(params)
-    paging = dict(page_size=8, num_pages=24) if paged else {}
+    paging = dict(page_size=8, num_pages=24, prefix_cache_pages=8) if paged else {}
     engine = Engine(cfg, params, max_slots=4, max_len=64, buckets=(16,), decode_steps=2, swap_cache=swap,
                     underfull_slots=4, **paging)
     seen = []
@@ -63,7 +63,8 @@ def _run(swap: bool, jobs: int, paged: bool, failing: bool = False):
 
     async def main():
         async def one(i):
-            first = await engine.complete(GenerationRequest(tokens=[3 + i, 7, 1], max_new_tokens=12,
+            # requests 1 and 2 share their prompt (paged: its full page held once)
+            first = await engine.complete(GenerationRequest(tokens=[3 + min(i, 1), 7, 1] + [2] * 8, max_new_tokens=12,
                                                             temperature=0.0, stop_token_ids=[5] if i == 0 else []))
             if i != 0:
                 return first.tokens
@@ -82,6 +83,7 @@ def _run(swap: bool, jobs: int, paged: bool, failing: bool = False):
 @pytest.mark.parametrize("paged", [False, True])
 def test_idle_work_runs_with_the_cache_in_host_memory_and_decoding_is_unchanged(paged):
     reference, seen_ref = _run(swap=False, jobs=5, paged=paged)[:2]   # its engine dropped: gc
+    assert reference[1] == reference[2]
     tokens, seen, engine = _run(swap=True, jobs=5, paged=paged)
     assert tokens == reference
     assert len(seen) == len(seen_ref) == 5
@@ -89,6 +91,7 @@ def test_idle_work_runs_with_the_cache_in_host_memory_and_decoding_is_unchanged(
     assert seen == [("pinned_host", "pinned_host", 0)] * 5, seen
     assert all(kind != "pinned_host" for kind, _, _ in seen_ref)
     assert engine.stats.cache_swaps == 5 and engine.stats.swap_seconds > 0
+    assert engine.stats.prefix_hit_tokens == 11
     # back on the devices, in the sharding the steps were compiled for
     assert engine.state.cache_k.sharding.memory_kind == "device"
     assert paged or engine.state.cache_k.sharding.is_equivalent_to(engine.steps.cache_sharding, 5)

@@ -108,6 +108,22 @@ def test_swapped_cache_and_offloaded_sums_train_as_without(mode):
         np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
 
 
+def test_a_paged_cache_with_shared_and_cached_prompt_pages_trains_as_the_dense_one():
+    """TrainerConfig.page_size + prefix_cache_pages: a group's samples hold their prompt's pages
+    once and the engine keeps released pages for later prompts; the step trains what the dense
+    engine's does."""
+    dense, paged = _trainer("sync"), _trainer("sync", page_size=8, num_pages=96, prefix_cache_pages=32)
+    assert paged.engine.prefix_cache_pages == 32
+    m_dense, m_paged = dense.step(), paged.step()
+    for k in ("reward/mean", "rollout/generated_tokens", "train/trained_tokens", "engine/prefill_tokens",
+              "engine/prefix_hit_rate"):
+        assert m_dense[k] == m_paged[k], k
+    # sync mode frees the cache to train: what it held is forgotten with it
+    assert len(paged.engine._pt.allocator.cache) == 0 and paged.engine.state is None
+    with pytest.raises(ValueError, match="TrainerConfig.prefix_cache_pages=8 keeps pages of a paged cache"):
+        TrainerConfig(prefix_cache_pages=8)
+
+
 @pytest.mark.parametrize("pack_rows", [False, True])
 def test_row_split_micro_steps_give_the_same_update(pack_rows):
     # one width (seq_bucket 64): a compile per row count, not per row count and width
