@@ -55,18 +55,23 @@ class AdmissionMixin:
             cached = len(log.context) - (job.resume is not None)  # a resumed log's last is pending
             # A resumed request may evict parked slots (it was running); a new one only waits.
             slot = None if fifo_blocked else self._free_slot(evict=job.resume is not None)
-            pages, keys = self._shareable(job, log, prompts)
+            twin, keys = self._shareable(job, log, prompts)
+            # a twin's slot shares its full pages (prefilled in the same call)
+            pages = None if twin is None else self._pt.full_pages(twin.slot, len(log.context) // self._pt.page_size)
             shared = None if slot is None else self._fits_or_evict(slot, cached, evict=job.resume is not None,
                                                                    pages=pages, keys=keys)
             if shared is None:
                 fifo_blocked = True
                 keep.append(job)
                 continue
-            # tokens whose cache the slot took from the prefix cache (an identical prompt of this
-            # round is no hit: it is computed once in the same prefill call)
-            job.hit = shared * self._pt.page_size if shared and pages is None else 0
-            if job.resume is None and not job.hit:
-                prompts.setdefault(_token_key(job.request.tokens), job)
+            # tokens whose cache the slot took from the prefix cache; a twin is computed with the
+            # prompt it repeats, from where that one starts
+            job.hit = twin.hit if twin is not None else shared * self._pt.page_size if shared else 0
+            if job.resume is None and prompts.setdefault(_token_key(log.context), job) is job \
+                    and self.prefix_cache_pages and not job.hit:
+                # Named now: its prefill runs before the rest of any prompt that maps cached pages
+                # (`_admit_on_device`), so a prompt of this round with the same head maps them.
+                self._pt.register(slot, page_keys(log.context, self._pt.page_size))
             self._free.remove(slot)
             job.slot = slot
             self._logs[slot] = log
@@ -81,24 +86,24 @@ class AdmissionMixin:
                 self._serials[job.slot] = self._serial
         return out
 
-    def _shareable(self, job: Job, log: SlotLog, prompts: dict) -> tuple[list | None, list | None]:
+    def _shareable(self, job: Job, log: SlotLog, prompts: dict) -> tuple[Job | None, list | None]:
         """What a new or resumed job's slot may take from other slots' pages (paged, full-attention
-        pool): (pages of an identical prompt prefilled in this round, or None; `page_keys` of the
-        tokens it may find in the prefix cache, or None). A new prompt looks up all but its last
-        token (the prefill computes at least one, for its first logits); a resumed one its whole
-        cached context."""
+        pool): (the job of this round with the same prompt, whose full pages it shares, or None;
+        `page_keys` of the tokens it may find in the prefix cache, or None). A new prompt looks up
+        all but its last token (the prefill computes at least one, for its first logits); a
+        resumed one its whole cached context."""
         if self._pt is None or self._pt.full_kind is None:
             return None, None
-        ps = self._pt.page_size
         if job.resume is None:
-            twin = prompts.get(_token_key(job.request.tokens)) if self.share_prompts else None
+            twin = prompts.get(_token_key(log.context)) if self.share_prompts else None
             if twin is not None:
-                return self._pt.full_pages(twin.slot, len(log.context) // ps), None
-        return None, (page_keys(log.context[:-1], ps) if self.prefix_cache_pages else None)
+                return twin, None
+        return None, (page_keys(log.context[:-1], self._pt.page_size) if self.prefix_cache_pages else None)
 
     def _remember_prompts(self, jobs: list[Job]) -> None:
         """After their prefill: names the full pages of the new prompts just computed in the prefix
-        cache (on the loop, in admission order, so every lockstep replica names them alike)."""
+        cache (on the loop, in admission order, so every lockstep replica names them alike): those
+        computed from a cached head (a prompt computed whole was named at its admission)."""
         if not self.prefix_cache_pages:
             return
         for job in jobs:
@@ -221,17 +226,25 @@ class AdmissionMixin:
 
     def _prefill_at_group(self, group: list[Job]) -> dict[int, dict]:
         """New prompts of one suffix bucket whose first `job.hit` tokens the slot's cached pages
-        hold: one `prefill_at_many` call computes the rest. {slot: its first results}."""
-        rests = [np.asarray(job.request.tokens).reshape(-1)[job.hit:] for job in group]
+        hold: one `prefill_at_many` call computes the rest, once per distinct prompt (its twins
+        share the pages). {slot: its first results}."""
+        rows: dict[tuple, int] = {}
+        sources = [rows.setdefault(_token_key(job.request.tokens), len(rows)) for job in group]
+        owner: dict[int, Job] = {}
+        for job, source in zip(group, sources):
+            owner.setdefault(source, job)
+        rests = [np.asarray(owner[r].request.tokens).reshape(-1)[owner[r].hit:] for r in range(len(rows))]
         self.state, first = self.steps.prefill_at_many(
             self.params, self.state, [job.slot for job in group], np.concatenate([self.steps.pad(r) for r in rests]),
-            [job.hit for job in group], [len(r) for r in rests], [job.slot_req for job in group])
+            [owner[r].hit for r in range(len(rows))], [len(r) for r in rests], [job.slot_req for job in group],
+            sources=sources)
         jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
         self.stats.prefills += len(group)
         self.stats.prefill_calls += 1
-        self.stats.prefill_rows += len(group)
-        self.stats.prefill_tokens += sum(map(len, rests))
-        self.stats.prefix_hit_tokens += sum(job.hit for job in group)
+        self.stats.prefill_rows += len(rows)
+        computed = sum(map(len, rests))
+        self.stats.prefill_tokens += computed
+        self.stats.prefix_hit_tokens += sum(len(job.request.tokens) for job in group) - computed
         first = jax.device_get(host_fields(first))
         return {job.slot: {k: None if v is None else v[i] for k, v in first.items()}
                 for i, job in enumerate(group)}

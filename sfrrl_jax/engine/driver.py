@@ -164,8 +164,9 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
     # -- lifecycle --------------------------------------------------------------------------
     def set_params(self, params) -> None:
         """The weights the next device steps use (the trainer's, after an update). New weights
-        make every cached prefix stale: the prefix cache forgets them (slots keep their pages)."""
-        if params is not self.params and self._pt is not None:
+        make every cached prefix stale: the prefix cache forgets them (slots keep their pages),
+        whatever `params` is (the same pytree may hold new arrays)."""
+        if self._pt is not None:
             self._pt.forget_cached()
         self.params = params
 

@@ -151,6 +151,21 @@ class PagedEngineSteps(EngineSteps):
         state.cache_v = state.cache_v.at[unit, off].set(jnp.swapaxes(cache_v, 0, 1).astype(self.cache_dtype))
         return state
 
+    def _copy_rows(self, state: DecodeState, src, dst, lengths, mask) -> DecodeState:
+        # the slots share their full pages (the page table points both at them): only the page
+        # holding the last, partial page's positions is each slot's own, and is copied
+        ps = self.page_size
+        idx = jnp.minimum(lengths // ps, self.pages_per_slot - 1)
+        mask = mask & (lengths % ps != 0)
+        pick = lambda slots: jnp.take_along_axis(state.page_table[slots][:, self.layer_kind],   # [n, layers, pages]
+                                                 idx[:, None, None], axis=2)[:, :, 0]            # [n, layers]
+        base = jnp.asarray(self.layer_base)[None, :]
+        src_unit = base + pick(src)
+        dst_unit = jnp.where(mask[:, None], base + pick(dst), jnp.asarray(self.layer_scratch)[None, :])
+        state.cache_k = state.cache_k.at[dst_unit].set(state.cache_k[src_unit])
+        state.cache_v = state.cache_v.at[dst_unit].set(state.cache_v[src_unit])
+        return state
+
     def _free_impl(self, state: DecodeState, slot):
         state = super()._free_impl(state, slot)
         state.page_table = state.page_table.at[slot].set(jnp.asarray(self.kind_scratch)[:, None])

@@ -326,28 +326,42 @@ class EngineSteps:
                                      pad(np.asarray(tokens, np.int32).reshape(n, -1)),
                                      pad(np.asarray(true_lengths, np.int32)), req, real)
 
-    def prefill_at_many(self, params, state, slots, tokens, starts, true_lengths, requests: list[SlotRequest]):
-        """Prefill of n prompts whose first starts[i] tokens slot i's cache holds already (paged:
-        pages shared from the prefix cache, `engine.prefix_cache`): slots [n] distinct free slots,
-        tokens [n, bucket] the prompts' remaining tokens (each row padded to one bucket, `pad`),
-        starts [n], true_lengths [n] the remaining tokens' counts, one SlotRequest per slot. Each
-        slot then holds its whole prompt and samples its first token as after `prefill_many` (draw
-        0); its logits equal a full prefill's up to float rounding (the suffix reads the prefix's
-        keys from the cache instead of computing them alongside). Rows are padded as
-        `append_many`'s; returns (state, first ResultTokens with fields [many_rows(n)])."""
+    def prefill_at_many(self, params, state, slots, tokens, starts, true_lengths, requests: list[SlotRequest],
+                        sources=None):
+        """Prefill of n prompts whose first tokens slot i's cache holds already (paged: pages
+        shared from the prefix cache, `engine.prefix_cache`): slots [n] distinct free slots, one
+        SlotRequest per slot; tokens [u, bucket] the u distinct prompts' remaining tokens (each row
+        padded to one bucket, `pad`), starts [u] where they start, true_lengths [u] their counts;
+        sources [n] (default: row i for slot i) the row of each slot. A row is computed into the
+        first slot that names it; the others (a prompt several slots share) hold its full pages
+        already (`PageTable` sharing) and get a copy of the rest (`_copy_rows`). Each slot then
+        holds its whole prompt and samples its first token as after `prefill_many` (draw 0); logits
+        equal a full prefill's up to float rounding (the rest reads the prefix's keys from the cache
+        instead of computing them alongside). Slots are padded to `many_rows(n)`, rows to
+        `many_rows(u)`; padding writes nothing. Returns (state, first ResultTokens [many_rows(n)])."""
         n = len(slots)
         rows = self.many_rows(n)
-        if len(set(int(s) for s in slots)) != n or len(true_lengths) != n or len(requests) != n or len(starts) != n:
-            raise ValueError(f"prefill_at_many: {n} distinct slots need {n} token rows, starts and requests")
+        slots = np.asarray(slots, np.int32).reshape(-1)
+        sources = np.arange(n, dtype=np.int32) if sources is None else np.asarray(sources, np.int32).reshape(-1)
+        u = len(true_lengths)
+        if len(set(slots.tolist())) != n or len(requests) != n or len(sources) != n or len(starts) != u:
+            raise ValueError(f"prefill_at_many: {n} distinct slots need {n} requests and sources, and the {u} rows "
+                             f"{u} starts")
+        if u < 1 or np.asarray(tokens).size % u or sources.min() < 0 or sources.max() >= u \
+                or len(set(sources.tolist())) != u:
+            raise ValueError(f"prefill_at_many: sources must name each of the {u} rows, got {sources.tolist()}")
+        owners = np.asarray([slots[sources.tolist().index(r)] for r in range(u)], np.int32)
 
-        def pad(a):
-            return np.concatenate([a, np.repeat(a[:1], rows - n, axis=0)], axis=0)
-        req = jax.tree.map(lambda *xs: pad(np.stack([np.asarray(x) for x in xs])), *requests)
+        def pad(a, m):
+            return np.concatenate([a, np.repeat(a[:1], m - len(a), axis=0)], axis=0)
+        row_count = self.many_rows(u)
+        req = jax.tree.map(lambda *xs: pad(np.stack([np.asarray(x) for x in xs]), rows), *requests)
         with jax.set_mesh(self.mesh):
-            return self._prefill_at(params, state, pad(np.asarray(slots, np.int32)),
-                                    pad(np.asarray(tokens, np.int32).reshape(n, -1)),
-                                    pad(np.asarray(starts, np.int32)), pad(np.asarray(true_lengths, np.int32)),
-                                    req, np.arange(rows) < n)
+            return self._prefill_at(params, state, pad(slots, rows), pad(np.asarray(tokens, np.int32).reshape(u, -1),
+                                                                          row_count),
+                                    pad(np.asarray(starts, np.int32), row_count),
+                                    pad(np.asarray(true_lengths, np.int32), row_count), req, np.arange(rows) < n,
+                                    pad(sources, rows), pad(owners, row_count), np.arange(row_count) < u)
 
     def free_resource(self, state: DecodeState, slot: int) -> DecodeState:
         with jax.set_mesh(self.mesh):
@@ -524,22 +538,35 @@ class EngineSteps:
                              routes=routes[0][0] if routes else None)
         return self._set_slot(state, slot, length, first, request, draws + 1), self._on_every_host(first)
 
+    def _prefill_at_impl(self, params, state, slots, tokens, starts, true_lengths, request, real, sources, owners,
+                         real_rows):
+        # each distinct row once, into its first slot; a padding row starts past the cache (its
+        # writes are dropped, or land on a scratch page)
+        start = jnp.where(real_rows, starts, self.max_len)
+        logits, state, *routes = self._extend_slots(params, state, owners, tokens, start, start + true_lengths,
+                                                    with_routes=self.record_routes, logits_at=true_lengths - 1)
+        lengths = (start + true_lengths)[sources]
+        src = owners[sources]
+        state = self._copy_rows(state, src, slots, lengths, real & (src != slots))
+        # its first token is the request's first draw, as after a prefill
+        first = self._first_tokens(logits[sources, 0], lengths, request, routes[0][sources] if routes else None)
+        first.valid = real
+        owned = jnp.where(real, slots, self.max_slots)   # past the slots: the update is dropped
+        return self._set_slot(state, owned, lengths, first, request, jnp.ones_like(slots)), self._on_every_host(first)
+
+    def _copy_rows(self, state: DecodeState, src, dst, lengths, mask) -> DecodeState:
+        """Slot dst[i] gets slot src[i]'s cache rows below lengths[i] where mask[i] (the dense
+        cache copies the whole row; `engine.paged` only what the slots do not share)."""
+        dst = jnp.where(mask, dst, self.max_slots)   # past the slots: dropped
+        state.cache_k = state.cache_k.at[:, dst].set(state.cache_k[:, src], mode="drop")
+        state.cache_v = state.cache_v.at[:, dst].set(state.cache_v[:, src], mode="drop")
+        return state
+
     def _append_many_impl(self, params, state, slots, tokens, true_lengths, request, real):
-        return self._fill_rows(params, state, slots, tokens, state.lengths[slots], true_lengths, request, real,
-                               state.draws[slots])
-
-    def _prefill_at_impl(self, params, state, slots, tokens, starts, true_lengths, request, real):
-        # a prompt's first `starts` tokens are in the slot's (shared) pages already: its first
-        # token is the request's first draw, as after a prefill
-        return self._fill_rows(params, state, slots, tokens, starts, true_lengths, request, real,
-                               jnp.zeros_like(slots))
-
-    def _fill_rows(self, params, state, slots, tokens, start, true_lengths, request, real, draws):
-        """tokens [n, t] into slots [n] at positions start [n].., then each row's next token drawn
-        with its draw index draws [n]. A padding row (real False) repeats row 0's slot for its
-        reads, starts past the cache (its writes are dropped, or land on a scratch page) and sets
-        no slot state."""
-        start = jnp.where(real, start, self.max_len)
+        # a padding row (real False) repeats row 0's slot for its reads, starts past the cache
+        # (its writes are dropped, or land on a scratch page) and sets no slot state
+        start = jnp.where(real, state.lengths[slots], self.max_len)
+        draws = state.draws[slots]
         logits, state, *routes = self._extend_slots(params, state, slots, tokens, start, start + true_lengths,
                                                     with_routes=self.record_routes, logits_at=true_lengths - 1)
         tok, lp, raw = sample(logits[:, 0], request.sampling, draws)

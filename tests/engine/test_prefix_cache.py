@@ -15,7 +15,7 @@ from sfrrl_jax.engine.prefix_cache import PrefixCache, page_keys
 from sfrrl_jax.engine.types import GenerationRequest
 from sfrrl_jax.testing.faults import FlakyEngineSteps
 
-from model_fixtures import TINY, TINY_DEEPSEEK, TINY_GPT_OSS, randomize, teacher_forced_logprobs
+from model_fixtures import TINY, TINY_DEEPSEEK, TINY_GPT_OSS, host, randomize, teacher_forced_logprobs
 
 ENGINE = dict(max_slots=8, max_len=48, buckets=(8, 16, 32), decode_steps=3)
 
@@ -173,14 +173,21 @@ def test_a_later_prompt_maps_the_cached_pages_of_its_head_and_new_weights_forget
     later = [head + rng.randint(1, 60, 5).tolist(), first[0]]
     cached = Engine(cfg, params, **ENGINE, page_size=4, num_pages=64, prefix_cache_pages=32)
     plain = Engine(cfg, params, **ENGINE, page_size=4, num_pages=64)
-    for engine in (cached, plain):
-        _complete(engine, _group_requests(first, 2))
+    round1 = [_complete(engine, _group_requests(first, 2)) for engine in (cached, plain)]
+    # admitted together: prompt 0 computed once for its 2 samples (19 tokens served to the second);
+    # prompt 1 maps prompt 0's head (4 pages) as soon as it is named and computes its last 3
+    # tokens once for both its samples
+    assert (plain.stats.prefill_tokens, plain.stats.prefix_hit_tokens) == (38, 38)
+    assert (cached.stats.prefill_tokens, cached.stats.prefix_hit_tokens) == (19 + 3, 19 + 16 + 19)
+    for g, w in zip(*round1):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, atol=1e-5)
     before = (cached.stats.prefill_tokens, cached.stats.prefix_hit_tokens)
     got, want = _complete(cached, _group_requests(later, 2)), _complete(plain, _group_requests(later, 2))
     # the new prompt maps the head's 4 pages; the repeated one all 4 of its full pages (its 19th
-    # token is computed: its logits give the first token); 2 samples of each
+    # token is computed: its logits give the first token); each computed once for its 2 samples
     computed = cached.stats.prefill_tokens - before[0]
-    assert cached.stats.prefix_hit_tokens - before[1] == 2 * 16 + 2 * 16 and computed == 2 * 5 + 2 * 3
+    assert cached.stats.prefix_hit_tokens - before[1] == (16 + 21) + (16 + 19) and computed == 5 + 3
     assert cached.steps.compile_counts()["prefill_at"] >= 1
     # the rest of the prompt reads the head's keys from the cache: equal up to float rounding
     for g, w in zip(got, want):
@@ -292,3 +299,30 @@ def test_the_benchs_workload_prompts_share_their_head():
     assert prompts(shared_prefix_len=0) == own
     with pytest.raises(ValueError, match="shared_prefix_len=11 > prompt_len=10"):
         WorkloadConfig(prompt_len=10, shared_prefix_len=11)
+
+
+def test_prefill_at_computes_the_rest_of_a_prompt_once_for_the_slots_that_share_it():
+    """The step under a cache hit, on the dense cache: slot 0 holds a prompt's first 8 tokens;
+    `prefill_at_many` computes the rest once into slot 0 and copies it to slot 3 (its twin);
+    both then hold what a whole prefill gives (to float rounding) and sample their own first
+    token."""
+    from sfrrl_jax.engine import SlotRequest
+    from sfrrl_jax.engine.paged import engine_steps
+
+    cfg, params = _params(TINY)
+    steps = engine_steps(cfg, S.models.mesh_of(params), 4, 32, (8, 16), None, None, False, None)
+    prompt = np.random.RandomState(5).randint(1, 60, 13).tolist()
+    reqs = [SlotRequest.make(temperature=1.0, seed=s, max_new=5) for s in (1, 2)]
+    whole, want = steps.prefill_many(params, steps.init_decode_state(), [0, 3], steps.pad(prompt), [13], reqs,
+                                     sources=[0, 0])
+    state, _ = steps.prefill_many(params, steps.init_decode_state(), [0], steps.pad(prompt[:8]), [8], reqs[:1])
+    state, got = steps.prefill_at_many(params, state, [0, 3], steps.pad(prompt[8:]), [8], [5], reqs, sources=[0, 0])
+    assert host(got.tokens)[:2].tolist() == host(want.tokens)[:2].tolist()
+    np.testing.assert_allclose(host(got.raw_logprobs)[:2], host(want.raw_logprobs)[:2], atol=1e-5)
+    k, k_whole = host(state.cache_k), host(whole.cache_k)
+    assert np.array_equal(k[:, 3, :13], k[:, 0, :13])                 # the twin's rows: a copy
+    np.testing.assert_allclose(k[:, 0, :13], k_whole[:, 0, :13], atol=1e-5)
+    assert host(state.lengths)[[0, 3]].tolist() == [13, 13] and host(state.draws)[[0, 3]].tolist() == [1, 1]
+    with pytest.raises(ValueError, match="sources must name each of the 2 rows"):
+        steps.prefill_at_many(params, state, [1, 2], np.concatenate([steps.pad([1]), steps.pad([2])]), [0, 0],
+                              [1, 1], reqs, sources=[0, 0])
