@@ -89,7 +89,9 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
     prefix_cache_pages (paged, full-attention layers; default 0 = off): a prefix cache across
     requests. A slot's full pages are named by the chained hash of the tokens they hold
     (`engine.prefix_cache`); a later prompt or restore starting with the same tokens maps them
-    and computes only the rest; pages nobody holds any more stay cached, at most this many,
+    and computes only the rest (prompts admitted together with a common head too: the first is
+    computed whole, the others map its head after it); pages nobody holds any more stay cached,
+    at most this many,
     least recently released reused first (they count as free). New weights (`set_params`) and a
     lost state forget the cache. Off by default because a hit is exact only to float rounding
     (<= 1e-5 in logprobs on CPU): the rest of the prompt reads the prefix's keys from the cache

@@ -52,6 +52,15 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-int(tokens) // page_size)
 
 
+def group_pages(prompt_tokens: int, total_tokens: int, group_size: int, page_size: int, shared: bool = True) -> int:
+    """Full-attention pages a group of `group_size` samples of one `prompt_tokens`-token prompt
+    holds once each sample has `total_tokens` tokens: with `shared`, the prompt's full pages once
+    and each sample's own rest (its partial prompt page included), else every sample all of its
+    pages (`Engine(share_prompts=...)`)."""
+    full = int(prompt_tokens) // page_size if shared else 0
+    return full + int(group_size) * (pages_for(total_tokens, page_size) - full)
+
+
 def span_pages(n: int, page_size: int) -> int:
     """The most pages n consecutive positions can touch (when they start at a page's last slot)."""
     return 0 if n <= 0 else (int(n) - 2) // page_size + 2

@@ -44,6 +44,7 @@ import numpy as np
 
 from sfrrl_jax.checks import check_bool, check_int, check_number
 from sfrrl_jax.config import ModelConfig
+from sfrrl_jax.engine.pages import group_pages, pages_for
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.plan.abstract import (GB, TrainSetup, device_bytes, engine_abstract, host_bytes, microbatch,
                                      request_abstract, shard_bytes)
@@ -318,9 +319,17 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
     acc_between = 0 if inputs.optimizer.offload_accumulator else acc_b
     overlap = tc.mode in ("pipelined", "one_step_off")
     page_size, num_pages = _paging(tc, cfg)
+    paged_groups = None
+    if page_size is not None:
+        # groups of G whose prompt (prefill_len tokens) and turns fill max_len that the pool holds
+        # at once: a group's prompt pages are held once (`Engine(share_prompts=True)`), or G times
+        pool = num_pages or tc.engine_slots * pages_for(tc.max_len, page_size)
+        paged_groups = {"group_size": tc.group_size, **{
+            k: pool // group_pages(min(prefill_len, tc.max_len), tc.max_len, tc.group_size, page_size, shared)
+            for k, shared in (("shared", True), ("unshared", False))}}
     shapes = {"microbatch": [rows, length], "mode": tc.mode, "max_slots": tc.engine_slots, "max_len": tc.max_len,
               "prefill_len": prefill_len, "decode_steps": tc.decode_steps,
-              "paging": None if page_size is None else [page_size, num_pages],
+              "paging": None if page_size is None else [page_size, num_pages], "paged_groups": paged_groups,
               "mesh": dict(mesh.shape), "early_groups": tc.early_groups, "swap_cache": tc.swap_cache}
     setup_s = time.perf_counter() - t0
     phases = []

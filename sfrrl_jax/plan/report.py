@@ -28,7 +28,8 @@ def plan_markdown(plan) -> str:
         f"{plan.shapes['microbatch'][1]:,} tokens; **engine** {plan.shapes['max_slots']} slots x "
         f"{plan.shapes['max_len']:,} tokens, prefill bucket {plan.shapes['prefill_len']:,}, "
         + ("dense KV cache" if plan.shapes["paging"] is None else
-           f"paged KV cache (page {plan.shapes['paging'][0]}, {plan.shapes['paging'][1]} pages)")
+           f"paged KV cache (page {plan.shapes['paging'][0]}, {plan.shapes['paging'][1]} pages"
+           + _group_fit(plan.shapes.get("paged_groups")) + ")")
         + (" swapped to pinned_host during micro-steps" if plan.shapes.get("swap_cache") else "")
         + f"; **optimizer state** {'pinned_host' if inp.optimizer.offload_state else 'device'}"
         + f", split over {inp.optimizer.state_shard_axis!r}"
@@ -60,3 +61,11 @@ def plan_markdown(plan) -> str:
                                           for p in plan.phases) + " |")
     lines.append("| **peak** | " + " | ".join(f"**{_gb(p.peak)}**" for p in plan.phases) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _group_fit(groups: dict | None) -> str:
+    """How many groups of G at max_len the page pool holds, with the prompt's pages shared and not."""
+    if not groups:
+        return ""
+    return (f"; holds {groups['shared']} groups of {groups['group_size']} at max_len with their prompt's pages "
+            f"shared, {groups['unshared']} without")

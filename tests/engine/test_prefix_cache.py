@@ -16,6 +16,7 @@ from sfrrl_jax.engine.types import GenerationRequest
 from sfrrl_jax.testing.faults import FlakyEngineSteps
 
 from model_fixtures import TINY, TINY_DEEPSEEK, TINY_GPT_OSS, host, randomize, teacher_forced_logprobs
+from test_shared_prefill import _complete_all as _complete
 
 ENGINE = dict(max_slots=8, max_len=48, buckets=(8, 16, 32), decode_steps=3)
 
@@ -28,16 +29,6 @@ def _params(cfg):
 
 def _req(tokens, n, seed=0, handle=None):
     return GenerationRequest(tokens=list(tokens), max_new_tokens=n, temperature=1.0, seed=seed, slot_handle=handle)
-
-
-def _complete(engine, requests):
-    async def main():
-        async def one(r):
-            c = await engine.complete(r)
-            await engine.release(c.slot_handle)
-            return c
-        return await asyncio.gather(*(one(r) for r in requests))
-    return asyncio.run(main())
 
 
 def _all_returned(engine):
@@ -232,6 +223,24 @@ def test_an_evicted_trajectory_comes_back_through_its_cached_pages_and_every_pag
     for (gt, gl), (wt, wl) in zip(got, want):
         assert gt == wt
         np.testing.assert_allclose(gl, wl, atol=1e-5)
+    _all_returned(cached)
+
+
+def test_a_preempted_request_resumes_through_its_cached_pages():
+    """Two requests outgrow the pool while decoding: the younger is preempted (its pages named,
+    then released) and resumes once the other ends, mapping its cached head."""
+    cfg, params = _params(TINY)
+    rng = np.random.RandomState(6)
+    requests = [_req(rng.randint(1, 60, 29).tolist(), 20, seed=s) for s in (1, 2)]
+    kw = dict(max_slots=2, max_len=64, buckets=(8, 32, 64), decode_steps=2, page_size=4, num_pages=16)
+    plain, cached = Engine(cfg, params, **kw), Engine(cfg, params, **kw, prefix_cache_pages=16)
+    want, got = _complete(plain, requests), _complete(cached, requests)
+    assert plain.stats.preemptions == cached.stats.preemptions >= 1
+    assert cached.stats.prefix_hit_tokens > 0
+    assert plain.stats.prefill_tokens - cached.stats.prefill_tokens == cached.stats.prefix_hit_tokens
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, atol=1e-5)
     _all_returned(cached)
 
 

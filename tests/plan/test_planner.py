@@ -175,3 +175,20 @@ def test_search_splits_latent_attention_heads_over_tensor():
     assert {t for *_, t in meshes(mla, 8)} == {1, 2, 4}          # n_heads = 4
     assert {t for *_, t in meshes(mla.replace(mla_kv_rank=0, mla_rope_dim=0, mla_nope_dim=0, mla_v_dim=0,
                                               head_dim=16), 8)} == {1}   # one KV head of plain attention
+
+
+def test_a_paged_plan_counts_a_groups_shared_prompt_pages_once():
+    """G samples of one prompt hold its full pages once (`Engine(share_prompts=True)`): the plan
+    says how many groups at max_len the page pool holds so, and without sharing."""
+    from sfrrl_jax.engine.pages import group_pages
+    assert group_pages(192, 256, 4, 16) == 12 + 4 * (16 - 12) and group_pages(192, 256, 4, 16, shared=False) == 64
+    assert group_pages(200, 256, 4, 16) == 12 + 4 * 4   # the prompt's partial page is each sample's own
+    cfg = ModelConfig.preset("tiny-moe", max_seq_len=256)
+    tc = TrainerConfig(max_len=256, max_slots=8, group_size=4, buckets=(64,), seq_bucket=64)
+    plan = plan_memory(PlanInputs(cfg, make_mesh(expert=8), tc, LossConfig(), OptimizerConfig()),
+                       PlanConfig(phases=("apply",), page_size=16, num_pages=200, prefill_len=192))
+    assert plan.shapes["paged_groups"] == {"group_size": 4, "shared": 200 // 28, "unshared": 200 // 64}
+    assert "holds 7 groups of 4 at max_len with their prompt's pages shared, 3 without" in plan.to_markdown()
+    dense = plan_memory(PlanInputs(cfg, make_mesh(expert=8), tc, LossConfig(), OptimizerConfig()),
+                        PlanConfig(phases=("apply",)))
+    assert dense.shapes["paged_groups"] is None and "dense KV cache" in dense.to_markdown()
