@@ -75,6 +75,7 @@ class AdmissionMixin:
             self._free.remove(slot)
             job.slot = slot
             self._logs[slot] = log
+            self._slot_weights[slot] = self._weights_version
             out.append(job)
         self._queue = keep
         for job in out:
@@ -135,6 +136,7 @@ class AdmissionMixin:
             job.slot, job.serial = slot, h.serial
             job.restore = SlotLog(list(log.context), log.draws)  # the slot before this append
             self._logs[slot] = log
+            self._slot_weights[slot] = self._weights_version
         else:
             job.future.set_exception(ValueError(f"GenerationRequest.slot_handle {h} was released before its "
                                                 "append was admitted"))

@@ -136,6 +136,8 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
                                                          keep_pages=self.prefix_cache_pages)
         self._table_version = -1                    # the page table version the state holds
         self._evicted: dict[int, SlotLog] = {}      # paged: serial -> an evicted trajectory's log
+        self._weights_version = 0                   # set_params calls so far
+        self._slot_weights: dict[int, int] = {}     # occupied slot -> the weights version it was filled with
         self.decode_steps = decode_steps
         self.max_consecutive_faults = max_consecutive_faults
         self.state = None
@@ -170,6 +172,7 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
         whatever `params` is (the same pytree may hold new arrays)."""
         if self._pt is not None:
             self._pt.forget_cached()
+        self._weights_version += 1   # the slots filled so far are not named in the cache any more
         self.params = params
 
     def set_idle_work(self, idle_work: IdleWork | None, *, underfull_slots: int | None = None) -> None:

@@ -89,8 +89,9 @@ class PagingMixin:
 
     def _remember(self, slot: int) -> None:
         """Names `slot`'s full pages in the prefix cache by the tokens they hold (before its pages
-        go back: a later request or this trajectory's restore may find them)."""
-        if self.prefix_cache_pages and slot in self._logs:
+        go back: a later request or this trajectory's restore may find them). Not a slot filled
+        before the last `set_params`: its pages hold keys of other weights."""
+        if self.prefix_cache_pages and slot in self._logs and self._slot_weights.get(slot) == self._weights_version:
             self._pt.register(slot, page_keys(self._logs[slot].context[:-1], self._pt.page_size))
 
     def _handle_log(self, h) -> SlotLog | None:

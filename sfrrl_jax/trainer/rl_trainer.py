@@ -164,6 +164,10 @@ class RLTrainer:
         # needs) rebuilds no slot by recompute after a device fault.
         replay = self.loss.routing_replay == "r3"
         self.route_dims = route_dims(model_cfg) if replay else None
+        if replay and trainer_cfg.prefix_cache_pages:
+            raise ValueError(f"TrainerConfig.prefix_cache_pages={trainer_cfg.prefix_cache_pages} with "
+                             "LossConfig.routing_replay='r3': a cached prefix keeps no routes to replay; set "
+                             "prefix_cache_pages=0 (a group's samples still share their prompt's pages)")
         if replay and engine is not None and not engine.record_routes:
             raise ValueError("RLTrainer: the loss replays routing (routing_replay='r3') but the prebuilt engine "
                              "does not record routes: build it with Engine(..., record_routes=True, "

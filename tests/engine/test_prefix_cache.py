@@ -197,6 +197,26 @@ def test_a_later_prompt_maps_the_cached_pages_of_its_head_and_new_weights_forget
     assert len(cached._pt.allocator.cache) == 0   # the pages' contents went with the state
 
 
+def test_a_slot_filled_before_new_weights_is_not_cached():
+    """set_params while a trajectory is parked: its pages hold keys of the old weights, so its
+    release names none of them; the same prompt afterwards is computed again."""
+    cfg, params = _params(TINY)
+    engine = Engine(cfg, params, **ENGINE, page_size=4, num_pages=64, prefix_cache_pages=32)
+    prompt = list(range(1, 14))
+
+    async def main():
+        parked = await engine.complete(_req(prompt, 3))
+        engine.set_params(params)
+        await engine.release(parked.slot_handle)
+        assert len(engine._pt.allocator.cache) == 0
+        again = await engine.complete(_req(prompt, 3))
+        await engine.release(again.slot_handle)
+    asyncio.run(main())
+    assert engine.stats.prefix_hit_tokens == 0 and engine.stats.prefill_tokens == 2 * 13
+    assert len(engine._pt.allocator.cache) == 3   # the second one, filled with these weights, is named
+    _all_returned(engine)
+
+
 def test_an_evicted_trajectory_comes_back_through_its_cached_pages_and_every_page_returns():
     """A parked trajectory is evicted for another's pages; the other takes what it needs (the
     evicted sequence's tail first) and ends; the evicted one's append maps its cached head and

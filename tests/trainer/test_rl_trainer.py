@@ -199,6 +199,10 @@ def test_bad_config_fails_before_compiling():
         RLTrainer(CFG.replace(max_seq_len=1 << 22), params,
                   TrainerConfig(max_slots=1 << 16, max_len=1 << 22), LOSS, OPT, WorkloadAgent(WL),
                   TaskStream(make_tasks(WL)))
+    with pytest.raises(ValueError, match="prefix_cache_pages=8 with LossConfig.routing_replay='r3'"):
+        RLTrainer(CFG, params, TrainerConfig(max_len=64, page_size=8, prefix_cache_pages=8),
+                  LossConfig(routing_replay="r3"),
+                  OPT, WorkloadAgent(WL), TaskStream(make_tasks(WL)))
     with pytest.raises(ValueError, match="TrainerConfig.max_len=256 > ModelConfig.max_seq_len=128"):
         RLTrainer(CFG, params, TrainerConfig(max_len=256), LOSS, OPT, WorkloadAgent(WL), TaskStream(make_tasks(WL)))
 
