@@ -42,7 +42,8 @@ import numpy as np  # noqa: E402
 
 import sfrrl_jax as S  # noqa: E402
 from sfrrl_jax.engine.model_step import extend  # noqa: E402
-from sfrrl_jax.engine.steps import DecodeState, EngineSteps, SlotRequest  # noqa: E402
+from sfrrl_jax.engine.slot_state import DecodeState, SlotRequest  # noqa: E402
+from sfrrl_jax.engine.steps import EngineSteps  # noqa: E402
 
 
 def active_state(steps: EngineSteps, batch: int, live: int, vocab: int, temperature: float) -> DecodeState:

@@ -20,12 +20,17 @@ import numpy as np
 from sfrrl_jax.engine.jobs import Job
 from sfrrl_jax.engine.prefix_cache import page_keys
 from sfrrl_jax.engine.recovery import SlotLog, restorer_for
-from sfrrl_jax.engine.steps import SlotRequest
+from sfrrl_jax.engine.slot_state import SlotRequest
 
 
 def _token_key(tokens) -> tuple:
     """A prompt as a hashable key."""
     return tuple(np.asarray(tokens).reshape(-1).tolist())
+
+
+def _results_by_slot(first: dict, group: list[Job]) -> dict[int, dict]:
+    """A batched step's first results on the host (fields [rows, ...], row i job i's) per slot."""
+    return {job.slot: {k: None if v is None else v[i] for k, v in first.items()} for i, job in enumerate(group)}
 
 
 def host_fields(x) -> dict:
@@ -108,7 +113,7 @@ class AdmissionMixin:
         if not self.prefix_cache_pages:
             return
         for job in jobs:
-            if job.request.slot_handle is None and job.resume is None and self._running.get(job.slot) is job:
+            if job.hit and job.request.slot_handle is None and job.resume is None and self._running.get(job.slot) is job:
                 self._pt.register(job.slot, page_keys(np.asarray(job.request.tokens).reshape(-1), self._pt.page_size))
 
     def _take_append(self, job: Job, h) -> bool:
@@ -165,7 +170,7 @@ class AdmissionMixin:
         for group in groups.values():
             firsts.update(self._prefill_group(group))
         for group in cached.values():   # after the prefills: a cached page may be one they write
-            firsts.update(self._prefill_at_group(group))
+            firsts.update(self._prefill_group(group))
         appends: dict[int, list[Job]] = {}
         for job in jobs:
             if job.slot in firsts:
@@ -223,39 +228,15 @@ class AdmissionMixin:
         first = jax.device_get(host_fields(first))
         if len(group) == 1:   # the fields of one slot, as a row of one
             first = {k: None if v is None else np.asarray(v)[None] for k, v in first.items()}
-        return {job.slot: {k: None if v is None else v[i] for k, v in first.items()}
-                for i, job in enumerate(group)}
-
-    def _prefill_at_group(self, group: list[Job]) -> dict[int, dict]:
-        """New prompts of one suffix bucket whose first `job.hit` tokens the slot's cached pages
-        hold: one `prefill_at_many` call computes the rest, once per distinct prompt (its twins
-        share the pages). {slot: its first results}."""
-        rows: dict[tuple, int] = {}
-        sources = [rows.setdefault(_token_key(job.request.tokens), len(rows)) for job in group]
-        owner: dict[int, Job] = {}
-        for job, source in zip(group, sources):
-            owner.setdefault(source, job)
-        rests = [np.asarray(owner[r].request.tokens).reshape(-1)[owner[r].hit:] for r in range(len(rows))]
-        self.state, first = self.steps.prefill_at_many(
-            self.params, self.state, [job.slot for job in group], np.concatenate([self.steps.pad(r) for r in rests]),
-            [owner[r].hit for r in range(len(rows))], [len(r) for r in rests], [job.slot_req for job in group],
-            sources=sources)
-        jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
-        self.stats.prefills += len(group)
-        self.stats.prefill_calls += 1
-        self.stats.prefill_rows += len(rows)
-        computed = sum(map(len, rests))
-        self.stats.prefill_tokens += computed
-        self.stats.prefix_hit_tokens += sum(len(job.request.tokens) for job in group) - computed
-        first = jax.device_get(host_fields(first))
-        return {job.slot: {k: None if v is None else v[i] for k, v in first.items()}
-                for i, job in enumerate(group)}
+        return _results_by_slot(first, group)
 
     def _prefill_group(self, group: list[Job]) -> dict[int, dict]:
-        """One `prefill_many` call for new prompts of one bucket (one prompt too: the driver
-        compiles no other prefill): {slot: its first results}. A prompt several jobs share (the
-        G samples of a GRPO group, admitted together) is computed once for all of them
-        (`prefill_many`'s sources): at 8 prompts x 8 samples prefill was a third of the rollout."""
+        """One prefill call for new prompts of one bucket (one prompt too: the driver compiles no
+        other prefill): {slot: its first results}. A prompt several jobs share (the G samples of a
+        GRPO group, admitted together) is computed once for all of them (the step's sources): at 8
+        prompts x 8 samples prefill was a third of the rollout. A group of prompts whose first
+        `job.hit` tokens the slots' cached pages hold (`_admit_on_device` keeps them apart) computes
+        only the rest (`prefill_at_many`)."""
         rows: dict[tuple, int] = {}
         # Engine(share_prompts=False): every job its own row (keyed apart by its slot)
         sources = [rows.setdefault(_token_key(job.request.tokens)
@@ -264,18 +245,21 @@ class AdmissionMixin:
         owner: dict[int, Job] = {}
         for job, source in zip(group, sources):
             owner.setdefault(source, job)
-        prompts = [owner[i].request.tokens for i in range(len(rows))]
-        self.state, first = self.steps.prefill_many(
-            self.params, self.state, [job.slot for job in group],
-            np.concatenate([self.steps.pad(p) for p in prompts]), [len(p) for p in prompts],
-            [job.slot_req for job in group], sources=sources)
+        owners = [owner[r] for r in range(len(rows))]
+        rests = [np.asarray(o.request.tokens).reshape(-1)[o.hit:] for o in owners]
+        slots, requests = [job.slot for job in group], [job.slot_req for job in group]
+        tokens, lengths = np.concatenate([self.steps.pad(r) for r in rests]), [len(r) for r in rests]
+        if group[0].hit:
+            self.state, first = self.steps.prefill_at_many(self.params, self.state, slots, tokens,
+                                                           [o.hit for o in owners], lengths, requests, sources=sources)
+        else:
+            self.state, first = self.steps.prefill_many(self.params, self.state, slots, tokens, lengths, requests,
+                                                        sources=sources)
         jax.block_until_ready(self.state)  # one program in flight (see _admit_on_device)
         self.stats.prefills += len(group)
         self.stats.prefill_calls += 1
         self.stats.prefill_rows += len(rows)
-        computed = sum(map(len, prompts))   # each distinct prompt once; its sharers are served it
+        computed = sum(lengths)   # each distinct prompt's rest once; its sharers are served it
         self.stats.prefill_tokens += computed
-        self.stats.prefix_hit_tokens += sum(len(prompts[s]) for s in sources) - computed
-        first = jax.device_get(host_fields(first))
-        return {job.slot: {k: None if v is None else v[i] for k, v in first.items()}
-                for i, job in enumerate(group)}
+        self.stats.prefix_hit_tokens += sum(len(job.request.tokens) for job in group) - computed
+        return _results_by_slot(jax.device_get(host_fields(first)), group)

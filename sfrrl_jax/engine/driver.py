@@ -35,7 +35,7 @@ from sfrrl_jax.engine.recovery import EngineFailure, SlotLog, restorer_for  # no
 from sfrrl_jax.engine.paged import engine_steps
 from sfrrl_jax.engine.jobs import (EngineStats, Job, SlotHandle, check_slot_handle,  # noqa: F401 (re-export)
                                    new_engine_id, slot_request_of)
-from sfrrl_jax.engine.steps import SlotRequest
+from sfrrl_jax.engine.slot_state import SlotRequest
 from sfrrl_jax.models.api import mesh_of
 
 
@@ -91,9 +91,8 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
     (`engine.prefix_cache`); a later prompt or restore starting with the same tokens maps them
     and computes only the rest (prompts admitted together with a common head too: the first is
     computed whole, the others map its head after it); pages nobody holds any more stay cached,
-    at most this many,
-    least recently released reused first (they count as free). New weights (`set_params`) and a
-    lost state forget the cache. Off by default because a hit is exact only to float rounding
+    at most this many, least recently released reused first (they count as free). New weights
+    (`set_params`) and a lost state forget the cache. Off by default because a hit is exact only to float rounding
     (<= 1e-5 in logprobs on CPU): the rest of the prompt reads the prefix's keys from the cache
     instead of computing them in the same call.
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from sfrrl_jax.engine.recovery import SlotLog
-from sfrrl_jax.engine.steps import SlotRequest
+from sfrrl_jax.engine.slot_state import SlotRequest
 from sfrrl_jax.engine.types import GenerationRequest
 
 

@@ -35,7 +35,8 @@ from jax.sharding import Mesh
 from sfrrl_jax.config import ModelConfig, PagedAttention
 from sfrrl_jax.engine.model_step import PAGE_POOL_AXES, extend_paged
 from sfrrl_jax.engine.pages import PageTable, Paging, check_paging, pages_for, pool_units
-from sfrrl_jax.engine.steps import DecodeState, EngineSteps
+from sfrrl_jax.engine.slot_state import DecodeState
+from sfrrl_jax.engine.steps import EngineSteps
 from sfrrl_jax.models.paged_attention import check_paged_kernel
 from sfrrl_jax.mesh import sharding_for
 

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sfrrl_jax.engine.prefix_cache import PrefixCache, page_keys
+from sfrrl_jax.engine.prefix_cache import PrefixCache
 
 
 class PagesExhausted(RuntimeError):

@@ -21,6 +21,8 @@ import hashlib
 
 import numpy as np
 
+from sfrrl_jax.checks import check_int
+
 KEY_BYTES = 16
 
 
@@ -45,8 +47,7 @@ class PrefixCache:
     back to use, oldest first, when no truly free page is left."""
 
     def __init__(self, keep: int = 0):
-        if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 0:
-            raise ValueError(f"prefix cache keep must be an int >= 0, got {keep!r}")
+        check_int("PrefixCache keep", keep, 0)
         self.keep = int(keep)
         self._page: dict[bytes, int] = {}
         self._key: dict[int, bytes] = {}
@@ -122,9 +123,7 @@ def check_prefix_cache(prefix_cache_pages, paging, record_routes: bool) -> int:
     The cache needs a paged cache (`paging`, an `engine.pages.Paging`, not None) whose layers all
     attend fully (a sliding-window layer keeps no whole prefix to map), and no `record_routes`
     (a cached prefix's routes are not kept: its tokens would have none)."""
-    if isinstance(prefix_cache_pages, bool) or not isinstance(prefix_cache_pages, (int, np.integer)) \
-            or prefix_cache_pages < 0:
-        raise ValueError(f"Engine(prefix_cache_pages=...) must be an int >= 0 (0: off), got {prefix_cache_pages!r}")
+    check_int("Engine(prefix_cache_pages)", prefix_cache_pages, 0)
     n = int(prefix_cache_pages)
     if n == 0:
         return 0

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sfrrl_jax.engine.types import EngineError
-from sfrrl_jax.engine.steps import DecodeState, EngineSteps, SlotRequest
+from sfrrl_jax.engine.slot_state import DecodeState, SlotRequest
+from sfrrl_jax.engine.steps import EngineSteps
 
 
 @dataclasses.dataclass

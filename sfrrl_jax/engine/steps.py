@@ -32,119 +32,18 @@ state's layout for a paged cache, and every step above is shared.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sfrrl_jax.checks import check_int, check_number, check_seed
+from sfrrl_jax.checks import check_int
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.model_step import CACHE_AXES, extend
 from sfrrl_jax.engine.sampling import SamplingParams, sample
+from sfrrl_jax.engine.slot_state import MAX_STOP_IDS, DecodeState, Prefix, ResultTokens, SlotRequest
 from sfrrl_jax.mesh import sharding_for
 from sfrrl_jax.models.transformer import moe_layer_ids
-
-MAX_STOP_IDS = 8
-INT32_MAX = 2**31 - 1
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SlotRequest:
-    """One request's decoding settings (scalars, or [slots] inside DecodeState)."""
-
-    sampling: SamplingParams
-    max_new: jax.Array        # tokens to generate in this call
-    stop_ids: jax.Array       # [..., MAX_STOP_IDS] int32, -1 = unused
-
-    @staticmethod
-    def make(temperature=0.0, top_k=0, top_p=1.0, seed=0, max_new=16, stop_ids=()) -> "SlotRequest":
-        """One request's settings as the device holds them; raises ValueError naming a bad one.
-
-        top_k at or past the vocabulary keeps every token (the sampler's `min(top_k, vocab)`), and
-        max_new past the cache ends where the cache does, so values past int32 mean the same as
-        INT32_MAX and are clamped to it (np.int32 would raise OverflowError).
-        """
-        # Checked on the host: inside the jitted sampler a nan temperature or top_p silently
-        # turns every logprob into nan, a temperature past float32 becomes inf, and a negative
-        # seed does not fit the uint32 it becomes.
-        check_number("temperature", temperature, 0)
-        if temperature > FLOAT32_MAX:
-            raise ValueError(f"temperature must be at most float32's largest value, {FLOAT32_MAX:g}, got "
-                             f"{temperature!r} (it would sample as inf)")
-        check_number("top_p", top_p, 0, 1, lo_open=True)
-        check_int("top_k", top_k, 0)
-        check_seed("seed", seed)
-        check_int("max_new_tokens", max_new, 1)
-        top_k, max_new = min(int(top_k), INT32_MAX), min(int(max_new), INT32_MAX)
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
-        for i, t in enumerate(stop_ids):
-            check_int(f"stop_ids[{i}]", t, 0, 2**31 - 1)
-        stops = np.full((MAX_STOP_IDS,), -1, np.int32)
-        stops[: len(stop_ids)] = stop_ids
-        sp = SamplingParams(
-            temperature=np.float32(temperature), top_k=np.int32(top_k), top_p=np.float32(top_p),
-            seed=np.uint32(seed),
-        )
-        return SlotRequest(sampling=sp, max_new=np.int32(max_new), stop_ids=stops)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DecodeState:
-    """All slots' decoding state. Dense cache: cache_k/v [layers, slots, max_len, kv_heads,
-    head_dim], page_table None. Paged (`engine.paged`): cache_k/v [units, page_size, kv_heads,
-    head_dim] (every layer's pages and scratch page) and page_table [slots, kinds,
-    pages_per_slot] int32. cache_v's last dim is cfg.value_cache_dim: 0 with latent attention,
-    whose values are read from cache_k."""
-
-    cache_k: jax.Array
-    cache_v: jax.Array
-    lengths: jax.Array     # [slots] tokens held in the cache
-    last_token: jax.Array  # [slots] sampled, not yet in the cache (fed by the next generate)
-    generated: jax.Array   # [slots] tokens generated in the current call
-    draws: jax.Array       # [slots] random draws made by the request (its random stream index)
-    active: jax.Array      # [slots] bool: decoding
-    request: SlotRequest   # fields [slots, ...]
-    page_table: jax.Array | None = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Prefix:
-    """One prompt's prefilled KV cache, what `prefill` returns and `insert` writes into a slot (positions
-    0..bucket-1 of the slot's cache; cast to the engine's cache dtype there). A pytree.
-
-    Attributes:
-      cache_k: `[layers, 1, bucket, kv_heads, head_dim]`, the keys of the prompt padded to its bucket length.
-      cache_v: `[layers, 1, bucket, kv_heads, cfg.value_cache_dim]`, the values, likewise.
-      true_length: scalar, the prompt's real length (positions past it are padding).
-    """
-
-    cache_k: jax.Array
-    cache_v: jax.Array
-    true_length: jax.Array
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class ResultTokens:
-    """Per slot: the token produced this step, its logprobs, whether it is real, whether done."""
-
-    tokens: jax.Array
-    logprobs: jax.Array      # under the sampling distribution actually used (0 for greedy)
-    raw_logprobs: jax.Array  # under the policy at temperature 1
-    valid: jax.Array         # bool: the slot produced a token this step
-    done: jax.Array          # bool: this token ended the call (stop id, max_new, or cache full)
-    # record_routes only (else None): the experts of the tokens fed in this step, [moe layers,
-    # top_k] per token (`model_step.routes_dtype`): prefill / append [bucket, moe layers, top_k]
-    # (rows past true_length are padding), generate [slots, moe layers, top_k] per step
-    routes: jax.Array | None = None
-
 
 def _finish(state_like_request, token, generated, length, max_len):
     stop = jnp.any(token[..., None] == state_like_request.stop_ids, axis=-1)
@@ -269,18 +168,14 @@ class EngineSteps:
         if len(sources) != n or len(requests) != n:
             raise ValueError(f"prefill_many: {n} slots need {n} sources and requests, got {len(sources)} and "
                              f"{len(requests)}")
-        if u < 1 or tokens.size % u or sources.min() < 0 or sources.max() >= u or len(set(sources.tolist())) != u:
-            raise ValueError(f"prefill_many: sources must name each of the {u} prompt rows, got {sources.tolist()}")
-
-        def pad(a, rows):
-            return np.concatenate([a, np.repeat(a[:1], rows - len(a), axis=0)], axis=0)
+        _check_sources("prefill_many", "prompt rows", sources, tokens, u)
         prompt_rows = self.many_rows(u)
-        req = jax.tree.map(lambda *xs: pad(np.stack([np.asarray(x) for x in xs]), rows), *requests)
         with jax.set_mesh(self.mesh):
-            return self._prefill_many(params, state, pad(np.asarray(slots, np.int32), rows),
-                                      pad(tokens.reshape(u, -1), prompt_rows),
-                                      pad(np.asarray(true_lengths, np.int32), prompt_rows), req,
-                                      pad(sources, rows), np.arange(rows) < n)
+            return self._prefill_many(params, state, _pad_rows(np.asarray(slots, np.int32), rows),
+                                      _pad_rows(tokens.reshape(u, -1), prompt_rows),
+                                      _pad_rows(np.asarray(true_lengths, np.int32), prompt_rows),
+                                      _stacked_requests(requests, rows), _pad_rows(sources, rows),
+                                      np.arange(rows) < n)
 
     def decode_k_len(self, longest: int) -> int:
         """The decode bucket for a chunk whose running slots hold at most `longest` cached tokens
@@ -316,15 +211,11 @@ class EngineSteps:
         rows = self.many_rows(n)
         if len(set(int(s) for s in slots)) != n or len(true_lengths) != n or len(requests) != n:
             raise ValueError(f"append_many: {n} distinct slots need {n} token rows and requests")
-
-        def pad(a):
-            return np.concatenate([a, np.repeat(a[:1], rows - n, axis=0)], axis=0)
-        req = jax.tree.map(lambda *xs: pad(np.stack([np.asarray(x) for x in xs])), *requests)
-        real = np.arange(rows) < n
         with jax.set_mesh(self.mesh):
-            return self._append_many(params, state, pad(np.asarray(slots, np.int32)),
-                                     pad(np.asarray(tokens, np.int32).reshape(n, -1)),
-                                     pad(np.asarray(true_lengths, np.int32)), req, real)
+            return self._append_many(params, state, _pad_rows(np.asarray(slots, np.int32), rows),
+                                     _pad_rows(np.asarray(tokens, np.int32).reshape(n, -1), rows),
+                                     _pad_rows(np.asarray(true_lengths, np.int32), rows),
+                                     _stacked_requests(requests, rows), np.arange(rows) < n)
 
     def prefill_at_many(self, params, state, slots, tokens, starts, true_lengths, requests: list[SlotRequest],
                         sources=None):
@@ -347,21 +238,16 @@ class EngineSteps:
         if len(set(slots.tolist())) != n or len(requests) != n or len(sources) != n or len(starts) != u:
             raise ValueError(f"prefill_at_many: {n} distinct slots need {n} requests and sources, and the {u} rows "
                              f"{u} starts")
-        if u < 1 or np.asarray(tokens).size % u or sources.min() < 0 or sources.max() >= u \
-                or len(set(sources.tolist())) != u:
-            raise ValueError(f"prefill_at_many: sources must name each of the {u} rows, got {sources.tolist()}")
+        _check_sources("prefill_at_many", "rows", sources, tokens, u)
         owners = np.asarray([slots[sources.tolist().index(r)] for r in range(u)], np.int32)
-
-        def pad(a, m):
-            return np.concatenate([a, np.repeat(a[:1], m - len(a), axis=0)], axis=0)
         row_count = self.many_rows(u)
-        req = jax.tree.map(lambda *xs: pad(np.stack([np.asarray(x) for x in xs]), rows), *requests)
         with jax.set_mesh(self.mesh):
-            return self._prefill_at(params, state, pad(slots, rows), pad(np.asarray(tokens, np.int32).reshape(u, -1),
-                                                                          row_count),
-                                    pad(np.asarray(starts, np.int32), row_count),
-                                    pad(np.asarray(true_lengths, np.int32), row_count), req, np.arange(rows) < n,
-                                    pad(sources, rows), pad(owners, row_count), np.arange(row_count) < u)
+            return self._prefill_at(params, state, _pad_rows(slots, rows),
+                                    _pad_rows(np.asarray(tokens, np.int32).reshape(u, -1), row_count),
+                                    _pad_rows(np.asarray(starts, np.int32), row_count),
+                                    _pad_rows(np.asarray(true_lengths, np.int32), row_count),
+                                    _stacked_requests(requests, rows), np.arange(rows) < n, _pad_rows(sources, rows),
+                                    _pad_rows(owners, row_count), np.arange(row_count) < u)
 
     def free_resource(self, state: DecodeState, slot: int) -> DecodeState:
         with jax.set_mesh(self.mesh):
@@ -566,9 +452,9 @@ class EngineSteps:
         # a padding row (real False) repeats row 0's slot for its reads, starts past the cache
         # (its writes are dropped, or land on a scratch page) and sets no slot state
         start = jnp.where(real, state.lengths[slots], self.max_len)
-        draws = state.draws[slots]
         logits, state, *routes = self._extend_slots(params, state, slots, tokens, start, start + true_lengths,
                                                     with_routes=self.record_routes, logits_at=true_lengths - 1)
+        draws = state.draws[slots]
         tok, lp, raw = sample(logits[:, 0], request.sampling, draws)
         length = start + true_lengths
         done = _finish(request, tok, 1, length, self.max_len)
@@ -582,6 +468,23 @@ class EngineSteps:
         state.lengths = state.lengths.at[slot].set(0)
         state.generated = state.generated.at[slot].set(0)
         return state
+
+
+def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+    """a [m, ...] padded to [rows, ...] with copies of its first row (a batched step's fixed shape)."""
+    return np.concatenate([a, np.repeat(a[:1], rows - len(a), axis=0)], axis=0)
+
+
+def _stacked_requests(requests: list[SlotRequest], rows: int) -> SlotRequest:
+    """One SlotRequest per slot as one with fields [rows, ...], padded with copies of the first."""
+    return jax.tree.map(lambda *xs: _pad_rows(np.stack([np.asarray(x) for x in xs]), rows), *requests)
+
+
+def _check_sources(step: str, what: str, sources: np.ndarray, tokens, u: int) -> None:
+    """sources [n] must name each of the u rows of tokens [u, bucket] (and nothing else)."""
+    if u < 1 or np.asarray(tokens).size % u or sources.min() < 0 or sources.max() >= u \
+            or len(set(sources.tolist())) != u:
+        raise ValueError(f"{step}: sources must name each of the {u} {what}, got {sources.tolist()}")
 
 
 def _splits(mesh: Mesh, spec, dim: int) -> bool:

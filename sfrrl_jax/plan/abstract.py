@@ -26,7 +26,8 @@ import numpy as np
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.pages import check_paging
 from sfrrl_jax.engine.paged import engine_steps
-from sfrrl_jax.engine.steps import EngineSteps, SlotRequest
+from sfrrl_jax.engine.slot_state import SlotRequest
+from sfrrl_jax.engine.steps import EngineSteps
 from sfrrl_jax.learner.deferred import DeferredBuffer, advantage_free_terms
 from sfrrl_jax.learner.optimizer import OptimizerConfig, OptState
 from sfrrl_jax.learner.train_step import TrainStep, make_train_step

@@ -44,7 +44,7 @@ import numpy as np
 
 from sfrrl_jax.checks import check_bool, check_int, check_number
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.engine.pages import group_pages, pages_for
+from sfrrl_jax.engine.pages import check_paging, group_pages
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.plan.abstract import (GB, TrainSetup, device_bytes, engine_abstract, host_bytes, microbatch,
                                      request_abstract, shard_bytes)
@@ -323,7 +323,7 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
     if page_size is not None:
         # groups of G whose prompt (prefill_len tokens) and turns fill max_len that the pool holds
         # at once: a group's prompt pages are held once (`Engine(share_prompts=True)`), or G times
-        pool = num_pages or tc.engine_slots * pages_for(tc.max_len, page_size)
+        pool = check_paging(page_size, num_pages, tc.max_len, tc.engine_slots).num_pages
         paged_groups = {"group_size": tc.group_size, **{
             k: pool // group_pages(min(prefill_len, tc.max_len), tc.max_len, tc.group_size, page_size, shared)
             for k, shared in (("shared", True), ("unshared", False))}}

@@ -17,7 +17,7 @@ import pytest
 from sfrrl_jax.launch import cli, gin_bindings
 from sfrrl_jax.agents.protocols import GenerationRequest
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.engine.steps import SlotRequest
+from sfrrl_jax.engine.slot_state import SlotRequest
 from sfrrl_jax.mesh import make_mesh
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.checkpoints.orbax_store import Checkpointer

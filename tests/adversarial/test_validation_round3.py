@@ -25,7 +25,7 @@ from sfrrl_jax.agents.protocols import GenerationRequest
 from sfrrl_jax.agents.tasks.builtin_kinds import generate_arithmetic_tasks
 from sfrrl_jax.agents.tasks.records import save_tasks_jsonl
 from sfrrl_jax.engine import Engine, LockstepEngine
-from sfrrl_jax.engine.steps import SlotRequest
+from sfrrl_jax.engine.slot_state import SlotRequest
 from sfrrl_jax.launch import cli, gin_bindings
 
 from model_fixtures import TINY

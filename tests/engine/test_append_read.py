@@ -8,7 +8,8 @@ import jax
 import numpy as np
 
 import sfrrl_jax as S
-from sfrrl_jax.engine.steps import EngineSteps, SlotRequest
+from sfrrl_jax.engine.slot_state import SlotRequest
+from sfrrl_jax.engine.steps import EngineSteps
 
 from model_fixtures import TINY, TINY_DENSE, host, randomize
 

@@ -84,7 +84,7 @@ def test_allocator_frees_a_shared_page_with_its_last_holder_and_keeps_cached_one
     a.free(got + [pages[2]])
     a.forget_cached()
     assert len(c) == 0 and a.free_count == 4
-    with pytest.raises(ValueError, match="keep must be an int"):
+    with pytest.raises(ValueError, match="PrefixCache keep must be >= 0, got -1"):
         PrefixCache(-1)
 
 
@@ -305,9 +305,9 @@ def test_the_prefix_cache_refuses_what_it_cannot_serve():
     cfg, params = _params(TINY)
     with pytest.raises(ValueError, match="prefix_cache_pages=4\\) keeps pages of a paged cache"):
         Engine(cfg, params, **ENGINE, prefix_cache_pages=4)
-    with pytest.raises(ValueError, match="must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"Engine\(prefix_cache_pages\) must be >= 0, got -1"):
         Engine(cfg, params, **ENGINE, page_size=4, prefix_cache_pages=-1)
-    with pytest.raises(ValueError, match="must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"Engine\(prefix_cache_pages\) must be an int >= 0, got True"):
         Engine(cfg, params, **ENGINE, page_size=4, prefix_cache_pages=True)
     with pytest.raises(ValueError, match="record_routes=True: a cached prefix keeps no routes"):
         Engine(cfg, params, **ENGINE, page_size=4, prefix_cache_pages=4, max_consecutive_faults=0,
