@@ -336,7 +336,7 @@ def bench_train(model: Model, spec: dict, iters: int, peak_flops: float | None, 
     opt_state = ts.init_opt_state(params)
     batch = train_batch(ts, cfg, rows_, seq, model.mesh)
     with jax.set_mesh(model.mesh):  # lowered before the first call: the step donates params
-        xla = xla_flops(ts.jitted_step(params).lower(params, opt_state, batch))
+        xla = xla_flops(ts.jitted_step(params).lower(params, None, opt_state, batch))
     holder = {"params": params, "opt": opt_state}
 
     def call():

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import constrain
 from sfrrl_jax.models import transformer as tfm
+from sfrrl_jax.models.lora import model_view
 from sfrrl_jax.models.attention import blockwise_attention
 from sfrrl_jax.models.layers import attend, attention_mask
 from sfrrl_jax.models.paged_attention import paged_decode_attention
@@ -149,6 +150,7 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
     sinks) -> [b, t, heads, head_dim]` replaces read + the attention core (after the write)."""
     if with_routes and not tfm.moe_layer_ids(cfg):
         raise ValueError("with_routes: this model has no MoE layer to record routes of")
+    params = model_view(cfg, params)   # AdaptedParams: base + adapter, unmerged (models.lora)
     model = tfm.bind(cfg, params)
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]

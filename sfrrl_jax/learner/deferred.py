@@ -75,9 +75,11 @@ def check_deferrable(loss: Loss | LossConfig) -> None:
 
 
 def build_deferred_fns(forward_fn, loss: Loss, router_coefs, acc_sh: Accumulator, init_acc,
-                       aux_metrics: tuple[str, ...] = ()) -> dict:
+                       aux_metrics: tuple[str, ...] = (), join=lambda t, f: t) -> dict:
     """Jitted init / micro / merge for one params layout: the accumulator's shardings `acc_sh`
-    and its (unjitted) zero `init_acc(params)`, as the train step built them."""
+    and its (unjitted) zero `init_acc(trained)`, as the train step built them. `micro` takes the
+    trained pytree and the frozen one (None for full training) and differentiates the first;
+    `join(trained, frozen)` is the params the forward reads (`models.lora.join_parts`)."""
     check_deferrable(loss)
     param_sh = acc_sh.grads
     scalar_sh = acc_sh.scalars.numerator
@@ -95,13 +97,13 @@ def build_deferred_fns(forward_fn, loss: Loss, router_coefs, acc_sh: Accumulator
 
     objective = functools.partial(microbatch_objective, forward_fn, loss, router_coefs, aux_metrics=aux_metrics)
 
-    def split_terms(p, mb: MicroBatch):
-        numerator, (parts, router_sums) = objective(p, mb)
+    def split_terms(t, f, mb: MicroBatch):
+        numerator, (parts, router_sums) = objective(join(t, f), mb)
         return (parts.advantage_term, numerator - parts.advantage_term), (parts, router_sums)
 
-    def micro(p, buf, mb: MicroBatch, centred_reward):
+    def micro(t, f, buf, mb: MicroBatch, centred_reward):
         mb = mb.replace(advantages=mb.loss_mask.astype(jnp.float32))  # advantage 1 on every token
-        (pg, rest), pullback, (parts, router_sums) = jax.vjp(lambda q: split_terms(q, mb), p, has_aux=True)
+        (pg, rest), pullback, (parts, router_sums) = jax.vjp(lambda q: split_terms(q, f, mb), t, has_aux=True)
         one, zero = jnp.ones((), pg.dtype), jnp.zeros((), pg.dtype)
         (h,) = pullback((one, zero))
         h = jax.lax.with_sharding_constraint(h, param_sh)
@@ -129,6 +131,6 @@ def build_deferred_fns(forward_fn, loss: Loss, router_coefs, acc_sh: Accumulator
 
     return {
         "init": jax.jit(init, out_shardings=buf_sh),
-        "micro": jax.jit(micro, donate_argnums=(1,), out_shardings=buf_sh),
+        "micro": jax.jit(micro, donate_argnums=(2,), out_shardings=buf_sh),
         "merge": jax.jit(merge, donate_argnums=(0,), out_shardings=acc_sh),
     }

@@ -52,6 +52,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.models.api import mesh_of
+from sfrrl_jax.models.lora import AdaptedParams, frozen_part, join_parts, model_view, trained_part
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.aggregation import SequenceLayout
 from sfrrl_jax.rl.loss_fn import Loss, LossInputs, as_loss
@@ -131,7 +132,7 @@ class TrainStep:
     def init_accumulator(self, params) -> Accumulator:
         """Zero gradient sums (float32, sharded like the params) and zero counts/metric sums;
         with OptimizerConfig.offload_accumulator the sums are in host memory."""
-        return self._acc_out(params, self._fns(params)["init_acc"](params))
+        return self._acc_out(params, self._fns(params)["init_acc"](trained_part(params)))
 
     @property
     def offloads_accumulator(self) -> bool:
@@ -153,15 +154,16 @@ class TrainStep:
 
     def init_opt_state(self, params) -> OptState:
         """OptState(step=0, inner=tx.init(params)); param-shaped state sharded per the module doc."""
-        return self._fns(params)["init_opt"](params)
+        return self._fns(params)["init_opt"](trained_part(params))
 
     def opt_state_shardings(self, params) -> OptState:
         """Shardings of this step's OptState for params (arrays or ShapeDtypeStructs with .sharding)."""
-        return opt_state_shardings(self.tx, params, self.optimizer_cfg)
+        return opt_state_shardings(self.tx, trained_part(params), self.optimizer_cfg)
 
     def abstract_opt_state(self, params) -> OptState:
         """ShapeDtypeStructs (with shardings) of `init_opt_state(params)`: a restore target."""
-        shapes = OptState(step=jax.ShapeDtypeStruct((), np.int32), inner=jax.eval_shape(self.tx.init, params))
+        shapes = OptState(step=jax.ShapeDtypeStruct((), np.int32),
+                          inner=jax.eval_shape(self.tx.init, trained_part(params)))
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.opt_state_shardings(params))
 
@@ -174,7 +176,8 @@ class TrainStep:
         fns = self._fns(params)
         mb = self._prepare(params, microbatch)
         with jax.set_mesh(mesh_of(params)):
-            return self._acc_out(params, fns["micro"](params, self._acc_in(params, acc), mb))
+            return self._acc_out(params, fns["micro"](trained_part(params), frozen_part(params),
+                                                      self._acc_in(params, acc), mb))
 
     def stats_microstep(self, params, acc: Accumulator, microbatch: MicroBatch | Mapping[str, Any]) -> Accumulator:
         """`grad_microstep` without the backward pass: adds the micro-batch's loss numerator,
@@ -193,7 +196,7 @@ class TrainStep:
         fns = self._fns(params)
         mb = self._prepare(params, microbatch)
         with jax.set_mesh(mesh_of(params)):
-            return acc.with_stats(fns["stats"](params, acc.stats, mb))
+            return acc.with_stats(fns["stats"](trained_part(params), frozen_part(params), acc.stats, mb))
 
     def forward_only_refusal(self) -> str | None:
         """Why rows whose advantages are all 0 still need their backward pass with this step (a
@@ -216,10 +219,13 @@ class TrainStep:
         return self.forward_only_refusal() is None
 
     def apply(self, params, opt_state: OptState, acc: Accumulator):
-        """One optimizer update from the accumulated sums -> (params, opt_state, metrics)."""
+        """One optimizer update from the accumulated sums -> (params, opt_state, metrics). With
+        `AdaptedParams` only the adapter is updated (and donated); the base comes back as it was."""
         fns = self._fns(params)
         with jax.set_mesh(mesh_of(params)):
-            return fns["apply"](params, as_opt_state(opt_state), self._acc_in(params, acc, donated=False))
+            new, opt_state, metrics = fns["apply"](trained_part(params), as_opt_state(opt_state),
+                                                   self._acc_in(params, acc, donated=False))
+        return join_parts(new, frozen_part(params)), opt_state, metrics
 
     def step(self, params, opt_state: OptState, batch: MicroBatch | Mapping[str, Any]):
         """grad_microstep on the whole batch (a `rl.MicroBatch` or a mapping, as `grad_microstep`
@@ -227,12 +233,13 @@ class TrainStep:
         fns = self._fns(params)
         mb = self._prepare(params, batch)
         with jax.set_mesh(mesh_of(params)):
-            return fns["step"](params, as_opt_state(opt_state), mb)
+            new, opt_state, metrics = fns["step"](trained_part(params), frozen_part(params), as_opt_state(opt_state), mb)
+        return join_parts(new, frozen_part(params)), opt_state, metrics
 
     # -- advantage-deferred gradients (see `learner.deferred`) -----------------------------------
     def init_deferred(self, params) -> DeferredBuffer:
         """A zero group buffer for trajectories back-propagated before their group finishes."""
-        return self._deferred(params)["init"](params)
+        return self._deferred(params)["init"](trained_part(params))
 
     def deferred_microstep(self, params, buffer: DeferredBuffer, microbatch: MicroBatch | Mapping[str, Any],
                            centred_reward: float) -> DeferredBuffer:
@@ -240,7 +247,7 @@ class TrainStep:
         fns = self._deferred(params)
         mb = self._prepare(params, microbatch)
         with jax.set_mesh(mesh_of(params)):
-            return fns["micro"](params, buffer, mb, np.float32(centred_reward))
+            return fns["micro"](trained_part(params), frozen_part(params), buffer, mb, np.float32(centred_reward))
 
     def merge_deferred(self, params, acc: Accumulator, buffer: DeferredBuffer, slope: float,
                        reference_advantage: float) -> Accumulator:
@@ -262,7 +269,7 @@ class TrainStep:
             layout = self._layouts[key]
             self._deferred_cache[key] = build_deferred_fns(
                 self.forward_fn, self.loss, self.router_coefs, layout["acc"], layout["init_acc"],
-                aux_metrics=self.aux_metrics)
+                aux_metrics=self.aux_metrics, join=join_parts)
         return self._deferred_cache[key]
 
     def jitted_microstep(self, params):
@@ -301,10 +308,13 @@ class TrainStep:
         return self._cache[key]
 
     def _build(self, params) -> dict:
+        # Every function below takes the trained pytree (`t`: the params, or an AdaptedParams'
+        # adapter) and, where the forward runs, the frozen one (`f`: the base, or None): gradients,
+        # their sums and the optimizer state exist for `t` only.
         mesh = mesh_of(params)
         rep = NamedSharding(mesh, P())
-        param_sh = jax.tree.map(lambda p: p.sharding, params)
-        opt_sh = opt_state_shardings(self.tx, params, self.optimizer_cfg)
+        param_sh = jax.tree.map(lambda p: p.sharding, trained_part(params))
+        opt_sh = opt_state_shardings(self.tx, trained_part(params), self.optimizer_cfg)
         sums_t, maxes_t, mins_t = self._template
         sum_keys = list(sums_t) + list(ROUTER_METRICS) + list(self.aux_metrics)
         acc_sh = accumulator_shardings(param_sh, rep, sum_keys, list(maxes_t), list(mins_t))
@@ -319,20 +329,21 @@ class TrainStep:
         def init_opt(p):
             return OptState(step=jnp.zeros((), jnp.int32), inner=self.tx.init(p))
 
-        objective = functools.partial(microbatch_objective, self.forward_fn, self.loss, self.router_coefs,
-                                      aux_metrics=self.aux_metrics)
-        grad_fn = jax.value_and_grad(objective, has_aux=True)
+        def objective(t, f, mb):
+            return microbatch_objective(self.forward_fn, self.loss, self.router_coefs, join_parts(t, f), mb,
+                                        aux_metrics=self.aux_metrics)
+        grad_fn = jax.value_and_grad(objective, has_aux=True)   # d/dt only
 
-        def micro(p, acc, mb):
-            (numerator, (parts, router_sums)), grads = grad_fn(p, mb)
+        def micro(t, f, acc, mb):
+            (numerator, (parts, router_sums)), grads = grad_fn(t, f, mb)
             # Pin the gradients to the params' layout: otherwise the optimizer state's extra
             # `data` split propagates back into the backward pass (and reshuffles activations).
             grads = jax.lax.with_sharding_constraint(grads, param_sh)
             return accumulate(acc, grads, numerator, parts, router_sums)
 
-        def stats(p, acc_stats: AccStats, mb):
+        def stats(t, f, acc_stats: AccStats, mb):
             # the same objective as `micro`, forward only: the stats a grad micro-step adds
-            numerator, (parts, router_sums) = objective(p, mb)
+            numerator, (parts, router_sums) = objective(t, f, mb)
             return accumulate_stats(acc_stats, numerator, parts, router_sums)
 
         # Offloaded optimizer state (OptimizerConfig.offload_state) lives in host memory between
@@ -354,17 +365,17 @@ class TrainStep:
         def apply(p, opt_state, acc):
             return update(p, opt_state, acc)
 
-        def step(p, opt_state, mb):
-            return update(p, opt_state, micro(p, init_acc(p), mb))
+        def step(t, f, opt_state, mb):
+            return update(t, opt_state, micro(t, f, init_acc(t), mb))
 
         self._layouts[_key(params)] = {"acc": acc_sh, "acc_host": acc_host, "params": param_sh, "init_acc": init_acc}
         return {
             "init_acc": jax.jit(init_acc, out_shardings=acc_sh),
             "init_opt": jax.jit(init_opt, out_shardings=opt_sh),
-            "micro": jax.jit(micro, donate_argnums=(1,), out_shardings=acc_sh),
-            "stats": jax.jit(stats, donate_argnums=(1,), out_shardings=acc_sh.stats),
+            "micro": jax.jit(micro, donate_argnums=(2,), out_shardings=acc_sh),
+            "stats": jax.jit(stats, donate_argnums=(2,), out_shardings=acc_sh.stats),
             "apply": jax.jit(apply, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, rep)),
-            "step": jax.jit(step, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, rep)),
+            "step": jax.jit(step, donate_argnums=(0, 2), out_shardings=(param_sh, opt_sh, rep)),
         }
 
 
@@ -445,6 +456,7 @@ def make_train_step(cfg: ModelConfig, loss: Loss | LossConfig,
         aux_metrics = ("routing_agreement",) + tuple(f"routing_agreement/layer_{i}" for i in moe)
 
     def forward_fn(params, tokens, segment_ids, positions, routes=None, routes_mask=None):
+        params = model_view(cfg, params)   # AdaptedParams: the base with the adapter, unmerged
         hidden, aux = tfm.forward_hidden(cfg, params, tokens, segment_ids, positions, routes=routes,
                                          routes_mask=routes_mask)
         return hidden, tfm.unembedding(cfg, params), aux

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import EXPERT_AXIS, constrain, sharding_for, use_mesh_in_trace
 from sfrrl_jax.models import transformer as tfm
+from sfrrl_jax.models.lora import AdaptedParams, LoraAdapter, check_adapter, model_view, with_adapter
 
 
 def _is_traced(x) -> bool:
@@ -116,8 +117,10 @@ def _jitted_init(cfg: ModelConfig, mesh: Mesh):
     return jax.jit(functools.partial(tfm._init_pure, cfg), out_shardings=param_shardings(cfg, mesh))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7))
-def _forward_jit(cfg, params, tokens, segment_ids, positions, routes=None, routes_mask=None, return_routes=False):
+@functools.partial(jax.jit, static_argnums=(0, 8))
+def _forward_jit(cfg, params, adapter, tokens, segment_ids, positions, routes=None, routes_mask=None,
+                 return_routes=False):
+    params = with_adapter(cfg, model_view(cfg, params), adapter)
     out = tfm.forward_hidden(cfg, params, tokens, segment_ids, positions, routes=routes, routes_mask=routes_mask,
                              return_routes=return_routes)
     logits = constrain(tfm.logits_from_hidden(cfg, params, out[0]), ("batch", "seq", "vocab"))
@@ -178,8 +181,8 @@ def _concrete_range(x) -> tuple[int, int] | None:
 def forward(cfg: ModelConfig, params: tfm.Params, tokens: jax.typing.ArrayLike,
             segment_ids: jax.typing.ArrayLike | None = None, positions: jax.typing.ArrayLike | None = None,
             return_aux: bool = False, *, routes: jax.typing.ArrayLike | None = None,
-            routes_mask: jax.typing.ArrayLike | None = None, return_routes: bool = False
-            ) -> jax.Array | tuple[jax.Array | dict[str, jax.Array], ...]:
+            routes_mask: jax.typing.ArrayLike | None = None, return_routes: bool = False,
+            adapter: LoraAdapter | None = None) -> jax.Array | tuple[jax.Array | dict[str, jax.Array], ...]:
     """Logits [batch, seq, vocab] (fp32) of a packed batch; jitted once per shape.
 
     Composes with jax.jit / jax.grad / jax.vmap (see the module doc). Concrete inputs are checked on the host
@@ -187,7 +190,8 @@ def forward(cfg: ModelConfig, params: tfm.Params, tokens: jax.typing.ArrayLike,
 
     Args:
       cfg: the model config.
-      params: the sharded params (from `init_params` / `load_hf`); the model runs on their mesh.
+      params: the sharded params (from `init_params` / `load_hf`), or `AdaptedParams` (base + adapter); the
+        model runs on their mesh.
       tokens: `[batch, seq]` int token ids in `[0, cfg.vocab_size)`, seq <= `cfg.max_seq_len`.
       segment_ids: `[batch, seq]` int: tokens attend only within their segment (0 = padding).
         Default (None): one segment per row.
@@ -199,6 +203,8 @@ def forward(cfg: ModelConfig, params: tfm.Params, tokens: jax.typing.ArrayLike,
         from this forward's router; aux then holds 'routing_agreement' (overall and '/layer_<i>').
       routes_mask: `[batch, seq]` bool-like, where to replay `routes` (default: all); only with `routes`.
       return_routes: also return the experts used, `[batch, seq, moe layers, top_k]` int32.
+      adapter: a `LoraAdapter` (`S.init_adapter` / `S.load_adapter`) applied unmerged on top of `params`
+        (x W + s (x A) B at each adapted weight); differentiate through it to train only the adapter.
     Returns:
       The logits `[batch, seq, vocab]` float32 alone, or a tuple: logits, then aux (`{name: scalar}`, with
       `return_aux`), then routes (with `return_routes`).
@@ -206,15 +212,22 @@ def forward(cfg: ModelConfig, params: tfm.Params, tokens: jax.typing.ArrayLike,
       TypeError: when `tokens` or `routes` are not integer.
       ValueError: for a wrong rank or shape, a sequence past `cfg.max_seq_len`, token ids, positions or expert
         ids out of range (concrete inputs), `routes_mask` without `routes`, routes or `return_routes` on a model
-        without a MoE layer, or params that carry no mesh.
+        without a MoE layer, params that carry no mesh, or an adapter that does not fit the model.
     """
     validate_tokens(cfg, tokens, segment_ids, positions)
+    if isinstance(params, AdaptedParams):
+        if adapter is not None:
+            raise ValueError("forward: params are AdaptedParams (they carry their adapter) and adapter= is given too")
+        check_adapter(cfg, params.adapter)
+    if adapter is not None:
+        check_adapter(cfg, adapter)
     if routes is not None:
         validate_routes(cfg, tokens, routes, routes_mask)
     elif routes_mask is not None:
         raise ValueError("routes_mask without routes: pass the routes it masks")
     with mesh_context(params):
-        out = _forward_jit(cfg, params, tokens, segment_ids, positions, routes, routes_mask, bool(return_routes))
+        out = _forward_jit(cfg, params, adapter, tokens, segment_ids, positions, routes, routes_mask,
+                           bool(return_routes))
     if not (return_aux or return_routes):
         return out[0]
     return (out[0],) + ((out[1],) if return_aux else ()) + ((out[2],) if return_routes else ())

@@ -20,6 +20,7 @@ from sfrrl_jax.mesh import BATCH_AXES, TENSOR_AXIS, concrete_mesh_in_trace, cons
 from sfrrl_jax.models.attention import blockwise_attention
 from sfrrl_jax.models.attention_pallas import pallas_attention
 from sfrrl_jax.models.context_parallel import context_parallel_attention, context_size
+from sfrrl_jax.models.lora_weight import LoraWeight, low_rank_delta
 
 
 def param(rngs: nnx.Rngs | None, init: str, shape, logical_axes, cfg: ModelConfig, dtype=None) -> nnx.Param:
@@ -52,7 +53,13 @@ def project(x: jax.Array, w: jax.Array, n_in: int = 1, preferred_element_type=No
     dims, and XLA:CPU lowers it with the cotangent transposed inside the elementwise fusion
     that produces it, a strided loop that cost as much as the matmuls of the backward on
     SmolLM2's shapes (issue #44); the 2-D form's gradient is a plain transposed-operand gemm.
-    The math is the same contraction in the same dtype."""
+    The math is the same contraction in the same dtype.
+
+    A `LoraWeight` (an adapted weight, `models.lora`) gives x W + s (x A) B, unmerged."""
+    if isinstance(w, LoraWeight):
+        y = project(x, w.base, n_in, preferred_element_type)
+        delta = low_rank_delta(x, w, lambda v, m, k: project(v, m, k, preferred_element_type))
+        return y + delta.astype(y.dtype)
     in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
     if tuple(x.shape[x.ndim - n_in:]) != tuple(in_shape):
         raise ValueError(f"project: x's trailing dims {tuple(x.shape[x.ndim - n_in:])} do not match "

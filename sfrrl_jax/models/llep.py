@@ -121,10 +121,13 @@ def _guest_weights(w: dict, slot_experts, n_local: int) -> dict:
     mine = slot_experts // n_local == me
     local = slot_experts % n_local
     out = {}
-    for name, v in w.items():
+    def with_guests(v):   # every array of a weight (an adapted one's base, a and b alike)
         mask = mine.reshape((-1,) + (1,) * (v.ndim - 1))
         guests = jax.lax.psum(jnp.where(mask, v[local], 0), EXPERT_AXIS)
-        out[name] = jnp.concatenate([v, guests.astype(v.dtype)], axis=0)
+        return jnp.concatenate([v, guests.astype(v.dtype)], axis=0)
+
+    for name, v in w.items():
+        out[name] = jax.tree.map(with_guests, v)
     return out
 
 

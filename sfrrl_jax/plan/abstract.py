@@ -34,6 +34,7 @@ from sfrrl_jax.learner.train_step import TrainStep, make_train_step
 # the byte counts are mesh.py's; planner and search name them from here
 from sfrrl_jax.mesh import device_bytes, host_bytes, shard_bytes, sharding_for  # noqa: F401
 from sfrrl_jax.models.api import param_shardings
+from sfrrl_jax.models.lora import frozen_part, trained_part
 from sfrrl_jax.models.transformer import param_shapes, route_dims
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.microbatch import MicroBatch
@@ -65,13 +66,23 @@ class TrainSetup:
         params = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), param_shapes(model_cfg), shardings)
         opt_state = ts.abstract_opt_state(params)
         # eval_shape of the jitted init carries its out_shardings: the accumulator's real layout
-        acc = jax.eval_shape(ts._fns(params)["init_acc"], params)
+        acc = jax.eval_shape(ts._fns(params)["init_acc"], trained_part(params))
         dims = route_dims(model_cfg) if ts.loss.routing_replay == "r3" else None
         return TrainSetup(ts, params, opt_state, acc, dims)
 
     def deferred_buffer(self) -> DeferredBuffer:
         """Abstract advantage-deferred group buffer (h1, hc, and k if the loss has such terms)."""
-        return jax.eval_shape(self.train_step._deferred(self.params)["init"], self.params)
+        return jax.eval_shape(self.train_step._deferred(self.params)["init"], self.trained)
+
+    @property
+    def trained(self):
+        """The pytree the train step differentiates (the adapter of a LoRA run, else the params)."""
+        return trained_part(self.params)
+
+    @property
+    def frozen(self):
+        """The pytree the train step reads but never updates (a LoRA run's base, else None)."""
+        return frozen_part(self.params)
 
     def deferred_param_copies(self) -> int:
         return 3 if advantage_free_terms(self.train_step) else 2

@@ -90,14 +90,14 @@ def calibrate(rows: int = 2, length: int = 1024, remat: str = "none") -> dict:
     acc = ts.init_accumulator(params)
     compiled = ph.compiled   # the planner's own executable, run on real arrays
     with jax.set_mesh(mesh):
-        acc = compiled(params, acc, mb)       # warm: first-touch costs, thread pools
+        acc = compiled(params, None, acc, mb)   # warm: first-touch costs, thread pools
         jax.block_until_ready(acc)
         gc.collect()
         arguments = sum(x.nbytes for x in jax.tree.leaves((params, acc, mb)))
         out = {}
 
         def call():
-            out["acc"] = jax.block_until_ready(compiled(params, acc, mb))
+            out["acc"] = jax.block_until_ready(compiled(params, None, acc, mb))
         base, peak = _peak_rss_during(call)
     measured = arguments + (peak[1] - base[1])
     return {"predicted": predicted, "measured": measured, "ratio": predicted / measured,

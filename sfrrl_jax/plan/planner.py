@@ -338,14 +338,14 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
 
     if "train_micro" in want:
         say(f"compiling train_micro [{rows} x {length}] ...")
-        c, s = _compile(fns["micro"], mesh, setup.params, setup.acc, mb)
+        c, s = _compile(fns["micro"], mesh, setup.trained, setup.frozen, setup.acc, mb)
         phases.append(_phase("train_micro", f"grad micro-step, micro-batch [{rows} x {length}] tokens", c, s,
                              {"params": setup.params, "accumulator": setup.acc, "micro-batch": mb},
                              train_resident))
     if deferred is not None:
         say("compiling deferred ...")
         dfns = setup.train_step._deferred(setup.params)
-        c, s = _compile(dfns["micro"], mesh, setup.params, deferred, mb, np.float32(0.0))
+        c, s = _compile(dfns["micro"], mesh, setup.trained, setup.frozen, deferred, mb, np.float32(0.0))
         # one of the early_groups buffers is this call's argument; the others stay resident
         res = dict(train_resident, **{"deferred buffers": dfr - device_bytes(deferred)})
         phases.append(_phase("deferred", f"advantage-deferred micro-step [{rows} x {length}]", c, s,
@@ -353,7 +353,7 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
                              dict(res, accumulator=acc_between)))
     if "apply" in want:
         say("compiling apply ...")
-        c, s = _compile(fns["apply"], mesh, setup.params, setup.opt_state, setup.acc)
+        c, s = _compile(fns["apply"], mesh, setup.trained, setup.opt_state, setup.acc)
         phases.append(_phase("apply", "optimizer update (KV cache freed before it)", c, s,
                              {"params": setup.params, "optimizer state": setup.opt_state,
                               "accumulator": setup.acc}, {}))
