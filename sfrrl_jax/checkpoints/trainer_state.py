@@ -4,7 +4,8 @@ Everything a step reads that a later step depends on is saved, so a resumed run 
 uninterrupted run from the restored step on:
 
   device state  'params', 'opt_state' (AdamW moments and the applied-update counter that drives
-                the learning-rate schedule).
+                the learning-rate schedule). A LoRA run (`models.lora.AdaptedParams`) saves its
+                adapter as 'params', never the base: that is read again from its HF directory.
   host state    'step' (RL steps done), 'params_version', 'tasks' (the TaskStream's seed, epoch and
                 index: its permutation is a pure function of (seed, epoch), so this *is* its RNG),
                 'longest_first' (the predicted group durations that order the launches),
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sfrrl_jax.checkpoints.orbax_store import abstract_of, check_json_exact
+from sfrrl_jax.models.lora import frozen_part, join_parts, trained_part
 from sfrrl_jax.rl.microbatch import MicroBatch, as_microbatch
 from sfrrl_jax.trainer.rl_trainer import RLTrainer, MicroStepUnit
 
@@ -128,13 +130,14 @@ def trainer_state(trainer: RLTrainer, rollout: Any = None, fingerprint: dict | N
       fingerprint: `config_fingerprint(...)` of the configs that shape the run, checked on resume; None skips
         the check.
     Returns:
-      `(state, host)`: the device state `{'params', 'opt_state'}` (the trainer's arrays, not copies), and the
+      `(state, host)`: the device state `{'params', 'opt_state'}` (the trainer's arrays, not copies; a LoRA
+      run's 'params' are its adapter, the base is not saved), and the
       JSON-exact host state (module docstring).
     Raises:
       TypeError: when the host state would not survive a JSON round trip unchanged (e.g. the rollout's
         `state_dict()` holds a tuple or a non-str key).
     """
-    state = {"params": trainer.params, "opt_state": trainer.opt_state}
+    state = {"params": trained_part(trainer.params), "opt_state": trainer.opt_state}   # LoRA: the adapter only
     host = {
         "format": HOST_FORMAT,
         "step": int(trainer.step_index),
@@ -154,13 +157,14 @@ def abstract_trainer_state(params: Params, opt_state: Any) -> dict:
     """The restore target (shapes, dtypes, shardings) of `trainer_state`'s device state.
 
     Args:
-      params: the model params (a nested dict of `jax.Array`), in the shardings to restore into.
+      params: the model params (a nested dict of `jax.Array`, or `AdaptedParams`: then the adapter is the
+        target), in the shardings to restore into.
       opt_state: the optimizer state pytree of arrays (`OptState`, or any optax state), likewise.
     Returns:
       `{'params': ..., 'opt_state': ...}` with every array replaced by its `jax.ShapeDtypeStruct` (shape,
       dtype, sharding), for `Checkpointer.restore` / `restore_latest`.
     """
-    return {"params": abstract_of(params), "opt_state": abstract_of(opt_state)}
+    return {"params": abstract_of(trained_part(params)), "opt_state": abstract_of(opt_state)}
 
 
 def check_resumable(host: dict, fingerprint: dict | None, num_tasks: int, where: str) -> None:
@@ -195,7 +199,9 @@ def load_trainer_state(trainer: RLTrainer, state: dict, host: dict, rollout: Any
       ValueError: when a carried-over array is not a saved array, or the checkpoint holds rollout state but
         `rollout` has no `load_state_dict()`.
     """
-    trainer.params, trainer.opt_state = state["params"], state["opt_state"]
+    # a LoRA run restores its adapter onto the base it holds (read from its HF directory)
+    trainer.params = join_parts(state["params"], frozen_part(trainer.params))
+    trainer.opt_state = state["opt_state"]
     trainer.engine.set_params(trainer.params)
     trainer.step_index = int(host["step"])
     trainer.params_version = int(host["params_version"])

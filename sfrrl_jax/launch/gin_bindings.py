@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Sequence
 import gin
 from gin import config_parser
 
+from sfrrl_jax.models.lora import LoraConfig
 from sfrrl_jax.rl.config import AdvantageConfig, LossConfig
 from sfrrl_jax.learner.optimizer import OptimizerConfig
 from sfrrl_jax.trainer.config import TrainerConfig
@@ -121,7 +122,8 @@ def register() -> None:
     Called by every `load_job`, so a recipe whose module is imported later is picked up then.
     """
     if not _REGISTERED:
-        for cls in (ExperimentConfig, TrainerConfig, LossConfig, AdvantageConfig, OptimizerConfig, ToolRunnerConfig):
+        for cls in (ExperimentConfig, TrainerConfig, LossConfig, AdvantageConfig, OptimizerConfig, ToolRunnerConfig,
+                    LoraConfig):
             gin.external_configurable(cls, module="sfrrl")
         # the real experiment path (launch.agentic): the rollout factory, the agent's limits, and
         # the environments a gin file may pass as values (`AgenticRollout.environment = @code_environment()`)

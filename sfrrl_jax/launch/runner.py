@@ -54,6 +54,8 @@ from sfrrl_jax.checks import check_bool_fields, check_int, check_int_fields, che
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import MESH_AXES, make_mesh
 from sfrrl_jax.models.api import check_mesh_fits, init_params, param_shardings
+from sfrrl_jax.models.lora import (AdaptedParams, LoraAdapter, LoraConfig, adapted_leaves, adapter_shapes,
+                                   adapter_shardings, check_trainable, init_adapter)
 from sfrrl_jax.models.transformer import param_shapes
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.learner.optimizer import OptState, OptimizerConfig, opt_state_shardings
@@ -101,6 +103,9 @@ class ExperimentConfig:
     eval_every: with a held-out set (`RolloutSource.held_out`, e.g. `AgenticRollout.eval_tasks`),
       also evaluate every N steps; it is always evaluated before the first step of a fresh run and
       after the last (0: only then). See `launch.held_out_runs`.
+    lora: a `LoraConfig` (in gin `@LoraConfig()`): train a LoRA adapter on the frozen base
+      (`models.lora`); checkpoints then hold the adapter and its optimizer state only (the base is
+      read again from `hf_path`, or re-drawn from `seed`, on resume). None: train every weight.
     """
 
     run_dir: str = ""
@@ -127,6 +132,7 @@ class ExperimentConfig:
     eval_every: int = 0
     progress_bar: bool = True
     tensorboard: bool = True
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         own = "ExperimentConfig"
@@ -171,6 +177,9 @@ class ExperimentConfig:
         for k, cls in (("trainer", TrainerConfig), ("loss", LossConfig), ("optimizer", OptimizerConfig)):
             if not isinstance(getattr(self, k), cls):
                 raise TypeError(f"{own}.{k} must be a {cls.__name__}, got {type(getattr(self, k)).__name__}")
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise TypeError(f"{own}.lora must be a LoraConfig (gin: @LoraConfig()) or None, got "
+                            f"{type(self.lora).__name__}")
 
     @property
     def mesh_size(self) -> int:
@@ -246,6 +255,9 @@ def validate_experiment(cfg: ExperimentConfig, num_devices: int | None = None) -
         raise ValueError("ExperimentConfig.rollout is not set: give the run its rollout factory, "
                          "@AgenticRollout() (launch.agentic: a task set through the agent loop) or "
                          "@WorkloadRollout() (testing.workload: the synthetic long-tail workload)")
+    if cfg.lora is not None:
+        adapted_leaves(model_cfg, cfg.lora)   # raises naming a target this model does not have
+        check_trainable(cfg.lora)
     check = getattr(cfg.rollout, "validate", None)   # the rollout factory's own checks
     if check is not None:
         check(cfg, model_cfg)
@@ -263,11 +275,18 @@ def build_rollout_source(cfg: ExperimentConfig, model_cfg: ModelConfig) -> Rollo
     return source
 
 
-def abstract_params_and_opt_state(model_cfg: ModelConfig, mesh, optimizer_cfg: OptimizerConfig, train_step):
-    """Restore targets (shape, dtype, sharding) of params and optimizer state: nothing allocated."""
-    shardings = param_shardings(model_cfg, mesh)
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          param_shapes(model_cfg), shardings)
+def abstract_params_and_opt_state(model_cfg: ModelConfig, mesh, optimizer_cfg: OptimizerConfig, train_step,
+                                  lora: LoraConfig | None = None):
+    """Restore targets (shape, dtype, sharding) of params and optimizer state: nothing allocated.
+    With `lora`, the trained params are the adapter (a `LoraAdapter` of ShapeDtypeStructs)."""
+    if lora is None:
+        shardings = param_shardings(model_cfg, mesh)
+        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              param_shapes(model_cfg), shardings)
+    else:
+        params = LoraAdapter(jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                          adapter_shapes(model_cfg, lora), adapter_shardings(model_cfg, lora, mesh)),
+                             lora)
     opt_sh = opt_state_shardings(train_step.tx, params, optimizer_cfg)
     opt_shapes = OptState(step=jax.ShapeDtypeStruct((), np.int32),
                           inner=jax.eval_shape(train_step.tx.init, params))
@@ -339,9 +358,11 @@ def run_fingerprint(cfg: ExperimentConfig, model_cfg: ModelConfig) -> dict:
     mesh = [cfg.mesh_data, cfg.mesh_expert, cfg.mesh_tensor]
     if cfg.mesh_context > 1:   # appended only when used, so runs from before the axis still resume
         mesh.append(["context", cfg.mesh_context])
+    # lora only when set, so runs from before it still resume
+    lora = {} if cfg.lora is None else {"lora": cfg.lora}
     return config_fingerprint(model=model_cfg, trainer=cfg.trainer, loss=cfg.loss,
                               optimizer=cfg.optimizer, seed=cfg.seed, mesh=mesh,
-                              rollout=repr(cfg.rollout))
+                              rollout=repr(cfg.rollout), **lora)
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -367,7 +388,7 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
     restored = None
     if cfg.resume:
         abstract = dict(zip(("params", "opt_state"),
-                            abstract_params_and_opt_state(model_cfg, mesh, cfg.optimizer, train_step)))
+                            abstract_params_and_opt_state(model_cfg, mesh, cfg.optimizer, train_step, cfg.lora)))
         # raises when checkpoints exist but none restores; nan/inf weights count as damage (training
         # from them would skip every update)
         restored = ckpt.restore_latest(abstract, strict=cfg.resume == "strict")
@@ -375,8 +396,12 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
         step0, state, host = restored
         check_resumable(host, fingerprint, len(source.tasks), f"checkpoint step {step0} in {ckpt.directory}")
         params, opt_state = state["params"], state["opt_state"]
+        if cfg.lora is not None:   # the checkpoint holds the adapter; the base is read again
+            params = AdaptedParams(_fresh_params(cfg, model_cfg, mesh), params)
     else:
         params, opt_state = _fresh_params(cfg, model_cfg, mesh), None
+        if cfg.lora is not None:
+            params = AdaptedParams(params, init_adapter(model_cfg, cfg.lora, mesh, seed=cfg.seed))
     # Written once the run is known to go ahead: a refused resume leaves the run's own config.
     if operative_config is not None and primary:
         (run_dir / "operative_config.gin").write_text(operative_config)

@@ -52,7 +52,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sfrrl_jax.models.api import mesh_of
-from sfrrl_jax.models.lora import AdaptedParams, frozen_part, join_parts, model_view, trained_part
+from sfrrl_jax.models.lora import (AdaptedParams, check_adapter, check_trainable, frozen_part, join_parts, model_view,
+                                   trained_part)
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.aggregation import SequenceLayout
 from sfrrl_jax.rl.loss_fn import Loss, LossInputs, as_loss
@@ -311,6 +312,8 @@ class TrainStep:
         # Every function below takes the trained pytree (`t`: the params, or an AdaptedParams'
         # adapter) and, where the forward runs, the frozen one (`f`: the base, or None): gradients,
         # their sums and the optimizer state exist for `t` only.
+        if isinstance(params, AdaptedParams):
+            check_trainable(params.adapter.config)
         mesh = mesh_of(params)
         rep = NamedSharding(mesh, P())
         param_sh = jax.tree.map(lambda p: p.sharding, trained_part(params))
@@ -456,6 +459,8 @@ def make_train_step(cfg: ModelConfig, loss: Loss | LossConfig,
         aux_metrics = ("routing_agreement",) + tuple(f"routing_agreement/layer_{i}" for i in moe)
 
     def forward_fn(params, tokens, segment_ids, positions, routes=None, routes_mask=None):
+        if isinstance(params, AdaptedParams):   # shapes only: checked as the step is traced
+            check_adapter(cfg, params.adapter)
         params = model_view(cfg, params)   # AdaptedParams: the base with the adapter, unmerged
         hidden, aux = tfm.forward_hidden(cfg, params, tokens, segment_ids, positions, routes=routes,
                                          routes_mask=routes_mask)

@@ -111,6 +111,15 @@ class LoraConfig:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
+def check_trainable(lora_cfg: LoraConfig) -> None:
+    """Raises ValueError naming `LoraConfig.dropout` when it is not 0: the train step runs the
+    forward the engine sampled from (an RL ratio of exactly 1 on-policy), so it applies no dropout;
+    an adapter loaded with PEFT's lora_dropout trains after `dataclasses.replace(cfg, dropout=0.0)`."""
+    if lora_cfg.dropout:
+        raise ValueError(f"LoraConfig.dropout={lora_cfg.dropout}: training with LoRA dropout is not built (the train "
+                         "forward must be the one the engine sampled from); set dropout=0.0")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoraAdapter:

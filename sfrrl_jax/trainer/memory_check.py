@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from sfrrl_jax.mesh import device_bytes, in_device_memory
+from sfrrl_jax.models.lora import trained_part
 
 
 def tree_bytes(tree, per_device: bool) -> int:
@@ -37,12 +38,14 @@ def rollout_resident_bytes(engine_steps, train_step, params, early_group_buffers
 
     engine_steps: the engine's `EngineSteps` (its key and value caches' shapes and shardings); train_step:
     a `learner.TrainStep`; early_group_buffers: float32 param-shaped buffers of early-sample
-    groups (`TrainerConfig.early_groups` x 2 or 3)."""
+    groups (`TrainerConfig.early_groups` x 2 or 3), shaped like the trained part of `params`."""
     cache = [jax.ShapeDtypeStruct(shape, engine_steps.cache_dtype, sharding=sharding)   # keys, values
              for shape, sharding in ((engine_steps.cache_shape, engine_steps.cache_sharding),
                                      (engine_steps.value_cache_shape, engine_steps.value_cache_sharding))]
+    # gradient sums exist for the trained part only (a LoRA run's adapter: `models.lora.AdaptedParams`)
     f32_like_params = jax.tree.map(
-        lambda p: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=getattr(p, "sharding", None)), params)
+        lambda p: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=getattr(p, "sharding", None)),
+        trained_part(params))
     sums = tree_bytes(f32_like_params, per_device)
     parts = {
         "KV cache": tree_bytes(cache, per_device),
