@@ -6,6 +6,8 @@ One import gives the whole public API (`import sfrrl_jax as S`); the sub-package
     cfg = S.ModelConfig.preset("tiny-moe")
     params = S.init_params(cfg, mesh, seed=0)        # the one sharded param pytree
     logits = S.forward(cfg, params, tokens)          # [batch, seq, vocab]; composes with jit/grad/vmap
+    adapter = S.init_adapter(cfg, S.LoraConfig(rank=8), mesh)   # LoRA: S.forward(..., adapter=adapter);
+    lora_params = S.AdaptedParams(params, adapter)   # train / generate it where params go (base frozen)
     outs = S.generate(cfg, params, prompts, 16)      # the rollout engine, same arrays
 
     env = S.ToolEnvironment([tool], system_prompt, reward_fns=[S.answer_correct, my_reward])
@@ -30,14 +32,15 @@ from sfrrl_jax.agents import (BFCL_CATEGORIES, CodeTestsVerifier, FunctionCallin
                               code_tests_reward, function_call_match, humaneval_tasks, load_tasks, math_environment,
                               math_equal, reasoning_gym_tasks, verify_math, verify_reasoning_gym)
 from sfrrl_jax.agents.tasks.verifiers import extract_answer
-from sfrrl_jax.checkpoints import (Checkpointer, abstract_trainer_state, load_hf, load_trainer_state, save_hf,
-                                   trainer_state)
+from sfrrl_jax.checkpoints import (Checkpointer, abstract_trainer_state, load_adapter, load_hf, load_trainer_state,
+                                   save_adapter, save_hf, trainer_state)
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine import Engine, EngineProtocol, generate
 from sfrrl_jax.learner import OptimizerConfig, TrainStep, make_train_step
 from sfrrl_jax.mesh import (CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS, LOGICAL_AXIS_RULES, TENSOR_AXIS, make_mesh,
                             shard_by_logical)
 from sfrrl_jax.models import forward, init_params, param_logical_axes
+from sfrrl_jax.models.lora import AdaptedParams, LoraAdapter, LoraConfig, init_adapter, merge_adapter
 from sfrrl_jax.rl import (AdvantageConfig, Loss, LossConfig, LossInputs, MicroBatch, ObjectiveParts, compute_advantages,
                           loss_from_config, policy_loss, sft_loss)
 from sfrrl_jax.tokenizer import Tokenizer, TokenizerProtocol, build_tiny_tokenizer, load_tokenizer
@@ -48,6 +51,8 @@ __all__ = [
     # mesh and models
     "CONTEXT_AXIS", "DATA_AXIS", "EXPERT_AXIS", "LOGICAL_AXIS_RULES", "TENSOR_AXIS", "ModelConfig", "forward", "init_params",
     "make_mesh", "param_logical_axes", "shard_by_logical",
+    # LoRA adapters: trained on the frozen base, PEFT directories in and out
+    "AdaptedParams", "LoraAdapter", "LoraConfig", "init_adapter", "load_adapter", "merge_adapter", "save_adapter",
     # checkpoints: Hugging Face formats and resumable trainer state
     "Checkpointer", "abstract_trainer_state", "load_hf", "load_trainer_state", "save_hf", "trainer_state",
     # rollout engine and tokenizers

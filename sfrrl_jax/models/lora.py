@@ -225,7 +225,16 @@ def adapter_shapes(cfg: ModelConfig, lora_cfg: LoraConfig) -> dict:
 
 
 def adapter_shardings(cfg: ModelConfig, lora_cfg: LoraConfig, mesh: Mesh) -> dict:
-    """The adapter's weights' `NamedSharding`s on `mesh` (`LoraAdapter.weights` layout)."""
+    """The adapter's weights' `NamedSharding`s on `mesh`.
+
+    Args:
+      cfg: the model config.
+      lora_cfg: which weights are adapted, and the rank.
+      mesh: the params' mesh.
+    Returns:
+      A nested dict laid out as `LoraAdapter.weights`, each leaf a `NamedSharding` (a: the base's input dims'
+      sharding, b: its output dims', the rank dim replicated).
+    """
     axes, shapes = adapter_logical_axes(cfg, lora_cfg), adapter_shapes(cfg, lora_cfg)
     return jax.tree.map(lambda a, s: sharding_for(mesh, a, s.shape), axes, shapes,
                         is_leaf=lambda x: isinstance(x, tuple))
