@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     mesh = make_mesh(data=exp.mesh_data, expert=exp.mesh_expert, tensor=exp.mesh_tensor,
                      context=exp.mesh_context, devices=jax.devices()[:n])
     try:
-        plan = plan_memory(PlanInputs(model_cfg, mesh, exp.trainer, exp.loss, exp.optimizer, source), plan_cfg,
-                           log=log)
+        plan = plan_memory(PlanInputs(model_cfg, mesh, exp.trainer, exp.loss, exp.optimizer, source, exp.lora),
+                           plan_cfg, log=log)
     except ValueError as e:
         print(f"sfrrl-plan: config invalid: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,8 @@ from sfrrl_jax.learner.train_step import TrainStep, make_train_step
 # the byte counts are mesh.py's; planner and search name them from here
 from sfrrl_jax.mesh import device_bytes, host_bytes, shard_bytes, sharding_for  # noqa: F401
 from sfrrl_jax.models.api import param_shardings
-from sfrrl_jax.models.lora import frozen_part, trained_part
+from sfrrl_jax.models.lora import (AdaptedParams, LoraAdapter, LoraConfig, adapter_shapes, adapter_shardings,
+                                   frozen_part, trained_part)
 from sfrrl_jax.models.transformer import param_shapes, route_dims
 from sfrrl_jax.rl.config import LossConfig
 from sfrrl_jax.rl.microbatch import MicroBatch
@@ -58,12 +59,19 @@ class TrainSetup:
     route_dims: tuple[int, int] | None = None   # (moe layers, top_k) under routing replay
 
     @staticmethod
-    def build(model_cfg: ModelConfig, mesh, loss_cfg: LossConfig, optimizer_cfg: OptimizerConfig) -> "TrainSetup":
+    def build(model_cfg: ModelConfig, mesh, loss_cfg: LossConfig, optimizer_cfg: OptimizerConfig,
+              lora: LoraConfig | None = None) -> "TrainSetup":
+        """The abstract train state of a run; with `lora`, its params are `AdaptedParams` (the base
+        frozen, the adapter trained: gradient sums and optimizer state adapter-sized)."""
         # A fresh TrainStep (not trainer.rl_trainer.shared_train_step's cached one): the planner
         # builds many configurations in one process and must not pin their executables.
         ts = make_train_step(model_cfg, loss_cfg, optimizer_cfg)
         shardings = param_shardings(model_cfg, mesh)
         params = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), param_shapes(model_cfg), shardings)
+        if lora is not None:
+            adapter = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), adapter_shapes(model_cfg, lora),
+                                   adapter_shardings(model_cfg, lora, mesh))
+            params = AdaptedParams(params, LoraAdapter(adapter, lora))
         opt_state = ts.abstract_opt_state(params)
         # eval_shape of the jitted init carries its out_shardings: the accumulator's real layout
         acc = jax.eval_shape(ts._fns(params)["init_acc"], trained_part(params))

@@ -46,6 +46,7 @@ from sfrrl_jax.checks import check_bool, check_int, check_number
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.pages import check_paging, group_pages
 from sfrrl_jax.learner.optimizer import OptimizerConfig
+from sfrrl_jax.models.lora import LoraConfig
 from sfrrl_jax.plan.abstract import (GB, TrainSetup, device_bytes, engine_abstract, host_bytes, microbatch,
                                      request_abstract, shard_bytes)
 from sfrrl_jax.rl.config import LossConfig
@@ -111,6 +112,7 @@ class PlanInputs:
     loss: LossConfig
     optimizer: OptimizerConfig
     source: str = ""   # where the configs came from (a gin file), for the report
+    lora: LoraConfig | None = None   # a LoRA run (ExperimentConfig.lora): the adapter trained, the base frozen
 
 
 @dataclasses.dataclass
@@ -285,7 +287,7 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
     say = log or (lambda s: None)
     t0 = time.perf_counter()
     model_cfg, mesh, tc = compiled_model_cfg(inputs.model_cfg, cfg), inputs.mesh, inputs.trainer
-    setup = TrainSetup.build(model_cfg, mesh, inputs.loss, inputs.optimizer)
+    setup = TrainSetup.build(model_cfg, mesh, inputs.loss, inputs.optimizer, inputs.lora)
     fns = setup.train_step._fns(setup.params)
     rows, length = microbatch_shape(tc, cfg)
     if length > model_cfg.max_seq_len:
@@ -330,7 +332,10 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
     shapes = {"microbatch": [rows, length], "mode": tc.mode, "max_slots": tc.engine_slots, "max_len": tc.max_len,
               "prefill_len": prefill_len, "decode_steps": tc.decode_steps,
               "paging": None if page_size is None else [page_size, num_pages], "paged_groups": paged_groups,
-              "mesh": dict(mesh.shape), "early_groups": tc.early_groups, "swap_cache": tc.swap_cache}
+              "mesh": dict(mesh.shape), "early_groups": tc.early_groups, "swap_cache": tc.swap_cache,
+              "lora": None if inputs.lora is None else {
+                  "rank": inputs.lora.rank, "targets": list(inputs.lora.targets),
+                  "adapter_params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(setup.trained))}}
     setup_s = time.perf_counter() - t0
     phases = []
     train_resident = {"optimizer state": opt_dev, "KV cache": cache if overlap and not tc.swap_cache else 0,
@@ -354,9 +359,11 @@ def plan_memory(inputs: PlanInputs, cfg: PlanConfig = PlanConfig(), log: Callabl
     if "apply" in want:
         say("compiling apply ...")
         c, s = _compile(fns["apply"], mesh, setup.trained, setup.opt_state, setup.acc)
+        # a LoRA run updates its adapter; the frozen base stays resident beside the call
+        frozen = {} if setup.frozen is None else {"frozen base params": device_bytes(setup.frozen)}
         phases.append(_phase("apply", "optimizer update (KV cache freed before it)", c, s,
-                             {"params": setup.params, "optimizer state": setup.opt_state,
-                              "accumulator": setup.acc}, {}))
+                             {"params": setup.trained, "optimizer state": setup.opt_state,
+                              "accumulator": setup.acc}, frozen))
     if steps is not None:
         rollout = {"optimizer state": opt_dev, "accumulator": acc_between, "deferred buffers": dfr}
         req = request_abstract()

@@ -34,6 +34,7 @@ def plan_markdown(plan) -> str:
         + f"; **optimizer state** {'pinned_host' if inp.optimizer.offload_state else 'device'}"
         + f", split over {inp.optimizer.state_shard_axis!r}"
         + ("; **gradient sums** pinned_host between micro-steps" if inp.optimizer.offload_accumulator else "")
+        + _lora_text(plan.shapes.get("lora"))
         + "  ",
         f"**Compile** {plan.compile_s:.0f} s for {len(plan.phases)} phases (setup {plan.setup_s:.0f} s)"
         + (f"; configs from `{inp.source}`" if inp.source else ""),
@@ -69,3 +70,11 @@ def _group_fit(groups: dict | None) -> str:
         return ""
     return (f"; holds {groups['shared']} groups of {groups['group_size']} at max_len with their prompt's pages "
             f"shared, {groups['unshared']} without")
+
+
+def _lora_text(lora: dict | None) -> str:
+    """The LoRA part of the header: what is trained (gradient sums and optimizer state are its size)."""
+    if not lora:
+        return ""
+    return (f"; **LoRA** rank {lora['rank']} on {', '.join(lora['targets'])} ({lora['adapter_params'] / 1e6:.1f}M "
+            "trained params; the base frozen)")

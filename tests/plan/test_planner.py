@@ -192,3 +192,24 @@ def test_a_paged_plan_counts_a_groups_shared_prompt_pages_once():
     dense = plan_memory(PlanInputs(cfg, make_mesh(expert=8), tc, LossConfig(), OptimizerConfig()),
                         PlanConfig(phases=("apply",)))
     assert dense.shapes["paged_groups"] is None and "dense KV cache" in dense.to_markdown()
+
+
+def test_a_lora_plan_counts_adapter_sized_gradients_and_optimizer_state():
+    from sfrrl_jax.models.lora import LoraConfig
+    cfg = ModelConfig.preset("tiny-moe", max_seq_len=128)
+    mesh = make_mesh(expert=8)
+    tc = TrainerConfig(groups_per_step=1, group_size=2, max_slots=2, max_len=64, buckets=(32,))
+    lora = LoraConfig(rank=4, targets=("q_proj", "v_proj", "experts.down_proj"))
+    cfg_plan = PlanConfig(phases=("train_micro", "apply", "decode"))
+    full = plan_memory(PlanInputs(cfg, mesh, tc, LossConfig(), OptimizerConfig()), cfg_plan)
+    adapted = plan_memory(PlanInputs(cfg, mesh, tc, LossConfig(), OptimizerConfig(), lora=lora), cfg_plan)
+    setup = TrainSetup.build(cfg, mesh, LossConfig(), OptimizerConfig(), lora)
+    adapter_bytes = device_bytes(setup.trained)
+    # float32 adapter: one copy (+ the accumulator's scalar metric sums)
+    assert adapter_bytes <= adapted.static["accumulator (f32 grads)"] < adapter_bytes + 1024
+    assert adapted.static["optimizer state (device)"] < 3 * adapter_bytes      # two moments + a counter
+    assert adapted.static["params"] == full.static["params"] + adapter_bytes
+    assert adapted.static["accumulator (f32 grads)"] < full.static["accumulator (f32 grads)"] / 5
+    apply = {p.name: p for p in adapted.phases}["apply"]
+    assert apply.resident["frozen base params"] == full.static["params"]
+    assert adapted.shapes["lora"]["rank"] == 4 and "LoRA** rank 4" in adapted.to_markdown()
