@@ -105,7 +105,9 @@ class ExperimentConfig:
       after the last (0: only then). See `launch.held_out_runs`.
     lora: a `LoraConfig` (in gin `@LoraConfig()`): train a LoRA adapter on the frozen base
       (`models.lora`); checkpoints then hold the adapter and its optimizer state only (the base is
-      read again from `hf_path`, or re-drawn from `seed`, on resume). None: train every weight.
+      read again from `hf_path`, or re-drawn from `seed`, on resume), and a finished run writes the
+      adapter as a PEFT directory, `run_dir/adapter` (`checkpoints.hf.save_adapter`). None: train
+      every weight.
     """
 
     run_dir: str = ""
@@ -502,6 +504,11 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
         finally:
             if run_log is not None:
                 run_log.close()
+    adapter_dir = None
+    if cfg.lora is not None and trainer.step_index == cfg.num_steps:
+        # a finished LoRA run leaves its adapter as a PEFT directory too (every process gathers, one writes)
+        from sfrrl_jax.checkpoints.hf import save_adapter
+        adapter_dir = str(save_adapter(trainer.params.adapter, model_cfg, run_dir / "adapter"))
     timeline = run_log.write_timeline(trainer.timeline) if run_log is not None else {}
     summary = {
         "run_dir": str(run_dir), "start_step": start_step, "steps_done": trainer.step_index,
@@ -510,6 +517,7 @@ def run_experiment(cfg: ExperimentConfig, operative_config: str | None = None,
         "final_metrics": {k: v for k, v in last.items() if isinstance(v, (int, float))},
         "wall_s": time.perf_counter() - t_run, "metrics_path": str(run_dir / "metrics.jsonl"),
         "timeline": timeline, "model": model_cfg.name, "devices": jax.device_count(),
+        **({"adapter_dir": adapter_dir} if adapter_dir is not None else {}),
         **(held.summary() if held is not None and primary else {}),
     }
     if primary:

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+import sfrrl_jax as S
 from sfrrl_jax.checkpoints.orbax_store import Checkpointer
 from sfrrl_jax.launch import cli
 from sfrrl_jax.launch.runner import ExperimentConfig, comparable_metrics, run_experiment, validate_experiment
@@ -34,6 +35,13 @@ def _cfg(run_dir, steps, **kw):
 def test_a_lora_run_checkpoints_the_adapter_only_and_resumes_exactly(tmp_path):
     full = run_experiment(_cfg(tmp_path / "full", 3), log=lambda s: None)
     assert full["steps_done"] == 3
+    # the finished run's adapter, as a PEFT directory: read back, it is the trained one
+    assert full["adapter_dir"] == str(tmp_path / "full" / "adapter")
+    cfg = S.ModelConfig.preset("tiny-moe", max_seq_len=64)
+    peft_adapter = S.load_adapter(full["adapter_dir"], cfg, S.make_mesh(data=2, expert=4))
+    # peft fuses the experts' gate and up: an adapter of gate alone comes back with a zero up pair beside it
+    assert peft_adapter.config.rank == LORA.rank and set(LORA.targets) <= set(peft_adapter.config.targets)
+    assert np.abs(np.asarray(peft_adapter.weights["layers"]["moe"]["w_down"]["b"])).max() > 0
     # a checkpoint holds the adapter and its optimizer state: its arrays are adapter-sized
     ckpt = Checkpointer(tmp_path / "full" / "checkpoints", save_every=1)
     stored = sum(p.stat().st_size for p in (tmp_path / "full" / "checkpoints" / "3").rglob("*") if p.is_file())

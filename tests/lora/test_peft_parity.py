@@ -246,4 +246,7 @@ def test_bad_keys_shapes_and_files_are_refused_by_name(tmp_path, mesh):
     moe_cfg = S.ModelConfig.preset("tiny-moe", family="qwen3_moe")
     gate_only = init_adapter(moe_cfg, LoraConfig(rank=2, targets=("experts.gate_proj",)), mesh)
     with pytest.raises(ValueError, match="experts.gate_proj alone; use expert_layout='fused'"):
-        save_adapter(gate_only, moe_cfg, tmp_path / "w")
+        save_adapter(gate_only, moe_cfg, tmp_path / "w", expert_layout="per_expert")
+    # by default the layout that can say it: fused
+    cfg_written = json.loads((save_adapter(gate_only, moe_cfg, tmp_path / "g") / "adapter_config.json").read_text())
+    assert cfg_written["target_parameters"]

@@ -532,7 +532,7 @@ def _write(out_dir: Path, tensors: dict, config: dict, dtype) -> None:
 
 
 def save_adapter(adapter: LoraAdapter, cfg: ModelConfig, lora_cfg: LoraConfig | str | os.PathLike | None = None,
-                 out_dir: str | os.PathLike | None = None, *, expert_layout: str = "per_expert",
+                 out_dir: str | os.PathLike | None = None, *, expert_layout: str | None = None,
                  rope_interleaved: bool | None = None) -> Path:
     """Writes `adapter` as a PEFT LoRA directory that `peft.PeftModel.from_pretrained` loads onto the
     transformers model of the same base (e.g. the one `save_hf` writes).
@@ -550,7 +550,8 @@ def save_adapter(adapter: LoraAdapter, cfg: ModelConfig, lora_cfg: LoraConfig | 
       expert_layout: "per_expert" (one module per expert under transformers-v4 names,
         `mlp.experts.{e}.gate_proj` / Mixtral's `block_sparse_moe.experts.{e}.w1`, which peft 0.22
         converts on load; it cannot express gate without up, nor rsLoRA on both, which its
-        conversion rescales), or "fused" (peft 0.22's own `target_parameters` layout).
+        conversion rescales), "fused" (peft 0.22's own `target_parameters` layout), or None (the
+        default): per-expert where it can express the adapter, else fused.
       rope_interleaved: latent attention only: the HF base's `rope_interleave`; default True (what
         `save_hf` writes).
     Returns:
@@ -569,10 +570,13 @@ def save_adapter(adapter: LoraAdapter, cfg: ModelConfig, lora_cfg: LoraConfig | 
         raise ValueError("save_adapter: no out_dir")
     if lora_cfg is not None and lora_cfg != adapter.config:
         raise ValueError(f"save_adapter: lora_cfg {lora_cfg} differs from the adapter's own {adapter.config}")
-    if expert_layout not in ("per_expert", "fused"):
-        raise ValueError(f"save_adapter: expert_layout must be 'per_expert' or 'fused', got {expert_layout!r}")
+    if expert_layout not in (None, "per_expert", "fused"):
+        raise ValueError(f"save_adapter: expert_layout must be 'per_expert', 'fused' or None, got {expert_layout!r}")
     check_adapter(cfg, adapter)
     lc = adapter.config
+    if expert_layout is None:   # per-expert unless it cannot say this adapter (see the checks below)
+        gate_up = {t for t in lc.targets if t in ("experts.gate_proj", "experts.up_proj")}
+        expert_layout = "fused" if len(gate_up) == 1 or (lc.use_rslora and len(gate_up) == 2) else "per_expert"
     pieces = _model_pieces(cfg, _interleaved(cfg, rope_interleaved))
     for t in lc.targets:
         if pieces[t] is None:
