@@ -195,23 +195,13 @@ def _pair_shapes(leaf: AdaptedLeaf, rank: int) -> tuple[tuple[int, ...], tuple[i
     return s[:cut] + (rank,), s[:1 + leaf.n_batch] + (rank,) + s[cut:]
 
 
-def _nested(items: Iterator[tuple[tuple[str, ...], object]]) -> dict:
-    out: dict = {}
-    for path, value in items:
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out
-
-
 def adapter_logical_axes(cfg: ModelConfig, lora_cfg: LoraConfig) -> dict:
     """The adapter's weights' logical axes (`LoraAdapter.weights` layout): a keeps the base's input
     dims' names, b its output dims', the rank dim is None."""
     def pair(leaf):
         a, b = adapted_axes(leaf.base_axes, leaf.n_in, leaf.n_batch, lead=1)
         return {"a": a, "b": b}
-    return _nested((leaf.path, pair(leaf)) for leaf in adapted_leaves(cfg, lora_cfg))
+    return tfm.unflatten_paths({leaf.path: pair(leaf) for leaf in adapted_leaves(cfg, lora_cfg)})
 
 
 def adapter_shapes(cfg: ModelConfig, lora_cfg: LoraConfig) -> dict:
@@ -221,7 +211,7 @@ def adapter_shapes(cfg: ModelConfig, lora_cfg: LoraConfig) -> dict:
     def pair(leaf):
         a, b = _pair_shapes(leaf, lora_cfg.rank)
         return {"a": jax.ShapeDtypeStruct(a, dt), "b": jax.ShapeDtypeStruct(b, dt)}
-    return _nested((leaf.path, pair(leaf)) for leaf in adapted_leaves(cfg, lora_cfg))
+    return tfm.unflatten_paths({leaf.path: pair(leaf) for leaf in adapted_leaves(cfg, lora_cfg)})
 
 
 def adapter_shardings(cfg: ModelConfig, lora_cfg: LoraConfig, mesh: Mesh) -> dict:
@@ -265,7 +255,7 @@ def init_adapter(cfg: ModelConfig, lora_cfg: LoraConfig, mesh: Mesh, seed: int =
             bound = 1.0 / math.sqrt(math.prod(a_shape[1 + leaf.n_batch:-1]))
             a = jax.random.uniform(k, a_shape, jnp.float32, -bound, bound).astype(dt)
             items.append((leaf.path, {"a": a, "b": jnp.zeros(b_shape, dt)}))
-        return _nested(iter(items))
+        return tfm.unflatten_paths(dict(items))
 
     with jax.set_mesh(mesh):
         weights = jax.jit(make, out_shardings=adapter_shardings(cfg, lora_cfg, mesh))(jax.random.key(seed))
