@@ -82,6 +82,14 @@ LoraConfig.alpha = 16.0
 LoraConfig.targets = ['q_proj', 'experts.up_proj', 'router']
 """)
     assert cli.main([f"--gin_file={gin}", "--validate_only"]) == 0
+    # the CLI trains it: one step on this process's 8 devices, the adapter in the run dir
+    assert cli.main([f"--gin_file={gin}", "--gin_param=ExperimentConfig.num_devices = 8",
+                     "--gin_param=ExperimentConfig.mesh_data = 2", "--gin_param=ExperimentConfig.mesh_expert = 4",
+                     "--gin_param=ExperimentConfig.num_steps = 1", "--gin_param=ExperimentConfig.progress_bar = False",
+                     "--gin_param=ExperimentConfig.tensorboard = False", "--gin_param=TrainerConfig.max_len = 128",
+                     "--gin_param=TrainerConfig.groups_per_step = 1", "--gin_param=TrainerConfig.group_size = 2",
+                     "--gin_param=ExperimentConfig.trainer = @TrainerConfig()"]) == 0
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
     assert cli.main([f"--gin_file={gin}", "--gin_param=LoraConfig.targets = ['q_proj', 'gate_proj']",
                      "--validate_only"]) == 2   # tiny-moe has no dense MLP: named below
     with pytest.raises(ValueError, match=r"\['gate_proj'\] adapt no weight of this qwen3_moe model"):
