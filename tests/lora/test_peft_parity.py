@@ -4,7 +4,8 @@ made (`save_adapter`) gives ours when `PeftModel.from_pretrained` applies it; `l
 `save_adapter` is the adapter again, bit for bit. Dense (all seven targets), Qwen3-MoE (peft's fused
 `target_parameters` experts and router; our per-expert and fused writes), Mixtral (per-expert
 w1/w3/w2, read back from what peft saves after converting them), Phi-3 (fused qkv_proj /
-gate_up_proj) and DeepSeek-V3's latent attention. Unsupported PEFT features are refused by name."""
+gate_up_proj), DeepSeek-V3's latent attention and GPT-OSS (fused [E, in, out] experts, gate / up
+interleaved). Unsupported PEFT features are refused by name."""
 import json
 import sys
 from pathlib import Path
@@ -175,6 +176,48 @@ def test_deepseek_v3_latent_attention_rope_rows(tmp_path, mesh):
     assert np.abs(_peft_logits(name, out, tokens) - ours).max() <= ATOL
     _assert_same_adapter(load_adapter(out, cfg, mesh), adapter)
 
+
+
+def test_gpt_oss_fused_interleaved_experts_router_and_attention_from_peft(tmp_path, mesh):
+    """peft's target_parameters on GPT-OSS's [E, in, out] experts (param[e] += s (B_e A_e)^T): the
+    shared gate_up A goes to our gate and up pairs, B's even rows (output columns) to the gate's,
+    odd to the up's; the router is a parameter; attention Linears keep their biases and sinks."""
+    name = "gptoss_odd"
+    model, cfg, params, tokens = _base(name, tmp_path, mesh)
+    pm = _peft_adapter(name, tmp_path / "peft", r=2, lora_alpha=6,
+                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.router.weight"])
+    adapter = load_adapter(tmp_path / "peft", cfg, mesh)
+    assert adapter.config.targets == ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_proj",
+                                      "experts.up_proj", "experts.down_proj", "router")
+    moe = adapter.weights["layers"]["moe"]
+    np.testing.assert_array_equal(np.asarray(moe["w_gate"]["a"]), np.asarray(moe["w_up"]["a"]))   # the shared A
+    with torch.no_grad():   # expert 1 of layer 0: B rows [2F, r*E], rank major; gate's the even rows
+        b = pm.base_model.model.model.layers[0].mlp.experts.base_layer.lora_B["default"].weight.numpy()
+    np.testing.assert_array_equal(np.asarray(moe["w_up"]["b"])[0, 1], b[1::2, 1::cfg.n_experts].T)
+    ref, ours = F.hf_logits(pm, tokens), _ours(cfg, params, tokens, adapter)
+    assert np.abs(ref - F.hf_logits(model, tokens)).max() > 0.1
+    assert np.abs(ours - ref).max() <= ATOL
+
+
+def test_gpt_oss_save_fused_block_form_through_peft(tmp_path, mesh):
+    """Ours (separate gate / up pairs, rsLoRA) -> the fused layout, gate_up in block form (rank 2r,
+    B's columns interleaved back) -> peft gives our logits; read back bit for bit; per_expert refused."""
+    name = "gptoss_odd"
+    _, cfg, params, tokens = _base(name, tmp_path, mesh)
+    lora = LoraConfig(rank=2, alpha=3.0, use_rslora=True, targets=("q_proj", "o_proj", "experts.gate_proj",
+                                                                     "experts.up_proj", "experts.down_proj", "router"))
+    adapter = _random_b(init_adapter(cfg, lora, mesh, seed=4))
+    ours = _ours(cfg, params, tokens, adapter)
+    assert np.abs(ours - np.asarray(S.forward(cfg, params, tokens))).max() > 0.1
+    with pytest.raises(ValueError, match="gpt_oss's experts are fused parameters"):
+        save_adapter(adapter, cfg, tmp_path / "pe", expert_layout="per_expert")
+    out = save_adapter(adapter, cfg, tmp_path / "ours")
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert conf["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj", "router.weight"]
+    assert conf["rank_pattern"] == {r"experts\.gate_up_proj": 4}
+    assert np.abs(_peft_logits(name, out, tokens) - ours).max() <= ATOL
+    _assert_same_adapter(load_adapter(out, cfg, mesh), adapter)
 
 # -- refusals: hand-written directories on a tiny Llama (hidden 40, 4 heads of 10, 2 kv heads) -------
 

@@ -8,7 +8,7 @@ alpha per module through `rank_pattern` / `alpha_pattern`). Ours act as `W_ours 
 the base weight's are in `tensor_map`: flat HF columns are our input dims in C order, flat HF rows
 our output dims in C order, except that latent attention's RoPE rows are permuted as the base's
 (`tensor_map._latent_attention`), Phi-3's fused `qkv_proj` / `gate_up_proj` hold several of our
-weights in turn on their rows, and the experts are one HF module per expert.
+weights in turn on their rows, and the experts are one HF module per expert (GPT-OSS: see below).
 
 Experts come in two layouts, both read: one module per expert (transformers-v4 names,
 `mlp.experts.{e}.gate_proj`, Mixtral's `block_sparse_moe.experts.{e}.w1`; peft 0.22 converts them
@@ -16,13 +16,18 @@ when it loads them into a transformers-5 model), and peft 0.22's own `target_par
 the fused 3-D parameters: `mlp.experts.base_layer.lora_*` for `gate_up_proj` and `mlp.experts.lora_*`
 for `down_proj` when both are targeted (else `mlp.experts.lora_*` for the one), A `[r*E, in]` expert
 major (`A.reshape(E, r, in)[e]`), B `[out, r*E]` rank major (`B[:, e::E]`), gate rows before up rows.
+GPT-OSS has only that layout (its experts were never per-expert modules; peft 0.22 has no conversion
+for it): the same keys, slicing and `W_e += s * B_e @ A_e` on its parameters stored [E, in, out]
+(`is_transposed`), i.e. `param[e] += s * (B_e @ A_e)^T`, B's rows being the parameter's output
+columns: gate_up_proj's even ones the gate's, odd ones the up's (interleaved, as `tensor_map`'s).
 
 One HF pair feeding several of our weights (a fused module) is copied to each, its B split by
 rows; when its rank is k times the others' and each part's B rows use only their own block of
 columns (the block form `save_adapter` writes and peft's own per-expert conversion makes), each
 part takes its block. Pairs of lower rank are zero-padded to the adapter's one rank (exact: the
 padding adds nothing and gets no gradient); every pair must have one scale. Saving writes the
-per-expert layout by default (or `expert_layout="fused"`), fused Phi-3 modules in block form with
+per-expert layout by default (or `expert_layout="fused"`; GPT-OSS: always fused, its B's gate and up
+columns interleaved back), fused Phi-3 modules in block form with
 `rank_pattern` / `alpha_pattern` keeping each part's scale.
 
 Latent attention's RoPE row order is the base checkpoint's (`rope_interleave` in its config.json,
@@ -54,7 +59,7 @@ from sfrrl_jax.checkpoints.hf.safetensors_io import (CheckpointError, Safetensor
                                                      read_tensor)
 from sfrrl_jax.checkpoints.hf.tensor_map import layer_groups
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.models.lora import (TARGETS, LoraAdapter, LoraConfig, adapted_leaves, adapted_leaves_hit,
+from sfrrl_jax.models.lora import (EXPERT_TARGETS, TARGETS, LoraAdapter, LoraConfig, adapted_leaves, adapted_leaves_hit,
                                    adapter_shardings, check_adapter)
 from sfrrl_jax.models.transformer import layer_slot
 
@@ -65,6 +70,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 _EXPERT_LEAVES = {"w_gate": "gate_up_proj", "w_up": "gate_up_proj", "w_down": "down_proj"}  # ours -> fused HF param
+_PROJ = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}   # ours -> an expert's v4 module
 
 # adapter_config.json fields whose non-default values change what the adapter computes or where it
 # applies, and that are not built here: refused by name (value -> is it the default).
@@ -100,6 +106,7 @@ class _Piece:
     rows: np.ndarray            # [prod(out_shape)]: HF rows (from offset) of our flat output dims
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
+    fused_at: int = 0           # an expert leaf's first row in the fused gate_up_proj pair (up: Qwen's F, GPT-OSS's 1)
 
 
 @dataclasses.dataclass
@@ -127,14 +134,15 @@ def _rope_rows(cfg: ModelConfig, rel: tuple[str, ...], out_shape, interleaved: b
     return rows.reshape(-1)
 
 
-def _model_pieces(cfg: ModelConfig, interleaved: bool) -> dict[str, list[_Piece] | None]:
+def _model_pieces(cfg: ModelConfig, interleaved: bool) -> dict[str, list[_Piece]]:
     """Every adaptable weight of a model of `cfg`, per target (`TARGETS` order), with its HF module
-    (names from `tensor_map`); None for a target whose HF layout is not built (GPT-OSS's fused,
-    interleaved experts)."""
+    (names from `tensor_map`). GPT-OSS's experts, one fused [E, in, out] parameter (gate and up
+    interleaved on its columns), get per-expert module names of their own (`...experts.{e}.gate_proj`,
+    which only the fused layout writes or reads), rows stepping by 2 from 0 (gate) or 1 (up)."""
     available = tuple(t for t in TARGETS if adapted_leaves_hit(cfg, t))
     leaves = {leaf.path: leaf for leaf in adapted_leaves(cfg, LoraConfig(targets=available))} if available else {}
     rows_of: dict = {}
-    out: dict[str, list[_Piece] | None] = {t: [] for t in available}
+    out: dict[str, list[_Piece]] = {t: [] for t in available}
     for layer in range(cfg.n_layers):
         stack, row = layer_slot(cfg, layer)
         for group in layer_groups(cfg, layer):
@@ -148,13 +156,20 @@ def _model_pieces(cfg: ModelConfig, interleaved: bool) -> dict[str, list[_Piece]
                 if rel not in rows_of:
                     rows_of[rel] = _rope_rows(cfg, rel, out_shape, interleaved)
                 names = list(group.hf)
-                if leaf.n_batch and len(names) != cfg.n_experts:
-                    out[leaf.target] = None
-                elif out[leaf.target] is not None:
+                n_out, n_in = math.prod(out_shape), math.prod(in_shape)
+                if leaf.n_batch and len(group.hf[names[0]]) == 3:   # GPT-OSS: one [E, in, out] parameter
+                    k, j = len(group.leaves), group.leaves.index(rel)   # gate_up: even columns gate, odd up
+                    stem = names[0].rsplit(".", 1)[0]
+                    out[leaf.target] += [_Piece(leaf.target, leaf.path, row, e, f"{stem}.{e}.{_PROJ[rel[-1]]}",
+                                                (n_out, n_in), 0, k * np.arange(n_out), in_shape, out_shape, j)
+                                         for e in range(cfg.n_experts)]
+                else:
                     out[leaf.target] += [_Piece(leaf.target, leaf.path, row, e if leaf.n_batch else None,
                                                 name.removesuffix(".weight"), tuple(group.hf[name]), offset,
-                                                rows_of[rel], in_shape, out_shape) for e, name in enumerate(names)]
-                offset += math.prod(out_shape)
+                                                rows_of[rel], in_shape, out_shape,
+                                                n_out if leaf.n_batch and rel[-1] == "w_up" else 0)
+                                         for e, name in enumerate(names)]
+                offset += n_out
     return out
 
 
@@ -274,8 +289,9 @@ def _fused_expert_pairs(cfg: ModelConfig, conf: dict, name: str, pair: dict, exp
     out = {}
     for e in range(n_exp):
         one = _Pair(f"{name}[expert {e}]", a[e], b[:, :, e], s, why)
-        if param == "gate_up_proj":   # one pair over [gate; up]: A shared, B's first rows the gate's
-            out[parts["w_gate"][e].module], out[parts["w_up"][e].module] = (one, 0), (one, rows)
+        if param == "gate_up_proj":   # one pair over [gate; up] (GPT-OSS: interleaved): A shared
+            for g in (parts["w_gate"][e], parts["w_up"][e]):
+                out[g.module] = (one, g.fused_at)
         else:
             out[parts["w_down"][e].module] = (one, 0)
     return out
@@ -283,13 +299,16 @@ def _fused_expert_pairs(cfg: ModelConfig, conf: dict, name: str, pair: dict, exp
 
 def _pairs(cfg: ModelConfig, conf: dict, modules: dict, pieces: dict, where: Path) -> dict[str, tuple[_Pair, int]]:
     """{base module name: (pair, row offset of the module in the pair)} for every module in the file."""
-    known = {p.module: p for ps in pieces.values() if ps for p in ps}
+    every = [p for ps in pieces.values() for p in ps]
+    # GPT-OSS's experts are no HF modules: only the fused pairs below reach them
+    fused = spec_of(cfg.family).tensor_names.fused_experts
+    known = {p.module: p for p in every if not (fused and p.expert is not None)}
     # transformers 5 names Mixtral's (and MiniMax-M2's) `block_sparse_moe` `mlp`: peft 0.22 writes that
     prefix = spec_of(cfg.family).tensor_names.moe_prefix
     alias = {} if prefix == "mlp." else {
         re.sub(rf"^(model\.layers\.\d+\.){re.escape(prefix)}", r"\1mlp.", m): m for m in known}
     experts: dict = {}   # (layer, "gate_up_proj" | "down_proj") -> {our leaf: {expert: piece}}
-    for p in known.values():
+    for p in every:
         if p.expert is not None:
             key = (int(p.module.split(".")[2]), _EXPERT_LEAVES[p.path[-1]])
             experts.setdefault(key, {}).setdefault(p.path[-1], {})[p.expert] = p
@@ -369,7 +388,7 @@ def load_adapter(peft_dir: str | os.PathLike, cfg: ModelConfig, mesh: Mesh, dtyp
     modules = _read_modules(directory)
     pieces = _model_pieces(cfg, _interleaved(cfg, rope_interleaved))
     pairs = _pairs(cfg, conf, modules, pieces, directory)
-    present = [t for t, ps in pieces.items() if ps and any(p.module in pairs for p in ps)]
+    present = [t for t, ps in pieces.items() if any(p.module in pairs for p in ps)]
     for target in present:
         for p in pieces[target]:
             if p.module not in pairs:
@@ -439,7 +458,7 @@ def _hf_groups(lc: LoraConfig, pieces: dict, fused: bool) -> dict:
         for p in pieces[t]:
             if fused and p.expert is not None:
                 layer, param = p.module.split(".")[2], _EXPERT_LEAVES[p.path[-1]]
-                extra = p.hf_shape[0] if p.path[-1] == "w_up" else 0   # up's rows follow gate's
+                extra = p.fused_at   # up's rows follow gate's (GPT-OSS: interleave with them)
                 key = (f"model.layers.{layer}.mlp.experts", param)     # transformers 5's name, Mixtral's too
                 groups.setdefault(key, {}).setdefault(p.expert, []).append((extra, p))
             else:
@@ -550,8 +569,8 @@ def save_adapter(adapter: LoraAdapter, cfg: ModelConfig, lora_cfg: LoraConfig | 
       expert_layout: "per_expert" (one module per expert under transformers-v4 names,
         `mlp.experts.{e}.gate_proj` / Mixtral's `block_sparse_moe.experts.{e}.w1`, which peft 0.22
         converts on load; it cannot express gate without up, nor rsLoRA on both, which its
-        conversion rescales), "fused" (peft 0.22's own `target_parameters` layout), or None (the
-        default): per-expert where it can express the adapter, else fused.
+        conversion rescales, nor GPT-OSS's experts), "fused" (peft 0.22's own `target_parameters`
+        layout), or None (the default): per-expert where it can express the adapter, else fused.
       rope_interleaved: latent attention only: the HF base's `rope_interleave`; default True (what
         `save_hf` writes).
     Returns:
@@ -574,14 +593,15 @@ def save_adapter(adapter: LoraAdapter, cfg: ModelConfig, lora_cfg: LoraConfig | 
         raise ValueError(f"save_adapter: expert_layout must be 'per_expert', 'fused' or None, got {expert_layout!r}")
     check_adapter(cfg, adapter)
     lc = adapter.config
-    if expert_layout is None:   # per-expert unless it cannot say this adapter (see the checks below)
-        gate_up = {t for t in lc.targets if t in ("experts.gate_proj", "experts.up_proj")}
-        expert_layout = "fused" if len(gate_up) == 1 or (lc.use_rslora and len(gate_up) == 2) else "per_expert"
-    pieces = _model_pieces(cfg, _interleaved(cfg, rope_interleaved))
-    for t in lc.targets:
-        if pieces[t] is None:
-            raise ValueError(f"save_adapter: LoRA on {cfg.family}'s fused experts ({t}) has no verified PEFT layout")
     gate_up = {t for t in lc.targets if t in ("experts.gate_proj", "experts.up_proj")}
+    fused_only = spec_of(cfg.family).tensor_names.fused_experts
+    if expert_layout is None:   # per-expert unless it cannot say this adapter (see the checks below)
+        expert_layout = ("fused" if fused_only or len(gate_up) == 1 or (lc.use_rslora and len(gate_up) == 2)
+                         else "per_expert")
+    if expert_layout == "per_expert" and fused_only and any(t in EXPERT_TARGETS for t in lc.targets):
+        raise ValueError(f"save_adapter: {cfg.family}'s experts are fused parameters in transformers (never one module "
+                         f"per expert), and peft 0.22 has no per-expert conversion for them; use expert_layout='fused'")
+    pieces = _model_pieces(cfg, _interleaved(cfg, rope_interleaved))
     if expert_layout == "per_expert" and len(gate_up) == 1:
         raise ValueError(f"save_adapter: peft fuses the experts' gate and up and refuses a per-expert adapter of "
                          f"{gate_up.pop()} alone; use expert_layout='fused'")
