@@ -52,7 +52,8 @@ def test_unmerged_adapter_equals_merged_weights_on_a_mesh(cfg, targets):
     base = host(S.forward(cfg, params, TOKENS))
     assert np.abs(got - base).max() > 0.05                    # the adapter changes the model
     np.testing.assert_allclose(got, merged, atol=2e-4, rtol=0)
-    # one device, the same adapter
+    if cfg not in (TINY_DENSE, TINY):   # the mesh against one device: dense and the plain MoE suffice
+        return
     one = single_device_mesh()
     one_adapter = LoraAdapter(replicate_on(jax.tree.map(host, adapter.weights), one), lora)
     np.testing.assert_allclose(host(S.forward(cfg, replicate_on(jax.tree.map(host, params), one), TOKENS,

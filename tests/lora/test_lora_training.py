@@ -181,7 +181,7 @@ class _FirstTokenIsA:
 def test_lora_rl_learns_a_choice_the_sft_model_makes_half_the_time():
     """SFT teaches the tiny MoE to continue any prompt with A or B (half and half); GRPO with only a LoRA adapter
     trained (attention and experts, the base frozen) then learns to answer A. Measured over seeds 0-2: reward
-    0.34-0.50 at the first step, 0.94-1.0 by the fourth; the bound (last three steps >= 0.75, a gain >= 0.25)
+    0.34-0.50 at the first step, 0.94-1.0 by the fourth; the bound (steps 4-6 >= 0.75, a gain >= 0.25)
     leaves room for another CPU's rounding."""
     cfg = S.ModelConfig.preset("tiny-moe", max_seq_len=64)
     mesh = S.make_mesh(data=2, expert=4)
@@ -203,7 +203,7 @@ def test_lora_rl_learns_a_choice_the_sft_model_makes_half_the_time():
     trainer = S.RLTrainer(cfg, AdaptedParams(params, adapter), tc, S.LossConfig(),
                           S.OptimizerConfig(learning_rate=1e-2, weight_decay=0.0), _FirstTokenIsA(),
                           S.TaskStream(tasks, seed=0))
-    rewards = [trainer.step()["reward/mean"] for _ in range(8)]
+    rewards = [trainer.step()["reward/mean"] for _ in range(6)]
     late = float(np.mean(rewards[-3:]))
     assert late >= 0.75 and late >= rewards[0] + 0.25, rewards
     assert trainer.params.base is params    # the base never changed: the adapter learnt it
