@@ -40,7 +40,6 @@ tensor that maps to no weight or has the wrong shape, and modules of different s
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -55,13 +54,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from sfrrl_jax.checkpoints.hf.families import spec_of
+from sfrrl_jax.checkpoints.hf.peft_modules import Pair, Piece, model_pieces, pattern_value, rope_is_interleaved
 from sfrrl_jax.checkpoints.hf.safetensors_io import (CheckpointError, SafetensorsFile, ShardedWriter, dtype_code,
                                                      read_tensor)
-from sfrrl_jax.checkpoints.hf.tensor_map import layer_groups
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.models.lora import (EXPERT_TARGETS, TARGETS, LoraAdapter, LoraConfig, adapted_leaves, adapted_leaves_hit,
-                                   adapter_shardings, check_adapter)
-from sfrrl_jax.models.transformer import layer_slot
+from sfrrl_jax.models.lora import (EXPERT_TARGETS, LoraAdapter, LoraConfig, adapted_leaves, adapter_shardings,
+                                   check_adapter)
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_adapter", "save_adapter"]
 
@@ -70,7 +68,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 _EXPERT_LEAVES = {"w_gate": "gate_up_proj", "w_up": "gate_up_proj", "w_down": "down_proj"}  # ours -> fused HF param
-_PROJ = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}   # ours -> an expert's v4 module
 
 # adapter_config.json fields whose non-default values change what the adapter computes or where it
 # applies, and that are not built here: refused by name (value -> is it the default).
@@ -91,102 +88,6 @@ _INIT_ONLY = (True, False, "gaussian", "eva", "orthogonal", "nora", "mica")
 _NOT_BUILT = {"embed_tokens": "LoRA on the embedding is not built", "lm_head": "LoRA on the LM head is not built",
               "kv_b_proj": "latent attention's kv_b_proj is absorbed in the engine and cannot be adapted"}
 
-
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-    """One of our adapted weights (one layer, one expert) and the HF module whose rows hold it."""
-
-    target: str
-    path: tuple[str, ...]       # the adapter leaf, e.g. ("layers", "attn", "q_proj")
-    row: int                    # the layer's row in that stack
-    expert: int | None          # the expert index of an experts' leaf
-    module: str                 # the base HF module, e.g. "model.layers.0.self_attn.qkv_proj"
-    hf_shape: tuple[int, int]   # the base module's weight [out, in]
-    offset: int                 # its first row in the module (Phi-3's fused modules)
-    rows: np.ndarray            # [prod(out_shape)]: HF rows (from offset) of our flat output dims
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-    fused_at: int = 0           # an expert leaf's first row in the fused gate_up_proj pair (up: Qwen's F, GPT-OSS's 1)
-
-
-@dataclasses.dataclass
-class _Pair:
-    """One PEFT LoRA pair acting as W_hf += scale * b @ a (a per-expert slice of a fused one)."""
-
-    key: str            # the module name in the file, for messages
-    a: np.ndarray       # [rank, in]
-    b: np.ndarray       # [out, rank]
-    scale: float
-    why: str            # where the rank and alpha came from, for messages
-
-
-def _rope_rows(cfg: ModelConfig, rel: tuple[str, ...], out_shape, interleaved: bool) -> np.ndarray:
-    """HF row of each of our flat output dims: C order, with latent attention's RoPE rows taken as
-    `tensor_map` takes the base's (evens then odds when the checkpoint interleaves them)."""
-    rows = np.arange(math.prod(out_shape))
-    if not cfg.mla_kv_rank or rel not in (("attn", "q_proj"), ("attn", "q_b_proj"), ("attn", "kv_a_proj")):
-        return rows
-    rope = cfg.mla_rope_dim
-    order = np.r_[0:rope:2, 1:rope:2] if interleaved else np.arange(rope)
-    per = out_shape[-1]                        # a head's [nope, rope] rows, or kv_a's [latent, rope]
-    rows = rows.reshape(-1, per)
-    rows[:, per - rope:] = rows[:, per - rope:][:, order]
-    return rows.reshape(-1)
-
-
-def _model_pieces(cfg: ModelConfig, interleaved: bool) -> dict[str, list[_Piece]]:
-    """Every adaptable weight of a model of `cfg`, per target (`TARGETS` order), with its HF module
-    (names from `tensor_map`). GPT-OSS's experts, one fused [E, in, out] parameter (gate and up
-    interleaved on its columns), get per-expert module names of their own (`...experts.{e}.gate_proj`,
-    which only the fused layout writes or reads), rows stepping by 2 from 0 (gate) or 1 (up)."""
-    available = tuple(t for t in TARGETS if adapted_leaves_hit(cfg, t))
-    leaves = {leaf.path: leaf for leaf in adapted_leaves(cfg, LoraConfig(targets=available))} if available else {}
-    rows_of: dict = {}
-    out: dict[str, list[_Piece]] = {t: [] for t in available}
-    for layer in range(cfg.n_layers):
-        stack, row = layer_slot(cfg, layer)
-        for group in layer_groups(cfg, layer):
-            offset = 0   # a fused module's rows hold its leaves in turn
-            for rel in group.leaves:
-                leaf = leaves.get((stack,) + rel)
-                if leaf is None:
-                    continue
-                cut = 1 + leaf.n_batch + leaf.n_in
-                in_shape, out_shape = leaf.base_shape[1 + leaf.n_batch:cut], leaf.base_shape[cut:]
-                if rel not in rows_of:
-                    rows_of[rel] = _rope_rows(cfg, rel, out_shape, interleaved)
-                names = list(group.hf)
-                n_out, n_in = math.prod(out_shape), math.prod(in_shape)
-                if leaf.n_batch and len(group.hf[names[0]]) == 3:   # GPT-OSS: one [E, in, out] parameter
-                    k, j = len(group.leaves), group.leaves.index(rel)   # gate_up: even columns gate, odd up
-                    stem = names[0].rsplit(".", 1)[0]
-                    out[leaf.target] += [_Piece(leaf.target, leaf.path, row, e, f"{stem}.{e}.{_PROJ[rel[-1]]}",
-                                                (n_out, n_in), 0, k * np.arange(n_out), in_shape, out_shape, j)
-                                         for e in range(cfg.n_experts)]
-                else:
-                    out[leaf.target] += [_Piece(leaf.target, leaf.path, row, e if leaf.n_batch else None,
-                                                name.removesuffix(".weight"), tuple(group.hf[name]), offset,
-                                                rows_of[rel], in_shape, out_shape,
-                                                n_out if leaf.n_batch and rel[-1] == "w_up" else 0)
-                                         for e, name in enumerate(names)]
-                offset += n_out
-    return out
-
-
-def _interleaved(cfg: ModelConfig, rope_interleaved: bool | None) -> bool:
-    return spec_of(cfg.family).rope_always_interleaved or (True if rope_interleaved is None else rope_interleaved)
-
-
-def _pattern_value(patterns: dict, name: str, default, field: str):
-    """(value, why) for module `name`: the first key of `patterns` matching its end (as PEFT
-    matches `rank_pattern` / `alpha_pattern`), else `default`."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", name):
-            return value, f"{field} {key!r}"
-    return default, None
-
-
-# -- loading -------------------------------------------------------------------------------------
 
 def _read_config(directory: Path) -> dict:
     path = directory / ADAPTER_CONFIG
@@ -257,8 +158,8 @@ def _check_shape(where: Path, key: str, array: np.ndarray, want: tuple, why: str
 
 def _module_scale(conf: dict, name: str) -> tuple[float, int, str]:
     """(scale, rank, where they came from) of the PEFT module (or parameter) `name`."""
-    r, why_r = _pattern_value(conf.get("rank_pattern"), name, conf["r"], "rank_pattern")
-    alpha, why_a = _pattern_value(conf.get("alpha_pattern"), name, conf["lora_alpha"], "alpha_pattern")
+    r, why_r = pattern_value(conf.get("rank_pattern"), name, conf["r"], "rank_pattern")
+    alpha, why_a = pattern_value(conf.get("alpha_pattern"), name, conf["lora_alpha"], "alpha_pattern")
     why = f"r={r}" + (f" from {why_r}" if why_r else "") + f", lora_alpha={alpha}" + (f" from {why_a}" if why_a else "")
     return alpha / (math.sqrt(r) if conf.get("use_rslora") else r), r, why
 
@@ -288,7 +189,7 @@ def _fused_expert_pairs(cfg: ModelConfig, conf: dict, name: str, pair: dict, exp
     a, b = pair["A"].reshape(n_exp, r, in_hf), pair["B"].reshape(out_hf, r, n_exp)   # expert / rank major
     out = {}
     for e in range(n_exp):
-        one = _Pair(f"{name}[expert {e}]", a[e], b[:, :, e], s, why)
+        one = Pair(f"{name}[expert {e}]", a[e], b[:, :, e], s, why)
         if param == "gate_up_proj":   # one pair over [gate; up] (GPT-OSS: interleaved): A shared
             for g in (parts["w_gate"][e], parts["w_up"][e]):
                 out[g.module] = (one, g.fused_at)
@@ -297,7 +198,7 @@ def _fused_expert_pairs(cfg: ModelConfig, conf: dict, name: str, pair: dict, exp
     return out
 
 
-def _pairs(cfg: ModelConfig, conf: dict, modules: dict, pieces: dict, where: Path) -> dict[str, tuple[_Pair, int]]:
+def _pairs(cfg: ModelConfig, conf: dict, modules: dict, pieces: dict, where: Path) -> dict[str, tuple[Pair, int]]:
     """{base module name: (pair, row offset of the module in the pair)} for every module in the file."""
     every = [p for ps in pieces.values() for p in ps]
     # GPT-OSS's experts are no HF modules: only the fused pairs below reach them
@@ -312,7 +213,7 @@ def _pairs(cfg: ModelConfig, conf: dict, modules: dict, pieces: dict, where: Pat
         if p.expert is not None:
             key = (int(p.module.split(".")[2]), _EXPERT_LEAVES[p.path[-1]])
             experts.setdefault(key, {}).setdefault(p.path[-1], {})[p.expert] = p
-    out: dict[str, tuple[_Pair, int]] = {}
+    out: dict[str, tuple[Pair, int]] = {}
     for name, pair in modules.items():
         base = name if name in known else alias.get(name)
         if base is not None:
@@ -322,7 +223,7 @@ def _pairs(cfg: ModelConfig, conf: dict, modules: dict, pieces: dict, where: Pat
             out_hf, in_hf = known[base].hf_shape
             _check_shape(where, name + _A, pair["A"], (r, in_hf), why)
             _check_shape(where, name + _B, pair["B"], (out_hf, r), why)
-            out[base] = (_Pair(name, pair["A"], pair["B"], s, why), 0)
+            out[base] = (Pair(name, pair["A"], pair["B"], s, why), 0)
         elif re.fullmatch(r"model\.layers\.\d+\.mlp\.experts(\.base_layer)?", name) and experts:
             out.update(_fused_expert_pairs(cfg, conf, name, pair, experts, where))
         else:
@@ -332,7 +233,7 @@ def _pairs(cfg: ModelConfig, conf: dict, modules: dict, pieces: dict, where: Pat
     return out
 
 
-def _slices(pieces: list[_Piece], pairs: dict) -> dict:
+def _slices(pieces: list[Piece], pairs: dict) -> dict:
     """{(module, leaf path): (a [rank, in], b [out_flat, rank], pair)} per piece: the consumers of a
     pair (Phi-3's q, k, v of one qkv_proj; an expert's gate and up) take it whole (a shared A), or
     each its own block of rank / k columns when every part's B rows are zero outside its block
@@ -386,7 +287,7 @@ def load_adapter(peft_dir: str | os.PathLike, cfg: ModelConfig, mesh: Mesh, dtyp
     directory = Path(peft_dir)
     conf = _read_config(directory)
     modules = _read_modules(directory)
-    pieces = _model_pieces(cfg, _interleaved(cfg, rope_interleaved))
+    pieces = model_pieces(cfg, rope_is_interleaved(cfg, rope_interleaved))
     pairs = _pairs(cfg, conf, modules, pieces, directory)
     present = [t for t, ps in pieces.items() if any(p.module in pairs for p in ps)]
     for target in present:
@@ -601,7 +502,7 @@ def save_adapter(adapter: LoraAdapter, cfg: ModelConfig, lora_cfg: LoraConfig | 
     if expert_layout == "per_expert" and fused_only and any(t in EXPERT_TARGETS for t in lc.targets):
         raise ValueError(f"save_adapter: {cfg.family}'s experts are fused parameters in transformers (never one module "
                          f"per expert), and peft 0.22 has no per-expert conversion for them; use expert_layout='fused'")
-    pieces = _model_pieces(cfg, _interleaved(cfg, rope_interleaved))
+    pieces = model_pieces(cfg, rope_is_interleaved(cfg, rope_interleaved))
     if expert_layout == "per_expert" and len(gate_up) == 1:
         raise ValueError(f"save_adapter: peft fuses the experts' gate and up and refuses a per-expert adapter of "
                          f"{gate_up.pop()} alone; use expert_layout='fused'")
