@@ -149,6 +149,20 @@ class AdaptedLeaf:
     base_shape: tuple[int, ...]  # the base's shape
 
 
+def _leaves_of(cfg: ModelConfig, target: str) -> list[AdaptedLeaf]:
+    """The weights one target names in a model of `cfg` (none where the model lacks them)."""
+    axes, shapes = tfm.param_logical_axes(cfg), tfm.param_shapes(cfg)
+    out = []
+    for stack, _ in tfm.layer_stacks(cfg):
+        for rel, n_in, n_batch in TARGETS[target]:
+            node_axes, node_shape = axes.get(stack, {}), shapes.get(stack, {})
+            for key in rel:
+                node_axes, node_shape = node_axes.get(key, {}), node_shape.get(key, {})
+            if isinstance(node_axes, tuple):
+                out.append(AdaptedLeaf((stack,) + rel, target, n_in, n_batch, node_axes, tuple(node_shape.shape)))
+    return out
+
+
 def adapted_leaves(cfg: ModelConfig, lora_cfg: LoraConfig) -> tuple[AdaptedLeaf, ...]:
     """The weights `lora_cfg` adapts in a model of `cfg`, in a fixed order.
 
@@ -156,37 +170,18 @@ def adapted_leaves(cfg: ModelConfig, lora_cfg: LoraConfig) -> tuple[AdaptedLeaf,
       ValueError: naming a target that adapts nothing in this model (e.g. `experts.gate_proj` on a
         dense model), and the targets the model has.
     """
-    axes, shapes = tfm.param_logical_axes(cfg), tfm.param_shapes(cfg)
-    out, hit = [], set()
-    for target in lora_cfg.targets:
-        for stack, _ in tfm.layer_stacks(cfg):
-            for rel, n_in, n_batch in TARGETS[target]:
-                node_axes, node_shape = axes.get(stack, {}), shapes.get(stack, {})
-                for key in rel:
-                    node_axes, node_shape = node_axes.get(key, {}), node_shape.get(key, {})
-                if isinstance(node_axes, tuple):
-                    out.append(AdaptedLeaf((stack,) + rel, target, n_in, n_batch, node_axes,
-                                           tuple(node_shape.shape)))
-                    hit.add(target)
-    missing = [t for t in lora_cfg.targets if t not in hit]
+    per_target = {t: _leaves_of(cfg, t) for t in lora_cfg.targets}
+    missing = [t for t, leaves in per_target.items() if not leaves]
     if missing:
         have = sorted(t for t in TARGETS if adapted_leaves_hit(cfg, t))
         raise ValueError(f"LoraConfig.targets {missing} adapt no weight of this {cfg.family} model; "
                          f"its adaptable targets: {have}")
-    return tuple(out)
+    return tuple(leaf for leaves in per_target.values() for leaf in leaves)
 
 
 def adapted_leaves_hit(cfg: ModelConfig, target: str) -> bool:
     """Whether `target` names a weight of a model of `cfg`."""
-    axes = tfm.param_logical_axes(cfg)
-    for stack, _ in tfm.layer_stacks(cfg):
-        for rel, _, _ in TARGETS[target]:
-            node = axes.get(stack, {})
-            for key in rel:
-                node = node.get(key, {})
-            if isinstance(node, tuple):
-                return True
-    return False
+    return bool(_leaves_of(cfg, target))
 
 
 def _pair_shapes(leaf: AdaptedLeaf, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
