@@ -1,6 +1,6 @@
 """Contracts between the agent loop and its neighbours: tools, environments, tasks, reward functions.
 
-The engine's request/response types live in `sfrrl_jax.engine.types` (re-exported here).
+The engine's request/response types live in `sfrrl_jax.generation_types` (re-exported here).
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any, Awaitable, Mapping, Protocol, Sequence, runtime_checkable
 
 from sfrrl_jax.agents.trajectory import Trajectory
-from sfrrl_jax.engine.types import Completion, EngineError, EngineProtocol, GenerationRequest  # noqa: F401
+from sfrrl_jax.generation_types import Completion, EngineError, EngineProtocol, GenerationRequest  # noqa: F401
 
 Message = dict  # {"role": "system"|"user"|"assistant"|"tool", "content": str, "tool_calls"?: [...]}
 
@@ -40,13 +40,15 @@ class ToolCallError:
 
 @dataclasses.dataclass(frozen=True)
 class ToolResult:
-    """The observation for one call (or one unparseable call), in call order."""
+    """The observation for one call (or one unparseable call), in call order. `elapsed_s`: the
+    call's own run time; `queue_s`: what it waited for a free worker before (Ray backend)."""
 
     name: str
     content: str
     is_error: bool = False
     call_id: str = ""
     elapsed_s: float = 0.0
+    queue_s: float = 0.0
 
     def as_message(self) -> Message:
         return {"role": "tool", "name": self.name, "tool_call_id": self.call_id, "content": self.content}
@@ -122,6 +124,8 @@ class Episode(Protocol):
     `reset()` gives the initial messages; `step(calls)` as `Environment.step`, on this episode's
     state; `next_user_turn()` is asked when the model answers without tool calls: the next user
     messages (the trajectory goes on with them), or None (it ends, finish reason 'answer');
+    `reset()` and `next_user_turn()` may return awaitables of those (an episode held elsewhere, e.g.
+    on a Ray actor: `ray_tools.RayEpisode`), which the loop awaits.
     `close()` is called once when the trajectory ends, also on errors and cancellation. The
     reward stays `Environment.reward(task, trajectory)`, a function of the finished trajectory.
     """

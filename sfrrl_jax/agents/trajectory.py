@@ -123,7 +123,7 @@ class TrajectoryBuilder:
         return start, len(t.tokens)
 
     def append_completion(self, completion) -> tuple[int, int]:
-        """Appends what one engine call generated (an `engine.types.Completion`): its tokens and
+        """Appends what one engine call generated (an `generation_types.Completion`): its tokens and
         log-probs (mask 1), and its routes when the engine recorded them. Returns the span."""
         span = self.append_generated(completion.tokens, completion.logprobs)
         if completion.routes is not None:

@@ -5,7 +5,7 @@ from sfrrl_jax.engine.generate import generate
 from sfrrl_jax.engine.lockstep import KeyValueExchange, LocalExchange, LockstepEngine, LockstepError
 from sfrrl_jax.engine.slot_state import DecodeState, Prefix, ResultTokens, SlotRequest
 from sfrrl_jax.engine.steps import EngineSteps
-from sfrrl_jax.engine.types import Completion, EngineError, EngineProtocol, GenerationRequest
+from sfrrl_jax.generation_types import Completion, EngineError, EngineProtocol, GenerationRequest
 
 __all__ = ["Engine", "EngineStats", "SlotHandle", "generate", "DecodeState", "EngineSteps",
            "Prefix", "ResultTokens", "SlotRequest", "Completion", "EngineError", "EngineProtocol",

@@ -18,7 +18,7 @@ import numpy as np
 
 from sfrrl_jax.engine.admission import host_fields
 from sfrrl_jax.engine.jobs import Job, SlotHandle
-from sfrrl_jax.engine.types import Completion
+from sfrrl_jax.generation_types import Completion
 
 
 class DecodeChainMixin:

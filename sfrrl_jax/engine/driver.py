@@ -23,7 +23,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sfrrl_jax.engine.types import Completion, GenerationRequest
+from sfrrl_jax.generation_types import Completion, GenerationRequest
 from sfrrl_jax.config import ModelConfig, PagedAttention
 from sfrrl_jax.mesh import HOST_MEMORY, moved, with_memory_kind
 from sfrrl_jax.engine.admission import AdmissionMixin

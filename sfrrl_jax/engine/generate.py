@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from sfrrl_jax.aio import run_sync
 
 from sfrrl_jax.checks import check_int, check_seed
-from sfrrl_jax.engine.types import Completion, GenerationRequest
+from sfrrl_jax.generation_types import Completion, GenerationRequest
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.engine.driver import Engine
 from sfrrl_jax.mesh import memory_limit

@@ -12,7 +12,7 @@ import numpy as np
 
 from sfrrl_jax.engine.recovery import SlotLog
 from sfrrl_jax.engine.slot_state import SlotRequest
-from sfrrl_jax.engine.types import GenerationRequest
+from sfrrl_jax.generation_types import GenerationRequest
 
 
 def slot_request_of(request: GenerationRequest) -> SlotRequest:

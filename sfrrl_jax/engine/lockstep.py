@@ -52,7 +52,7 @@ from typing import Protocol, Sequence
 from sfrrl_jax.engine.driver import Engine, _DeviceFault
 from sfrrl_jax.engine.jobs import Job, SlotHandle, check_slot_handle, slot_request_of
 from sfrrl_jax.engine.recovery import EngineFailure
-from sfrrl_jax.engine.types import Completion, GenerationRequest
+from sfrrl_jax.generation_types import Completion, GenerationRequest
 
 
 class LockstepError(EngineFailure):

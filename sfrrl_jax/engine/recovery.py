@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sfrrl_jax.engine.types import EngineError
+from sfrrl_jax.generation_types import EngineError
 from sfrrl_jax.engine.slot_state import DecodeState, SlotRequest
 from sfrrl_jax.engine.steps import EngineSteps
 

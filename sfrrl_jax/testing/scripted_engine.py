@@ -9,7 +9,7 @@ function, the agent loop's token bookkeeping -- exactly and fast:
     traj = asyncio.run(run_agent(engine, env, task, tok, AgentConfig()))
     assert engine.requests[1].tokens == observation_delta and engine.released == [0]
 
-It keeps the protocol's semantics (`sfrrl_jax.engine.types`) and checks the caller keeps them:
+It keeps the protocol's semantics (`sfrrl_jax.generation_types`) and checks the caller keeps them:
 a request without a handle opens a slot for that prompt; a request with a handle appends its
 tokens to that slot (never the history again) and continues the slot's script; `release` frees
 a slot once. Everything is recorded for assertions: `requests` (in arrival order), `released`
@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from sfrrl_jax.engine.types import Completion, GenerationRequest
+from sfrrl_jax.generation_types import Completion, GenerationRequest
 
 ScriptTurn = Sequence[int] | str   # token ids, or text that `tokenizer.encode` turns into them
 

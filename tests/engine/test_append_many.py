@@ -11,7 +11,7 @@ import sfrrl_jax as S
 from sfrrl_jax.engine import Engine, SlotRequest
 from sfrrl_jax.engine.pages import PageTable, check_paging
 from sfrrl_jax.engine.paged import engine_steps
-from sfrrl_jax.engine.types import GenerationRequest
+from sfrrl_jax.generation_types import GenerationRequest
 
 from model_fixtures import TINY, host, randomize
 

@@ -14,7 +14,7 @@ from sfrrl_jax.engine import Engine, SlotRequest
 from sfrrl_jax.engine.pages import PageTable, check_paging
 from sfrrl_jax.engine.paged import engine_steps
 from sfrrl_jax.engine.sampling import SamplingParams, first_argmax, sample
-from sfrrl_jax.engine.types import GenerationRequest
+from sfrrl_jax.generation_types import GenerationRequest
 
 from model_fixtures import TINY, TINY_GPT_OSS, host, randomize
 

@@ -11,7 +11,7 @@ import sfrrl_jax as S
 from sfrrl_jax.agents.protocols import GenerationRequest
 from sfrrl_jax.engine import Engine, EngineSteps
 from sfrrl_jax.engine.model_step import extend
-from sfrrl_jax.engine.types import Completion
+from sfrrl_jax.generation_types import Completion
 from sfrrl_jax.models.transformer import forward_hidden, moe_layer_ids
 
 from model_fixtures import TINY, TINY_DENSE, TINY_MIXED, randomize

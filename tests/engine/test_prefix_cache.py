@@ -12,7 +12,7 @@ import sfrrl_jax as S
 from sfrrl_jax.engine import Engine
 from sfrrl_jax.engine.pages import PageAllocator, PageTable, PagesExhausted
 from sfrrl_jax.engine.prefix_cache import PrefixCache, page_keys
-from sfrrl_jax.engine.types import GenerationRequest
+from sfrrl_jax.generation_types import GenerationRequest
 from sfrrl_jax.testing.faults import FlakyEngineSteps
 
 from model_fixtures import TINY, TINY_DEEPSEEK, TINY_GPT_OSS, host, randomize, teacher_forced_logprobs

@@ -17,7 +17,7 @@ from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task
 from sfrrl_jax.engine import Engine, SlotRequest
 from sfrrl_jax.engine.pages import PageTable, check_paging
 from sfrrl_jax.engine.paged import engine_steps
-from sfrrl_jax.engine.types import GenerationRequest
+from sfrrl_jax.generation_types import GenerationRequest
 from sfrrl_jax.tokenizer import load_tokenizer
 
 from model_fixtures import TINY, host, randomize

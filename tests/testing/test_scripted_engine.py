@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from sfrrl_jax.engine.types import EngineProtocol, GenerationRequest
+from sfrrl_jax.generation_types import EngineProtocol, GenerationRequest
 from sfrrl_jax.testing import ScriptedEngine
 
 STOP = 9

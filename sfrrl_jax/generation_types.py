@@ -1,6 +1,8 @@
 """The engine's own API types: what a caller sends (`GenerationRequest`), what comes back
 (`Completion`), the error that means the engine itself is gone (`EngineError`), and the protocol
 any engine meets (`EngineProtocol`: the real `Engine`, a scripted one in tests, a remote one).
+They sit below the engine (`sfrrl_jax.engine` re-exports them): the agent loop and a process that
+only runs tools (a Ray tool actor) import them without the engine and JAX.
 
 Semantics callers (the agent loop) rely on:
 * `complete(request)` generates for one trajectory. With `slot_handle=None`, `tokens` is the whole
