@@ -68,6 +68,7 @@ import pathlib  # noqa: E402
 import numpy as np  # noqa: E402
 
 import sfrrl_jax as S  # noqa: E402
+from sfrrl_jax.agents.tools import ToolRunnerConfig  # noqa: E402
 from sfrrl_jax.rl.config import LossConfig  # noqa: E402
 from sfrrl_jax.learner.optimizer import OptimizerConfig  # noqa: E402
 from sfrrl_jax.trainer.config import TrainerConfig  # noqa: E402
@@ -117,6 +118,12 @@ def workload_stats(wl: WorkloadConfig, group_size: int, replays: int = 4) -> dic
 MAX_LEN = 256  # the engine's context and the widest training row
 
 
+def tool_config(args) -> ToolRunnerConfig:
+    """Where the workload's tool calls run: this process's event loop, or a Ray cluster's actors
+    (--tool_backend ray: a local cluster unless RAY_ADDRESS names one)."""
+    return ToolRunnerConfig(backend=args.tool_backend, ray_actor_concurrency=64)
+
+
 def make_trainer(mode, early, wl, args, cfg, mesh, underfull_slots, agent=None) -> RLTrainer:
     """A trainer on fresh params, every micro-step shape compiled, one warm-up step taken."""
     groups = wl.num_prompts
@@ -128,7 +135,7 @@ def make_trainer(mode, early, wl, args, cfg, mesh, underfull_slots, agent=None) 
                        longest_first=args.longest_first == "on")
     params = S.init_params(cfg, mesh, seed=0)
     trainer = RLTrainer(cfg, params, tc, LossConfig(), OptimizerConfig(learning_rate=1e-5),
-                        agent or WorkloadAgent(wl), TaskStream(make_tasks(wl), seed=args.seed))
+                        agent or WorkloadAgent(wl, tools=tool_config(args)), TaskStream(make_tasks(wl), seed=args.seed))
     trainer.compile_train_shapes()  # every micro-step shape, so no compile lands in a measured step
     trainer.step()  # compile + warm-up, excluded
     return trainer
@@ -182,7 +189,7 @@ def calibrate_tool_latency(wl, args, cfg, mesh, steps: int, target_ratio: float,
     one lands within `tolerance` of the target ratio; that point's scale is the answer. Replays
     are noisy too (x1.21 gave 1.105 and x1.236 gave 0.945 in one run: train time alone moved 5%),
     so five points usually end in a last interpolation; that run then measured 1.00."""
-    agent = WorkloadAgent(wl)
+    agent = WorkloadAgent(wl, tools=tool_config(args))
     trainer = make_trainer("sync", False, wl, args, cfg, mesh, underfull_slots=0, agent=agent)
     stream, replays = dict(trainer.tasks.state()), dict(agent.replays)
 
@@ -291,6 +298,8 @@ def main():
                     help="default: 0 for tool-bound (never stretch the tail), 2 for decode-bound")
     ap.add_argument("--microbatch_rows", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tool_backend", choices=("local", "ray"), default="local",
+                    help="run the tool calls on this host or on a Ray cluster's actors (ToolRunnerConfig.backend)")
     ap.add_argument("--only", choices=tuple(GROUPS_DEFAULT), default=None)
     ap.add_argument("--out", default="bench_out/stragglers.json")
     args = ap.parse_args()

@@ -20,6 +20,8 @@ from sfrrl_jax.agents.tasks import (BFCL_CATEGORIES, BfclMultiTurnEnvironment, C
                                     qa_environment, reasoning_gym_tasks, register_task_kind, registered_task_kinds,
                                     render_sft_example, reward_component_means, save_tasks_jsonl, task_reward,
                                     tool_error_penalty, unregister_task_kind, verify_math, verify_reasoning_gym)
+from sfrrl_jax.agents.mcp_tools import McpTool, mcp_tools
+from sfrrl_jax.agents.ray_tools import RayToolRunner
 from sfrrl_jax.agents.tools import CalculatorTool, FunctionTool, PythonTool, ToolError, ToolRunner, ToolRunnerConfig
 from sfrrl_jax.agents.trajectory import Trajectory, Turn
 
@@ -27,7 +29,7 @@ __all__ = [
     "AgentConfig", "CalculatorTool", "CompactFormat", "Completion", "DatasetError", "EngineProtocol", "Environment",
     "DeepSeekDsmlFormat", "DeepSeekFormat", "FunctionTool", "GenerationRequest", "GraniteFormat", "HarmonyFormat",
     "KimiK2Format", "Llama3JsonFormat", "MiniMaxM2Format",
-    "Llama4JsonFormat", "MistralFormat", "Olmo3Format", "ParsedTurn", "PythonicFormat",
+    "Llama4JsonFormat", "McpTool", "mcp_tools", "RayToolRunner", "MistralFormat", "Olmo3Format", "ParsedTurn", "PythonicFormat",
     "PythonSandbox", "PythonTool", "Qwen3Format", "Qwen3XmlFormat", "SeedOssFormat", "RewardError", "RewardFn",
     "RewardSum",
     "SandboxConfig", "SandboxResult", "Task", "TaskKind",

@@ -175,7 +175,16 @@ def open_episode(env: Environment, task: Task) -> Episode:
     """`env.open_episode(task)` where the environment keeps per-trajectory state, else the
     environment itself behind the `Episode` interface."""
     opener = getattr(env, "open_episode", None)
-    return opener(task) if opener is not None else _SharedEpisode(env, task)
+    if opener is None:
+        return _SharedEpisode(env, task)
+    # tools on a Ray cluster (`ray_tools.RayToolRunner`): the episode's state lives on an actor
+    remote = getattr(getattr(env, "runner", None), "open_remote_episode", None)
+    return remote(task) if remote is not None else opener(task)
+
+
+async def _settled(value: Any) -> Any:
+    """An episode's reset / next user turn: a value, or an awaitable of one (a remote episode)."""
+    return await value if inspect.isawaitable(value) else value
 
 
 def _without_reasoning(messages: Sequence[Message]) -> list[Message]:
@@ -312,7 +321,7 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
         stops = cfg.stop_token_ids if cfg.stop_token_ids is not None else turn_stop_ids(fmt, tokenizer)
         episode = open_episode(env, task)
         try:
-            messages = episode.reset()
+            messages = await _settled(episode.reset())
             prompt = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
         except BaseException:
             _close_episode(episode, task, sample_index)
@@ -380,7 +389,7 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                     traj.finish_reason = "max_tokens" if max_new < cfg.max_new_tokens_per_turn else "length"
                     break
                 if not parsed.calls:
-                    user_turn = episode.next_user_turn()
+                    user_turn = await _settled(episode.next_user_turn())
                     if not user_turn or turn_index == cfg.max_turns - 1:
                         record(gen_hi)
                         traj.finish_reason = "answer" if not user_turn else "max_turns"
@@ -423,6 +432,9 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                 messages.extend(tool_messages)
                 shown.extend(tool_messages)
                 errors = sum(r.is_error for r in results)
+                queued = [r.queue_s for r in results if getattr(r, "queue_s", 0.0) > 0.0]
+                if queued:  # waits for a free remote worker (Ray backend): load, reported per step
+                    traj.metadata.setdefault("tool_queue_s", []).extend(queued)
                 if len(builder) + len(delta) >= cfg.max_total_tokens:  # no room to append and still generate
                     record(gen_hi, tools_s, errors, len(calls))
                     traj.finish_reason = "max_tokens"

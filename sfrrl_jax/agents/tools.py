@@ -52,26 +52,58 @@ class ToolError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class ToolRunnerConfig:
-    """How tool calls run. remote_address: None runs them on this host (a thread pool); "HOST:PORT"
-    serves them to remote workers (`agents.tool_pool`: `ToolEnvironment` then queues every call
-    there, and workers started with `python -m sfrrl_jax.agents.tool_pool HOST:PORT module:factory`
-    and the same SFRRL_TOOL_AUTHKEY run them). The runner's timeout covers the round trip."""
+    """How tool calls run (gin-bound as `sfrrl.ToolRunnerConfig`).
+
+    Attributes:
+      timeout_s: each call's limit, from the moment it starts (on Ray: from its dispatch to an
+        actor, so it covers the round trip; time queued for a free actor slot never counts).
+      max_concurrency: calls running at once on this host (local backend).
+      thread_workers: threads for blocking tools (`FunctionTool`), per host / per Ray actor.
+      max_output_chars: an observation's cap; longer ones are truncated, saying so.
+      backend: 'local' runs the calls on this host; 'ray' on a pool of Ray actors
+        (`agents.ray_tools`: the tools are built once per actor, calls spread over the actors'
+        free slots, a dead actor's call is an error observation and the actor is replaced; an
+        environment with `open_episode` keeps each episode's state on an actor).
+      ray_address: the cluster `ray.init(address=...)` joins when Ray is not yet initialized in
+        this process: None is Ray's own default (RAY_ADDRESS, a running `ray start` cluster, else
+        a new local one), 'auto', 'HOST:PORT' or 'ray://HOST:PORT'.
+      ray_actors: size of the actor pool; None: the cluster's CPUs / `ray_actor_cpus`.
+      ray_actor_cpus: CPUs each pool actor reserves (Ray's `num_cpus`).
+      ray_actor_concurrency: calls one actor runs at once; more wait in this process for a free
+        slot (reported as the result's `queue_s`, `tools/queue_s_p50|p99` in a step's metrics).
+      ray_actor_per_episode: each episode gets an actor of its own, killed when it closes (a
+        process start and the package's imports per trajectory); False places episodes on the
+        pool's actors, each holding its episodes' state until they close.
+    """
 
     timeout_s: float = 10.0
     max_concurrency: int = 1024
     thread_workers: int = 8
     max_output_chars: int = 4000
-    remote_address: str | None = None
+    backend: str = "local"
+    ray_address: str | None = None
+    ray_actors: int | None = None
+    ray_actor_cpus: float = 1.0
+    ray_actor_concurrency: int = 8
+    ray_actor_per_episode: bool = False
 
     def __post_init__(self):
-        for name in ("timeout_s", "max_concurrency", "thread_workers", "max_output_chars"):
+        for name in ("timeout_s", "max_concurrency", "thread_workers", "max_output_chars", "ray_actor_concurrency"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ToolRunnerConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.remote_address is not None:
-            host, _, port = str(self.remote_address).rpartition(":")
-            if not host or not port.isdigit() or not 0 <= int(port) < 65536:
-                raise ValueError(f"ToolRunnerConfig.remote_address must be 'HOST:PORT' (e.g. '0.0.0.0:50051'), "
-                                 f"got {self.remote_address!r}")
+        if self.backend not in TOOL_BACKENDS:
+            raise ValueError(f"ToolRunnerConfig.backend must be one of {list(TOOL_BACKENDS)}, got {self.backend!r}")
+        if self.ray_actors is not None and (not isinstance(self.ray_actors, int) or self.ray_actors <= 0):
+            raise ValueError(f"ToolRunnerConfig.ray_actors must be a positive int or None, got {self.ray_actors!r}")
+        if not self.ray_actor_cpus >= 0:
+            raise ValueError(f"ToolRunnerConfig.ray_actor_cpus must be >= 0, got {self.ray_actor_cpus!r}")
+        if self.ray_address is not None and not (isinstance(self.ray_address, str) and self.ray_address.strip()):
+            raise ValueError(f"ToolRunnerConfig.ray_address must be None, 'auto', 'HOST:PORT' or 'ray://HOST:PORT', "
+                             f"got {self.ray_address!r}")
+
+
+# Where calls run: this host, or a Ray cluster's actors (`agents.ray_tools`).
+TOOL_BACKENDS = ("local", "ray")
 
 
 def tool_schema(tool: Tool) -> dict:
@@ -184,9 +216,10 @@ class ToolRunner:
         limit = self.cfg.max_output_chars
         return text if len(text) <= limit else text[:limit] + f"\n[truncated {len(text) - limit} chars]"
 
-    async def run_one(self, call: ToolCall | ToolCallError, tools: Mapping[str, Tool] | None = None) -> ToolResult:
-        """One call, against `tools` ({name: tool}; default: the runner's own), e.g. an episode's
-        tools bound to its state, under this runner's pool, timeout and checks."""
+    def checked_tool(self, call: ToolCall | ToolCallError, tools: Mapping[str, Tool] | None = None
+                     ) -> Tool | ToolResult:
+        """The tool `call` names, or the error result of a call that cannot run: it did not parse,
+        names no tool of `tools` (default: the runner's own), or its arguments break the schema."""
         if isinstance(call, ToolCallError):
             return self._error(call.name or "invalid", call.message, call.call_id)
         tools = self.tools if tools is None else tools
@@ -197,6 +230,14 @@ class ToolRunner:
         problems = validate(call.arguments, tool.parameters)
         if problems:
             return self._error(call.name, "invalid arguments: " + "; ".join(problems), call.call_id)
+        return tool
+
+    async def run_one(self, call: ToolCall | ToolCallError, tools: Mapping[str, Tool] | None = None) -> ToolResult:
+        """One call, against `tools` ({name: tool}; default: the runner's own), e.g. an episode's
+        tools bound to its state, under this runner's pool, timeout and checks."""
+        tool = self.checked_tool(call, tools)
+        if isinstance(tool, ToolResult):
+            return tool
         if self._semaphore is None:
             self._semaphore = asyncio.Semaphore(self.cfg.max_concurrency)
         async with self._semaphore:

@@ -41,13 +41,15 @@ from sfrrl_jax.launch.recipes import (BUILTIN_KINDS, get_recipe, recipe_kinds, r
 from sfrrl_jax.agents.loop import AgentConfig
 from sfrrl_jax.agents.tasks.bfcl_multi_turn import BfclMultiTurnEnvironment, multi_turn_match, multi_turn_progress
 from sfrrl_jax.agents.tasks.code_tasks import code_environment
-from sfrrl_jax.agents.tasks.environments import calculator_environment, countdown_tool_environment, qa_environment
+from sfrrl_jax.agents.mcp_tools import mcp_tools
+from sfrrl_jax.agents.tasks.environments import (ToolEnvironment, calculator_environment, countdown_tool_environment,
+                                                 qa_environment)
 from sfrrl_jax.agents.tasks.function_calling import FunctionCallingEnvironment, function_call_match
 from sfrrl_jax.agents.tasks.math_tasks import math_tool_environment
 from sfrrl_jax.agents.tasks.reward_fns import answer_correct, answer_format, in_thread, tool_error_penalty
 from sfrrl_jax.agents.tools import ToolRunnerConfig
 from sfrrl_jax.launch.agentic import AgenticRollout
-from sfrrl_jax.launch.preflight import PreflightError, check_job_files, tool_endpoint_problems  # noqa: F401 (re-export)
+from sfrrl_jax.launch.preflight import PreflightError, check_job_files, tool_backend_problems  # noqa: F401 (re-export)
 
 
 class GinConfigError(ValueError):
@@ -130,8 +132,11 @@ def register() -> None:
         for cls in (AgenticRollout, AgentConfig):
             gin.external_configurable(cls, module="sfrrl")
         for fn in (code_environment, math_tool_environment, countdown_tool_environment, calculator_environment,
-                   qa_environment, FunctionCallingEnvironment, BfclMultiTurnEnvironment):
+                   qa_environment, FunctionCallingEnvironment, BfclMultiTurnEnvironment, ToolEnvironment):
             gin.external_configurable(fn, module="sfrrl")
+        # an MCP server's tools as an environment's: `ToolEnvironment.tools = @mcp_tools()`,
+        # `mcp_tools.server = 'python3 my_server.py'` (or an http(s) URL)
+        gin.external_configurable(mcp_tools, module="sfrrl")
         # reward functions, passed as values: `qa_environment.reward_fns = [@answer_correct, @answer_format]`;
         # a blocking one off the agent loop: `[@judge/in_thread()]` with `judge/in_thread.fn = @my_judge`
         for fn in (answer_correct, answer_format, tool_error_penalty, function_call_match, multi_turn_match,
@@ -176,13 +181,12 @@ def load_job(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
         raise GinConfigError(f"gin config ({where}) binds a parameter twice with different values in its files (gin "
                              f"would keep the last silently; to override a file's value, use --gin_param):\n  "
                              + "\n  ".join(conflicts))
-    # before building: an environment gin builds starts serving its tool pool on the address
-    served = getattr(sys.modules.get("sfrrl_jax.agents.tool_pool"), "_SHARED", {})
-    endpoints = [p for name, address in _bound_values("sfrrl.ToolRunnerConfig", "remote_address")
-                 for p in tool_endpoint_problems(address, name, served=list(served))]
-    if endpoints:
-        raise GinConfigError(f"gin config ({where}) binds tool endpoints this host cannot serve:\n  "
-                             + "\n  ".join(endpoints))
+    # before building: a tool backend this host cannot use fails here, naming the binding
+    tool_problems = [p for where, backend, address in _tool_backend_bindings()
+                     for p in tool_backend_problems(backend, address, where)]
+    if tool_problems:
+        raise GinConfigError(f"gin config ({where}) binds tool backends this host cannot use:\n  "
+                             + "\n  ".join(tool_problems))
     exempt = _bound_keys() - before   # keys only the optional bindings introduced
     try:
         job = gin.get_configurable("sfrrl.Job")()
@@ -216,11 +220,12 @@ def _short(selector: str) -> str:
     return selector[len("sfrrl."):] if selector.startswith("sfrrl.") else selector
 
 
-def _bound_values(selector: str, param: str) -> list[tuple[str, Any]]:
-    """(scoped name, value) of every parsed binding of `selector.param`, in any scope."""
+def _tool_backend_bindings() -> list[tuple[str, Any, Any]]:
+    """(scoped name, bound backend or None, bound ray_address or None) of each ToolRunnerConfig binding."""
     parsed, _ = _gin_tables()
-    return [((f"{scope}/" if scope else "") + f"{_short(sel)}.{param}", params[param])
-            for (scope, sel), params in sorted(parsed.items()) if sel == selector and param in params]
+    return [((f"{scope}/" if scope else "") + _short(sel), params.get("backend"), params.get("ray_address"))
+            for (scope, sel), params in sorted(parsed.items())
+            if sel == "sfrrl.ToolRunnerConfig" and ("backend" in params or "ray_address" in params)]
 
 
 # -- bindings that disagree ------------------------------------------------------------------------

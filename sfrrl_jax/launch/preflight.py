@@ -1,9 +1,8 @@
 """Checks of the files and endpoints a job names, before anything is allocated or started.
 
 `validate_job(job, check_files=True)` (`sfrrl-train --validate_only`) and `run_job` run
-`check_job_files`; `load_job` runs `tool_endpoint_problems` on every bound
-`ToolRunnerConfig.remote_address` before it builds the job (an environment built by gin starts
-serving its tool pool there). What is checked, each problem naming the config key and the path:
+`check_job_files`; `load_job` runs `tool_backend_problems` on every bound `ToolRunnerConfig`
+before it builds the job. What is checked, each problem naming the config key and the path:
 
   ExperimentConfig.hf_path    the directory exists; config.json exists, is JSON and reads as a
                               model this library implements (`config_from_hf`); the weights: every
@@ -18,10 +17,9 @@ serving its tool pool there). What is checked, each problem naming the config ke
                               chat_template.jinja) that compiles.
   AgenticRollout.tasks        a task file (not a package source such as 'bfcl:...', which
                               `validate_job` loads) exists and every line reads as a task.
-  tool endpoints              `tool_endpoint_problems`: HOST:PORT form, SFRRL_TOOL_AUTHKEY set,
-                              the host resolves, and the port can be bound here (the trainer serves
-                              the pool on it; that a worker can reach it is not checked: workers
-                              start after the trainer).
+  tool backends               `tool_backend_problems`: backend 'ray' has Ray installed; a bound
+                              `ray_address` host resolves (that a cluster answers is not checked:
+                              it may start after the trainer).
 
 Problems are collected, not stopped at the first, and raised together as a `PreflightError`.
 """
@@ -193,41 +191,36 @@ def task_file_problems(source: str | os.PathLike, key: str, kind: str | None = N
     return []
 
 
-def tool_endpoint_problems(address: Any, key: str, served: Sequence[str] = ()) -> list[str]:
-    """Problems with a tool pool's `remote_address` ("HOST:PORT", served by this process).
+def tool_backend_problems(backend: Any, address: Any, key: str) -> list[str]:
+    """Problems with where a bound `ToolRunnerConfig` runs its calls.
 
     Args:
-      address: the bound value; key: where it is bound (e.g. "ToolRunnerConfig.remote_address").
-      served: addresses this process serves already (their port is ours: not bind-checked).
+      backend: the bound `backend` (None: not bound); address: the bound `ray_address` (None: not
+        bound); key: where they are bound (e.g. "ToolRunnerConfig").
     Returns:
-      One message per problem: form, SFRRL_TOOL_AUTHKEY, the host resolving, the port binding.
+      One message per problem: backend 'ray' without Ray installed; a `ray_address` HOST:PORT or
+      ray://HOST:PORT whose host does not resolve. That a cluster answers there is not checked
+      (it may start after the trainer).
     """
-    where = f"{key}={address!r}"
-    host, _, port = str(address).rpartition(":") if isinstance(address, str) else ("", "", "")
-    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        return [f"{where}: must be 'HOST:PORT' (e.g. '0.0.0.0:50051')"]
     problems = []
-    if not os.environ.get("SFRRL_TOOL_AUTHKEY"):
-        problems.append(f"{where}: needs the SFRRL_TOOL_AUTHKEY environment variable (the shared secret the "
-                        "tool workers present)")
+    if backend == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError as e:
+            problems.append(f"{key}.backend='ray': Ray is not installed ({e}); pip install 'sfrrl_jax[ray]'")
+    if not isinstance(address, str) or address in ("auto", "local"):
+        return problems
+    host = address.removeprefix("ray://").rpartition(":")[0] or address.removeprefix("ray://")
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        infos = pool.submit(socket.getaddrinfo, host, int(port), type=socket.SOCK_STREAM).result(RESOLVE_TIMEOUT_S)
+        pool.submit(socket.getaddrinfo, host, None, type=socket.SOCK_STREAM).result(RESOLVE_TIMEOUT_S)
     except concurrent.futures.TimeoutError:
-        return problems + [f"{where}: host {host!r} does not resolve within {RESOLVE_TIMEOUT_S:.0f} s"]
+        problems.append(f"{key}.ray_address={address!r}: host {host!r} does not resolve within "
+                        f"{RESOLVE_TIMEOUT_S:.0f} s")
     except OSError as e:
-        return problems + [f"{where}: host {host!r} does not resolve: {e}"]
+        problems.append(f"{key}.ray_address={address!r}: host {host!r} does not resolve: {e}")
     finally:
         pool.shutdown(wait=False)
-    if address in served or int(port) == 0:   # port 0: any free port is taken
-        return problems
-    family, kind, proto, _, sockaddr = infos[0]
-    try:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the pool's listener does
-            s.bind(sockaddr)
-    except OSError as e:
-        problems.append(f"{where}: this host cannot serve the tool pool there: {e}")
     return problems
 
 

@@ -28,6 +28,7 @@ import gin
 import numpy as np
 
 from sfrrl_jax.agents.protocols import GenerationRequest, Task, ToolCall
+from sfrrl_jax.agents.ray_tools import tool_runner
 from sfrrl_jax.agents.tools import ToolRunner, ToolRunnerConfig
 from sfrrl_jax.checks import (check_bool_fields, check_int_fields, check_number, check_number_fields, check_seed,
                               check_str)
@@ -157,9 +158,11 @@ class WorkloadAgent:
     Counts the rollouts of each (task, sample) (the replay index of `sample_spec`); the count is
     its state (`state_dict`), saved in checkpoints so that a resumed run replays the same work."""
 
-    def __init__(self, cfg: WorkloadConfig, runner: ToolRunner | None = None, temperature: float = 1.0):
+    def __init__(self, cfg: WorkloadConfig, runner: ToolRunner | None = None, temperature: float = 1.0,
+                 tools: ToolRunnerConfig = ToolRunnerConfig()):
         self.cfg = cfg
-        self.runner = runner or ToolRunner([LatencyTool(cfg.tool_name)], ToolRunnerConfig())
+        # `tools`: where the latency tool's calls run when no runner is given (backend 'ray': a pool of actors)
+        self.runner = runner or tool_runner([LatencyTool(cfg.tool_name)], tools)
         self.temperature = temperature
         self.replays: dict[str, int] = {}  # "task/sample" -> rollouts started
 
@@ -211,6 +214,8 @@ class WorkloadAgent:
                     call = ToolCall(self.cfg.tool_name, {"latency": spec.tool_latencies[turn]}, f"c{turn}")
                     (result,) = await self.runner.run([call])
                     n_calls, n_err = 1, int(result.is_error)
+                    if result.queue_s > 0.0:
+                        traj.metadata.setdefault("tool_queue_s", []).append(result.queue_s)
                     pending = self._observation(result.content)
                     obs_end = builder.append_observation(pending)
                 errors += n_err
@@ -234,9 +239,11 @@ class WorkloadRollout:
 
     Attributes:
       workload: the distributions of the replayed work.
+      tools: how its tool calls run (`ToolRunnerConfig`; backend 'ray' puts them on a Ray cluster).
     """
 
     workload: WorkloadConfig = WorkloadConfig()
+    tools: ToolRunnerConfig = ToolRunnerConfig()
 
     def __post_init__(self):
         if not isinstance(self.workload, WorkloadConfig):
@@ -257,7 +264,7 @@ class WorkloadRollout:
 
     def __call__(self, experiment_cfg, model_cfg: ModelConfig) -> RolloutSource:
         """The run's rollout source (see the class doc); `validate` is the runner's to call first."""
-        agent = WorkloadAgent(self.workload)
+        agent = WorkloadAgent(self.workload, tools=self.tools)
         return RolloutSource(agent, make_tasks(self.workload), stateful=agent)
 
 

@@ -51,7 +51,7 @@ from sfrrl_jax.trainer.batching import Group, group_advantage_slopes, group_adva
 from sfrrl_jax.rl.microbatch import MicroBatch
 from sfrrl_jax.trainer.microsteps import MicroStepUnit, early_micro_step
 from sfrrl_jax.trainer.step_rules import FailedGroup, StepRules
-from sfrrl_jax.trainer.step_schedule import RLStep
+from sfrrl_jax.trainer.step_schedule import RLStep, tool_queue_metrics
 
 _log = logging.getLogger(__name__)
 
@@ -447,6 +447,7 @@ class LockstepRules(StepRules):
             "counts": {k: step.counts[k] for k in ("tool_errors", "groups_dropped", "groups_failed",
                                                    "failed_samples", "groups_surplus", "orphaned_tool_calls")},
             "kept_groups": len(step.kept),
+            "tool_queue_s": list(step.tool_queue_s),
             "zero_variance_groups": sum(int(np.ptp(g.rewards) == 0) for g in step.kept),
         }
         views = self.agreement.allgather(mine)
@@ -477,5 +478,6 @@ class LockstepRules(StepRules):
                for k in ("tool_errors", "groups_dropped", "groups_failed", "failed_samples", "groups_surplus",
                          "orphaned_tool_calls")},
             **{f"rollout/{k}": sum(v[k] for v in views) for k in ("kept_groups", "zero_variance_groups")},
+            **tool_queue_metrics([q for v in views for q in v["tool_queue_s"]]),
         })
         return out

@@ -33,7 +33,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -149,6 +149,7 @@ class RLStep:
         self.pending: list[Group] = []    # kept, not yet a micro-batch (fewer than groups_per_microbatch)
         self.units: list[MicroStepUnit] = []  # the micro-steps of this step's groups (one_step_off carries them)
         self.counts = collections.Counter()
+        self.tool_queue_s: list[float] = []  # each remote tool call's wait for a free worker (Ray)
         self.failures: list[str] = []
         self.waiting = WaitingWork()
         self.in_flight: set[asyncio.Future] = set()
@@ -247,6 +248,7 @@ class RLStep:
         counts["tool_errors"] += sum(t.metadata.get("tool_errors", t.num_tool_errors) for t in group.trajectories)
         # tool calls that ignored cancellation and were left running at their timeout
         counts["orphaned_tool_calls"] += sum(t.metadata.get("orphaned_tool_calls", 0) for t in group.trajectories)
+        self.tool_queue_s.extend(q for t in group.trajectories for q in t.metadata.get("tool_queue_s", ()))
 
     # -- training ---------------------------------------------------------------------------------
     def note_waiting(self) -> None:
@@ -334,6 +336,8 @@ class RLStep:
             "rollout/generated_tokens": generated,
             "rollout/tool_errors": counts["tool_errors"],
             "rollout/orphaned_tool_calls": counts["orphaned_tool_calls"],
+            # remote tool calls' waits for a free Ray actor slot (never part of their timeout)
+            **tool_queue_metrics(self.tool_queue_s),
             "rollout/groups_dropped": counts["groups_dropped"],
             "rollout/groups_surplus": counts["groups_surplus"],
             "rollout/groups_failed": counts["groups_failed"],
@@ -379,3 +383,12 @@ class RLStep:
         for fut in self.in_flight:
             fut.cancel()
         await asyncio.gather(*self.in_flight, return_exceptions=True)
+
+
+def tool_queue_metrics(queue_s: Sequence[float]) -> dict:
+    """`tools/queue_s_p50`, `tools/queue_s_p99` (seconds; 0 when no call queued) and
+    `tools/queued_calls` of the remote tool calls' waits for a free worker."""
+    q = np.asarray(queue_s, dtype=np.float64)
+    return {"tools/queue_s_p50": float(np.percentile(q, 50)) if q.size else 0.0,
+            "tools/queue_s_p99": float(np.percentile(q, 99)) if q.size else 0.0,
+            "tools/queued_calls": int(q.size)}

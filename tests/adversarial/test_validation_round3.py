@@ -15,6 +15,7 @@ Nothing here trains: validate_only allocates nothing, and the engine tests run a
 import asyncio
 import functools
 import json
+import sys
 import shutil
 from pathlib import Path
 
@@ -185,28 +186,25 @@ def test_validate_only_collects_every_missing_file(hf_dir, tmp_path, capsys):
     assert shard in out and "tokenizer.json" in out and f"AgenticRollout.tasks={str(missing_tasks)!r}" in out
 
 
-def test_validate_only_refuses_a_tool_endpoint_that_does_not_resolve(hf_dir, tasks_file, tmp_path, capsys,
-                                                                     monkeypatch):
-    monkeypatch.setenv("SFRRL_TOOL_AUTHKEY", "secret")
+def test_validate_only_refuses_a_ray_address_that_does_not_resolve(hf_dir, tasks_file, tmp_path, capsys):
     code, out = _validate(tmp_path, capsys, f"ExperimentConfig.hf_path = {str(hf_dir)!r}",
                           f"AgenticRollout.tasks = {str(tasks_file)!r}",
                           "AgenticRollout.environment = @calculator_environment()",
                           "calculator_environment.runner_cfg = @ToolRunnerConfig()",
-                          "ToolRunnerConfig.remote_address = 'no-such-host.invalid:50051'", gin=AGENTIC_GIN)
-    # was: a socket.gaierror traceback from building the environment
-    assert code == 2 and "ToolRunnerConfig.remote_address='no-such-host.invalid:50051'" in out, out
+                          "ToolRunnerConfig.backend = 'ray'",
+                          "ToolRunnerConfig.ray_address = 'no-such-host.invalid:6379'", gin=AGENTIC_GIN)
+    assert code == 2 and "ToolRunnerConfig.ray_address='no-such-host.invalid:6379'" in out, out
     assert "does not resolve" in out
 
 
-def test_validate_only_refuses_a_tool_endpoint_without_its_authkey(hf_dir, tasks_file, tmp_path, capsys,
-                                                                   monkeypatch):
-    monkeypatch.delenv("SFRRL_TOOL_AUTHKEY", raising=False)
+def test_validate_only_refuses_the_ray_backend_without_ray(hf_dir, tasks_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)   # as if not installed: `import ray` raises ImportError
     code, out = _validate(tmp_path, capsys, f"ExperimentConfig.hf_path = {str(hf_dir)!r}",
                           f"AgenticRollout.tasks = {str(tasks_file)!r}",
                           "AgenticRollout.environment = @calculator_environment()",
                           "calculator_environment.runner_cfg = @ToolRunnerConfig()",
-                          "ToolRunnerConfig.remote_address = '127.0.0.1:0'", gin=AGENTIC_GIN)
-    assert code == 2 and "SFRRL_TOOL_AUTHKEY" in out and "ToolRunnerConfig.remote_address" in out, out
+                          "ToolRunnerConfig.backend = 'ray'", gin=AGENTIC_GIN)
+    assert code == 2 and "ToolRunnerConfig.backend='ray'" in out and "sfrrl_jax[ray]" in out, out
 
 
 def test_a_run_with_a_missing_shard_fails_before_it_starts_naming_it(hf_dir, tmp_path):

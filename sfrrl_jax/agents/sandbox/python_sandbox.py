@@ -403,6 +403,10 @@ class PythonSandbox:
         base = random.randint(10**6, 2 * 10**9)
         self._uids = [base + i if caps.separate_uid else None for i in range(cfg.max_concurrency)]
 
+    def __reduce__(self):
+        # Pickles as its config: a copy (a Ray tool actor's) probes and jails on its own host.
+        return (type(self), (self.cfg,))
+
     def _slot_queue(self) -> asyncio.Queue:
         # Created lazily so the queue binds to the running event loop.
         if self._slots is None:

@@ -433,20 +433,16 @@ class BfclMultiTurnEnvironment(ToolEnvironment):
     Args:
       system_prompt: the system prompt, default `MULTI_TURN_SYSTEM_PROMPT`; None or '': none (an item's own
         system message then stays in the first user turn's messages).
-      runner_cfg: how tool calls run (timeout, output cap, ...); must run them in this process.
+      runner_cfg: how tool calls run (timeout, output cap, ...); backend 'ray' opens each episode on a Ray
+        actor, which holds its backend instances (`agents.ray_tools`).
       reward_fns: the reward functions; None: `[multi_turn_match]` (`multi_turn_progress` gives partial
         credit).
       reward_weights: one weight per reward function; None: 1 each.
-    Raises:
-      ValueError: `runner_cfg.remote_address` is set (the tools' state lives in this process).
     """
 
     def __init__(self, system_prompt: str | None = MULTI_TURN_SYSTEM_PROMPT,
                  runner_cfg: ToolRunnerConfig = ToolRunnerConfig(), reward_fns: Sequence[RewardFn] | None = None,
                  reward_weights: Sequence[float] | None = None):
-        if runner_cfg.remote_address is not None:
-            raise ValueError("ToolRunnerConfig.remote_address: BFCL multi-turn tools keep per-trajectory state "
-                             "in this process and cannot run on remote workers")
         super().__init__([], system_prompt, runner_cfg,
                          reward_fns=[multi_turn_match] if reward_fns is None else reward_fns,
                          reward_weights=reward_weights)

@@ -5,8 +5,10 @@ the verifier of `task.kind`), each component recorded in `trajectory.metadata["r
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Awaitable, Sequence
 
+from sfrrl_jax.agents.ray_tools import tool_runner
 from sfrrl_jax.agents.protocols import Message, RewardFn, Task, Tool, ToolCall, ToolCallError, ToolResult
 from sfrrl_jax.agents.sandbox.python_sandbox import PythonSandbox
 from sfrrl_jax.agents.tasks.reward_fns import RewardSum, answer_correct
@@ -33,13 +35,22 @@ class ToolEnvironment:
                  runner_cfg: ToolRunnerConfig = ToolRunnerConfig(), reward_fns: Sequence[RewardFn] | None = None,
                  reward_weights: Sequence[float] | None = None):
         self.rewards = RewardSum([answer_correct] if reward_fns is None else reward_fns, reward_weights)
-        if runner_cfg.remote_address is not None:
-            # calls go to remote workers (imported here: `python -m sfrrl_jax.agents.tool_pool`
-            # runs that module as a worker, which must not find it imported by the package)
-            from sfrrl_jax.agents.tool_pool import place_tools
-            tools = place_tools(tools, runner_cfg.remote_address)
-        self.runner = ToolRunner(tools, runner_cfg)
         self.system_prompt = system_prompt
+        # backend 'ray': the actors rebuild this environment (pickled, with a local runner)
+        self.runner = tool_runner(tools, runner_cfg, env=self)
+
+    def __getstate__(self) -> dict:
+        """Pickles as its fields, the runner as its tools and config with the local backend (a
+        Ray actor's copy runs its calls itself; thread pools and actor handles do not travel)."""
+        state = dict(self.__dict__)
+        runner = state.pop("runner")
+        state["_runner_spec"] = (list(runner.tools.values()), dataclasses.replace(runner.cfg, backend="local"))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        tools, cfg = state.pop("_runner_spec")
+        self.__dict__.update(state)
+        self.runner = ToolRunner(tools, cfg)
 
     def tool_schemas(self) -> list[dict]:
         return self.runner.schemas()
