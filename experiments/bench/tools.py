@@ -123,8 +123,14 @@ async def bench_call_rate(n: int, backend: str, ray_actors: int | None = None) -
     results = await runner.run([ToolCall("calculator", {"expression": f"{i}*7"}, str(i)) for i in range(n)])
     wall = time.perf_counter() - start
     assert [r.content for r in results] == [str(i * 7) for i in range(n)]
+    # one call at a time: the round trip itself, with nothing queued before it
+    trips = []
+    for i in range(min(n, 300)):
+        t0 = time.perf_counter()
+        await runner.run_one(ToolCall("calculator", {"expression": f"{i}+1"}))
+        trips.append(time.perf_counter() - t0)
     runner.close()
-    return {"backend": backend, "calls": n, "wall_s": wall, "calls_per_s": n / wall}
+    return {"backend": backend, "calls": n, "wall_s": wall, "calls_per_s": n / wall, "round_trip": _stats_ms(trips)}
 
 
 async def bench_sandbox(n: int, concurrency: int) -> dict:
@@ -184,7 +190,8 @@ def main(argv=None):
     if args.backend == "ray":
         import ray
         if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+            ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False,
+                     **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
         remote = {"latency_tool": asyncio.run(bench_latency_tool(n_latency, args.median_latency_s, args.sigma,
                                                                   args.seed, "ray", args.ray_actors)),
                   "call_rate": asyncio.run(bench_call_rate(n_latency, "ray", args.ray_actors))}
@@ -204,12 +211,14 @@ def main(argv=None):
         (f"sandbox x{sandbox['concurrency']}", sandbox["calls"], sandbox["wall_s"], sandbox["calls_per_s"],
          sandbox["overhead"]["p50_ms"], sandbox["overhead"]["p99_ms"]),
     ]
-    rows.insert(1, ("instant calls", rate["calls"], rate["wall_s"], rate["calls_per_s"], float("nan"), float("nan")))
+    rows.insert(1, ("instant calls", rate["calls"], rate["wall_s"], rate["calls_per_s"],
+                    rate["round_trip"]["p50_ms"], rate["round_trip"]["p99_ms"]))
     if remote:
         rl, rr = remote["latency_tool"], remote["call_rate"]
-        rows[1:1] = [("latency on ray", rl["calls"], rl["wall_s"], rl["calls_per_s"], rl["overhead"]["p50_ms"],
-                      rl["overhead"]["p99_ms"]),
-                     ("instant on ray", rr["calls"], rr["wall_s"], rr["calls_per_s"], float("nan"), float("nan"))]
+        rows.insert(1, ("latency on ray", rl["calls"], rl["wall_s"], rl["calls_per_s"], rl["overhead"]["p50_ms"],
+                        rl["overhead"]["p99_ms"]))
+        rows.insert(3, ("instant on ray", rr["calls"], rr["wall_s"], rr["calls_per_s"], rr["round_trip"]["p50_ms"],
+                        rr["round_trip"]["p99_ms"]))
     print(f"{'workload':<16}{'calls':>8}{'wall s':>9}{'calls/s':>10}{'ovh p50 ms':>12}{'ovh p99 ms':>12}")
     for name, calls, wall, rate_, p50, p99 in rows:
         print(f"{name:<16}{calls:>8}{wall:>9.2f}{rate_:>10.1f}{p50:>12.2f}{p99:>12.2f}")
@@ -218,7 +227,9 @@ def main(argv=None):
               f"instant calls/s x{rr['calls_per_s'] / rate['calls_per_s']:.2f}; per-call overhead p50 "
               f"+{rl['overhead']['p50_ms'] - latency['overhead']['p50_ms']:.2f} ms, p99 "
               f"+{rl['overhead']['p99_ms'] - latency['overhead']['p99_ms']:.2f} ms; queue p99 "
-              f"{rl['queue']['p99_ms']:.2f} ms")
+              f"{rl['queue']['p99_ms']:.2f} ms; one call at a time, round trip p50 "
+              f"{rr['round_trip']['p50_ms']:.2f} ms (local {rate['round_trip']['p50_ms']:.3f} ms)")
+    print("(instant rows: 'ovh' is the round trip of one call at a time, nothing queued before it)")
     lt = latency["tool_latency"]
     print(f"tool latency: p50 {lt['p50_ms']:.1f} ms, p99 {lt['p99_ms']:.1f} ms, max {lt['max_ms']:.1f} ms; "
           f"sandbox code own time p50 {sandbox['code_own_time']['p50_ms']:.1f} ms; "

@@ -168,15 +168,25 @@ class RayToolRunner:
         await asyncio.wrap_future(self._startup)
 
     def _start(self) -> None:
+        started_ray = False
         try:
             import ray
             if not ray.is_initialized():
-                ray.init(address=self.cfg.ray_address, ignore_reinit_error=True)
+                # None: RAY_ADDRESS, else a new local cluster, never a stale `ray start` record
+                # (Ray's own default joins the last cluster started on this machine, dead or alive)
+                address = self.cfg.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+                ray.init(address=address, ignore_reinit_error=True)
+                started_ray = True
             cfg = self.cfg
             n = cfg.ray_actors
             if n is None:
                 cpus = ray.cluster_resources().get("CPU", 1.0)
                 n = max(1, int(cpus // cfg.ray_actor_cpus) if cfg.ray_actor_cpus > 0 else int(cpus))
+            free = ray.available_resources().get("CPU", 0.0)
+            if n * cfg.ray_actor_cpus > free + 1e-9:   # Ray would wait for them forever
+                raise RuntimeError(f"{n} actors x ToolRunnerConfig.ray_actor_cpus={cfg.ray_actor_cpus} need "
+                                   f"{n * cfg.ray_actor_cpus:g} CPUs; the cluster has {free:g} free (other pools or "
+                                   f"jobs hold the rest): lower ray_actor_cpus (0 reserves none) or ray_actors")
             self._actor_cls = ray.remote(ToolActor)
             self._pool = [_Actor(self._new_actor(cfg.ray_actor_cpus)) for _ in range(n)]
             ray.get([a.handle.where.remote() for a in self._pool], timeout=ACTOR_START_TIMEOUT_S)
@@ -185,6 +195,11 @@ class RayToolRunner:
             self._startup.set_exception(RuntimeError(
                 f"the Ray tool pool (ToolRunnerConfig backend='ray', ray_address={self.cfg.ray_address!r}) could not "
                 f"start: {describe(e)}"))
+        if started_ray:
+            # A local cluster's daemons (GCS, raylet) die with the *thread* that started them (Linux's
+            # parent-death signal follows the creating thread): this one stays, asleep, until the
+            # process exits (it is a daemon thread), so the cluster lives as long as this process.
+            threading.Event().wait()
 
     def _new_actor(self, num_cpus: float):
         local = dataclasses.replace(self.cfg, backend="local")

@@ -65,10 +65,12 @@ class ToolRunnerConfig:
         free slots, a dead actor's call is an error observation and the actor is replaced; an
         environment with `open_episode` keeps each episode's state on an actor).
       ray_address: the cluster `ray.init(address=...)` joins when Ray is not yet initialized in
-        this process: None is Ray's own default (RAY_ADDRESS, a running `ray start` cluster, else
-        a new local one), 'auto', 'HOST:PORT' or 'ray://HOST:PORT'.
+        this process: 'auto' (the cluster `ray start` runs on this machine), 'HOST:PORT' or
+        'ray://HOST:PORT'; None: RAY_ADDRESS if set, else a new cluster on this machine alone.
       ray_actors: size of the actor pool; None: the cluster's CPUs / `ray_actor_cpus`.
-      ray_actor_cpus: CPUs each pool actor reserves (Ray's `num_cpus`).
+      ray_actor_cpus: CPUs each pool actor reserves (Ray's `num_cpus`); 0 reserves none, so several
+        pools (a train and an eval environment, a bench's trainers) share a cluster (their sandboxes
+        use the CPUs either way). A pool that needs more than the cluster has free is refused.
       ray_actor_concurrency: calls one actor runs at once; more wait in this process for a free
         slot (reported as the result's `queue_s`, `tools/queue_s_p50|p99` in a step's metrics).
       ray_actor_per_episode: each episode gets an actor of its own, killed when it closes (a
@@ -83,7 +85,7 @@ class ToolRunnerConfig:
     backend: str = "local"
     ray_address: str | None = None
     ray_actors: int | None = None
-    ray_actor_cpus: float = 1.0
+    ray_actor_cpus: float = 0.0
     ray_actor_concurrency: int = 8
     ray_actor_per_episode: bool = False
 

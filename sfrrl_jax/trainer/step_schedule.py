@@ -387,8 +387,8 @@ class RLStep:
 
 def tool_queue_metrics(queue_s: Sequence[float]) -> dict:
     """`tools/queue_s_p50`, `tools/queue_s_p99` (seconds; 0 when no call queued) and
-    `tools/queued_calls` of the remote tool calls' waits for a free worker."""
+    `tools/remote_calls` (how many) of the remote tool calls' waits for a free worker."""
     q = np.asarray(queue_s, dtype=np.float64)
     return {"tools/queue_s_p50": float(np.percentile(q, 50)) if q.size else 0.0,
             "tools/queue_s_p99": float(np.percentile(q, 99)) if q.size else 0.0,
-            "tools/queued_calls": int(q.size)}
+            "tools/remote_calls": int(q.size)}

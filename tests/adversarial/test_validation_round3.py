@@ -197,6 +197,18 @@ def test_validate_only_refuses_a_ray_address_that_does_not_resolve(hf_dir, tasks
     assert "does not resolve" in out
 
 
+def test_validate_only_accepts_the_readmes_ray_bindings(hf_dir, tasks_file, tmp_path, capsys):
+    """README "Multiple processes": a sandboxed environment's calls on a Ray cluster, by gin."""
+    pytest.importorskip("ray")
+    code, out = _validate(tmp_path, capsys, f"ExperimentConfig.hf_path = {str(hf_dir)!r}",
+                          f"AgenticRollout.tasks = {str(tasks_file)!r}",
+                          "AgenticRollout.environment = @code_environment()",
+                          "code_environment.runner_cfg = @ToolRunnerConfig()",
+                          "ToolRunnerConfig.backend = 'ray'", "ToolRunnerConfig.ray_address = '127.0.0.1:6379'",
+                          gin=AGENTIC_GIN)
+    assert code == 0, out
+
+
 def test_validate_only_refuses_the_ray_backend_without_ray(hf_dir, tasks_file, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)   # as if not installed: `import ray` raises ImportError
     code, out = _validate(tmp_path, capsys, f"ExperimentConfig.hf_path = {str(hf_dir)!r}",

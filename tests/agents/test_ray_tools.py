@@ -310,3 +310,75 @@ def test_mcp_tools_on_ray_connect_from_each_actor(cluster):
     finally:
         env.runner.close()
         tools[0].connection.close()
+
+
+def test_the_straggler_workload_trains_a_step_with_its_tools_on_ray(cluster):
+    """The synthetic long-tail workload (WorkloadRollout's agent) with its tool calls on the actor
+    pool: the step's trajectories and rewards are the local backend's, and the step reports the
+    calls' queue times."""
+    import jax
+    import sfrrl_jax as S
+    from sfrrl_jax.learner.optimizer import OptimizerConfig
+    from sfrrl_jax.rl.config import LossConfig
+    from sfrrl_jax.testing.workload import WorkloadAgent, WorkloadConfig, make_tasks
+    from sfrrl_jax.trainer.config import TrainerConfig
+    from sfrrl_jax.trainer.rl_trainer import RLTrainer, TaskStream
+    cfg = S.ModelConfig.preset("tiny-moe", max_seq_len=64, n_layers=1)
+    wl = WorkloadConfig(num_prompts=3, response_median=4, max_response=8, tool_latency_median_s=0.01,
+                        max_tool_latency_s=0.05)
+    tc = TrainerConfig(groups_per_step=3, group_size=2, max_len=64, buckets=(16, 32), seq_bucket=64)
+
+    def step(tools):
+        params = S.init_params(cfg, S.make_mesh(devices=jax.devices()[:1]), seed=0)
+        trainer = RLTrainer(cfg, params, tc, LossConfig(), OptimizerConfig(), WorkloadAgent(wl, tools=tools),
+                            TaskStream(make_tasks(wl)))
+        return trainer.step()
+
+    local = step(ToolRunnerConfig())
+    remote = step(ToolRunnerConfig(backend="ray", ray_actors=2))
+    for key in ("reward/mean", "rollout/generated_tokens", "train/trained_tokens", "rollout/tool_errors"):
+        assert remote[key] == local[key], key
+    assert local["tools/remote_calls"] == 0 and remote["tools/remote_calls"] > 0
+    assert 0.0 < remote["tools/queue_s_p50"] <= remote["tools/queue_s_p99"]
+
+
+SELF_STARTED = textwrap.dedent("""
+    import asyncio, time
+    from sfrrl_jax.agents.protocols import ToolCall
+    from sfrrl_jax.agents.tasks.environments import calculator_environment
+    from sfrrl_jax.agents.tools import ToolRunnerConfig
+    env = calculator_environment(ToolRunnerConfig(backend="ray", ray_actors=1))
+    first = asyncio.run(env.step([ToolCall("calculator", {"expression": "6*7"})]))[0].content
+    time.sleep(5)   # the start thread's work is done: had it exited, its daemons died within a second
+    second = asyncio.run(env.step([ToolCall("calculator", {"expression": "6*8"})]))[0].content
+    print("RESULTS", first, second)
+""")
+
+
+def test_a_cluster_the_runner_starts_itself_outlives_its_start(tmp_path):
+    """Without ray.init in the caller, the pool starts a local cluster from its start thread; the
+    cluster's daemons die with the thread that started them, so that thread must live on (a
+    straggler bench lost its cluster a minute in before it did)."""
+    script = tmp_path / "self_started.py"
+    script.write_text(SELF_STARTED)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert "RESULTS 42 48" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+def test_pools_share_the_cluster_and_one_that_cannot_fit_is_refused_by_name(cluster):
+    """Actors reserve no CPUs by default, so several pools (a bench's trainers, a train and an eval
+    environment) run side by side; a pool whose reservations exceed the free CPUs fails at once,
+    naming the key, where Ray would wait for them forever."""
+    runners = [tool_runner([NAP], ToolRunnerConfig(backend="ray")) for _ in range(3)]
+
+    async def main():
+        return [await r.run_one(ToolCall("nap", {"tag": i})) for i, r in enumerate(runners)]
+
+    assert [r.content.split(" by ")[0] for r in asyncio.run(main())] == ["0", "1", "2"]
+    assert all(len(r.actors) == 2 for r in runners)   # sized by the cluster's 2 CPUs
+    greedy = tool_runner([NAP], ToolRunnerConfig(backend="ray", ray_actors=3, ray_actor_cpus=1.0))
+    with pytest.raises(RuntimeError, match="ray_actor_cpus=1.0 need 3 CPUs"):
+        asyncio.run(greedy.run_one(ToolCall("nap", {})))
+    for r in runners:
+        r.close()

@@ -17,6 +17,9 @@ MESH = None
 # jitted as in the engine's steps: one compile serves every call (eagerly, each call re-traces
 # and recompiles its lax.cond, ~0.1 s a call)
 _sample = jax.jit(sample)
+# the reference forward, jitted: one compile per model for its one padded shape, where eager
+# dispatch of every op cost each family's test 5-15 s
+_forward = jax.jit(S.forward, static_argnums=0)
 
 
 def _mesh():
@@ -42,7 +45,7 @@ def _teacher_forced_greedy(cfg, params, prompt, n):
         # one padded shape (one compile): causal attention ignores the padding after the end
         padded = np.zeros((1, 32), np.int32)
         padded[0, :len(seq)] = seq
-        logits = host(S.forward(cfg, params, padded))[0, len(seq) - 1]
+        logits = host(_forward(cfg, params, padded))[0, len(seq) - 1]
         tok = int(np.argmax(logits))
         raw.append(float(jax.nn.log_softmax(logits)[tok]))
         seq.append(tok)

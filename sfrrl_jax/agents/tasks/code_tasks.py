@@ -54,7 +54,7 @@ from sfrrl_jax.agents.tasks.kinds import register_task_kind
 from sfrrl_jax.agents.tasks.records import read_records, tasks_from_records
 from sfrrl_jax.agents.tasks.reward_fns import in_thread
 from sfrrl_jax.agents.tasks.verifiers import extract_answer
-from sfrrl_jax.agents.tools import PythonTool
+from sfrrl_jax.agents.tools import PythonTool, ToolRunnerConfig
 from sfrrl_jax.agents.trajectory import Trajectory
 
 CODE_INSTRUCTION = ("Complete the following Python function. Reply with the whole function (imports included) in "
@@ -240,19 +240,22 @@ def _code_to_record(task: Task) -> dict:
     return record
 
 
-def code_environment() -> ToolEnvironment:
+def code_environment(runner_cfg: ToolRunnerConfig = ToolRunnerConfig()) -> ToolEnvironment:
     """The 'code' kind's default environment: a jailed Python tool and `CODE_SYSTEM_PROMPT`; reward:
     the task's unit tests run in the sandbox (`code_tests_reward`), in a worker thread (`in_thread`:
     a test run takes a sandbox process, and the agent loop goes on with the other trajectories
     meanwhile), so `reward` returns an awaitable.
 
+    Args:
+      runner_cfg: how the tool calls run (`ToolRunnerConfig`; backend 'ray' runs them, and the
+        sandbox, on a Ray cluster's actors).
     Returns:
       A `ToolEnvironment` with `[PythonTool(PythonSandbox())]`, rewarded by
       `in_thread(code_tests_reward())`.
     Raises:
       RuntimeError: the sandbox's jail cannot be built on this machine (see `PythonSandbox`).
     """
-    return ToolEnvironment([PythonTool(PythonSandbox())], CODE_SYSTEM_PROMPT,
+    return ToolEnvironment([PythonTool(PythonSandbox())], CODE_SYSTEM_PROMPT, runner_cfg,
                            reward_fns=[in_thread(code_tests_reward())])
 
 

@@ -110,16 +110,19 @@ def countdown_environment(sandbox: PythonSandbox, runner_cfg: ToolRunnerConfig =
                            reward_fns, reward_weights)
 
 
-def countdown_tool_environment() -> ToolEnvironment:
+def countdown_tool_environment(runner_cfg: ToolRunnerConfig = ToolRunnerConfig()) -> ToolEnvironment:
     """`countdown_environment` over a fresh jailed sandbox: the 'countdown' kind's default environment.
 
+    Args:
+      runner_cfg: how the tool calls run (`ToolRunnerConfig`; backend 'ray' runs them, and the
+        sandbox, on a Ray cluster's actors).
     Returns:
       A `ToolEnvironment` with `[PythonTool(PythonSandbox()), CalculatorTool()]`, rewarded by
       `answer_correct`.
     Raises:
       RuntimeError: the sandbox's jail cannot be built on this machine (see `PythonSandbox`).
     """
-    return countdown_environment(PythonSandbox())
+    return countdown_environment(PythonSandbox(), runner_cfg)
 
 
 def qa_environment(runner_cfg: ToolRunnerConfig = ToolRunnerConfig(), reward_fns: Sequence[RewardFn] | None = None,

@@ -190,13 +190,16 @@ def math_environment(sandbox: PythonSandbox, runner_cfg: ToolRunnerConfig = Tool
                            reward_weights)
 
 
-def math_tool_environment() -> ToolEnvironment:
+def math_tool_environment(runner_cfg: ToolRunnerConfig = ToolRunnerConfig()) -> ToolEnvironment:
     """`math_environment` over a fresh jailed sandbox (Python tool + calculator; the kind's verifier):
     the default environment of the 'qa' and 'reasoning_gym' kinds.
 
+    Args:
+      runner_cfg: how the tool calls run (`ToolRunnerConfig`; backend 'ray' runs them, and the
+        sandbox, on a Ray cluster's actors).
     Returns:
       A `ToolEnvironment` as `math_environment(PythonSandbox())` builds it.
     Raises:
       RuntimeError: the sandbox's jail cannot be built on this machine (see `PythonSandbox`).
     """
-    return math_environment(PythonSandbox())
+    return math_environment(PythonSandbox(), runner_cfg)
