@@ -9,7 +9,7 @@ from sfrrl_jax.agents.tasks.answer_screen import EVALUATED_DATASETS, code_in_ans
 
 @pytest.mark.parametrize("dataset", sorted(EVALUATED_DATASETS))
 def test_the_generators_own_answers_pass(dataset):
-    answers = [str(e["answer"]) for seed in (0, 1) for e in reasoning_gym.create_dataset(dataset, size=100, seed=seed)]
+    answers = [str(e["answer"]) for seed in (0, 1) for e in reasoning_gym.create_dataset(dataset, size=50, seed=seed)]
     assert [a for a in answers if code_in_answer(a) is not None] == []
 
 

@@ -19,7 +19,6 @@ from sfrrl_jax.agents.loop import AgentConfig, open_episode, run_agent  # noqa: 
 from sfrrl_jax.agents.protocols import ToolCall  # noqa: E402
 from sfrrl_jax.agents.ray_tools import RayEpisode, RayToolRunner, tool_runner  # noqa: E402
 from sfrrl_jax.agents.tasks.builtin_kinds import arithmetic_task  # noqa: E402
-from sfrrl_jax.agents.tasks.demos import calculator_demonstration, render_sft_example  # noqa: E402
 from sfrrl_jax.agents.tasks.environments import ToolEnvironment, calculator_environment  # noqa: E402
 from sfrrl_jax.agents.tools import FunctionTool, ToolRunner, ToolRunnerConfig  # noqa: E402
 from sfrrl_jax.testing import ScriptedEngine  # noqa: E402
@@ -71,16 +70,9 @@ def test_config_names_a_bad_backend_and_environments_pickle_with_a_local_runner(
 
 
 def _run(env, tok, task):
-    tokens, mask = render_sft_example(tok, calculator_demonstration(task), env.tool_schemas())
-    turns, current = [], []
-    for t, m in zip(tokens, mask):
-        if m:
-            current.append(t)
-        elif current:
-            turns.append(current)
-            current = []
-    turns.append(current)
-    engine = ScriptedEngine({tuple(tokens[:mask.index(1)]): turns})
+    from test_agent_loop import _demo   # the calculator demonstration's prompt and turns
+    prompt, turns, _, _ = _demo(tok, task, env)
+    engine = ScriptedEngine({tuple(prompt): turns})
     return asyncio.run(run_agent(engine, env, task, tok, AgentConfig(seed=1), sample_index=0, group_id="g"))
 
 
@@ -238,7 +230,9 @@ TWO_NODE_DRIVER = textwrap.dedent("""
     while sum(n["Alive"] for n in ray.nodes()) < 2:   # the second node is still joining
         assert time.monotonic() < deadline, ray.nodes()
         time.sleep(0.5)
-    runner = RayToolRunner([FunctionTool("nap", "", {"type": "object"}, nap)], ToolRunnerConfig(backend="ray", ray_address=sys.argv[1], timeout_s=30.0))
+    # one CPU reserved per actor, one CPU per node: the pool (sized by the cluster's CPUs) spans both nodes
+    cfg = ToolRunnerConfig(backend="ray", ray_address=sys.argv[1], timeout_s=30.0, ray_actor_cpus=1.0)
+    runner = RayToolRunner([FunctionTool("nap", "", {"type": "object"}, nap)], cfg)
     results = asyncio.run(runner.run([ToolCall("nap", {"seconds": 0.05, "tag": i}) for i in range(40)]))
     nodes = {info["node_id"] for info in ray.get([a.where.remote() for a in runner.actors])}
     print("ACTORS", len(runner.actors), "NODES", len(nodes), "OK", sum(not r.is_error for r in results))
@@ -281,18 +275,13 @@ def test_a_two_node_cluster_started_with_ray_start_spreads_the_actors(tmp_path):
         out = subprocess.run([sys.executable, str(script), f"127.0.0.1:{port}"], env=env, capture_output=True,
                              text=True, timeout=300)
         assert "ACTORS 2 NODES 2 OK 40" in out.stdout, out.stdout + out.stderr[-3000:]
-    finally:
+    finally:   # each node's session: `ray start` and the daemons it spawned, killed at once
         for node in reversed(nodes):
             try:
-                os.killpg(node.pid, 15)
+                os.killpg(node.pid, 9)
             except ProcessLookupError:
                 pass
-        for node in nodes:
-            try:
-                node.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(node.pid, 9)
-                node.wait()
+            node.wait()
 
 
 def test_mcp_tools_on_ray_connect_from_each_actor(cluster):
@@ -349,7 +338,7 @@ SELF_STARTED = textwrap.dedent("""
     from sfrrl_jax.agents.tools import ToolRunnerConfig
     env = calculator_environment(ToolRunnerConfig(backend="ray", ray_actors=1))
     first = asyncio.run(env.step([ToolCall("calculator", {"expression": "6*7"})]))[0].content
-    time.sleep(5)   # the start thread's work is done: had it exited, its daemons died within a second
+    time.sleep(3)   # the start thread's work is done: had it exited, its daemons died within a second
     second = asyncio.run(env.step([ToolCall("calculator", {"expression": "6*8"})]))[0].content
     print("RESULTS", first, second)
 """)
