@@ -117,6 +117,7 @@ class _Actor:
     handle: Any
     busy: int = 0
     episodes: int = 0
+    node: str | None = None   # the node it was placed on (its replacement goes there too)
 
 
 class RayToolRunner:
@@ -188,7 +189,8 @@ class RayToolRunner:
                                    f"{n * cfg.ray_actor_cpus:g} CPUs; the cluster has {free:g} free (other pools or "
                                    f"jobs hold the rest): lower ray_actor_cpus (0 reserves none) or ray_actors")
             self._actor_cls = ray.remote(ToolActor)
-            self._pool = [_Actor(self._new_actor(cfg.ray_actor_cpus)) for _ in range(n)]
+            homes = _spread_over_nodes(ray.nodes(), n)
+            self._pool = [_Actor(self._new_actor(cfg.ray_actor_cpus, home), node=home) for home in homes]
             ray.get([a.handle.where.remote() for a in self._pool], timeout=ACTOR_START_TIMEOUT_S)
             self._startup.set_result(None)
         except BaseException as e:  # noqa: BLE001 -- every waiting caller reads why
@@ -201,18 +203,23 @@ class RayToolRunner:
             # process exits (it is a daemon thread), so the cluster lives as long as this process.
             threading.Event().wait()
 
-    def _new_actor(self, num_cpus: float):
+    def _new_actor(self, num_cpus: float, node: str | None = None):
+        """An actor, on `node` if given (soft: elsewhere if that node is gone), else where Ray spreads it."""
         local = dataclasses.replace(self.cfg, backend="local")
         tools = list(self.tools.values()) if self.env is None else []
+        strategy: Any = "SPREAD"
+        if node is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+            strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=True)
         return self._actor_cls.options(
             num_cpus=num_cpus, max_concurrency=self.cfg.ray_actor_concurrency + _ACTOR_SLACK,
-            scheduling_strategy="SPREAD").remote(tools, self.env, local)
+            scheduling_strategy=strategy).remote(tools, self.env, local)
 
     def _replace(self, actor: _Actor, dead: Any) -> None:
         with self._lock:
             if actor.handle is not dead:  # another call on it saw it die first
                 return
-            actor.handle = self._new_actor(self.cfg.ray_actor_cpus)
+            actor.handle = self._new_actor(self.cfg.ray_actor_cpus, actor.node)
             self.pools_replaced += 1
         _log.warning("a Ray tool actor died and was replaced (%d so far)", self.pools_replaced)
 
@@ -372,6 +379,20 @@ class RayEpisode:
                 raise RuntimeError(f"the Ray actor holding this episode died; its state is lost: "
                                    f"{_first_line(e)}") from None
             raise
+
+
+def _spread_over_nodes(nodes: Sequence[dict], n: int) -> list[str | None]:
+    """A node id for each of `n` actors: the alive nodes with CPUs in turn, each as often as it has
+    CPUs (a node of 8 CPUs gets 4x the actors of one of 2). Placed by node, not by Ray's SPREAD:
+    actors that reserve no CPUs (the default) were all put on one node of two. None: Ray places it."""
+    cpus = {node["NodeID"]: int(node.get("Resources", {}).get("CPU", 0)) for node in nodes if node.get("Alive")}
+    cpus = {node: count for node, count in sorted(cpus.items()) if count > 0}
+    if not cpus:
+        return [None] * n
+    turns: list[str] = []
+    for round_ in range(max(cpus.values())):   # round robin over the nodes, weighted by their CPUs
+        turns += [node for node, count in cpus.items() if count > round_]
+    return [turns[i % len(turns)] for i in range(n)]
 
 
 def _wake(waiter: asyncio.Future) -> None:

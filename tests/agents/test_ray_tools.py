@@ -230,8 +230,8 @@ TWO_NODE_DRIVER = textwrap.dedent("""
     while sum(n["Alive"] for n in ray.nodes()) < 2:   # the second node is still joining
         assert time.monotonic() < deadline, ray.nodes()
         time.sleep(0.5)
-    # one CPU reserved per actor, one CPU per node: the pool (sized by the cluster's CPUs) spans both nodes
-    cfg = ToolRunnerConfig(backend="ray", ray_address=sys.argv[1], timeout_s=30.0, ray_actor_cpus=1.0)
+    # the pool, sized by the cluster's CPUs (one per node), has an actor on each node; they reserve no CPUs
+    cfg = ToolRunnerConfig(backend="ray", ray_address=sys.argv[1], timeout_s=30.0)
     runner = RayToolRunner([FunctionTool("nap", "", {"type": "object"}, nap)], cfg)
     results = asyncio.run(runner.run([ToolCall("nap", {"seconds": 0.05, "tag": i}) for i in range(40)]))
     nodes = {info["node_id"] for info in ray.get([a.where.remote() for a in runner.actors])}
@@ -371,3 +371,14 @@ def test_pools_share_the_cluster_and_one_that_cannot_fit_is_refused_by_name(clus
         asyncio.run(greedy.run_one(ToolCall("nap", {})))
     for r in runners:
         r.close()
+
+
+def test_pool_actors_are_spread_over_the_nodes_by_their_cpus():
+    from sfrrl_jax.agents.ray_tools import _spread_over_nodes
+    nodes = [{"NodeID": "big", "Alive": True, "Resources": {"CPU": 3.0}},
+             {"NodeID": "small", "Alive": True, "Resources": {"CPU": 1.0}},
+             {"NodeID": "gone", "Alive": False, "Resources": {"CPU": 8.0}},
+             {"NodeID": "no_cpu", "Alive": True, "Resources": {"GPU": 1.0}}]
+    assert _spread_over_nodes(nodes, 4) == ["big", "small", "big", "big"]
+    assert _spread_over_nodes(nodes, 6) == ["big", "small", "big", "big", "big", "small"]
+    assert _spread_over_nodes([], 2) == [None, None]   # Ray places them
