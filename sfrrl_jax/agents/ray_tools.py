@@ -204,13 +204,14 @@ class RayToolRunner:
             threading.Event().wait()
 
     def _new_actor(self, num_cpus: float, node: str | None = None):
-        """An actor, on `node` if given (soft: elsewhere if that node is gone), else where Ray spreads it."""
+        """An actor, on `node` if given, else where Ray spreads it. Hard affinity: with a soft one, Ray
+        put actors that reserve no CPUs on the head node all the same."""
         local = dataclasses.replace(self.cfg, backend="local")
         tools = list(self.tools.values()) if self.env is None else []
         strategy: Any = "SPREAD"
         if node is not None:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-            strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=True)
+            strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
         return self._actor_cls.options(
             num_cpus=num_cpus, max_concurrency=self.cfg.ray_actor_concurrency + _ACTOR_SLACK,
             scheduling_strategy=strategy).remote(tools, self.env, local)
@@ -219,6 +220,10 @@ class RayToolRunner:
         with self._lock:
             if actor.handle is not dead:  # another call on it saw it die first
                 return
+            import ray
+            alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+            if actor.node not in alive:   # its node is gone with it: Ray places the replacement
+                actor.node = None
             actor.handle = self._new_actor(self.cfg.ray_actor_cpus, actor.node)
             self.pools_replaced += 1
         _log.warning("a Ray tool actor died and was replaced (%d so far)", self.pools_replaced)
