@@ -382,3 +382,14 @@ def test_pool_actors_are_spread_over_the_nodes_by_their_cpus():
     assert _spread_over_nodes(nodes, 4) == ["big", "small", "big", "big"]
     assert _spread_over_nodes(nodes, 6) == ["big", "small", "big", "big", "big", "small"]
     assert _spread_over_nodes([], 2) == [None, None]   # Ray places them
+
+
+def test_the_jailed_sandbox_runs_inside_the_actors(cluster):
+    """A sandboxed environment on Ray: the PythonSandbox travels as its config and jails the code on
+    the actor's host. This process's sandbox is disabled: the answer can only come from an actor's."""
+    from sfrrl_jax.agents.tasks.environments import countdown_tool_environment
+    env = countdown_tool_environment(ToolRunnerConfig(backend="ray", ray_actors=1, timeout_s=60.0))
+    env.runner.tools["python"].sandbox.run = None   # a local run would fail: 'NoneType' is not callable
+    (result,) = asyncio.run(env.step([ToolCall("python", {"code": "print(6 * 7)"})]))
+    assert result.content == "42\n" and not result.is_error, result.content
+    env.close()
