@@ -28,6 +28,7 @@ keep one sample's misbehaviour from ending the step or the process:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import collections
 import concurrent.futures
 import contextvars
@@ -416,3 +417,9 @@ async def _cancel_leftovers(grace: float) -> set[asyncio.Task]:
             loop.call_exception_handler({"message": "unhandled exception during run_sync() shutdown",
                                          "exception": t.exception(), "task": t})
     return {t for t in stuck if not t.done()}
+
+
+async def settled(value: Any) -> Any:
+    """`value`, awaited first if it is an awaitable (user code that may be sync or async: an
+    episode's reset, a remote episode's user turn)."""
+    return await value if inspect.isawaitable(value) else value

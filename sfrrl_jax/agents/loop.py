@@ -44,7 +44,7 @@ from sfrrl_jax.agents.protocols import (EngineError, EngineProtocol, Environment
                                        Message, Task, ToolCall, ToolCallError, ToolResult)
 from sfrrl_jax.agents.trajectory import Trajectory, TrajectoryBuilder, Turn
 from sfrrl_jax.aio import (ABANDON_GRACE_S, Raised, UserCodeExit, count_orphans, describe, own_cancellation,
-                           stop_counting_orphans, user_task, wait_or_abandon)
+                           settled, stop_counting_orphans, user_task, wait_or_abandon)
 from sfrrl_jax.checks import check_int, check_int_fields, check_number, check_seed
 from sfrrl_jax.tokenizer.protocol import TokenizerProtocol
 
@@ -182,10 +182,6 @@ def open_episode(env: Environment, task: Task) -> Episode:
     return remote(task) if remote is not None else opener(task)
 
 
-async def _settled(value: Any) -> Any:
-    """An episode's reset / next user turn: a value, or an awaitable of one (a remote episode)."""
-    return await value if inspect.isawaitable(value) else value
-
 
 def _without_reasoning(messages: Sequence[Message]) -> list[Message]:
     # For a new user turn's delta only: templates that keep reasoning only after the last user
@@ -321,7 +317,7 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
         stops = cfg.stop_token_ids if cfg.stop_token_ids is not None else turn_stop_ids(fmt, tokenizer)
         episode = open_episode(env, task)
         try:
-            messages = await _settled(episode.reset())
+            messages = await settled(episode.reset())
             prompt = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
         except BaseException:
             _close_episode(episode, task, sample_index)
@@ -389,7 +385,7 @@ async def run_agent(engine: EngineProtocol, env: Environment, task: Task, tokeni
                     traj.finish_reason = "max_tokens" if max_new < cfg.max_new_tokens_per_turn else "length"
                     break
                 if not parsed.calls:
-                    user_turn = await _settled(episode.next_user_turn())
+                    user_turn = await settled(episode.next_user_turn())
                     if not user_turn or turn_index == cfg.max_turns - 1:
                         record(gen_hi)
                         traj.finish_reason = "answer" if not user_turn else "max_turns"

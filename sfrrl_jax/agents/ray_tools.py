@@ -34,7 +34,6 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import inspect
 import logging
 import os
 import threading
@@ -44,7 +43,7 @@ from typing import Any, Sequence
 
 from sfrrl_jax.agents.protocols import Message, Task, Tool, ToolCall, ToolCallError, ToolResult
 from sfrrl_jax.agents.tools import ToolRunner, ToolRunnerConfig
-from sfrrl_jax.aio import describe
+from sfrrl_jax.aio import describe, settled
 
 _log = logging.getLogger(__name__)
 
@@ -85,13 +84,13 @@ class ToolActor:
         if self.env is None or not hasattr(self.env, "open_episode"):
             raise TypeError("this tool pool's environment has no open_episode(task)")
         episode = self.episodes[key] = self.env.open_episode(task)
-        return await _settled(episode.reset())
+        return await settled(episode.reset())
 
     async def step(self, key: str, calls: Sequence[ToolCall | ToolCallError]) -> list[ToolResult]:
         return await self._episode(key).step(calls)
 
     async def next_user_turn(self, key: str) -> list[Message] | None:
-        return await _settled(self._episode(key).next_user_turn())
+        return await settled(self._episode(key).next_user_turn())
 
     def close_episode(self, key: str) -> None:
         episode = self.episodes.pop(key, None)
@@ -104,9 +103,6 @@ class ToolActor:
             raise KeyError(f"no open episode {key!r} on this actor (pid {os.getpid()})")
         return episode
 
-
-async def _settled(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
 
 
 @dataclasses.dataclass(eq=False)
