@@ -128,7 +128,7 @@ def token_budget(setting: dict, max_prompt_len: int) -> int:
 
 
 def ours_bindings(setting: dict, hf_dir: str, run_dir: str, num_steps: int, total_tokens: int,
-                  devices: int = 1, seed: int = 0) -> list[str]:
+                  devices: int = 1, seed: int = 0, scan_layers: bool | None = None) -> list[str]:
     """The gin bindings of our side (what a .gin file would say): experiments/smollm2.py's
     `rl_bindings` without its tuned engine knobs (buckets, decode chunk, seq bucket): the trainer's
     defaults stand. `TrainerConfig.max_len` is bound only where the token budget exceeds its
@@ -158,6 +158,8 @@ def ours_bindings(setting: dict, hf_dir: str, run_dir: str, num_steps: int, tota
          "OptimizerConfig.warmup_steps": "0"}
     if total_tokens > TrainerConfig().max_len:
         b["TrainerConfig.max_len"] = str(total_tokens)
+    if scan_layers is not None:   # the params' layer layout (ModelConfig.scan_layers); None: the default
+        b["ExperimentConfig.model_overrides"] = repr({"scan_layers": bool(scan_layers)})
     return [f"{k} = {v}" for k, v in b.items()]
 
 
@@ -307,14 +309,15 @@ def build_parts(hf_dir: str, setting: dict, seed: int) -> dict:
 
 
 def run_ours(hf_dir: str, setting: dict, parts: dict, steps: int, warmup: int, run_dir: pathlib.Path,
-             seed: int, keep_run_dir: bool = False) -> dict:
+             seed: int, keep_run_dir: bool = False, scan_layers: bool | None = None) -> dict:
     import jax
 
     from sfrrl_jax.launch import gin_bindings
     lens = [len(p) for p in parts["prompt_ids"]]
     budget = token_budget(setting, max(lens))
     shutil.rmtree(run_dir, ignore_errors=True)
-    bindings = ours_bindings(setting, hf_dir, str(run_dir), warmup + steps, budget, jax.device_count(), seed)
+    bindings = ours_bindings(setting, hf_dir, str(run_dir), warmup + steps, budget, jax.device_count(), seed,
+                             scan_layers)
     job = gin_bindings.load_job([], bindings)
     t0 = time.perf_counter()
     summary = gin_bindings.run_job(job, gin_bindings.operative_config(), log=lambda line: None)
@@ -440,8 +443,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--torch_threads", type=int, default=os.cpu_count())
     ap.add_argument("--run_dir", default=None, help="our run dirs' parent, kept (default: temporary, removed)")
     ap.add_argument("--no_limits", action="store_true", help="skip measuring matmul FLOP/s")
+    ap.add_argument("--scan_layers", choices=("default", "true", "false"), default="default",
+                    help="our params' layer layout (ModelConfig.scan_layers via ExperimentConfig.model_overrides)")
     ap.add_argument("--out", default="bench_out/real_model_step.json")
     args = ap.parse_args(argv)
+    scan_layers = {"default": None, "true": True, "false": False}[args.scan_layers]
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if set(sides) - {"ours", "trl"} or not sides:
         ap.error(f"--sides {args.sides!r}: a comma list of ours, trl")
@@ -481,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     print(f"[{name}] ours: {args.warmup} + {args.steps} steps through run_job ...", flush=True)
                     t0 = time.perf_counter()
                     res["ours"] = run_ours(hf_dir, setting, parts, args.steps, args.warmup, parent / name, args.seed,
-                                           keep_run_dir=bool(args.run_dir))
+                                           keep_run_dir=bool(args.run_dir), scan_layers=scan_layers)
                     res["ours"]["train_flop_share"] = flop_share(res["ours"]["summary"], params, matmul)
                     print(f"[{name}] ours: {time.perf_counter() - t0:.0f} s, {res['ours']['engine_slots']} engine "
                           f"slots, trainer {res['ours']['trainer']}")

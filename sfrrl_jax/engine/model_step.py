@@ -187,7 +187,9 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
     # layer_ids are model-order layer indices: the cache rows stay one per model layer whatever
     # stack (MoE or dense) the layer's params live in.
-    (x, cache_k, cache_v), outs = tfm.run_layers(cfg, model, (x, cache_k, cache_v), body, layer_ids)
+    # per-layer params (cfg.scan_layers=False) run unrolled, each layer's weights read in place
+    layers = tfm.per_layer_states(cfg, params) if tfm.is_per_layer(params) else None
+    (x, cache_k, cache_v), outs = tfm.run_layers(cfg, model, (x, cache_k, cache_v), body, layer_ids, layers)
     h = model.final_norm(x)
     if logits_at is not None:
         h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)   # [b, 1, embed]

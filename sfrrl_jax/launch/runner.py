@@ -195,7 +195,7 @@ class ExperimentConfig:
 # past the checkpoint's and set remat and the MoE dispatch's chunking).
 RUNTIME_MODEL_FIELDS = ("max_seq_len", "remat", "attention_impl", "attention_block_q", "attention_block_k",
                         "moe_dispatch", "llep_threshold", "moe_chunk_tokens", "grouped_matmul",
-                        "router_aux_coef", "router_z_coef")
+                        "router_aux_coef", "router_z_coef", "scan_layers")
 _SHAPE_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                  "d_ff_expert", "n_experts", "top_k", "d_ff", "dense_layers", "d_ff_shared", "shared_expert_gate")
 
@@ -300,7 +300,7 @@ def _fresh_params(cfg: ExperimentConfig, model_cfg: ModelConfig, mesh):
     if cfg.hf_path is None:
         return init_params(model_cfg, mesh, seed=cfg.seed)
     from sfrrl_jax.checkpoints.hf import load_hf
-    loaded_cfg, params = load_hf(cfg.hf_path, mesh, dtype=cfg.hf_dtype)
+    loaded_cfg, params = load_hf(cfg.hf_path, mesh, dtype=cfg.hf_dtype, scan_layers=model_cfg.scan_layers)
     check_same_shapes(model_cfg, loaded_cfg, "the validated config", cfg.hf_path)
     # nan weights would make every update non-finite, and the train step skips those: a run that
     # "finishes" having learnt nothing. Say which tensors instead.

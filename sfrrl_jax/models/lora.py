@@ -151,7 +151,9 @@ class AdaptedLeaf:
 
 def _leaves_of(cfg: ModelConfig, target: str) -> list[AdaptedLeaf]:
     """The weights one target names in a model of `cfg` (none where the model lacks them)."""
-    axes, shapes = tfm.param_logical_axes(cfg), tfm.param_shapes(cfg)
+    # adapters keep the stacked layout ([layers, ...]) whatever cfg.scan_layers says: they are small,
+    # and a per-layer view takes its rows (`with_adapter`)
+    axes, shapes = tfm.stacked_param_logical_axes(cfg), tfm.stacked_param_shapes(cfg)
     out = []
     for stack, _ in tfm.layer_stacks(cfg):
         for rel, n_in, n_batch in TARGETS[target]:
@@ -298,18 +300,43 @@ def with_adapter(cfg: ModelConfig, params: dict, adapter: LoraAdapter | None) ->
     if adapter is None:
         return params
     out = dict(params)
+    per_layer = tfm.is_per_layer(params)
     for leaf in adapted_leaves(cfg, adapter.config):
-        node, src = out, params
-        for key in leaf.path[:-1]:
-            src = src[key]
-            node[key] = dict(src) if node[key] is src else node[key]
-            node = node[key]
         pair = adapter.weights
         for key in leaf.path:
             pair = pair[key]
-        node[leaf.path[-1]] = LoraWeight(src[leaf.path[-1]], pair["a"], pair["b"], adapter.config.scale,
-                                         leaf.n_in, leaf.n_batch)
+        if not per_layer:
+            _set_path(out, params, leaf.path, LoraWeight(_get_path(params, leaf.path), pair["a"], pair["b"],
+                                                         adapter.config.scale, leaf.n_in, leaf.n_batch))
+            continue
+        # per-layer params (cfg.scan_layers=False): each layer's weight with its rows of the
+        # stacked adapter (a small slice each)
+        stack, rest = leaf.path[0], leaf.path[1:]
+        if out[stack] is params[stack]:
+            out[stack] = list(params[stack])
+        for row, layer_params in enumerate(params[stack]):
+            if out[stack][row] is layer_params:
+                out[stack][row] = dict(layer_params)
+            _set_path(out[stack][row], layer_params, rest,
+                      LoraWeight(_get_path(layer_params, rest), pair["a"][row], pair["b"][row], adapter.config.scale,
+                                 leaf.n_in, leaf.n_batch))
     return out
+
+
+def _get_path(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set_path(out: dict, src: dict, path: tuple[str, ...], value) -> None:
+    """out[path] = value, copying each dict on the path that `out` still shares with `src`."""
+    node = out
+    for key in path[:-1]:
+        src = src[key]
+        node[key] = dict(src) if node[key] is src else node[key]
+        node = node[key]
+    node[path[-1]] = value
 
 
 def merge_adapter(cfg: ModelConfig, params: dict, adapter: LoraAdapter) -> dict:

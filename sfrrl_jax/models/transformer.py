@@ -179,15 +179,9 @@ def _skeleton(cfg: ModelConfig):
     return nnx.split(abstract, nnx.Param)
 
 
-def param_logical_axes(cfg: ModelConfig) -> dict:
-    """Same nested layout as the params, each leaf a tuple of logical names (one per dim).
-
-    Args:
-      cfg: the model config.
-    Returns:
-      A nested dict like the params, each leaf a tuple of logical axis names (`sfrrl_jax.mesh.LOGICAL_AXIS_RULES`)
-      or None per dim; stacked layers' leaves start with `"layers"`.
-    """
+def stacked_param_logical_axes(cfg: ModelConfig) -> dict:
+    """`param_logical_axes` of the stacked layout (every stack's leaves `[layers, ...]`), whatever
+    cfg.scan_layers says: the layout adapters (`models.lora`) and the HF tensor map are written in."""
     _, state = _skeleton(cfg)
     flat = {}
     for path, var in nnx.to_flat_state(state):
@@ -198,10 +192,65 @@ def param_logical_axes(cfg: ModelConfig) -> dict:
     return unflatten_paths(flat)
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-    """Same layout as the params, each leaf a `jax.ShapeDtypeStruct`."""
+def stacked_param_shapes(cfg: ModelConfig) -> dict:
+    """`param_shapes` of the stacked layout, whatever cfg.scan_layers says."""
     _, state = _skeleton(cfg)
     return unflatten_paths({p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in nnx.to_flat_state(state)})
+
+
+def param_logical_axes(cfg: ModelConfig) -> dict:
+    """Same nested layout as the params, each leaf a tuple of logical names (one per dim).
+
+    Args:
+      cfg: the model config.
+    Returns:
+      A nested dict like the params, each leaf a tuple of logical axis names (`sfrrl_jax.mesh.LOGICAL_AXIS_RULES`)
+      or None per dim; with cfg.scan_layers, stacked layers' leaves start with `"layers"`; without, each
+      stack is a list of per-layer dicts (`per_layer_layout`).
+    """
+    axes = stacked_param_logical_axes(cfg)
+    if cfg.scan_layers:
+        return axes
+    return per_layer_layout(cfg, axes, lambda a, row: a[1:], is_leaf=lambda a: isinstance(a, tuple))
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Same layout as the params, each leaf a `jax.ShapeDtypeStruct` (stacked or per layer as
+    cfg.scan_layers says)."""
+    shapes = stacked_param_shapes(cfg)
+    if cfg.scan_layers:
+        return shapes
+    return per_layer_layout(cfg, shapes, lambda a, row: jax.ShapeDtypeStruct(a.shape[1:], a.dtype))
+
+
+# -- the per-layer layout (cfg.scan_layers=False) ---------------------------------------------------
+# Each stack (`layers`, `dense_layers`) is a list of per-layer dicts in stack order (a list, not a
+# tuple: logical axes are tuples), each leaf the stacked leaf's row: one buffer per layer's weight.
+# XLA:CPU copies a dynamic slice of a stacked weight out before every matmul it feeds (a scan over
+# stacked layers read SmolLM2's weights at 38 % of this CPU's bandwidth, a loop over per-layer
+# arrays at 85 %; issue #44), so with per-layer params every forward (the engine's steps and the
+# train step) runs the layers unrolled, each reading its own arrays in place: compile time grows
+# with depth (about 2x a scan's for SmolLM2's 30 layers), the numbers are the stacked layout's.
+
+def per_layer_layout(cfg: ModelConfig, stacked: dict, row_of, is_leaf=None) -> dict:
+    """The stacked layout `stacked` with each stack replaced by a list of per-layer trees,
+    leaf `row_of(stacked_leaf, row)` for row 0..n-1 of the stack."""
+    out = dict(stacked)
+    for key, members in layer_stacks(cfg):
+        out[key] = [jax.tree.map(lambda a, r=r: row_of(a, r), stacked[key], is_leaf=is_leaf)
+                    for r in range(len(members))]
+    return out
+
+
+def is_per_layer(params) -> bool:
+    """Whether `params` (or a view of them) is in the per-layer layout (a list per stack)."""
+    return isinstance(params.get("layers"), list)
+
+
+def unstack_layers(cfg: ModelConfig, params: Params) -> Params:
+    """Stacked params -> the per-layer layout (`cfg.scan_layers=False`): each stacked leaf's rows as
+    separate arrays (a copy: the loader and `init_params` run it once, inside their jit)."""
+    return per_layer_layout(cfg, params, lambda a, row: a[row])
 
 
 def unflatten_paths(flat: dict) -> dict:
@@ -216,14 +265,25 @@ def unflatten_paths(flat: dict) -> dict:
 
 
 def bind(cfg: ModelConfig, params: Params) -> Transformer:
-    """An NNX view of `params` (inside jit: no copies)."""
-    graphdef, _ = _skeleton(cfg)
+    """An NNX view of `params` (inside jit: no copies). Per-layer params (`is_per_layer`) bind
+    their global weights only (the stacks stand abstract); `layer_blocks` binds their layers."""
+    graphdef, state = _skeleton(cfg)
+    if is_per_layer(params):
+        params = {**params, **{key: nnx.to_pure_dict(state[key]) for key, _ in layer_stacks(cfg)}}
     return nnx.merge(graphdef, params)
+
+
+def per_layer_states(cfg: ModelConfig, params: Params) -> list:
+    """(graphdef, that layer's params) of per-layer params, in model order (`run_layers`' `layers`)."""
+    skeleton = nnx.merge(*_skeleton(cfg))   # abstract: no arrays
+    graphdefs = {key: nnx.split(getattr(skeleton, key))[0] for key, _ in layer_stacks(cfg)}
+    return [(graphdefs[key], params[key][row]) for key, row in (layer_slot(cfg, i) for i in range(cfg.n_layers))]
 
 
 def _init_pure(cfg: ModelConfig, key) -> Params:
     model = Transformer(cfg, nnx.Rngs(params=key))
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return params if cfg.scan_layers else unstack_layers(cfg, params)
 
 
 # -- forward ------------------------------------------------------------------------------------
@@ -261,7 +321,7 @@ def default_positions_and_segments(tokens, segment_ids=None, positions=None):
     return segment_ids.astype(jnp.int32), positions.astype(jnp.int32)
 
 
-def run_layers(cfg: ModelConfig, model: Transformer, x, body_fn, xs_extra=None):
+def run_layers(cfg: ModelConfig, model: Transformer, x, body_fn, xs_extra=None, layers=None):
     """Runs the layers in model order: `body_fn(block, carry, window, extra, rope) -> (carry, out)`;
     rope: whether the layer applies RoPE (Python True unless cfg.nope_layers names some, then a
     traced bool scalar per layer).
@@ -271,7 +331,12 @@ def run_layers(cfg: ModelConfig, model: Transformer, x, body_fn, xs_extra=None):
     {'layers': router metrics [n_moe_layers]} for a MoE model. One `lax.scan` per run of
     consecutive same-stack layers (`layer_runs`): a uniform model scans its whole stack once;
     a mixed one scans row ranges of its two stacks in turn, so no layer carries both MLP kinds.
+    layers: per-layer params as (graphdef, params) in model order (`per_layer_states`): the layers
+    then run unrolled, one after the other, each reading its own arrays (no scan, no slice of a
+    stack), each rematerialised as cfg.remat says, as a scan's body is.
     """
+    if layers is not None:
+        return _run_layers_unrolled(cfg, layers, x, body_fn, xs_extra)
     stacks = {key: nnx.split(getattr(model, key)) for key, _ in layer_stacks(cfg)}
     sizes = {key: len(members) for key, members in layer_stacks(cfg)}
     outs: dict = {key: [] for key in stacks}
@@ -296,6 +361,25 @@ def run_layers(cfg: ModelConfig, model: Transformer, x, body_fn, xs_extra=None):
         x, out = jax.lax.scan(body, x, (state, windows, ropes, extra))
         outs[key].append(out)
     return x, {key: out[0] if len(out) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *out)
+               for key, out in outs.items()}
+
+
+def _run_layers_unrolled(cfg: ModelConfig, layers, x, body_fn, xs_extra=None):
+    """`run_layers` over per-layer params: a Python loop in model order, outs stacked per stack."""
+    outs: dict = {key: [] for key, _ in layer_stacks(cfg)}
+    for layer, (graphdef, layer_params) in enumerate(layers):
+        extra = None if xs_extra is None else jax.tree.map(lambda a: a[layer], xs_extra)
+        window = jnp.int32(cfg.layer_windows[layer])
+        rope = bool(cfg.layer_ropes[layer]) if cfg.nope_layers else True
+
+        def one(layer_params, carry, window, extra, graphdef=graphdef, rope=rope):
+            return body_fn(nnx.merge(graphdef, layer_params), carry, window, extra, rope)
+
+        if cfg.remat != "none":
+            one = jax.checkpoint(one, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        x, out = one(layer_params, x, window, extra)
+        outs[layer_slot(cfg, layer)[0]].append(out)
+    return x, {key: None if not out or out[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *out)
                for key, out in outs.items()}
 
 
@@ -368,6 +452,7 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_
         does not have the shape `[batch, seq, moe layers, top_k]`.
     """
     model = bind(cfg, params)
+    layers = per_layer_states(cfg, params) if is_per_layer(params) else None
     segment_ids, positions = default_positions_and_segments(tokens, segment_ids, positions)
     # Context parallelism (a no-op unless the sequence is split: a `context` axis, or `expert`
     # when the rows do not split over it): pad to 2 x context chunks and run the layers in
@@ -387,7 +472,7 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens: jax.Array, segment_
         replay = None if layer_routes is None else (layer_routes, replay_mask)
         return block(x, positions, segment_ids, window, token_mask, replay, return_routes, rope)
 
-    x, outs = run_layers(cfg, model, x, body, per_layer_routes)
+    x, outs = run_layers(cfg, model, x, body, per_layer_routes, layers)
     # The `layers` stack holds every MoE layer (and a dense model's layers, whose metrics are {}).
     per_layer = dict(outs["layers"])
     used = per_layer.pop("expert_ids", None)   # [moe layers, batch, padded seq, k]

@@ -309,3 +309,21 @@ def test_a_run_names_its_rollout():
     with pytest.raises(ValueError, match=r"WorkloadConfig.vocab_size=100000 > ModelConfig.vocab_size"):
         validate_experiment(ExperimentConfig(run_dir="/x", model="tiny-moe",
                                              rollout=WorkloadRollout(WorkloadConfig(vocab_size=100000))), num_devices=1)
+
+
+def test_per_layer_params_run_as_the_stacked_one_and_resume(runs):
+    """ModelConfig.scan_layers=False (one array per layer's weight, the engine's layers unrolled):
+    the same run as the stacked layout's, metric for metric (the same function of the same params,
+    summed in XLA's orders), and its checkpoints (per-layer params and AdamW moments) restore: a
+    damaged newest step falls back to the previous one and the run ends as the uninterrupted one."""
+    import shutil
+    run_dir = runs["root"] / "per_layer"
+    layout = "--gin_param=ExperimentConfig.model_overrides = {'max_seq_len': 64, 'scan_layers': False}"
+    full, _ = _run(_cmd(runs["gin"], run_dir, layout), runs["env"])
+    assert full["steps_done"] == 6
+    _assert_rows_equal(read_metrics(run_dir), read_metrics(runs["full_dir"]), range(6))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(run_dir)[:5]))
+    shutil.rmtree(run_dir / "checkpoints" / "6")
+    resumed, _ = _run(_cmd(runs["gin"], run_dir, layout, "--resume"), runs["env"])
+    assert resumed["resumed_from"] == 5 and resumed["steps_done"] == 6
+    _assert_rows_equal(read_metrics(run_dir), read_metrics(runs["full_dir"]), range(6))

@@ -30,9 +30,10 @@ from sfrrl_jax.checkpoints.hf.hf_fields import bool_of
 from sfrrl_jax.checkpoints.hf.safetensors_io import CheckpointError, CheckpointFiles, read_tensor
 from sfrrl_jax.checkpoints.hf.tensor_map import (IGNORED_SUFFIXES, TensorGroup, global_groups,
                                                  is_mxfp4, layer_groups)
+from sfrrl_jax.checks import check_bool
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.models.api import check_mesh_fits, param_shardings
-from sfrrl_jax.models.transformer import STACK_KEYS, layer_slot, param_shapes, unflatten_paths
+from sfrrl_jax.models.transformer import STACK_KEYS, layer_slot, param_shapes, unflatten_paths, unstack_layers
 
 _FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 
@@ -206,8 +207,8 @@ class _LanguageModelFiles:
         return read_tensor(self.tensors[name], rows)
 
 
-def load_hf(path: str | os.PathLike, mesh: Mesh, dtype: jax.typing.DTypeLike | None = None
-            ) -> tuple[ModelConfig, dict]:
+def load_hf(path: str | os.PathLike, mesh: Mesh, dtype: jax.typing.DTypeLike | None = None,
+            scan_layers: bool = True) -> tuple[ModelConfig, dict]:
     """Reads an HF directory (`config.json` + safetensors shards) into sharded params on `mesh`.
 
     FP8 weights (`quant_method` "fp8", DeepSeek's block scales, or "compressed-tensors") are
@@ -221,6 +222,9 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype: jax.typing.DTypeLike | N
       path: the HF model directory.
       mesh: the device mesh the params are sharded over; each process reads only its devices' shards.
       dtype: param (and compute) dtype; default (None) the config's `dtype`/`torch_dtype`, else float32.
+      scan_layers: the params' layer layout (`ModelConfig.scan_layers`): True stacks each layer's
+        weights on a leading dim; False gives one array per layer's weight (faster decode on CPU). The
+        per-layer layout is split from the stacked one after loading (a transient second copy).
     Returns:
       `(cfg, params)`: the `ModelConfig`, and the params (a nested dict of `jax.Array`) laid out as
       `sfrrl_jax.models.transformer.param_shapes(cfg)` and sharded as
@@ -230,6 +234,7 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype: jax.typing.DTypeLike | N
       CheckpointError: for missing, unexpected, mis-shaped tensors or corrupt files.
       ValueError: when `cfg.n_experts` is not divisible by the mesh's expert axis size.
     """
+    check_bool("load_hf scan_layers", scan_layers)
     path = Path(path)
     hf = read_hf_config(path)
     cfg = config_from_hf(hf, dtype=None if dtype is None else jnp.dtype(dtype).name,
@@ -270,4 +275,15 @@ def load_hf(path: str | os.PathLike, mesh: Mesh, dtype: jax.typing.DTypeLike | N
         jax.block_until_ready([b.value for b in builders.values() if b.layered])
     for group in glob:
         _run_group(group, builders, read, None)
-    return cfg, unflatten_paths({p: b.value for p, b in builders.items()})
+    params = unflatten_paths({p: b.value for p, b in builders.items()})
+    if scan_layers:
+        return cfg, params
+    cfg = cfg.replace(scan_layers=False)
+    return cfg, _unstacker(cfg, mesh)(params)
+
+
+@functools.lru_cache(maxsize=8)
+def _unstacker(cfg: ModelConfig, mesh: Mesh):
+    """Stacked params -> cfg's per-layer layout, sharded as `param_shardings(cfg, mesh)` (the
+    stacked input cannot be donated: no output has its shape)."""
+    return jax.jit(functools.partial(unstack_layers, cfg), out_shardings=param_shardings(cfg, mesh))

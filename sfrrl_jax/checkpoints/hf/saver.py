@@ -24,7 +24,7 @@ from sfrrl_jax.checkpoints.hf.loader import flatten_tree
 from sfrrl_jax.checkpoints.hf.safetensors_io import CheckpointError, ShardedWriter, dtype_code
 from sfrrl_jax.checkpoints.hf.tensor_map import global_groups, layer_groups
 from sfrrl_jax.config import ModelConfig
-from sfrrl_jax.models.transformer import layer_slot, param_shapes
+from sfrrl_jax.models.transformer import STACK_KEYS, is_per_layer, layer_slot, layer_stacks, stacked_param_shapes
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024 ** 3
 
@@ -40,18 +40,41 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _flat_params(cfg: ModelConfig, params: dict) -> dict:
+    """{path: leaf} of the stacked layout; a per-layer stack's leaf is the list of its rows."""
+    if not is_per_layer(params):
+        return dict(flatten_tree(params))
+    out = dict(flatten_tree({k: v for k, v in params.items() if k not in STACK_KEYS}))
+    for key, _ in layer_stacks(cfg):
+        for layer_params in params.get(key, []):
+            for p, leaf in flatten_tree(layer_params):
+                out.setdefault((key,) + p, []).append(leaf)
+    return out
+
+
+def _shape_of(leaf) -> tuple[int, ...]:
+    if isinstance(leaf, list):   # a per-layer stack's rows: [layers, ...] when they agree
+        shapes = {tuple(row.shape) for row in leaf}
+        return (len(leaf),) + shapes.pop() if len(shapes) == 1 else ("rows of different shapes",)
+    return tuple(leaf.shape)
+
+
 def _check_params(cfg: ModelConfig, params: dict) -> dict:
-    want = dict(flatten_tree(param_shapes(cfg)))
-    got = dict(flatten_tree(params))
+    want = dict(flatten_tree(stacked_param_shapes(cfg)))
+    got = _flat_params(cfg, params)
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
         raise CheckpointError(f"save_hf: params do not match ModelConfig(family={cfg.family!r}): missing "
                               f"{['/'.join(p) for p in missing]}, unexpected {['/'.join(p) for p in extra]}")
     for p, sds in want.items():
-        if tuple(got[p].shape) != tuple(sds.shape):
-            raise CheckpointError(f"save_hf: param {'/'.join(p)} has shape {tuple(got[p].shape)}, "
-                                  f"cfg expects {tuple(sds.shape)}")
+        if _shape_of(got[p]) != tuple(sds.shape):
+            raise CheckpointError(f"save_hf: param {'/'.join(p)} has shape {_shape_of(got[p])}, "
+                                  f"cfg expects {tuple(sds.shape)} (stacked [layers, ...])")
     return got
+
+
+def _dtype_of(leaf):
+    return leaf[0].dtype if isinstance(leaf, list) else leaf.dtype
 
 
 def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike,
@@ -63,7 +86,7 @@ def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike,
     Args:
       cfg: the model config; `config_to_hf(cfg)` is written as `config.json`.
       params: the params (a nested dict of `jax.Array`), laid out as
-        `sfrrl_jax.models.transformer.param_shapes(cfg)`; written in their own dtype.
+        `sfrrl_jax.models.transformer.param_shapes(cfg)`, stacked or per layer; written in their own dtype.
       path: the output directory.
       max_shard_bytes: the most bytes one safetensors shard file holds (default 4 GiB).
     Returns:
@@ -82,7 +105,7 @@ def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike,
         return leaf if slot is None else (slot[0],) + leaf
 
     def code_of(group, slot):
-        codes = {dtype_code(flat[leaf_path(leaf, slot)].dtype) for leaf in group.leaves}
+        codes = {dtype_code(_dtype_of(flat[leaf_path(leaf, slot)])) for leaf in group.leaves}
         if len(codes) != 1:
             raise CheckpointError(f"save_hf: leaves {group.leaves} feeding {list(group.hf)} differ in dtype {codes}")
         return codes.pop()
@@ -102,7 +125,9 @@ def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike,
             if slot is None:
                 values[leaf] = _to_host(flat[leaf])
             else:
-                values[leaf] = _to_host(_layer_of(flat[leaf_path(leaf, slot)], np.int32(slot[1])))
+                stacked = flat[leaf_path(leaf, slot)]
+                row = stacked[slot[1]] if isinstance(stacked, list) else _layer_of(stacked, np.int32(slot[1]))
+                values[leaf] = _to_host(row)
         tensors = group.dump(values)
         if writer_here:
             for name in group.hf:

@@ -1,0 +1,129 @@
+"""The per-layer param layout (`ModelConfig.scan_layers=False`): one array per layer's weight, each
+stack a list of per-layer dicts. The same model as the stacked layout: forward, gradients, the
+engine's greedy tokens and log-probs (layers unrolled), MoE routes, LoRA views, shardings, and HF
+save / load, for dense, MoE, mixed-stack and windowed/sink models."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sfrrl_jax as S
+from sfrrl_jax.engine.model_step import extend
+from sfrrl_jax.models import lora
+from sfrrl_jax.models import transformer as tfm
+from sfrrl_jax.models.api import param_shardings
+
+from model_fixtures import TINY, TINY_DENSE, TINY_GPT_OSS, TINY_MIXED, randomize, single_device_mesh
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+CFGS = {"moe": TINY, "dense_window": TINY_DENSE, "gpt_oss_sinks": TINY_GPT_OSS, "mixed_stack": TINY_MIXED}
+
+
+def _per_layer(cfg):
+    return dataclasses.replace(cfg, scan_layers=False)
+
+
+def _both(cfg, mesh, seed=0):
+    stacked = randomize(S.init_params(cfg, mesh, seed=seed), seed=seed)
+    cfg_pl = _per_layer(cfg)
+    return stacked, cfg_pl, jax.jit(lambda p: tfm.unstack_layers(cfg_pl, p),
+                                    out_shardings=param_shardings(cfg_pl, mesh))(stacked)
+
+
+def _close(a, b, **tol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), **(tol or TOL))
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+def test_per_layer_forward_and_gradients_equal_the_stacked_ones(name):
+    cfg = CFGS[name]
+    mesh = single_device_mesh()
+    stacked, cfg_pl, per_layer = _both(cfg, mesh)
+    assert isinstance(per_layer["layers"], list) and tfm.is_per_layer(per_layer)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), per_layer) == jax.tree.map(
+        lambda s: (s.shape, s.dtype), tfm.param_shapes(cfg_pl))
+    tokens = jnp.asarray(np.random.RandomState(1).randint(0, cfg.vocab_size, (2, 11)), jnp.int32)
+    _close(S.forward(cfg_pl, per_layer, tokens), S.forward(cfg, stacked, tokens))
+    w = jax.random.normal(jax.random.key(2), (2, 11, cfg.vocab_size))
+
+    def loss(c):
+        return lambda p: jnp.sum(tfm.forward_with_aux(c, p, tokens)[0] * w)
+
+    with jax.set_mesh(mesh):
+        g_stacked = jax.jit(jax.grad(loss(cfg)))(stacked)
+        g_pl = jax.jit(jax.grad(loss(cfg_pl)))(per_layer)
+    assert isinstance(g_pl["layers"], list)
+    _close(jax.jit(lambda g: tfm.unstack_layers(cfg_pl, g))(g_stacked), g_pl, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["moe", "mixed_stack", "gpt_oss_sinks"])
+def test_per_layer_engine_gives_the_stacked_engines_tokens_logprobs_and_routes(name):
+    cfg = CFGS[name]
+    mesh = single_device_mesh()
+    stacked, cfg_pl, per_layer = _both(cfg, mesh, seed=3)
+    prompts = [[5, 9, 2, 7], [11, 3], [8, 8, 8, 1, 4, 6]]
+    kw = dict(max_new_tokens=7, temperature=0.0)
+    want = S.generate(cfg, stacked, prompts, **kw)
+    got = S.generate(cfg_pl, per_layer, prompts, **kw)
+    for g, w_ in zip(got, want):
+        assert g.tokens == w_.tokens
+        np.testing.assert_allclose(g.raw_logprobs, w_.raw_logprobs, rtol=1e-4, atol=1e-4)
+    if cfg.n_experts:   # the routes a decode step records (R3), stacked over the MoE layers either way
+        tokens = jnp.asarray([[5, 9, 2, 7]], jnp.int32)
+        shape = (cfg.n_layers, 1, 16, cfg.n_kv_heads, cfg.head_dim)
+        cache = jnp.zeros(shape, jnp.float32)
+        starts = jnp.zeros((1,), jnp.int32)
+        with jax.set_mesh(mesh):
+            r_want = jax.jit(lambda p: extend(cfg, p, tokens, starts, cache, cache, starts + 4, with_routes=True)[3])(
+                stacked)
+            r_got = jax.jit(lambda p: extend(cfg_pl, p, tokens, starts, cache, cache, starts + 4,
+                                             with_routes=True)[3])(per_layer)
+        assert r_got.shape == r_want.shape and np.array_equal(np.asarray(r_got), np.asarray(r_want))
+
+
+def test_per_layer_params_shard_as_their_stacked_rows():
+    mesh = S.make_mesh(data=2, expert=4)
+    cfg_pl = _per_layer(TINY)
+    params = S.init_params(cfg_pl, mesh, seed=0)
+    stacked = S.init_params(TINY, mesh, seed=0)
+    assert len(params["layers"]) == TINY.n_layers
+    for row in range(TINY.n_layers):
+        for (path, leaf), ref in zip(jax.tree.leaves_with_path(params["layers"][row]),
+                                     jax.tree.leaves(stacked["layers"])):
+            assert tuple(leaf.sharding.spec) == tuple(ref.sharding.spec)[1:len(leaf.shape) + 1], path
+            np.testing.assert_allclose(np.asarray(leaf), np.asarray(ref[row]), **TOL)   # the same init draw
+
+
+def test_lora_view_of_per_layer_params_equals_the_stacked_view():
+    cfg = TINY_DENSE
+    mesh = single_device_mesh()
+    stacked, cfg_pl, per_layer = _both(cfg, mesh)
+    lcfg = lora.LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "gate_proj"))
+    adapter = lora.init_adapter(cfg, lcfg, mesh, seed=1)
+    adapter = dataclasses.replace(adapter, weights=randomize(adapter.weights, seed=5))   # b != 0
+    tokens = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
+    want = S.forward(cfg, lora.AdaptedParams(stacked, adapter), tokens)
+    got = S.forward(cfg_pl, per_layer, tokens, adapter=adapter)   # adapters stay stacked in either layout
+    _close(got, want)
+    merged = lora.merge_adapter(cfg_pl, per_layer, adapter)
+    assert isinstance(merged["layers"], list)
+    _close(S.forward(cfg_pl, merged, tokens), want)
+
+
+def test_hf_save_of_per_layer_params_loads_back_in_either_layout(tmp_path):
+    cfg = TINY_DENSE
+    mesh = single_device_mesh()
+    stacked, cfg_pl, per_layer = _both(cfg, mesh)
+    S.save_hf(cfg_pl, per_layer, tmp_path / "hf")
+    cfg_a, back_stacked = S.load_hf(tmp_path / "hf", mesh)
+    cfg_b, back_pl = S.load_hf(tmp_path / "hf", mesh, scan_layers=False)
+    assert cfg_a.scan_layers and not cfg_b.scan_layers and isinstance(back_pl["layers"], list)
+    for a, b in zip(jax.tree.leaves(back_stacked), jax.tree.leaves(stacked)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(back_pl), jax.tree.leaves(per_layer)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="scan_layers"):
+        S.load_hf(tmp_path / "hf", mesh, scan_layers="no")
