@@ -493,7 +493,7 @@ class Engine(AdmissionMixin, PagingMixin, DecodeChainMixin):
             return
         t0 = time.perf_counter()
         on_device = (state.cache_k, state.cache_v)
-        shardings = tuple(x.sharding for x in on_device)
+        shardings = jax.tree.map(lambda x: x.sharding, on_device)   # arrays, or per-layer lists
         # the device copy deleted once on the host: the job gets its memory now, not at collection
         on_host = moved(on_device, with_memory_kind(shardings, HOST_MEMORY, "Engine(swap_cache)"))
         state.cache_k, state.cache_v = on_host

@@ -12,6 +12,7 @@ fixed-size pages reached through per-slot page tables; see `engine.pages`, `engi
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from sfrrl_jax.config import ModelConfig
 from sfrrl_jax.mesh import constrain
@@ -33,7 +34,8 @@ def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len
     """Runs `tokens` [b, t] at positions starts[:, None] + 0..t-1 against cache rows.
 
     cache_k, cache_v: [layers, b, max_len, kv_heads, head_dim] (the rows of the slots involved;
-    cache_v cfg.value_cache_dim wide: empty with latent attention, whose values are cache_k),
+    cache_v cfg.value_cache_dim wide: empty with latent attention, whose values are cache_k), or
+    with per-layer params (`ModelConfig.scan_layers=False`) lists of one [b, max_len, ...] per layer,
     or with `slots` [b] int32 the whole caches [layers, slots, max_len, ...], row i of the batch
     being cache row slots[i]: written in place, each layer's row read by a select and a sum
     over the slot axis (that axis is split over devices, and XLA partitions a gather or dynamic
@@ -54,18 +56,22 @@ def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len
     also the experts each new token used, routes [b, t, moe layers, top_k] (`routes_dtype`).
     """
     rows = jnp.arange(tokens.shape[0])[:, None] if slots is None else slots[:, None]
-    k_len = cache_k.shape[2] if k_len is None else min(int(k_len), cache_k.shape[2])
+    max_len = cache_layer(cache_k, 0).shape[1]
+    k_len = max_len if k_len is None else min(int(k_len), max_len)
 
     def write(c, layer, positions, x):
+        if isinstance(c, list):   # per-layer caches: layer is a Python int (the layers run unrolled)
+            return c[:layer] + [c[layer].at[rows, positions].set(x.astype(c[layer].dtype), mode="drop")] + c[layer + 1:]
         return c.at[layer, rows, positions].set(x.astype(c.dtype), mode="drop")
 
     def read(c, layer, positions, x):
+        c = c[layer]   # [slots, max_len, kv_heads, head_dim]: a stacked cache's dynamic slice, or a layer's array
         if slots is None:
-            return c[layer, :, :k_len]
+            return c[:, :k_len]
         if gather_slots:
-            return c[layer][slots, :k_len]
-        mine = (jnp.arange(c.shape[1])[None, :] == slots[:, None])[:, :, None, None, None]   # [b, S]
-        return jnp.sum(jnp.where(mine, c[layer, None, :, :k_len], jnp.zeros((), c.dtype)), axis=1, dtype=c.dtype)
+            return c[slots, :k_len]
+        mine = (jnp.arange(c.shape[0])[None, :] == slots[:, None])[:, :, None, None, None]   # [b, S]
+        return jnp.sum(jnp.where(mine, c[None, :, :k_len], jnp.zeros((), c.dtype)), axis=1, dtype=c.dtype)
 
     return _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, write, read, with_routes,
                    logits_at)
@@ -132,6 +138,12 @@ def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_
                    logits_at, in_place)
 
 
+def cache_layer(cache, layer: int):
+    """One layer's [slots, max_len, kv_heads, head_dim] of a stacked cache [layers, ...] or a
+    per-layer list."""
+    return cache[layer]
+
+
 def routes_dtype(cfg: ModelConfig):
     """The dtype of recorded routes: int16 while expert ids fit (n_experts <= 32767), else int32.
     Routes leave the device every decode step and the host keeps them for every token of every
@@ -184,9 +196,13 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
         used = metrics.get("expert_ids") if with_routes else None
         return (constrain(x + block.ffn_residual(y), ("batch", "seq", "embed")), ck_all, cv_all), used
 
-    layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
     # layer_ids are model-order layer indices: the cache rows stay one per model layer whatever
-    # stack (MoE or dense) the layer's params live in.
+    # stack (MoE or dense) the layer's params live in. Unrolled layers index per-layer caches by
+    # Python int (numpy ids); a scan takes them as its traced xs.
+    layer_ids = np.arange(cfg.n_layers, dtype=np.int32)
+    if isinstance(cache_k, list) and not tfm.is_per_layer(params):
+        raise ValueError("per-layer KV caches (a list per layer) need per-layer params (ModelConfig.scan_layers="
+                         "False): stacked params run the layers in a scan, which cannot index a list")
     # per-layer params (cfg.scan_layers=False) run unrolled, each layer's weights read in place
     layers = tfm.per_layer_states(cfg, params) if tfm.is_per_layer(params) else None
     (x, cache_k, cache_v), outs = tfm.run_layers(cfg, model, (x, cache_k, cache_v), body, layer_ids, layers)

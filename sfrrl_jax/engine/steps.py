@@ -94,6 +94,21 @@ class EngineSteps:
         self.cache_shape, self.cache_sharding = shape, sharding_for(self.mesh, axes, shape)
         self.value_cache_shape = shape[:-1] + (self.cfg.value_cache_dim,)
         self.value_cache_sharding = sharding_for(self.mesh, axes, self.value_cache_shape)
+        # per-layer params (cfg.scan_layers=False) run their layers unrolled: a dense cache is then
+        # a list of one [slots, max_len, ...] array per layer, each layer's read in place (a static
+        # slice of a stacked cache is a copy on XLA:CPU). The shapes above describe it stacked.
+        self.per_layer_cache = not self.cfg.scan_layers and tuple(axes) == CACHE_AXES
+
+    def _cache_zeros(self, shape, dtype):
+        """A zero cache of the stacked `shape` [layers, ...]: a per-layer list with per_layer_cache."""
+        if self.per_layer_cache:
+            return [jnp.zeros(shape[1:], dtype) for _ in range(shape[0])]
+        return jnp.zeros(shape, dtype)
+
+    def _cache_state_sharding(self, sharding, shape):
+        if not self.per_layer_cache:
+            return sharding
+        return [sharding_for(self.mesh, CACHE_AXES[1:], shape[1:])] * shape[0]
 
     # -- sizes ----------------------------------------------------------------------------------
     def cache_bytes(self) -> int:
@@ -260,15 +275,17 @@ class EngineSteps:
             sampling=SamplingParams(temperature=s, top_k=s, top_p=s, seed=s), max_new=s,
             stop_ids=sharding_for(self.mesh, ("slots", None), (self.max_slots, MAX_STOP_IDS)),
         )
-        return DecodeState(cache_k=self.cache_sharding, cache_v=self.value_cache_sharding, lengths=s,
+        return DecodeState(cache_k=self._cache_state_sharding(self.cache_sharding, self.cache_shape),
+                           cache_v=self._cache_state_sharding(self.value_cache_sharding, self.value_cache_shape),
+                           lengths=s,
                            last_token=s, generated=s, draws=s, active=s, request=req)
 
     def _init_impl(self):
         n = self.max_slots
         zeros = jnp.zeros((n,), jnp.int32)
         return DecodeState(
-            cache_k=jnp.zeros(self.cache_shape, self.cache_dtype),
-            cache_v=jnp.zeros(self.value_cache_shape, self.cache_dtype),
+            cache_k=self._cache_zeros(self.cache_shape, self.cache_dtype),
+            cache_v=self._cache_zeros(self.value_cache_shape, self.cache_dtype),
             lengths=zeros, last_token=zeros, generated=zeros, draws=zeros,
             active=jnp.zeros((n,), bool),
             request=_expand(SlotRequest.make(), n),
@@ -285,8 +302,9 @@ class EngineSteps:
         vocab], routes [u, t, moe layers, top_k] or None)."""
         u, t = tokens.shape
         cfg = self.cfg
-        ck = jnp.zeros((cfg.n_layers, u, t, cfg.n_kv_heads, cfg.head_dim), self.cache_dtype)
-        cv = jnp.zeros(ck.shape[:-1] + (cfg.value_cache_dim,), self.cache_dtype)
+        shape = (cfg.n_layers, u, t, cfg.n_kv_heads, cfg.head_dim)
+        ck = self._cache_zeros(shape, self.cache_dtype)
+        cv = self._cache_zeros(shape[:-1] + (cfg.value_cache_dim,), self.cache_dtype)
         logits, ck, cv, *routes = extend(cfg, params, tokens, jnp.zeros((u,), jnp.int32), ck,
                                          cv, true_lengths, self.record_routes,
                                          logits_at=true_lengths - 1)
@@ -313,7 +331,7 @@ class EngineSteps:
         ck, cv, logits, routes = self._prefill_forward(params, tokens, true_lengths)
         lengths = true_lengths[sources]
         first = self._first_tokens(logits[sources], lengths, request, None if routes is None else routes[sources])
-        state = self._write_prefixes(state, slots, ck[:, sources], cv[:, sources])
+        state = self._write_prefixes(state, slots, _cache_rows(ck, sources), _cache_rows(cv, sources))
         owned = jnp.where(real, slots, self.max_slots)   # a padding row's state update is dropped
         state = self._set_slot(state, owned, lengths, first, request, jnp.ones_like(slots))
         return state, self._on_every_host(first)
@@ -358,7 +376,7 @@ class EngineSteps:
                                          logits_at=logits_at, slots=jnp.reshape(slot, (1,)),
                                          gather_slots=self.gather_slots)
         if cast:
-            ck, cv = ck.astype(state.cache_k.dtype), cv.astype(state.cache_v.dtype)
+            ck, cv = (jax.tree.map(lambda c: c.astype(self.cache_dtype), x) for x in (ck, cv))
         state.cache_k, state.cache_v = ck, cv
         return (logits, state, *routes)
 
@@ -379,6 +397,11 @@ class EngineSteps:
     def _write_prefixes(self, state: DecodeState, slots, cache_k, cache_v) -> DecodeState:
         """Prefill caches cache_k/v [layers, n, bucket, kv_heads, head_dim] (positions
         0..bucket-1) into slots [n] (a slot named twice gets the same values twice)."""
+        if isinstance(state.cache_k, list):   # per-layer caches: cache_k/v are lists of [n, bucket, ...]
+            t = cache_k[0].shape[1]
+            state.cache_k = [c.at[slots, :t].set(p.astype(self.cache_dtype)) for c, p in zip(state.cache_k, cache_k)]
+            state.cache_v = [c.at[slots, :t].set(p.astype(self.cache_dtype)) for c, p in zip(state.cache_v, cache_v)]
+            return state
         t = cache_k.shape[2]
         state.cache_k = state.cache_k.at[:, slots, :t].set(cache_k.astype(self.cache_dtype))
         state.cache_v = state.cache_v.at[:, slots, :t].set(cache_v.astype(self.cache_dtype))
@@ -444,6 +467,10 @@ class EngineSteps:
         """Slot dst[i] gets slot src[i]'s cache rows below lengths[i] where mask[i] (the dense
         cache copies the whole row; `engine.paged` only what the slots do not share)."""
         dst = jnp.where(mask, dst, self.max_slots)   # past the slots: dropped
+        if isinstance(state.cache_k, list):
+            state.cache_k = [c.at[dst].set(c[src], mode="drop") for c in state.cache_k]
+            state.cache_v = [c.at[dst].set(c[src], mode="drop") for c in state.cache_v]
+            return state
         state.cache_k = state.cache_k.at[:, dst].set(state.cache_k[:, src], mode="drop")
         state.cache_v = state.cache_v.at[:, dst].set(state.cache_v[:, src], mode="drop")
         return state
@@ -516,3 +543,8 @@ def _default_buckets(max_len: int) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return tuple(out) + (max_len,)
+
+
+def _cache_rows(cache, rows):
+    """Rows `rows` of every layer of a cache [layers, n, ...] (or a per-layer list of [n, ...])."""
+    return [c[rows] for c in cache] if isinstance(cache, list) else cache[:, rows]

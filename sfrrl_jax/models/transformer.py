@@ -372,12 +372,14 @@ def _run_layers_unrolled(cfg: ModelConfig, layers, x, body_fn, xs_extra=None):
         window = jnp.int32(cfg.layer_windows[layer])
         rope = bool(cfg.layer_ropes[layer]) if cfg.nope_layers else True
 
-        def one(layer_params, carry, window, extra, graphdef=graphdef, rope=rope):
+        # window and the per-layer extra are closed over, not arguments: a remat'd layer would
+        # trace them, and the engine indexes per-layer caches by its (numpy) layer id
+        def one(layer_params, carry, graphdef=graphdef, window=window, extra=extra, rope=rope):
             return body_fn(nnx.merge(graphdef, layer_params), carry, window, extra, rope)
 
         if cfg.remat != "none":
             one = jax.checkpoint(one, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        x, out = one(layer_params, x, window, extra)
+        x, out = one(layer_params, x)
         outs[layer_slot(cfg, layer)[0]].append(out)
     return x, {key: None if not out or out[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *out)
                for key, out in outs.items()}

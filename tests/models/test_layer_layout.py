@@ -127,3 +127,47 @@ def test_hf_save_of_per_layer_params_loads_back_in_either_layout(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="scan_layers"):
         S.load_hf(tmp_path / "hf", mesh, scan_layers="no")
+
+
+def _stacked_cache(c):
+    return np.stack([np.asarray(x) for x in c]) if isinstance(c, list) else np.asarray(c)
+
+
+@pytest.mark.parametrize("paging", [None, (4, 40)], ids=["dense", "paged"])
+def test_per_layer_engine_steps_equal_the_stacked_ones(paging):
+    """Every engine step on per-layer params (dense: a per-layer KV cache list) gives the stacked
+    params' tokens, log-probs and cache: shared-prompt prefill (rows copied to the sharers), decode
+    chunks in two buckets, appends one by one and together, a prefill at an offset, a freed slot."""
+    from sfrrl_jax.engine import SlotRequest
+    from sfrrl_jax.engine.paged import engine_steps
+
+    cfg = TINY_MIXED.replace(max_seq_len=64)
+    mesh = S.make_mesh(data=2, expert=4)
+    stacked, cfg_pl, per_layer = _both(cfg, mesh, seed=4)
+    prompts = [[5, 9, 1, 7, 3], [11, 4]]
+    out = {}
+    for name, c, p in (("stacked", cfg, stacked), ("per_layer", cfg_pl, per_layer)):
+        steps = engine_steps(c, mesh, 4, 32, (8, 16), None, paging, False, (16, 32))
+        state = steps.init_decode_state()
+        if name == "per_layer" and paging is None:
+            assert isinstance(state.cache_k, list) and len(state.cache_k) == cfg.n_layers
+        reqs = [SlotRequest.make(temperature=1.0, seed=s, max_new=20) for s in range(4)]
+        tokens = np.concatenate([steps.pad(q) for q in prompts])
+        state, first = steps.prefill_many(p, state, [0, 1, 2, 3], tokens, [5, 2], reqs, sources=[0, 0, 1, 1])
+        state, r1 = steps.generate(p, state, 3, 16)
+        state, a1 = steps.append_prefill(p, state, 0, steps.pad([int(np.asarray(state.last_token)[0]), 12, 13]), 3,
+                                         reqs[0])
+        feeds = [[int(np.asarray(state.last_token)[s]), 7, 7, 2] for s in (1, 3)]
+        state, a2 = steps.append_many(p, state, [1, 3], np.concatenate([steps.pad(f) for f in feeds]), [4, 4],
+                                      [reqs[1], reqs[3]])
+        state, r2 = steps.generate(p, state, 4, 32)
+        out[name] = dict(tokens=[np.asarray(x.tokens) for x in (first, r1, a1, a2, r2)],
+                         logprobs=[np.asarray(x.raw_logprobs) for x in (first, r1, a1, a2, r2)],
+                         cache_k=_stacked_cache(state.cache_k), lengths=np.asarray(state.lengths))
+    want, got = out["stacked"], out["per_layer"]
+    for a, b in zip(got["tokens"], want["tokens"]):
+        assert a.tolist() == b.tolist()
+    for a, b in zip(got["logprobs"], want["logprobs"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert got["lengths"].tolist() == want["lengths"].tolist()
+    np.testing.assert_allclose(got["cache_k"], want["cache_k"], rtol=1e-4, atol=1e-4)
