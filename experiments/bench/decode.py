@@ -2,6 +2,7 @@
 
     python experiments/bench/decode.py [--batches 1 8 32] [--new 64] [--out bench_out/decode.json]
     python experiments/bench/decode.py --hf_dir /tmp/smollm2_hf    # real weights (experiments/smollm2.py converts)
+        [--scan_layers false]    # per-layer params (ModelConfig.scan_layers), as the gin path on CPU
 
 Both run greedy decoding of `--new` tokens from `--prompt`-token prompts on CPU, in this process.
 Our side: the tiny-moe preset (or `--hf_dir`'s model, `load_hf`, fp32) on a 1-device mesh (fake
@@ -93,6 +94,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--torch_threads", type=int, default=os.cpu_count())
     ap.add_argument("--hf_dir", default=None, help="an HF directory (default: the tiny-moe preset)")
+    ap.add_argument("--scan_layers", choices=("true", "false"), default="true",
+                    help="our params' layer layout with --hf_dir (load_hf's scan_layers; 'false': per-layer, "
+                         "what the gin path runs an HF model in on CPU)")
     ap.add_argument("--out", default="bench_out/decode.json")
     args = ap.parse_args()
     import torch
@@ -100,7 +104,7 @@ def main():
     torch.set_num_threads(args.torch_threads)
     mesh = S.make_mesh(devices=jax.devices()[:1])
     if args.hf_dir:
-        cfg, params = S.load_hf(args.hf_dir, mesh, dtype="float32")
+        cfg, params = S.load_hf(args.hf_dir, mesh, dtype="float32", scan_layers=args.scan_layers == "true")
         model = transformers.AutoModelForCausalLM.from_pretrained(args.hf_dir, local_files_only=True,
                                                                   dtype=torch.float32).eval()
     else:

@@ -3,7 +3,8 @@
 
     pip install -e '.[hf,tasks,peers]'            # 'peers': TRL 1.16.0 (never a core dependency)
     python experiments/bench/real_model_step.py [--hf_dir /tmp/smollm2_hf] [--setting small|realistic|both]
-        [--steps 3] [--warmup 1] [--sides ours,trl] [--out bench_out/real_model_step.json]
+        [--steps 3] [--warmup 1] [--sides ours,trl] [--scan_layers default|true|false]
+        [--out bench_out/real_model_step.json]
 
 The model: `--hf_dir` (default SmolLM2-135M-Instruct, converted by `experiments/smollm2.py` when the
 default directory is missing), float32, CPU, in this one process: our side first, then TRL's.
@@ -24,7 +25,9 @@ Ours: the gin path a user runs (`sfrrl_jax.launch.gin_bindings.load_job` / `run_
 experiments/smollm2.py's `rl_bindings`): `AgenticRollout` (the tasks, the directory's tokenizer and
 chat template, `qa_environment` with reward_fns [answer_correct, answer_format], weights [1.0, 0.2]),
 GRPO, mode 'pipelined', with the trainer's DEFAULT slots, prompt buckets, decode chunk, sequence
-bucket and packing (nothing tuned here): only what the setting fixes is bound (group shape, new
+bucket and packing, and the layer layout the gin path gives an HF model (`runner.default_scan_layers`:
+per-layer params on CPU; `--scan_layers true|false` overrides it): nothing tuned here, only what the
+setting fixes is bound (group shape, new
 tokens, temperature, lr; the token budget `AgentConfig.max_total_tokens` and, where a trajectory
 would not fit the default 256, `TrainerConfig.max_len`). The figures are the trainer's own per-step
 metrics (run_dir/metrics.jsonl): time/wall_s, time/rollout_s, time/train_s, time/train_exposed_s,

@@ -167,7 +167,7 @@ def run_warm_start(recipe: SmolLM2ToolRL, warm_dir: pathlib.Path, log: Callable[
     if source.held_out is None:
         raise ValueError("SmolLM2ToolRL: the rollout has no held-out set (AgenticRollout.eval_tasks)")
     held = source.held_out
-    _, params = load_hf(exp.hf_path, mesh, dtype=exp.hf_dtype)
+    _, params = load_hf(exp.hf_path, mesh, dtype=exp.hf_dtype, scan_layers=model_cfg.scan_layers)
     record: dict = {}
     t0 = time.perf_counter()
     if recipe.evaluate_base:

@@ -200,11 +200,11 @@ def _extend(cfg, params, tokens, starts, cache_k, cache_v, valid_len, k_len, wri
     # stack (MoE or dense) the layer's params live in. Unrolled layers index per-layer caches by
     # Python int (numpy ids); a scan takes them as its traced xs.
     layer_ids = np.arange(cfg.n_layers, dtype=np.int32)
-    if isinstance(cache_k, list) and not tfm.is_per_layer(params):
-        raise ValueError("per-layer KV caches (a list per layer) need per-layer params (ModelConfig.scan_layers="
-                         "False): stacked params run the layers in a scan, which cannot index a list")
     # per-layer params (cfg.scan_layers=False) run unrolled, each layer's weights read in place
-    layers = tfm.per_layer_states(cfg, params) if tfm.is_per_layer(params) else None
+    # (stacked params against per-layer caches, a config that says per-layer with params loaded
+    # stacked, also run unrolled: a scan cannot index a list)
+    unrolled = tfm.is_per_layer(params) or isinstance(cache_k, list)
+    layers = tfm.per_layer_states(cfg, params) if unrolled else None
     (x, cache_k, cache_v), outs = tfm.run_layers(cfg, model, (x, cache_k, cache_v), body, layer_ids, layers)
     h = model.final_norm(x)
     if logits_at is not None:

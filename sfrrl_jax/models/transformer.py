@@ -274,10 +274,15 @@ def bind(cfg: ModelConfig, params: Params) -> Transformer:
 
 
 def per_layer_states(cfg: ModelConfig, params: Params) -> list:
-    """(graphdef, that layer's params) of per-layer params, in model order (`run_layers`' `layers`)."""
+    """(graphdef, that layer's params) in model order (`run_layers`' `layers`): per-layer params'
+    own dicts, or static rows of stacked params (copies on XLA:CPU: correct, not fast)."""
     skeleton = nnx.merge(*_skeleton(cfg))   # abstract: no arrays
     graphdefs = {key: nnx.split(getattr(skeleton, key))[0] for key, _ in layer_stacks(cfg)}
-    return [(graphdefs[key], params[key][row]) for key, row in (layer_slot(cfg, i) for i in range(cfg.n_layers))]
+    per_layer = is_per_layer(params)
+
+    def rows(key, row):
+        return params[key][row] if per_layer else jax.tree.map(lambda a: a[row], params[key])
+    return [(graphdefs[key], rows(key, row)) for key, row in (layer_slot(cfg, i) for i in range(cfg.n_layers))]
 
 
 def _init_pure(cfg: ModelConfig, key) -> Params:
