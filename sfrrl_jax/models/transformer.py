@@ -266,7 +266,7 @@ def unflatten_paths(flat: dict) -> dict:
 
 def bind(cfg: ModelConfig, params: Params) -> Transformer:
     """An NNX view of `params` (inside jit: no copies). Per-layer params (`is_per_layer`) bind
-    their global weights only (the stacks stand abstract); `layer_blocks` binds their layers."""
+    their global weights only (the stacks stand abstract); `per_layer_states` gives their layers."""
     graphdef, state = _skeleton(cfg)
     if is_per_layer(params):
         params = {**params, **{key: nnx.to_pure_dict(state[key]) for key, _ in layer_stacks(cfg)}}
