@@ -318,6 +318,6 @@ def test_per_layer_params_run_as_the_stacked_one(runs):
     tests/models/test_layer_layout.py)."""
     run_dir = runs["root"] / "per_layer"
     layout = "--gin_param=ExperimentConfig.model_overrides = {'max_seq_len': 64, 'scan_layers': False}"
-    done, _ = _run(_cmd(runs["gin"], run_dir, layout, "--gin_param=ExperimentConfig.num_steps = 3"), runs["env"])
-    assert done["steps_done"] == 3 and done["checkpoints"] == [1, 2, 3]
-    _assert_rows_equal(read_metrics(run_dir), read_metrics(runs["full_dir"]), range(3))
+    done, _ = _run(_cmd(runs["gin"], run_dir, layout, "--gin_param=ExperimentConfig.num_steps = 2"), runs["env"])
+    assert done["steps_done"] == 2 and done["checkpoints"] == [1, 2]
+    _assert_rows_equal(read_metrics(run_dir), read_metrics(runs["full_dir"]), range(2))
