@@ -56,7 +56,7 @@ def extend(cfg: ModelConfig, params, tokens, starts, cache_k, cache_v, valid_len
     also the experts each new token used, routes [b, t, moe layers, top_k] (`routes_dtype`).
     """
     rows = jnp.arange(tokens.shape[0])[:, None] if slots is None else slots[:, None]
-    max_len = cache_layer(cache_k, 0).shape[1]
+    max_len = cache_k[0].shape[1]   # layer 0's [slots, max_len, ...], stacked or a per-layer list
     k_len = max_len if k_len is None else min(int(k_len), max_len)
 
     def write(c, layer, positions, x):
@@ -136,12 +136,6 @@ def extend_paged(cfg: ModelConfig, params, tokens, starts, pool_k, pool_v, page_
     in_place = attend_in_place if kernel and tokens.shape[1] == 1 else None
     return _extend(cfg, params, tokens, starts, pool_k, pool_v, valid_len, k_len, write, read, with_routes,
                    logits_at, in_place)
-
-
-def cache_layer(cache, layer: int):
-    """One layer's [slots, max_len, kv_heads, head_dim] of a stacked cache [layers, ...] or a
-    per-layer list."""
-    return cache[layer]
 
 
 def routes_dtype(cfg: ModelConfig):
